@@ -1,0 +1,10 @@
+//! meshcap-agent: the node daemon that captures sidecar pods' traffic.
+//!
+//! Layout, one concern per module:
+//! - [`bpf`]: the embedded kernel programs and how they are loaded;
+//! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
+//! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in.
+
+pub mod bpf;
+pub mod cgroup;
+pub mod logging;
