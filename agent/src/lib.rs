@@ -4,7 +4,9 @@
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in.
+//! - [`netns`]: entering a pod's network namespace and learning its cookie.
 
 pub mod bpf;
 pub mod cgroup;
 pub mod logging;
+pub mod netns;
