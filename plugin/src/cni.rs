@@ -359,6 +359,19 @@ pub fn convert_result(prev: Option<&Value>, to: &str) -> Result<Value, CniError>
     Ok(Value::Object(out))
 }
 
+/// The pod addresses of a result (`ips[].address`, prefix length dropped); entries that do
+/// not parse are left out.
+#[must_use]
+pub fn result_ips(result: &Value) -> Vec<std::net::IpAddr> {
+    result
+        .get("ips")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip.get("address")?.as_str()?.split('/').next()?.parse().ok())
+        .collect()
+}
+
 /// The CNI commands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
@@ -590,6 +603,19 @@ mod tests {
             out,
             json!({"cniVersion": "1.1.0", "ips": [{"address": "10.0.0.1/32"}]})
         );
+    }
+
+    #[test]
+    fn result_ips_drop_the_prefix_length() {
+        let ips = result_ips(&result_0_4());
+        assert_eq!(
+            ips,
+            [
+                "10.1.0.5".parse::<std::net::IpAddr>().unwrap(),
+                "fd00::5".parse().unwrap()
+            ]
+        );
+        assert!(result_ips(&json!({})).is_empty());
     }
 
     #[test]

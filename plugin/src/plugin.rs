@@ -83,6 +83,11 @@ pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8], stderr: &mut dyn 
         container_id: invocation.container_id.clone(),
         netns: invocation.netns.clone(),
         ifname: invocation.ifname.clone(),
+        ips: conf
+            .prev_result
+            .as_ref()
+            .map(cni::result_ips)
+            .unwrap_or_default(),
     };
     let mut log = Log {
         level: conf.meshcap.log_level,

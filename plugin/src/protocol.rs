@@ -113,6 +113,9 @@ pub struct PodAttachment {
     /// `CNI_IFNAME`: the pod's interface.
     #[serde(default)]
     pub ifname: String,
+    /// The pod's addresses from `prevResult` (empty: the agent reads them in the netns).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ips: Vec<std::net::IpAddr>,
 }
 
 /// A response: the version and the reply.
@@ -470,6 +473,7 @@ mod tests {
             container_id: "abc".into(),
             netns: "/var/run/netns/x".into(),
             ifname: "eth0".into(),
+            ips: vec!["10.0.0.9".parse().unwrap()],
         }
     }
 
