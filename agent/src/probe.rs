@@ -159,7 +159,7 @@ pub fn run() -> ProbeReport {
         }
     }
     let mut probed = BTreeSet::new();
-    for (_, program) in &object.programs {
+    for program in object.programs.values() {
         if let Some(kind) = program_type(&program.section)
             && probed.insert(format!("{kind:?}"))
         {
