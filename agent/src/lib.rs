@@ -4,10 +4,12 @@
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
+//! - [`netns`]: entering a pod's network namespace and learning its cookie;
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
 //!   iptables rendering and an evaluator of the rendered rules.
 
 pub mod bpf;
 pub mod cgroup;
 pub mod logging;
+pub mod netns;
 pub mod policy;

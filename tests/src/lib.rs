@@ -1,1 +1,397 @@
+//! Harness for meshcap's end-to-end tests against the real kernel.
+//!
+//! Everything a test creates (network namespaces, cgroups, bpffs pins, processes) is owned by a
+//! guard whose `Drop` removes it, so a failing test cleans up too. Names carry the test
+//! process's pid, so concurrent test runs on one machine never collide.
+//!
+//! The tests need root. [`require_root`] panics (never skips) when it is missing.
 
+use std::{
+    fs::{self, File},
+    io::{BufReader, Read as _},
+    net::SocketAddr,
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicU32, Ordering},
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail, ensure};
+use serde::{Deserialize, Serialize};
+
+/// The uid/gid Istio's proxy runs as.
+pub const PROXY_UID: u32 = 1337;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A name unique to this process and call: `<prefix>-<pid>-<n>`.
+#[must_use]
+pub fn unique_name(prefix: &str) -> String {
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Panics unless running as root: these tests load BPF programs and create namespaces.
+pub fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (it loads BPF programs into the kernel and creates network \
+         namespaces and cgroups); run it as root, e.g. `sudo -E cargo xtask test`"
+    );
+}
+
+/// Runs a command to completion and fails with its stderr when it does not succeed.
+///
+/// # Errors
+/// When the command cannot start or exits non-zero.
+pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running {program}"))?;
+    ensure!(
+        out.status.success(),
+        "{program} {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A throwaway network namespace (`ip netns add`), deleted on drop.
+#[derive(Debug)]
+pub struct Netns {
+    name: String,
+}
+
+impl Netns {
+    /// Creates the namespace with `lo` up and every port bindable without privilege (as in
+    /// most pods, so the stand-ins can run as their real uids).
+    ///
+    /// # Errors
+    /// When `ip` fails.
+    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+        let name = unique_name(prefix);
+        run("ip", &["netns", "add", &name])?;
+        let ns = Self { name };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.run_in(|| {
+            fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+                .context("unprivileged ports sysctl")
+        })?;
+        Ok(ns)
+    }
+
+    /// The namespace's name for `ip netns`.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The namespace file (`/run/netns/<name>`).
+    #[must_use]
+    pub fn path(&self) -> PathBuf {
+        Path::new("/run/netns").join(&self.name)
+    }
+
+    /// `ip -n <ns> <args>`.
+    ///
+    /// # Errors
+    /// When `ip` fails.
+    pub fn ip(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        run("ip", &all)
+    }
+
+    /// Runs `f` on a fresh thread that has entered this namespace (setns only affects the
+    /// calling thread; the test's own threads stay where they are).
+    ///
+    /// # Errors
+    /// When the namespace cannot be entered, or `f` fails.
+    pub fn run_in<T: Send>(
+        &self,
+        f: impl FnOnce() -> anyhow::Result<T> + Send,
+    ) -> anyhow::Result<T> {
+        meshcap_agent::netns::run_in(&self.path(), f)?
+    }
+
+    /// The namespace's cookie, as `bpf_get_netns_cookie` reports it in programs.
+    ///
+    /// # Errors
+    /// When the socket option is not supported (kernel < 5.14).
+    pub fn cookie(&self) -> anyhow::Result<u64> {
+        Ok(meshcap_agent::netns::cookie_of(&self.path())?)
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        if let Err(err) = run("ip", &["netns", "del", &self.name]) {
+            eprintln!("cleanup: {err:#}");
+        }
+    }
+}
+
+/// A throwaway cgroup v2 directory under the cgroup2 mount, removed on drop.
+#[derive(Debug)]
+pub struct TestCgroup {
+    path: PathBuf,
+}
+
+impl TestCgroup {
+    /// Creates `<cgroup2 mount>/<unique name>`.
+    ///
+    /// # Errors
+    /// When there is no cgroup2 mount or the directory cannot be made.
+    pub fn new(prefix: &str) -> anyhow::Result<Self> {
+        let root = meshcap_agent::cgroup::cgroup2_mount()?;
+        Self::new_under(&root, prefix)
+    }
+
+    /// Creates a child of `parent`.
+    ///
+    /// # Errors
+    /// When the directory cannot be made.
+    pub fn new_under(parent: &Path, prefix: &str) -> anyhow::Result<Self> {
+        let path = parent.join(unique_name(prefix));
+        fs::create_dir(&path).with_context(|| format!("creating cgroup {}", path.display()))?;
+        Ok(Self { path })
+    }
+
+    /// The cgroup's directory.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// An open directory handle, to attach programs to.
+    ///
+    /// # Errors
+    /// When the directory cannot be opened.
+    pub fn open(&self) -> anyhow::Result<File> {
+        File::open(&self.path).with_context(|| format!("opening cgroup {}", self.path.display()))
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Children first (a test may nest cgroups), then this one. Processes started in it are
+        // owned by their `Proc` guards, which kill them; a cgroup with a live member cannot be
+        // removed, so retry briefly while they exit.
+        for attempt in 0..50 {
+            match fs::remove_dir(&self.path) {
+                Ok(()) => return,
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => return,
+                Err(err) if attempt == 49 => {
+                    eprintln!("cleanup: removing cgroup {}: {err}", self.path.display());
+                }
+                Err(_) => thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+/// Where and as whom a test process runs: the "pod" it belongs to.
+#[derive(Clone, Copy, Debug)]
+pub struct Placement<'a> {
+    /// Network namespace to enter.
+    pub netns: &'a Netns,
+    /// cgroup to join (`None`: stay in the test's own).
+    pub cgroup: Option<&'a TestCgroup>,
+    /// uid to run as.
+    pub uid: u32,
+    /// gid to run as.
+    pub gid: u32,
+}
+
+/// A child process, killed (by its pid) and reaped on drop.
+#[derive(Debug)]
+pub struct Proc {
+    child: Child,
+}
+
+impl Proc {
+    /// Starts `program` in `at`: joins the cgroup, enters the netns, drops to the uid/gid.
+    ///
+    /// # Errors
+    /// When the process cannot be started.
+    pub fn spawn(at: Placement<'_>, program: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        let netns = File::open(at.netns.path())?;
+        let procs = at
+            .cgroup
+            .map(|cg| {
+                File::options()
+                    .write(true)
+                    .open(cg.path().join("cgroup.procs"))
+            })
+            .transpose()
+            .context("opening cgroup.procs")?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let netns_fd = netns.as_raw_fd();
+        let procs_fd = procs.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
+        let (uid, gid) = (at.uid, at.gid);
+        // std's `uid`/`gid` would drop privileges before `pre_exec` runs, and joining a cgroup
+        // or a netns needs them: so all of it happens here, in that order.
+        // SAFETY: the closure only makes async-signal-safe syscalls (write, setns, set*id) on
+        // values prepared before the fork; it allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if let Some(fd) = procs_fd {
+                    // "0" moves the writing process itself.
+                    if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if libc::setns(netns_fd, libc::CLONE_NEWNET) != 0
+                    || libc::setgroups(1, &raw const gid) != 0
+                    || libc::setgid(gid) != 0
+                    || libc::setuid(uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        drop((netns, procs));
+        Ok(Self { child })
+    }
+
+    /// Waits for the first stdout line (servers print `ready` once listening).
+    ///
+    /// # Errors
+    /// When the process exits first.
+    pub fn wait_line(&mut self) -> anyhow::Result<String> {
+        let stdout = self.child.stdout.as_mut().context("stdout not piped")?;
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        loop {
+            let n = stdout.read(&mut byte)?;
+            if n == 0 {
+                bail!("process exited before printing a line");
+            }
+            if byte[0] == b'\n' {
+                return Ok(String::from_utf8_lossy(&line).into_owned());
+            }
+            line.push(byte[0]);
+        }
+    }
+
+    /// Waits for the process to exit and returns its whole stdout.
+    ///
+    /// # Errors
+    /// When it exits non-zero.
+    pub fn finish(mut self) -> anyhow::Result<String> {
+        let mut out = String::new();
+        if let Some(stdout) = self.child.stdout.as_mut() {
+            BufReader::new(stdout).read_to_string(&mut out)?;
+        }
+        let status = self.child.wait()?;
+        ensure!(status.success(), "process failed ({status}); stdout: {out}");
+        Ok(out)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            // Our own child, by its pid.
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+}
+
+/// What the stand-in Envoy (or a plain upstream server) reports for each connection it
+/// accepts or datagram it receives.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// The server's name (`--name`): `envoy` for the stand-in proxy, anything for upstreams.
+    pub server: String,
+    /// `tcp` or `udp`.
+    pub proto: String,
+    /// The port of the listening socket that took the connection.
+    pub listener: u16,
+    /// The accepted socket's local address.
+    pub local: SocketAddr,
+    /// The client's address as the server sees it.
+    pub peer: SocketAddr,
+    /// `getsockopt(SO_ORIGINAL_DST)` on the accepted socket, when it answered.
+    pub original_dst: Option<SocketAddr>,
+}
+
+/// Paths of the harness's helper binaries, built with this crate into the same target
+/// directory as the test executables (`target/<profile>/`, tests run from its `deps/`).
+pub mod bin {
+    use std::path::PathBuf;
+
+    fn sibling(name: &str) -> PathBuf {
+        let exe = std::env::current_exe().unwrap_or_default();
+        let dir = exe.parent().unwrap_or(std::path::Path::new("."));
+        let up = dir.parent().map(|p| p.join(name)).filter(|p| p.exists());
+        up.unwrap_or_else(|| dir.join(name))
+    }
+
+    /// The stand-in Envoy / upstream server.
+    #[must_use]
+    pub fn standin() -> PathBuf {
+        sibling("meshcap-standin")
+    }
+
+    /// The dialing client.
+    #[must_use]
+    pub fn dial() -> PathBuf {
+        sibling("meshcap-dial")
+    }
+}
+
+/// Starts a stand-in server in `at`, listening on every `(proto, address)` given (e.g.
+/// `tcp:0.0.0.0:15001`), and waits until it is ready.
+///
+/// # Errors
+/// When it cannot start or bind.
+pub fn start_server(at: Placement<'_>, name: &str, listen: &[&str]) -> anyhow::Result<Proc> {
+    let mut args = vec!["--name", name];
+    for l in listen {
+        args.extend_from_slice(&["--listen", l]);
+    }
+    let mut proc = Proc::spawn(at, &bin::standin(), &args)?;
+    let line = proc.wait_line()?;
+    ensure!(
+        line == "ready",
+        "stand-in server said {line:?} instead of ready"
+    );
+    Ok(proc)
+}
+
+/// Dials `target` (`tcp:ADDR:PORT` or `udp:ADDR:PORT`) from `at` and returns what answered,
+/// or `None` when nothing did (refused, timed out).
+///
+/// # Errors
+/// When the client cannot run or prints garbage.
+pub fn dial(at: Placement<'_>, target: &str, bind: Option<&str>) -> anyhow::Result<Option<Report>> {
+    let mut args = vec![target];
+    if let Some(bind) = bind {
+        args.extend_from_slice(&["--bind", bind]);
+    }
+    let out = Proc::spawn(at, &bin::dial(), &args)?.finish()?;
+    let line = out.trim();
+    if line.starts_with("no-answer") {
+        return Ok(None);
+    }
+    serde_json::from_str(line)
+        .map(Some)
+        .with_context(|| format!("dial printed {line:?}"))
+}

@@ -1,0 +1,109 @@
+//! Network namespaces: entering one (on a dedicated thread, never a tokio worker: setns only
+//! changes the calling thread) and learning its cookie, the key of every per-pod BPF map.
+use std::{
+    fs::File,
+    io,
+    os::fd::AsRawFd as _,
+    path::{Path, PathBuf},
+    thread,
+};
+
+use nix::sched::{CloneFlags, setns};
+
+/// `SO_NETNS_COOKIE` (Linux 5.14), not yet in every libc.
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// Errors entering or inspecting a network namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// The namespace file could not be opened (gone, or not a netns).
+    #[error("opening network namespace {path}: {source}")]
+    Open {
+        /// The namespace file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// setns refused.
+    #[error("entering network namespace {path}: {source}")]
+    Enter {
+        /// The namespace file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: nix::Error,
+    },
+    /// The kernel does not report netns cookies (< 5.14) or the socket failed.
+    #[error("reading the netns cookie of {path}: {source}")]
+    Cookie {
+        /// The namespace file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The closure run inside panicked.
+    #[error("the thread inside network namespace {0} panicked")]
+    Panicked(PathBuf),
+}
+
+/// Runs `f` on a new thread that has entered the network namespace at `path`, and returns what
+/// it returns. The caller's thread never changes namespace.
+///
+/// # Errors
+/// When the namespace cannot be opened or entered, or `f` panics.
+pub fn run_in<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
+    let file = File::open(path).map_err(|source| NetnsError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| NetnsError::Enter {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                Ok(f())
+            })
+            .join()
+            .map_err(|_| NetnsError::Panicked(path.to_owned()))?
+    })
+}
+
+/// The cookie of the calling thread's network namespace.
+///
+/// # Errors
+/// When the kernel does not support `SO_NETNS_COOKIE`.
+pub fn current_cookie() -> io::Result<u64> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0")
+        .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+    let mut cookie: u64 = 0;
+    let mut len = libc::socklen_t::try_from(size_of::<u64>()).unwrap_or(8);
+    // SAFETY: `cookie` and `len` are valid for writes and sized for the option.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+/// The cookie of the network namespace at `path`.
+///
+/// # Errors
+/// When the namespace cannot be entered or the kernel has no netns cookies.
+pub fn cookie_of(path: &Path) -> Result<u64, NetnsError> {
+    run_in(path, current_cookie)?.map_err(|source| NetnsError::Cookie {
+        path: path.to_owned(),
+        source,
+    })
+}

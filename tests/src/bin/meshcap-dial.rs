@@ -1,0 +1,103 @@
+//! The application side of end-to-end tests: `meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]`
+//! connects (or sends one datagram), prints the one-line answer of whoever took it, or
+//! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, socket};
+
+const TIMEOUT: Duration = Duration::from_secs(3);
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let target = args
+        .next()
+        .context("usage: meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]")?;
+    let mut bind_to = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    let (proto, addr) = target
+        .split_once(':')
+        .context("target is proto:addr:port")?;
+    let addr: SocketAddr = addr.parse()?;
+    let bind_to = bind_to
+        .map(|b| parse_bind(&b, addr.is_ipv6()))
+        .transpose()?;
+    let answer = match proto {
+        "tcp" => tcp(addr, bind_to),
+        "udp" => udp(addr, bind_to),
+        other => bail!("unknown protocol {other}"),
+    };
+    match answer {
+        Ok(line) => println!("{}", line.trim()),
+        Err(err) => println!("no-answer: {err:#}"),
+    }
+    Ok(())
+}
+
+/// `--bind 127.0.0.6` or `--bind 127.0.0.6:0`.
+fn parse_bind(text: &str, v6: bool) -> anyhow::Result<SocketAddr> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    let ip: std::net::IpAddr = text.parse().with_context(|| format!("bad --bind {text}"))?;
+    anyhow::ensure!(
+        ip.is_ipv6() == v6,
+        "--bind {text} is not of the target's family"
+    );
+    Ok(SocketAddr::new(ip, 0))
+}
+
+fn tcp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> {
+    let stream = match bind_to {
+        None => TcpStream::connect_timeout(&addr, TIMEOUT)?,
+        Some(local) => {
+            let family = if addr.is_ipv4() {
+                AddressFamily::Inet
+            } else {
+                AddressFamily::Inet6
+            };
+            let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+            bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
+            connect(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
+            TcpStream::from(fd)
+        }
+    };
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    anyhow::ensure!(!line.is_empty(), "connection closed without an answer");
+    Ok(line)
+}
+
+fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> {
+    let local = bind_to.unwrap_or_else(|| {
+        if addr.is_ipv4() {
+            "0.0.0.0:0".parse()
+        } else {
+            "[::]:0".parse()
+        }
+        .unwrap_or(addr)
+    });
+    let socket = UdpSocket::bind(local)?;
+    socket.set_read_timeout(Some(TIMEOUT))?;
+    socket.send_to(b"query", addr)?;
+    let mut buf = [0u8; 1500];
+    let (n, from) = socket.recv_from(&mut buf)?;
+    let mut line = String::from_utf8_lossy(&buf[..n]).into_owned();
+    // The reply must look as if it came from where the query went (DNS resolvers check).
+    if from != addr {
+        line = format!("no-answer: reply came from {from}, not {addr}");
+    }
+    std::io::stdout().flush()?;
+    Ok(line)
+}

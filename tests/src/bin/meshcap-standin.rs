@@ -1,0 +1,168 @@
+//! A stand-in for Envoy (or any upstream server) in end-to-end tests.
+//!
+//! `meshcap-standin --name NAME --listen tcp:ADDR:PORT --listen udp:ADDR:PORT ...`
+//! binds every listener, prints `ready`, then answers each TCP connection and each UDP
+//! datagram with one JSON [`Report`] line: who answered, on which listener, the local and
+//! peer addresses, and what `getsockopt(SO_ORIGINAL_DST)` says — exactly what Envoy and
+//! Istio's validation probe rely on. Runs until killed.
+use std::{
+    io::Write as _,
+    mem::MaybeUninit,
+    net::{SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsRawFd as _, RawFd},
+    thread,
+};
+
+use anyhow::{Context as _, bail};
+use meshcap_tests::Report;
+
+/// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST` share the number.
+const SO_ORIGINAL_DST: libc::c_int = 80;
+
+fn main() -> anyhow::Result<()> {
+    let mut name = String::from("server");
+    let mut listens = Vec::new();
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--name" => name = args.next().context("--name needs a value")?,
+            "--listen" => listens.push(args.next().context("--listen needs a value")?),
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    let mut handles = Vec::new();
+    for spec in &listens {
+        let (proto, addr) = spec
+            .split_once(':')
+            .context("--listen is proto:addr:port")?;
+        let addr: SocketAddr = addr
+            .parse()
+            .with_context(|| format!("bad address in {spec}"))?;
+        let name = name.clone();
+        match proto {
+            "tcp" => {
+                let listener = bind_tcp(addr)?;
+                handles.push(thread::spawn(move || serve_tcp(&name, &listener)));
+            }
+            "udp" => {
+                let socket =
+                    UdpSocket::bind(addr).with_context(|| format!("binding udp {addr}"))?;
+                handles.push(thread::spawn(move || serve_udp(&name, &socket)));
+            }
+            other => bail!("unknown protocol {other}"),
+        }
+    }
+    println!("ready");
+    std::io::stdout().flush()?;
+    for handle in handles {
+        let _ = handle.join();
+    }
+    Ok(())
+}
+
+/// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
+/// them by accident.
+fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
+        socket, sockopt,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    if addr.is_ipv6() {
+        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .with_context(|| format!("binding tcp {addr}"))?;
+    listen(&fd, Backlog::new(128)?)?;
+    Ok(TcpListener::from(fd))
+}
+
+fn serve_tcp(name: &str, listener: &TcpListener) {
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+    for stream in listener.incoming().flatten() {
+        let _ = answer_tcp(name, port, stream);
+    }
+}
+
+fn answer_tcp(name: &str, listener: u16, mut stream: TcpStream) -> anyhow::Result<()> {
+    let local = stream.local_addr()?;
+    let report = Report {
+        server: name.to_owned(),
+        proto: "tcp".into(),
+        listener,
+        local,
+        peer: stream.peer_addr()?,
+        original_dst: original_dst(stream.as_raw_fd(), local.is_ipv6()),
+    };
+    writeln!(stream, "{}", serde_json::to_string(&report)?)?;
+    Ok(())
+}
+
+fn serve_udp(name: &str, socket: &UdpSocket) {
+    let Ok(local) = socket.local_addr() else {
+        return;
+    };
+    let mut buf = [0u8; 1500];
+    while let Ok((_, peer)) = socket.recv_from(&mut buf) {
+        let report = Report {
+            server: name.to_owned(),
+            proto: "udp".into(),
+            listener: local.port(),
+            local,
+            peer,
+            original_dst: None,
+        };
+        if let Ok(line) = serde_json::to_string(&report) {
+            let _ = socket.send_to(line.as_bytes(), peer);
+        }
+    }
+}
+
+/// `getsockopt(SOL_IP|SOL_IPV6, SO_ORIGINAL_DST)`, as Envoy calls it.
+fn original_dst(fd: RawFd, v6: bool) -> Option<SocketAddr> {
+    let mut storage = MaybeUninit::<libc::sockaddr_in6>::zeroed();
+    let (level, mut len) = if v6 {
+        (libc::SOL_IPV6, size_of::<libc::sockaddr_in6>())
+    } else {
+        (libc::SOL_IP, size_of::<libc::sockaddr_in>())
+    };
+    let mut socklen = libc::socklen_t::try_from(len).ok()?;
+    // SAFETY: `storage` is large enough for either address family and `socklen` says so.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            level,
+            SO_ORIGINAL_DST,
+            storage.as_mut_ptr().cast(),
+            &raw mut socklen,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    len = usize::try_from(socklen).ok()?;
+    // SAFETY: the kernel (or meshcap's getsockopt program) filled `len` bytes of a sockaddr.
+    let storage = unsafe { storage.assume_init() };
+    if !v6 && len >= size_of::<libc::sockaddr_in>() {
+        // SAFETY: sockaddr_in fits in sockaddr_in6 and was written as one.
+        let sin: libc::sockaddr_in = unsafe { std::ptr::read((&raw const storage).cast()) };
+        return Some(SocketAddr::V4(SocketAddrV4::new(
+            u32::from_be(sin.sin_addr.s_addr).into(),
+            u16::from_be(sin.sin_port),
+        )));
+    }
+    (v6 && len >= size_of::<libc::sockaddr_in6>()).then(|| {
+        SocketAddr::V6(SocketAddrV6::new(
+            storage.sin6_addr.s6_addr.into(),
+            u16::from_be(storage.sin6_port),
+            0,
+            0,
+        ))
+    })
+}
