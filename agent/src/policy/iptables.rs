@@ -73,7 +73,7 @@ impl RedirectPolicy {
         };
         let tproxy = (self.mode == InterceptionMode::Tproxy
             && !self.include_inbound_ports.is_none())
-        .then(|| TproxyRoute {
+        .then_some(TproxyRoute {
             mark: TPROXY_MARK,
             table: TPROXY_ROUTE_TABLE,
             families,
