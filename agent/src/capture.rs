@@ -21,7 +21,9 @@ use crate::{
     backend::{BackendError, CaptureBackend, PodRef},
     netns,
     pods::{PodSource, PodSourceError, Retry},
-    policy::{self, RedirectPolicy, SelectConfig, Selection},
+    policy::{
+        self, CidrSet, Family, IpRanges, PortSelection, RedirectPolicy, SelectConfig, Selection,
+    },
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
 };
@@ -415,21 +417,35 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
 /// A policy in one line, for logs and status.
 #[must_use]
 pub fn summary(policy: &RedirectPolicy) -> String {
-    let ports = |p: &[u16]| {
-        if p.is_empty() {
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
             "none".to_owned()
         } else {
-            p.iter().map(u16::to_string).collect::<Vec<_>>().join(",")
+            items.join(",")
         }
     };
+    let ports = |p: &[u16]| list(p.iter().map(u16::to_string).collect());
+    let cidrs = |set: &CidrSet| {
+        list(
+            [Family::V4, Family::V6]
+                .into_iter()
+                .flat_map(|f| set.family(f).iter().map(ToString::to_string))
+                .collect(),
+        )
+    };
+    let outbound = match &policy.include_outbound_ip_ranges {
+        IpRanges::All => "*".to_owned(),
+        IpRanges::Cidrs(set) => cidrs(set),
+    };
+    let inbound = match &policy.include_inbound_ports {
+        PortSelection::All => format!("* except {}", ports(&policy.exclude_inbound_ports)),
+        PortSelection::Ports(p) => ports(p),
+    };
     format!(
-        "{} mode; outbound {:?} (excluding {:?}, ports {}); inbound {:?} (excluding {}); proxy uid/gid {}/{}{}{}",
+        "{}; outbound {outbound} (not {}; ports not {}); inbound {inbound}; proxy uid/gid {}/{}{}{}",
         policy.mode,
-        policy.include_outbound_ip_ranges,
-        policy.exclude_outbound_ip_ranges,
+        cidrs(&policy.exclude_outbound_ip_ranges),
         ports(&policy.exclude_outbound_ports),
-        policy.include_inbound_ports,
-        ports(&policy.exclude_inbound_ports),
         policy.proxy_uid,
         policy.proxy_gid,
         if policy.dns_capture {
