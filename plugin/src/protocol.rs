@@ -454,9 +454,13 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
     let exchange = |stream: &mut UnixStream| -> Result<Response, ProtocolError> {
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;
-        stream.write_all(&encode(request, MAX_REQUEST_BYTES)?)?;
-        let body = read_frame(stream, MAX_RESPONSE_BYTES)?;
-        decode_response(&body)
+        let sent = stream.write_all(&encode(request, MAX_REQUEST_BYTES)?);
+        // The agent may answer before reading (a refused peer): its answer beats our write
+        // error.
+        match read_frame(stream, MAX_RESPONSE_BYTES) {
+            Ok(body) => decode_response(&body),
+            Err(err) => Err(sent.err().map_or(err, ProtocolError::Io)),
+        }
     };
     exchange(&mut stream).map_err(protocol)
 }
