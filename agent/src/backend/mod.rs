@@ -1,0 +1,3 @@
+//! Capture backends: the eBPF data path ([`ebpf`]) and Istio's iptables rules.
+
+pub mod ebpf;
