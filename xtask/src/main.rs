@@ -1,1 +1,43 @@
-fn main() {}
+//! meshcap's developer tasks. `cargo xtask <task>`; every task first runs `setup`, so a fresh
+//! machine needs nothing done by hand.
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod cmd;
+mod demo;
+mod setup;
+mod test;
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "meshcap developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker).
+    Setup,
+    /// Setup, then format check, clippy (host crates and the eBPF crate), and every test,
+    /// including the real-kernel ones (root). What CI runs.
+    Test,
+    /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().task {
+        Task::Setup => setup::run(),
+        Task::Test => setup::run().and_then(|()| test::run()),
+        Task::Demo => setup::run().and_then(|()| demo::run()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
