@@ -20,6 +20,7 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 
+pub mod scenario;
 pub mod world;
 use serde::{Deserialize, Serialize};
 

@@ -221,7 +221,7 @@ impl Pod {
     }
 
     /// Starts the stand-in Envoy (uid/gid `proxy`) on 15001, 15006 (TCP, both families) and
-    /// 15053 (TCP and UDP on loopback), and the app (uid 1000) on 8080, 8081 and 15020. With
+    /// 15053 (TCP and UDP on loopback), and the app (uid 1000) on 8080, 8081, 15008 and 15020. With
     /// `transparent`, the inbound listener relays to the original destination from the
     /// client's address, as Envoy does in TPROXY mode.
     ///
@@ -265,6 +265,7 @@ impl Pod {
                 "tcp:0.0.0.0:8080",
                 "tcp:[::]:8080",
                 "tcp:0.0.0.0:8081",
+                "tcp:0.0.0.0:15008",
                 "tcp:0.0.0.0:15020",
             ],
         )

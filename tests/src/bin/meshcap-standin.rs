@@ -51,8 +51,7 @@ fn main() -> anyhow::Result<()> {
                 }));
             }
             "udp" => {
-                let socket =
-                    UdpSocket::bind(addr).with_context(|| format!("binding udp {addr}"))?;
+                let socket = bind_udp(addr)?;
                 handles.push(thread::spawn(move || serve_udp(&name, &socket)));
             }
             other => bail!("unknown protocol {other}"),
@@ -87,6 +86,25 @@ fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("binding tcp {addr}"))?;
     listen(&fd, Backlog::new(128)?)?;
     Ok(TcpListener::from(fd))
+}
+
+/// As [`bind_tcp`]: IPv6 wildcards are v6-only.
+fn bind_udp(addr: SocketAddr) -> anyhow::Result<UdpSocket> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    if addr.is_ipv6() {
+        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .with_context(|| format!("binding udp {addr}"))?;
+    Ok(UdpSocket::from(fd))
 }
 
 fn serve_tcp(name: &str, listener: &TcpListener, transparent: bool) {

@@ -1,10 +1,11 @@
 //! A pod's capture configuration as map entries: the flags word, port lists and CIDR lists of
 //! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_common::{CidrKind, PodConfig, PortKind, flags, iface_flags};
 
 use super::podnet::PodNet;
+use crate::policy::{CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy};
 
 /// Everything the maps hold for one pod, before a pod id is assigned.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -57,4 +58,104 @@ impl Entries {
             }
         }
     }
+}
+
+/// A policy's map entries (the pod's netns adds its own with [`Entries::add_pod_net`]).
+#[must_use]
+pub fn encode(policy: &RedirectPolicy) -> Entries {
+    let mut f = 0;
+    if policy.include_outbound_ip_ranges.has_loopback() {
+        f |= flags::INCLUDE_LOOPBACK;
+    }
+    if policy.dns_capture {
+        f |= flags::DNS_CAPTURE;
+    }
+    if policy.mode == InterceptionMode::Tproxy {
+        f |= flags::TPROXY;
+    }
+    if policy.include_inbound_ports == PortSelection::All {
+        f |= flags::INBOUND_ALL;
+    }
+    if policy.ipv6 {
+        f |= flags::IPV6;
+    }
+    if policy.invalid_drop {
+        f |= flags::INVALID_DROP;
+    }
+    let mut ports = Vec::new();
+    ports.extend(
+        policy
+            .exclude_outbound_ports
+            .iter()
+            .map(|p| (PortKind::ExcludeOutbound, *p)),
+    );
+    ports.extend(
+        policy
+            .include_outbound_ports
+            .iter()
+            .map(|p| (PortKind::IncludeOutbound, *p)),
+    );
+    ports.extend(
+        policy
+            .exclude_inbound_ports
+            .iter()
+            .map(|p| (PortKind::ExcludeInbound, *p)),
+    );
+    if let PortSelection::Ports(list) = &policy.include_inbound_ports {
+        ports.extend(list.iter().map(|p| (PortKind::IncludeInbound, *p)));
+    }
+    let mut cidrs = Vec::new();
+    match &policy.include_outbound_ip_ranges {
+        IpRanges::All => {
+            cidrs.push((
+                CidrKind::IncludeOutbound,
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                0,
+                1,
+            ));
+            cidrs.push((
+                CidrKind::IncludeOutbound,
+                IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+                0,
+                1,
+            ));
+        }
+        IpRanges::Cidrs(set) => cidrs.extend(prefixes(CidrKind::IncludeOutbound, set)),
+    }
+    cidrs.extend(prefixes(
+        CidrKind::ExcludeOutbound,
+        &policy.exclude_outbound_ip_ranges,
+    ));
+    for ip in &policy.pod_ips {
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        cidrs.push((CidrKind::Local, *ip, len, 1));
+    }
+    Entries {
+        config: PodConfig {
+            pod_id: 0,
+            flags: f,
+            proxy_uid: policy.proxy_uid,
+            proxy_gid: policy.proxy_gid,
+        },
+        ports,
+        cidrs,
+        ifaces: Vec::new(),
+    }
+}
+
+/// A set's prefixes, masked (the policy keeps addresses as written, `10.0.0.1/8`).
+fn prefixes(kind: CidrKind, set: &CidrSet) -> impl Iterator<Item = (CidrKind, IpAddr, u8, u32)> {
+    set.v4.iter().chain(&set.v6).map(move |p| {
+        let addr = match p.addr() {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(p.len())).unwrap_or(0);
+                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(p.len())).unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
+            }
+        };
+        (kind, addr, p.len(), 1)
+    })
 }

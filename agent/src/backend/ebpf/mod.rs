@@ -13,6 +13,7 @@
 //!
 //! A restarted agent opens the pinned maps and links and attaches nothing twice; killing it
 //! (even with SIGKILL) detaches nothing, because every attachment is a pinned bpf_link.
+mod bpffs;
 mod encode;
 mod podnet;
 mod sys;
@@ -30,14 +31,17 @@ use aya::{
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
     programs::{Program, ProgramError},
 };
-pub use encode::Entries;
+pub use encode::{Entries, encode};
 use meshcap_common::{
     CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey, maps, programs,
 };
 pub use podnet::PodNet;
 use sys::CgroupAttach;
 
-use crate::netns::{self, NetnsError};
+use crate::{
+    netns::{self, NetnsError},
+    policy::RedirectPolicy,
+};
 
 /// The pod a backend call is about.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -235,6 +239,7 @@ impl EbpfBackend {
     /// # Errors
     /// When bpffs, the cgroup or the kernel refuse.
     pub fn open(config: EbpfConfig) -> Result<Self, BackendError> {
+        bpffs::ensure(&config.bpffs_dir).map_err(|e| BackendError::io("bpffs", e))?;
         for sub in ["maps", "links", "pods"] {
             mkdir(&config.bpffs_dir.join(sub))?;
         }
@@ -282,8 +287,28 @@ impl EbpfBackend {
         &self.config
     }
 
-    /// Captures `pod` with these map entries (from [`Entries`]), or updates its entries.
-    /// Idempotent.
+    /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+        self.add_entries(
+            pod,
+            encode::encode(policy),
+            &policy.exclude_interfaces,
+            &policy.reroute_virtual_interfaces,
+        )
+    }
+
+    /// Verifies `pod` is captured with `policy`.
+    ///
+    /// # Errors
+    /// What is missing or different, naming the pod.
+    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+        self.check_entries(pod, &encode::encode(policy))
+    }
+
+    /// Captures `pod` with these map entries, or updates its entries. Idempotent.
     ///
     /// # Errors
     /// When the pod's netns cannot be entered or the kernel refuses.
@@ -304,7 +329,8 @@ impl EbpfBackend {
         // captured in full or not at all.
         let config = entries.config;
         let ipv6 = config.has(meshcap_common::flags::IPV6);
-        let tproxy = config.has(meshcap_common::flags::TPROXY) || !reroute_interfaces.is_empty();
+        let tproxy = config.has(meshcap_common::flags::TPROXY);
+        let reroute = !reroute_interfaces.is_empty();
         let pins = self.map_pins();
         let tc_ifaces: Vec<String> = net
             .interfaces
@@ -314,8 +340,8 @@ impl EbpfBackend {
             .collect();
         let dir = pod_dir.clone();
         netns::run_in(&pod.netns, || -> Result<(), BackendError> {
-            if tproxy {
-                podnet::install_tproxy_route(ipv6)?;
+            if tproxy || reroute {
+                podnet::install_tproxy_route(ipv6, tproxy)?;
             }
             if ipv6 {
                 podnet::add_passthrough6()?;

@@ -181,10 +181,13 @@ pub fn detach_tc(ifname: &str, pin: &Path) {
 /// packets marked 1337 are delivered locally (`ip rule fwmark 1337 lookup 133`, `local default
 /// dev lo table 133`), and accepted sockets inherit the SYN's mark (`tcp_fwmark_accept`), so
 /// the app's replies to the original client source reach the proxy's transparent socket.
+/// Rerouted interfaces need only the route (`fwmark_accept` false): their packets are marked
+/// by the TC program, and the proxy's sockets must not inherit that mark or their replies
+/// would be routed back to `lo`.
 ///
 /// # Errors
 /// When `ip` fails.
-pub fn install_tproxy_route(ipv6: bool) -> Result<(), BackendError> {
+pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), BackendError> {
     let mark = TPROXY_MARK.to_string();
     let table = TPROXY_TABLE.to_string();
     let mut families = vec!["-4"];
@@ -199,6 +202,9 @@ pub fn install_tproxy_route(ipv6: bool) -> Result<(), BackendError> {
         ip(&[
             family, "route", "replace", "local", "default", "dev", "lo", "table", &table,
         ])?;
+    }
+    if !fwmark_accept {
+        return Ok(());
     }
     fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
         .map_err(|e| BackendError::io("net.ipv4.tcp_fwmark_accept", e))
