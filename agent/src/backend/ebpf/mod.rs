@@ -452,6 +452,24 @@ impl EbpfBackend {
         Ok(())
     }
 
+    /// How many programs of each node-wide hook are attached to the cgroup root (1 each when
+    /// healthy; 2 would mean a double attach).
+    ///
+    /// # Errors
+    /// When the cgroup cannot be queried.
+    pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, BackendError> {
+        let cgroup = fs::File::open(&self.config.cgroup_root)
+            .map_err(|e| BackendError::io("opening the cgroup root", e))?;
+        CGROUP_PROGRAMS
+            .iter()
+            .map(|(name, attach)| {
+                sys::prog_count(&cgroup, *attach)
+                    .map(|n| (*name, n))
+                    .map_err(|e| BackendError::io(&format!("querying {name}"), e))
+            })
+            .collect()
+    }
+
     /// Every pod captured, from the pins.
     ///
     /// # Errors

@@ -115,3 +115,18 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     attr.words[0] = path.as_ptr() as u64;
     fd_from(bpf(BPF_OBJ_GET, &mut attr)?)
 }
+
+const BPF_PROG_QUERY: libc::c_long = 16;
+
+/// `BPF_PROG_QUERY`: how many programs of `attach` type are attached to the cgroup itself
+/// (not inherited).
+///
+/// # Errors
+/// The kernel's refusal.
+pub fn prog_count(cgroup: impl AsFd, attach: CgroupAttach) -> io::Result<u32> {
+    let mut attr = Attr::default();
+    // target_fd, attach_type; query_flags, attach_flags; prog_ids (none); prog_cnt (out).
+    attr.words[0] = u64::from(fd_u32(cgroup.as_fd())?) | (u64::from(attach as u32) << 32);
+    bpf(BPF_PROG_QUERY, &mut attr)?;
+    Ok((attr.words[3] & 0xffff_ffff) as u32)
+}
