@@ -1,9 +1,14 @@
 //! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
 //! hairpin, loopback, dual stack, DNS, TPROXY) against the eBPF backend on the real kernel.
-use meshcap_agent::policy::{InterceptionMode, IpRanges, PortSelection};
+use meshcap_agent::{
+    backend::ebpf::PodRef,
+    policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
+};
 use meshcap_tests::{
     require_root,
-    scenario::{Case, EbpfUnderTest, Expect::*, To::*, Who::*, case, cidrs, run_table},
+    scenario::{
+        Backend, Case, EbpfUnderTest, Expect::*, To::*, Who::*, case, cidrs, run_case, run_table,
+    },
     world::Node,
 };
 
@@ -457,4 +462,82 @@ fn ebpf_backend_makes_istios_decisions() {
     let mut node = Node::new().expect("node netns");
     let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
     run_table(&backend, &mut node, &table());
+}
+
+/// Detaching any one program (by unpinning its link) makes its scenario fail: every program
+/// is load-bearing, and the table notices when one is missing.
+#[test]
+fn every_program_is_needed() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let rows = table();
+    let row = |name: &str| {
+        *rows
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no row {name:?}"))
+    };
+    let probe = "istio-validation: uid 1337 dials 127.0.0.6:15002 from 127.0.0.1";
+    for (program, name) in [
+        ("meshcap_connect4", "app to a peer is captured"),
+        ("meshcap_connect6", "IPv6: app to a peer is captured"),
+        (
+            "meshcap_sendmsg4",
+            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+        ),
+        (
+            "meshcap_recvmsg4",
+            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+        ),
+        ("meshcap_sendmsg6", "IPv6: DNS capture"),
+        ("meshcap_recvmsg6", "IPv6: DNS capture"),
+        ("meshcap_sockops", probe),
+        ("meshcap_getsockopt", probe),
+    ] {
+        let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+        let c = row(name);
+        run_case(&mut node, &backend, &c)
+            .unwrap_or_else(|e| panic!("{name} fails with every program attached: {e:#}"));
+        let pin = backend.get().config().bpffs_dir.join("links").join(program);
+        std::fs::remove_file(&pin).expect("unpinning detaches");
+        assert!(
+            run_case(&mut node, &backend, &c).is_err(),
+            "{name:?} still passes without {program}"
+        );
+    }
+    // The TC program is per pod: detach it after the pod is added.
+    struct NoTc<'a>(&'a EbpfUnderTest);
+    impl Backend for NoTc<'_> {
+        fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
+            self.0.add(pod, policy)?;
+            let cookie = meshcap_agent::netns::cookie_of(&pod.netns)?;
+            let dir = self
+                .0
+                .get()
+                .config()
+                .bpffs_dir
+                .join("pods")
+                .join(cookie.to_string());
+            for entry in std::fs::read_dir(dir)?.flatten() {
+                if entry.file_name().to_string_lossy().starts_with("tc-") {
+                    std::fs::remove_file(entry.path())?;
+                }
+            }
+            Ok(())
+        }
+
+        fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
+            self.0.remove(pod)
+        }
+    }
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+    assert!(
+        run_case(
+            &mut node,
+            &NoTc(&backend),
+            &row("inbound to the app is captured")
+        )
+        .is_err(),
+        "inbound capture still works without the TC program"
+    );
 }
