@@ -1,7 +1,7 @@
 //! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
 //! hairpin, loopback, dual stack, DNS, TPROXY) against the eBPF backend on the real kernel.
 use meshcap_agent::{
-    backend::ebpf::PodRef,
+    backend::ebpf::{PodRef, unpin_link},
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{
@@ -499,7 +499,7 @@ fn every_program_is_needed() {
         run_case(&mut node, &backend, &c)
             .unwrap_or_else(|e| panic!("{name} fails with every program attached: {e:#}"));
         let pin = backend.get().config().bpffs_dir.join("links").join(program);
-        std::fs::remove_file(&pin).expect("unpinning detaches");
+        unpin_link(&pin).expect("detaching the link");
         assert!(
             run_case(&mut node, &backend, &c).is_err(),
             "{name:?} still passes without {program}"
@@ -520,7 +520,7 @@ fn every_program_is_needed() {
                 .join(cookie.to_string());
             for entry in std::fs::read_dir(dir)?.flatten() {
                 if entry.file_name().to_string_lossy().starts_with("tc-") {
-                    std::fs::remove_file(entry.path())?;
+                    unpin_link(&entry.path())?;
                 }
             }
             Ok(())

@@ -404,7 +404,7 @@ impl EbpfBackend {
         if detached.is_err() {
             // The netns is gone, and its devices with it: only the pins are left.
             for (_, pin) in &tc {
-                let _ = fs::remove_file(pin);
+                let _ = unpin_link(pin);
             }
         }
         remove_tree(&dir);
@@ -572,17 +572,30 @@ fn list_dir(dir: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Removes a bpffs tree: pins are files, the rest directories.
+/// Removes a bpffs tree: pins are files (links are detached first), the rest directories.
 fn remove_tree(dir: &Path) {
     for name in list_dir(dir) {
         let path = dir.join(name);
         if path.is_dir() {
             remove_tree(&path);
         } else {
-            let _ = fs::remove_file(&path);
+            let _ = unpin_link(&path);
         }
     }
     let _ = fs::remove_dir(dir);
+}
+
+/// Detaches the link pinned at `path` now (when it is a link) and removes the pin. Only
+/// unlinking the pin would detach it later, from a kernel workqueue.
+///
+/// # Errors
+/// When the pin cannot be removed.
+pub fn unpin_link(path: &Path) -> io::Result<()> {
+    if let Ok(fd) = sys::obj_get(path) {
+        // Maps and netlink-era leftovers are not links: EINVAL, and nothing to detach.
+        let _ = sys::link_detach(&fd);
+    }
+    fs::remove_file(path)
 }
 
 fn load_object(bpffs_dir: &Path) -> Result<Ebpf, BackendError> {

@@ -170,8 +170,7 @@ pub fn attach_tc(
 /// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns).
 pub fn detach_tc(ifname: &str, pin: &Path) {
     if pin.exists() {
-        // The link's only other reference is the pin: unlinking it detaches.
-        let _ = fs::remove_file(pin);
+        let _ = super::unpin_link(pin);
     } else {
         let _ = tc::qdisc_detach_program(ifname, TcAttachType::Ingress, programs::INGRESS);
     }

@@ -130,3 +130,16 @@ pub fn prog_count(cgroup: impl AsFd, attach: CgroupAttach) -> io::Result<u32> {
     bpf(BPF_PROG_QUERY, &mut attr)?;
     Ok((attr.words[3] & 0xffff_ffff) as u32)
 }
+
+const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// `BPF_LINK_DETACH`: detaches a link now. Dropping a link's last reference (unlinking its
+/// pin) detaches it too, but from a workqueue, after the call returns.
+///
+/// # Errors
+/// The kernel's refusal (`EINVAL` for an fd that is not a link).
+pub fn link_detach(link: impl AsFd) -> io::Result<()> {
+    let mut attr = Attr::default();
+    attr.words[0] = u64::from(fd_u32(link.as_fd())?);
+    bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+}
