@@ -8,7 +8,11 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use meshcap_agent::{
-    backend::ebpf::{EbpfBackend, EbpfConfig, PodRef},
+    backend::{
+        CaptureBackend as _, PodRef,
+        ebpf::{EbpfBackend, EbpfConfig},
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+    },
     policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
 };
 
@@ -107,6 +111,46 @@ impl Backend for EbpfUnderTest {
 
     fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
         Ok(self.get().remove(pod)?)
+    }
+}
+
+/// The iptables fallback with a throwaway state directory, removed on drop.
+#[derive(Debug)]
+pub struct IptablesUnderTest {
+    backend: IptablesBackend,
+    state_dir: PathBuf,
+}
+
+impl IptablesUnderTest {
+    /// Opens the backend with a unique state directory under `/run`.
+    ///
+    /// # Errors
+    /// When the directory cannot be made or no iptables works.
+    pub fn new() -> anyhow::Result<Self> {
+        let state_dir = PathBuf::from("/run").join(unique_name("meshcap-test-iptables"));
+        let backend = IptablesBackend::new(&IptablesConfig {
+            state_dir: state_dir.clone(),
+            flavour: FlavourChoice::Auto,
+        })?;
+        Ok(Self { backend, state_dir })
+    }
+}
+
+impl Drop for IptablesUnderTest {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::remove_dir_all(&self.state_dir) {
+            eprintln!("cleanup: {}: {err}", self.state_dir.display());
+        }
+    }
+}
+
+impl Backend for IptablesUnderTest {
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
+        Ok(self.backend.add(pod, policy)?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
+        Ok(self.backend.remove(pod)?)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The eBPF backend's life cycle on the real kernel: pins survive the agent, a restart adopts
 //! them without attaching twice, removal releases the pod, and two pods with identical
 //! loopback 4-tuples keep their own original destinations.
-use meshcap_agent::backend::ebpf::PodRef;
+use meshcap_agent::backend::PodRef;
 use meshcap_tests::{
     dial, require_root,
     scenario::{EbpfUnderTest, default_policy},

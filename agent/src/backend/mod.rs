@@ -95,6 +95,9 @@ pub enum BackendError {
     /// The backend cannot run here (missing binaries, kernel features).
     #[error("{0}")]
     Unavailable(String),
+    /// The eBPF backend's own failure (maps, programs, links, pins).
+    #[error(transparent)]
+    Ebpf(#[from] ebpf::EbpfError),
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.

@@ -45,7 +45,7 @@ fn main() -> anyhow::Result<()> {
         let name = name.clone();
         match proto {
             "tcp" => {
-                let listener = bind_tcp(addr)?;
+                let listener = bind_tcp(addr, transparent)?;
                 handles.push(thread::spawn(move || {
                     serve_tcp(&name, &listener, transparent)
                 }));
@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
 
 /// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
 /// them by accident.
-fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+fn bind_tcp(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> {
     use nix::sys::socket::{
         AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
         socket, sockopt,
@@ -81,6 +81,11 @@ fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     setsockopt(&fd, sockopt::ReuseAddr, &true)?;
     if addr.is_ipv6() {
         setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    if transparent {
+        // Envoy's TPROXY-mode inbound listener is transparent: iptables' TPROXY target only
+        // hands connections to such sockets (bpf_sk_assign does not care).
+        set_transparent(&fd, addr.is_ipv6())?;
     }
     bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
         .with_context(|| format!("binding tcp {addr}"))?;
@@ -136,32 +141,39 @@ fn relay_transparent(mut client: TcpStream) -> anyhow::Result<()> {
         AddressFamily::Inet6
     };
     let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    if dst.is_ipv4() {
-        setsockopt(&fd, sockopt::IpTransparent, &true)?;
-    } else {
-        let on: libc::c_int = 1;
-        // SAFETY: an int option on our own socket.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_IPV6,
-                libc::IPV6_TRANSPARENT,
-                (&raw const on).cast(),
-                4,
-            )
-        };
-        anyhow::ensure!(
-            rc == 0,
-            "IPV6_TRANSPARENT: {}",
-            std::io::Error::last_os_error()
-        );
-    }
+    set_transparent(&fd, dst.is_ipv6())?;
     setsockopt(&fd, sockopt::Mark, &1337)?;
     bind(fd.as_raw_fd(), &SockaddrStorage::from(src)).context("transparent bind")?;
     connect(fd.as_raw_fd(), &SockaddrStorage::from(dst)).context("transparent connect")?;
     let mut line = String::new();
     BufReader::new(TcpStream::from(fd)).read_line(&mut line)?;
     client.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+/// `IP_TRANSPARENT` / `IPV6_TRANSPARENT` (needs `CAP_NET_ADMIN`, which the harness keeps).
+fn set_transparent(fd: &std::os::fd::OwnedFd, v6: bool) -> anyhow::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    if !v6 {
+        setsockopt(fd, sockopt::IpTransparent, &true)?;
+        return Ok(());
+    }
+    let on: libc::c_int = 1;
+    // SAFETY: an int option on our own socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_IPV6,
+            libc::IPV6_TRANSPARENT,
+            (&raw const on).cast(),
+            4,
+        )
+    };
+    anyhow::ensure!(
+        rc == 0,
+        "IPV6_TRANSPARENT: {}",
+        std::io::Error::last_os_error()
+    );
     Ok(())
 }
 

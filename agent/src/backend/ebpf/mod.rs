@@ -38,33 +38,15 @@ use meshcap_common::{
 pub use podnet::PodNet;
 use sys::CgroupAttach;
 
+use super::PodRef;
 use crate::{
     netns::{self, NetnsError},
     policy::RedirectPolicy,
 };
 
-/// The pod a backend call is about.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct PodRef {
-    /// `metadata.namespace`.
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-    /// The sandbox (pause) container id.
-    pub container_id: String,
-    /// The pod's network namespace file.
-    pub netns: PathBuf,
-}
-
-impl std::fmt::Display for PodRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
 /// A pod the backend captures, as the pins record it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CapturedPod {
+pub struct PinnedPod {
     /// `metadata.namespace`.
     pub namespace: String,
     /// `metadata.name`.
@@ -79,7 +61,7 @@ pub struct CapturedPod {
 
 /// Errors of the eBPF backend; each names what it was doing.
 #[derive(Debug, thiserror::Error)]
-pub enum BackendError {
+pub enum EbpfError {
     /// A filesystem or syscall failure.
     #[error("{what}: {source}")]
     Io {
@@ -117,16 +99,16 @@ pub enum BackendError {
     #[error(transparent)]
     Netns(#[from] NetnsError),
     /// A pod-level failure.
-    #[error("pod {pod}: {message}")]
+    #[error("{pod}: {message}")]
     Pod {
-        /// `namespace/name`.
+        /// `pod namespace/name`.
         pod: String,
         /// What is wrong.
         message: String,
     },
 }
 
-impl BackendError {
+impl EbpfError {
     fn io(what: &str, source: io::Error) -> Self {
         Self::Io {
             what: what.to_owned(),
@@ -171,10 +153,10 @@ impl EbpfConfig {
     ///
     /// # Errors
     /// When there is no cgroup2 mount.
-    pub fn production() -> Result<Self, BackendError> {
+    pub fn production() -> Result<Self, EbpfError> {
         Ok(Self {
             cgroup_root: crate::cgroup::cgroup2_mount()
-                .map_err(|e| BackendError::io("finding the cgroup2 mount", e))?,
+                .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
         })
     }
@@ -227,9 +209,8 @@ impl std::fmt::Debug for EbpfBackend {
     }
 }
 
-fn mkdir(path: &Path) -> Result<(), BackendError> {
-    fs::create_dir_all(path)
-        .map_err(|e| BackendError::io(&format!("creating {}", path.display()), e))
+fn mkdir(path: &Path) -> Result<(), EbpfError> {
+    fs::create_dir_all(path).map_err(|e| EbpfError::io(&format!("creating {}", path.display()), e))
 }
 
 impl EbpfBackend {
@@ -238,14 +219,14 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When bpffs, the cgroup or the kernel refuse.
-    pub fn open(config: EbpfConfig) -> Result<Self, BackendError> {
-        bpffs::ensure(&config.bpffs_dir).map_err(|e| BackendError::io("bpffs", e))?;
+    pub fn open(config: EbpfConfig) -> Result<Self, EbpfError> {
+        bpffs::ensure(&config.bpffs_dir).map_err(|e| EbpfError::io("bpffs", e))?;
         for sub in ["maps", "links", "pods"] {
             mkdir(&config.bpffs_dir.join(sub))?;
         }
         let mut ebpf = load_object(&config.bpffs_dir)?;
         let cgroup = fs::File::open(&config.cgroup_root).map_err(|e| {
-            BackendError::io(
+            EbpfError::io(
                 &format!("opening cgroup {}", config.cgroup_root.display()),
                 e,
             )
@@ -256,16 +237,16 @@ impl EbpfBackend {
                 tracing::debug!(program = name, pin = %pin.display(), "adopting pinned link");
                 continue;
             }
-            let program = ebpf.program_mut(name).ok_or(BackendError::Missing(name))?;
+            let program = ebpf.program_mut(name).ok_or(EbpfError::Missing(name))?;
             let fd = load_program(program, name)?;
             let link = sys::link_create(fd.as_fd(), &cgroup, attach).map_err(|e| {
-                BackendError::io(
+                EbpfError::io(
                     &format!("attaching {name} to {}", config.cgroup_root.display()),
                     e,
                 )
             })?;
             sys::obj_pin(&link, &pin)
-                .map_err(|e| BackendError::io(&format!("pinning {}", pin.display()), e))?;
+                .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
             tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
         }
         let tables = Tables {
@@ -291,7 +272,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the pod's netns cannot be entered or the kernel refuses.
-    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
         self.add_entries(
             pod,
             encode::encode(policy),
@@ -304,7 +285,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// What is missing or different, naming the pod.
-    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
         self.check_entries(pod, &encode::encode(policy))
     }
 
@@ -318,7 +299,7 @@ impl EbpfBackend {
         mut entries: Entries,
         exclude_interfaces: &[String],
         reroute_interfaces: &[String],
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), EbpfError> {
         let net = netns::run_in(&pod.netns, podnet::inspect)??;
         entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
         let cookie = net.cookie;
@@ -339,7 +320,7 @@ impl EbpfBackend {
             .filter(|name| !exclude_interfaces.contains(name))
             .collect();
         let dir = pod_dir.clone();
-        netns::run_in(&pod.netns, || -> Result<(), BackendError> {
+        netns::run_in(&pod.netns, || -> Result<(), EbpfError> {
             if tproxy || reroute {
                 podnet::install_tproxy_route(ipv6, tproxy)?;
             }
@@ -363,7 +344,7 @@ impl EbpfBackend {
         tables
             .pods
             .insert(cookie, PodConfig { pod_id, ..config }, 0)
-            .map_err(|e| BackendError::map("writing the pod entry", e))?;
+            .map_err(|e| EbpfError::map("writing the pod entry", e))?;
         if let Some(old) = old {
             tables.remove_lists(old.pod_id)?;
         }
@@ -376,7 +357,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the maps refuse.
-    pub fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+    pub fn remove(&self, pod: &PodRef) -> Result<(), EbpfError> {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(());
         };
@@ -386,7 +367,7 @@ impl EbpfBackend {
                 tables
                     .pods
                     .remove(&cookie)
-                    .map_err(|e| BackendError::map("removing the pod entry", e))?;
+                    .map_err(|e| EbpfError::map("removing the pod entry", e))?;
                 tables.remove_lists(config.pod_id)?;
             }
             tables.remove_ifaces(cookie)?;
@@ -417,19 +398,19 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// What is missing or different.
-    pub fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), BackendError> {
+    pub fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), EbpfError> {
         let cookie = netns::cookie_of(&pod.netns)?;
         let config = self
             .lock()
             .pods
             .get(&cookie, 0)
-            .map_err(|_| BackendError::pod(pod, "not captured: no entry for its netns"))?;
+            .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
         let want = entries.config.flags & !meshcap_common::flags::EXCLUDED_ROUTES;
         if config.flags & !meshcap_common::flags::EXCLUDED_ROUTES != want
             || config.proxy_uid != entries.config.proxy_uid
             || config.proxy_gid != entries.config.proxy_gid
         {
-            return Err(BackendError::pod(
+            return Err(EbpfError::pod(
                 pod,
                 format!("captured with a different configuration: {config:?}"),
             ));
@@ -437,7 +418,7 @@ impl EbpfBackend {
         for (name, _) in CGROUP_PROGRAMS {
             let pin = self.config.bpffs_dir.join("links").join(name);
             sys::obj_get(&pin).map_err(|e| {
-                BackendError::pod(
+                EbpfError::pod(
                     pod,
                     format!("node-wide program {name} is not attached: {e}"),
                 )
@@ -447,7 +428,7 @@ impl EbpfBackend {
             .iter()
             .any(|n| n.starts_with("tc-"))
         {
-            return Err(BackendError::pod(pod, "no inbound TC program attached"));
+            return Err(EbpfError::pod(pod, "no inbound TC program attached"));
         }
         Ok(())
     }
@@ -457,15 +438,15 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the cgroup cannot be queried.
-    pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, BackendError> {
+    pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, EbpfError> {
         let cgroup = fs::File::open(&self.config.cgroup_root)
-            .map_err(|e| BackendError::io("opening the cgroup root", e))?;
+            .map_err(|e| EbpfError::io("opening the cgroup root", e))?;
         CGROUP_PROGRAMS
             .iter()
             .map(|(name, attach)| {
                 sys::prog_count(&cgroup, *attach)
                     .map(|n| (*name, n))
-                    .map_err(|e| BackendError::io(&format!("querying {name}"), e))
+                    .map_err(|e| EbpfError::io(&format!("querying {name}"), e))
             })
             .collect()
     }
@@ -474,7 +455,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the pin directory cannot be read.
-    pub fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+    pub fn list(&self) -> Result<Vec<PinnedPod>, EbpfError> {
         let pods_dir = self.config.bpffs_dir.join("pods");
         let mut out = Vec::new();
         for cookie_name in list_dir(&pods_dir) {
@@ -487,7 +468,7 @@ impl EbpfBackend {
             else {
                 continue;
             };
-            out.push(CapturedPod {
+            out.push(PinnedPod {
                 namespace,
                 name,
                 container_id,
@@ -506,12 +487,12 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the directory cannot be removed.
-    pub fn uninstall(self) -> Result<(), BackendError> {
+    pub fn uninstall(self) -> Result<(), EbpfError> {
         let dir = self.config.bpffs_dir.clone();
         drop(self);
         remove_tree(&dir);
         if dir.exists() {
-            return Err(BackendError::io(
+            return Err(EbpfError::io(
                 &format!("removing {}", dir.display()),
                 io::Error::other("still present"),
             ));
@@ -598,9 +579,9 @@ pub fn unpin_link(path: &Path) -> io::Result<()> {
     fs::remove_file(path)
 }
 
-fn load_object(bpffs_dir: &Path) -> Result<Ebpf, BackendError> {
+fn load_object(bpffs_dir: &Path) -> Result<Ebpf, EbpfError> {
     if crate::bpf::object().is_empty() {
-        return Err(BackendError::Bpf {
+        return Err(EbpfError::Bpf {
             what: "opening the embedded object".into(),
             source: Box::new(crate::bpf::LoadError::NotEmbedded),
         });
@@ -611,46 +592,46 @@ fn load_object(bpffs_dir: &Path) -> Result<Ebpf, BackendError> {
     }
     loader
         .load(crate::bpf::object())
-        .map_err(|e| BackendError::map("loading the eBPF object", e))
+        .map_err(|e| EbpfError::map("loading the eBPF object", e))
 }
 
 fn load_program(
     program: &mut Program,
     name: &'static str,
-) -> Result<aya::programs::ProgramFd, BackendError> {
-    let err = |e| BackendError::program(name, e);
+) -> Result<aya::programs::ProgramFd, EbpfError> {
+    let err = |e| EbpfError::program(name, e);
     match program {
         Program::CgroupSockAddr(p) => {
             p.load().map_err(err)?;
             p.fd()
                 .map_err(err)?
                 .try_clone()
-                .map_err(|e| BackendError::io(name, e))
+                .map_err(|e| EbpfError::io(name, e))
         }
         Program::CgroupSockopt(p) => {
             p.load().map_err(err)?;
             p.fd()
                 .map_err(err)?
                 .try_clone()
-                .map_err(|e| BackendError::io(name, e))
+                .map_err(|e| EbpfError::io(name, e))
         }
         Program::SockOps(p) => {
             p.load().map_err(err)?;
             p.fd()
                 .map_err(err)?
                 .try_clone()
-                .map_err(|e| BackendError::io(name, e))
+                .map_err(|e| EbpfError::io(name, e))
         }
         _ => Err(err(ProgramError::UnexpectedProgramType)),
     }
 }
 
-fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, BackendError>
+fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
 where
     T::Error: std::error::Error + Send + Sync + 'static,
 {
-    let map = ebpf.take_map(name).ok_or(BackendError::Missing(name))?;
-    T::try_from(map).map_err(|e| BackendError::map(&format!("map {name}"), e))
+    let map = ebpf.take_map(name).ok_or(EbpfError::Missing(name))?;
+    T::try_from(map).map_err(|e| EbpfError::map(&format!("map {name}"), e))
 }
 
 /// A fresh pod id: every update gets a new one, so the old lists stay intact until the pod
@@ -670,11 +651,11 @@ fn next_pod_id(tables: &Tables, old: Option<u32>) -> u32 {
 }
 
 impl Tables {
-    fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), BackendError> {
+    fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), EbpfError> {
         for (kind, port) in &entries.ports {
             self.ports
                 .insert(PortKey::new(pod_id, *kind, *port), 1, 0)
-                .map_err(|e| BackendError::map("writing a port list", e))?;
+                .map_err(|e| EbpfError::map("writing a port list", e))?;
         }
         for (kind, addr, len, value) in &entries.cidrs {
             let prefix = CIDR_KEY_PREFIX_BITS + u32::from(*len);
@@ -696,12 +677,12 @@ impl Tables {
                     0,
                 ),
             }
-            .map_err(|e| BackendError::map("writing a CIDR list", e))?;
+            .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
         }
         Ok(())
     }
 
-    fn remove_lists(&mut self, pod_id: u32) -> Result<(), BackendError> {
+    fn remove_lists(&mut self, pod_id: u32) -> Result<(), EbpfError> {
         let ports: Vec<PortKey> = self
             .ports
             .keys()
@@ -738,7 +719,7 @@ impl Tables {
         cookie: u64,
         net: &PodNet,
         entries: &Entries,
-    ) -> Result<(), BackendError> {
+    ) -> Result<(), EbpfError> {
         self.remove_ifaces(cookie)?;
         for (ifindex, name) in &net.interfaces {
             if let Some((_, flags)) = entries.ifaces.iter().find(|(n, _)| n == name) {
@@ -749,13 +730,13 @@ impl Tables {
                 };
                 self.ifaces
                     .insert(key, *flags, 0)
-                    .map_err(|e| BackendError::map("writing interface flags", e))?;
+                    .map_err(|e| EbpfError::map("writing interface flags", e))?;
             }
         }
         Ok(())
     }
 
-    fn remove_ifaces(&mut self, cookie: u64) -> Result<(), BackendError> {
+    fn remove_ifaces(&mut self, cookie: u64) -> Result<(), EbpfError> {
         let keys: Vec<IfaceKey> = self
             .ifaces
             .keys()
@@ -766,5 +747,48 @@ impl Tables {
             let _ = self.ifaces.remove(&key);
         }
         Ok(())
+    }
+}
+
+impl super::CaptureBackend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), super::BackendError> {
+        Ok(Self::add(self, pod, policy)?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> Result<(), super::BackendError> {
+        Ok(Self::remove(self, pod)?)
+    }
+
+    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), super::BackendError> {
+        Ok(Self::check(self, pod, policy)?)
+    }
+
+    fn list(&self) -> Result<Vec<super::CapturedPod>, super::BackendError> {
+        Ok(Self::list(self)?
+            .into_iter()
+            .map(|pinned| super::CapturedPod {
+                summary: format!(
+                    "netns cookie {}, inbound TC on {}",
+                    pinned.netns_cookie,
+                    if pinned.interfaces.is_empty() {
+                        "no interface".to_owned()
+                    } else {
+                        pinned.interfaces.join(",")
+                    }
+                ),
+                pod: PodRef {
+                    namespace: pinned.namespace,
+                    name: pinned.name,
+                    container_id: pinned.container_id,
+                    // The pins record the cookie, not the runtime's netns path.
+                    netns: PathBuf::new(),
+                },
+                backend: "ebpf".to_owned(),
+            })
+            .collect())
     }
 }

@@ -15,7 +15,7 @@ use aya::{
 };
 use meshcap_common::{TPROXY_MARK, TPROXY_TABLE, programs};
 
-use super::BackendError;
+use super::EbpfError;
 
 /// A route of the pod's main table: destination prefix and device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -45,16 +45,16 @@ pub struct PodNet {
 ///
 /// # Errors
 /// When the kernel refuses the queries.
-pub fn inspect() -> Result<PodNet, BackendError> {
-    let cookie = crate::netns::current_cookie().map_err(|e| BackendError::io("netns cookie", e))?;
+pub fn inspect() -> Result<PodNet, EbpfError> {
+    let cookie = crate::netns::current_cookie().map_err(|e| EbpfError::io("netns cookie", e))?;
     let interfaces = nix::net::if_::if_nameindex()
-        .map_err(|e| BackendError::io("listing interfaces", e.into()))?
+        .map_err(|e| EbpfError::io("listing interfaces", e.into()))?
         .iter()
         .map(|i| (i.index(), i.name().to_string_lossy().into_owned()))
         .filter(|(_, name)| name != "lo")
         .collect();
     let addresses = nix::ifaddrs::getifaddrs()
-        .map_err(|e| BackendError::io("listing addresses", e.into()))?
+        .map_err(|e| EbpfError::io("listing addresses", e.into()))?
         .filter_map(|a| a.address)
         .filter_map(|s| {
             s.as_sockaddr_in()
@@ -123,23 +123,23 @@ pub fn attach_tc(
     cookie: u64,
     ifname: &str,
     pin: &Path,
-) -> Result<(), BackendError> {
+) -> Result<(), EbpfError> {
     let mut loader = EbpfLoader::new();
     for (name, path) in maps {
         loader.map_pin_path(name, path.as_path());
     }
     loader.override_global(programs::INGRESS_POD_GLOBAL, &cookie, true);
-    let mut ebpf = loader.load(object).map_err(|e| BackendError::Bpf {
+    let mut ebpf = loader.load(object).map_err(|e| EbpfError::Bpf {
         what: format!("loading the TC program for {ifname}"),
         source: Box::new(e),
     })?;
     let prog: &mut SchedClassifier = ebpf
         .program_mut(programs::INGRESS)
-        .ok_or_else(|| BackendError::Missing(programs::INGRESS))?
+        .ok_or_else(|| EbpfError::Missing(programs::INGRESS))?
         .try_into()
-        .map_err(|e| BackendError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
     prog.load()
-        .map_err(|e| BackendError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
     let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
     if !tcx {
         // netlink TC needs the clsact qdisc; "exists" is fine.
@@ -147,16 +147,16 @@ pub fn attach_tc(
     }
     let id = prog
         .attach(ifname, TcAttachType::Ingress)
-        .map_err(|e| BackendError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
     let link = prog
         .take_link(id)
-        .map_err(|e| BackendError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
     if tcx {
-        let link: FdLink = link.try_into().map_err(|e| BackendError::Bpf {
+        let link: FdLink = link.try_into().map_err(|e| EbpfError::Bpf {
             what: format!("TCX link on {ifname}"),
             source: Box::new(e),
         })?;
-        link.pin(pin).map_err(|e| BackendError::Bpf {
+        link.pin(pin).map_err(|e| EbpfError::Bpf {
             what: format!("pinning the TC link of {ifname} at {}", pin.display()),
             source: Box::new(e),
         })?;
@@ -186,7 +186,7 @@ pub fn detach_tc(ifname: &str, pin: &Path) {
 ///
 /// # Errors
 /// When `ip` fails.
-pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), BackendError> {
+pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfError> {
     let mark = TPROXY_MARK.to_string();
     let table = TPROXY_TABLE.to_string();
     let mut families = vec!["-4"];
@@ -206,27 +206,27 @@ pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), Backe
         return Ok(());
     }
     fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
-        .map_err(|e| BackendError::io("net.ipv4.tcp_fwmark_accept", e))
+        .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
 }
 
 /// Adds `::6` to `lo` (Envoy's IPv6 inbound passthrough source), as Istio does.
 ///
 /// # Errors
 /// When `ip` fails.
-pub fn add_passthrough6() -> Result<(), BackendError> {
+pub fn add_passthrough6() -> Result<(), EbpfError> {
     ip(&["-6", "addr", "replace", "::6/128", "dev", "lo"]).map(drop)
 }
 
 /// Runs `ip` in the calling thread's netns (a forked child inherits the thread's namespaces).
-fn ip(args: &[&str]) -> Result<String, BackendError> {
+fn ip(args: &[&str]) -> Result<String, EbpfError> {
     let out = Command::new("ip")
         .args(args)
         .output()
-        .map_err(|e| BackendError::io("running ip", e))?;
+        .map_err(|e| EbpfError::io("running ip", e))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
-        Err(BackendError::Command(format!(
+        Err(EbpfError::Command(format!(
             "ip {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
