@@ -4,9 +4,10 @@
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
-//! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in.
+//! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`netns`]: entering a pod's network namespace and learning its cookie;
-//! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these).
+//! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
+//! - [`taint`]: the startup taint, removed from this node once the agent is ready.
 
 pub mod bpf;
 pub mod cgroup;
@@ -14,3 +15,4 @@ pub mod install;
 pub mod logging;
 pub mod netns;
 pub mod paths;
+pub mod taint;
