@@ -7,6 +7,7 @@
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`netns`]: entering a pod's network namespace and learning its cookie;
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
+//! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready.
 
 pub mod bpf;
@@ -15,4 +16,5 @@ pub mod install;
 pub mod logging;
 pub mod netns;
 pub mod paths;
+pub mod settings;
 pub mod taint;

@@ -2,7 +2,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use meshcap_agent::{bpf, logging};
+use meshcap_agent::{bpf, install, logging, settings};
 
 #[derive(Parser)]
 #[command(name = "meshcap-agent", version, about)]
@@ -18,6 +18,9 @@ struct Cli {
 enum Command {
     /// Load every embedded kernel program (the verifier checks each) and report.
     Verify,
+    /// Remove meshcap's plugin entry and binary from this node's CNI set-up (a real uninstall:
+    /// restarts and upgrades never do this). Reads the same MESHCAP_* settings as `run`.
+    Uninstall,
 }
 
 fn main() -> ExitCode {
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify => verify(),
+        Command::Uninstall => uninstall(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -43,5 +47,19 @@ fn verify() -> anyhow::Result<()> {
     for name in bpf::load_all(&mut ebpf)? {
         println!("verified {name}");
     }
+    Ok(())
+}
+
+fn uninstall() -> anyhow::Result<()> {
+    let config = settings::install_config(
+        |name| std::env::var(name).ok(),
+        settings::PLUGIN_SOURCE.into(),
+    )?;
+    install::uninstall(&config)?;
+    println!(
+        "removed meshcap-cni from {} and {}",
+        config.cni_conf_dir.display(),
+        config.cni_bin_dir.display()
+    );
     Ok(())
 }
