@@ -156,6 +156,9 @@ pub fn install_config(
     })?;
     config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
     config.plugin.log_level = get(LOG_LEVEL);
+    if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
+        config.plugin.agent_pod_namespace = namespace;
+    }
     Ok(config)
 }
 

@@ -122,6 +122,15 @@ fn rbac_is_exactly_what_the_agent_calls() {
     );
     let ds = one(&m.daemon_sets, "DaemonSet");
     assert_eq!(ds.metadata.namespace, ns);
+    // The plugin recognises the agent's own pods by these (it must never wait for them).
+    assert_eq!(
+        ns.as_deref(),
+        Some(meshcap_agent::install::AGENT_POD_NAMESPACE)
+    );
+    assert_eq!(
+        ds.metadata.name.clone().map(|n| n + "-").as_deref(),
+        Some(meshcap_agent::install::AGENT_POD_PREFIX)
+    );
     let (pod, _) = agent_container(ds);
     assert_eq!(pod.service_account_name, sa.metadata.name);
 }

@@ -1,10 +1,17 @@
-//! meshcap's developer tasks: `cargo xtask <task>`.
+//! meshcap's developer tasks. `cargo xtask <task>`; every task first runs `setup`, so a fresh
+//! machine needs nothing done by hand.
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
+mod cmd;
+mod demo;
 mod integration;
+mod setup;
+mod test;
 
 #[derive(Parser)]
-#[command(name = "xtask", about = "meshcap's developer tasks")]
+#[command(name = "xtask", about = "meshcap developer tasks")]
 struct Cli {
     #[command(subcommand)]
     task: Task,
@@ -12,12 +19,29 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Run the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
+    /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker).
+    Setup,
+    /// Setup, then format check, clippy (host crates and the eBPF crate), and every test,
+    /// including the real-kernel ones (root). What CI runs.
+    Test,
+    /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
+    Demo,
+    /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
     Integration(integration::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().task {
-        Task::Integration(args) => integration::run(&args),
+fn main() -> ExitCode {
+    let result = match Cli::parse().task {
+        Task::Setup => setup::run(),
+        Task::Test => setup::run().and_then(|()| test::run()),
+        Task::Demo => setup::run().and_then(|()| demo::run()),
+        Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -41,16 +41,26 @@ pub const STANDALONE_CNI_VERSION: &str = "0.3.1";
 /// The Istio CNI plugin's type, whose entry must not run beside meshcap's.
 const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
 
-/// What the plugin is told in its entry (the keys of its CNI config).
+/// The namespace of meshcap's own pods (`deploy/`).
+pub const AGENT_POD_NAMESPACE: &str = "meshcap-system";
+
+/// The name prefix of meshcap's own pods: the DaemonSet's name and a dash (`deploy/`).
+pub const AGENT_POD_PREFIX: &str = "meshcap-agent-";
+
+/// What the plugin is told in its entry: the keys of `meshcap_cni::cni::PluginConfig`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PluginSettings {
     /// The agent's socket (`agent_socket`).
     pub agent_socket: PathBuf,
     /// Namespaces the plugin passes through without asking the agent (`exclude_namespaces`).
     pub exclude_namespaces: Vec<String>,
-    /// The plugin's log level (`log_level`).
+    /// Namespace of the agent's own pods, never sent to the agent (`agent_pod_namespace`).
+    pub agent_pod_namespace: String,
+    /// Name prefix of the agent's own pods (`agent_pod_prefix`).
+    pub agent_pod_prefix: String,
+    /// The plugin's log level: error, warn, info or debug (`log_level`).
     pub log_level: String,
-    /// How long the plugin waits for the agent per request (`timeout_ms`).
+    /// How long the plugin waits for the agent, whole seconds (`timeout_seconds`).
     pub timeout: Duration,
 }
 
@@ -59,8 +69,10 @@ impl Default for PluginSettings {
         Self {
             agent_socket: PathBuf::from(paths::AGENT_SOCKET),
             exclude_namespaces: vec!["kube-system".to_owned()],
+            agent_pod_namespace: AGENT_POD_NAMESPACE.to_owned(),
+            agent_pod_prefix: AGENT_POD_PREFIX.to_owned(),
             log_level: "info".to_owned(),
-            timeout: Duration::from_secs(5),
+            timeout: Duration::from_secs(meshcap_cni::cni::DEFAULT_TIMEOUT_SECONDS),
         }
     }
 }
@@ -73,8 +85,10 @@ impl PluginSettings {
             "type": PLUGIN_TYPE,
             "agent_socket": self.agent_socket,
             "exclude_namespaces": self.exclude_namespaces,
+            "agent_pod_namespace": self.agent_pod_namespace,
+            "agent_pod_prefix": self.agent_pod_prefix,
             "log_level": self.log_level,
-            "timeout_ms": u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
+            "timeout_seconds": self.timeout.as_secs().max(1),
         })
     }
 }
@@ -320,5 +334,37 @@ fn remove_file(path: &Path) -> Result<(), InstallError> {
     match fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(InstallError::io("removing", path, e)),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plugin_reads_the_entry_as_written() {
+        let settings = PluginSettings {
+            exclude_namespaces: vec!["kube-system".to_owned(), "istio-system".to_owned()],
+            log_level: "debug".to_owned(),
+            timeout: Duration::from_secs(7),
+            ..PluginSettings::default()
+        };
+        // The runtime hands each plugin of a list its entry plus the list's name and version.
+        let mut conf = settings.entry();
+        conf["cniVersion"] = "1.0.0".into();
+        conf["name"] = "k8s-pod-network".into();
+        let bytes = serde_json::to_vec(&conf).expect("JSON");
+        let parsed = meshcap_cni::cni::NetConf::parse(&bytes).expect("the plugin accepts it");
+        let plugin = parsed.meshcap;
+        assert_eq!(plugin.agent_socket, settings.agent_socket);
+        assert_eq!(plugin.exclude_namespaces, settings.exclude_namespaces);
+        assert_eq!(plugin.agent_pod_namespace, AGENT_POD_NAMESPACE);
+        assert_eq!(plugin.agent_pod_prefix, AGENT_POD_PREFIX);
+        assert_eq!(plugin.timeout(), Duration::from_secs(7));
+        assert_eq!(
+            paths::AGENT_SOCKET,
+            meshcap_cni::cni::DEFAULT_AGENT_SOCKET,
+            "the plugin's default socket is the agent's"
+        );
     }
 }

@@ -23,7 +23,7 @@ pub fn meshcap_connect4(ctx: SockAddrContext) -> i32 {
     // SAFETY: the context pointer is valid for the duration of the program.
     let cookie = unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) };
     // SAFETY: the map value is only read; the agent writes whole entries.
-    let Some(pod) = (unsafe { PODS.get(&cookie) }) else {
+    let Some(pod) = (unsafe { PODS.get(cookie) }) else {
         return ALLOW;
     };
     let uid_gid = bpf_get_current_uid_gid();

@@ -1,0 +1,41 @@
+//! Running commands from the workspace root, loudly.
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, ensure};
+
+/// The workspace root (xtask lives one level below it).
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Runs `cmd`, echoing it first; fails when it exits non-zero.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {}", describe(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {}", describe(cmd)))?;
+    ensure!(status.success(), "{} failed ({status})", describe(cmd));
+    Ok(())
+}
+
+/// Runs `cmd` quietly and returns its stdout, or `None` when it cannot run or fails.
+pub fn output(cmd: &mut Command) -> Option<String> {
+    let out = cmd.output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn describe(cmd: &Command) -> String {
+    let mut text = cmd.get_program().to_string_lossy().into_owned();
+    for arg in cmd.get_args() {
+        text.push(' ');
+        text.push_str(&arg.to_string_lossy());
+    }
+    text
+}

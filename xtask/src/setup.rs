@@ -1,0 +1,120 @@
+//! `cargo xtask setup`: installs, idempotently, what a fresh machine of our kind lacks. A second
+//! run finds everything and only says so.
+use std::process::Command;
+
+use anyhow::{Context as _, bail};
+
+use crate::cmd::{self, output};
+
+/// Debian packages meshcap builds or tests with.
+const PACKAGES: &[&str] = &[
+    // bpf-linker links against the system LLVM; it must be at least rustc's LLVM (22).
+    "llvm-22-dev",
+    // The iptables fallback and the tests' network plumbing.
+    "iptables",
+    "iproute2",
+    // `cargo xtask integration` boots Debian's kernels in QEMU; objcopy strips the test
+    // binaries for its initramfs.
+    "qemu-system-x86",
+    "binutils",
+];
+
+/// The eBPF toolchain: the installed nightly builds the programs with `-Z build-std=core`.
+const NIGHTLY: &str = "nightly";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+
+pub fn run() -> anyhow::Result<()> {
+    debian_packages()?;
+    nightly_rust_src()?;
+    bpf_linker()?;
+    Ok(())
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
+}
+
+fn debian_packages() -> anyhow::Result<()> {
+    let missing: Vec<&str> = PACKAGES
+        .iter()
+        .copied()
+        .filter(|pkg| {
+            output(Command::new("dpkg-query").args(["-W", "-f=${Status}", pkg]))
+                .is_none_or(|status| !status.ends_with("install ok installed"))
+        })
+        .collect();
+    if missing.is_empty() {
+        eprintln!("setup: Debian packages present: {}", PACKAGES.join(", "));
+        return Ok(());
+    }
+    if !is_root() {
+        bail!(
+            "missing Debian packages {}; run as root (or `sudo apt-get install {}`)",
+            missing.join(" "),
+            missing.join(" ")
+        );
+    }
+    eprintln!("setup: installing Debian packages {}", missing.join(", "));
+    cmd::run(Command::new("apt-get").args(["update", "-qq"]))
+        .context("apt-get update failed: this machine needs access to Debian's package mirrors")?;
+    cmd::run(
+        Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-qq", "--no-install-recommends"])
+            .args(&missing),
+    )
+    .context("apt-get install failed")
+}
+
+fn nightly_rust_src() -> anyhow::Result<()> {
+    let Some(installed) = output(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        NIGHTLY,
+    ])) else {
+        bail!(
+            "no `{NIGHTLY}` Rust toolchain: the eBPF programs need it (rustup toolchain install {NIGHTLY})"
+        );
+    };
+    if installed.lines().any(|line| line.starts_with("rust-src")) {
+        eprintln!("setup: {NIGHTLY} rust-src present");
+        return Ok(());
+    }
+    eprintln!("setup: adding rust-src to the {NIGHTLY} toolchain");
+    cmd::run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))
+        .context("rustup could not add rust-src (it needs the Rust distribution server)")
+}
+
+fn bpf_linker() -> anyhow::Result<()> {
+    let version = output(Command::new("bpf-linker").arg("--version"));
+    if let Some(version) = version.as_deref()
+        && version
+            .split_whitespace()
+            .nth(1)
+            .is_some_and(|v| v == BPF_LINKER_VERSION)
+    {
+        eprintln!("setup: {} present", version.trim());
+        return Ok(());
+    }
+    eprintln!(
+        "setup: building bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (found: {})",
+        version.as_deref().map_or("none", str::trim)
+    );
+    cmd::run(
+        Command::new("cargo")
+            .env("LLVM_PREFIX", LLVM_PREFIX)
+            .args([
+                "install",
+                "--locked",
+                "--force",
+                "--no-default-features",
+                "--features",
+                "llvm-22",
+            ])
+            .args(["--version", BPF_LINKER_VERSION, "bpf-linker"]),
+    )
+    .context("installing bpf-linker failed (it needs crates.io and llvm-22-dev)")
+}
