@@ -52,6 +52,14 @@ fn setup() -> Result<(), String> {
     for module in modules.lines().filter(|l| !l.is_empty()) {
         load_module(module)?;
     }
+    // The tests' agents serve health and fake API servers on 127.0.0.1 of this namespace.
+    let up = Command::new("/usr/sbin/ip")
+        .args(["link", "set", "lo", "up"])
+        .status()
+        .map_err(|e| format!("running ip: {e}"))?;
+    if !up.success() {
+        return Err(format!("ip link set lo up: {up}"));
+    }
     Ok(())
 }
 
@@ -79,6 +87,7 @@ fn run_tests() -> (u32, u32) {
             .arg("--test-threads=1")
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("RUST_BACKTRACE", "1")
+            .env("MESHCAP_BIN_DIR", "/tests")
             .current_dir("/tmp")
             .status();
         match status {

@@ -23,21 +23,77 @@ pub struct Binaries {
     pub init: PathBuf,
 }
 
-/// `cargo build --tests --bins` of meshcap-tests and the VM init, static.
+/// `cargo build --tests --bins` of meshcap-tests, the agent and plugin binaries the tests
+/// start, and the VM init, static.
 pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
+    let (mut tests, mut helpers, mut init) = (Vec::new(), Vec::new(), None);
+    let suites = [
+        "--package",
+        "meshcap-tests",
+        "--tests",
+        "--bins",
+        "--package",
+        "xtask",
+        "--bin",
+        "meshcap-vm-init",
+    ];
+    let daemons = [
+        "--package",
+        "meshcap-agent",
+        "--package",
+        "meshcap-cni",
+        "--bins",
+    ];
+    for args in [&suites[..], &daemons[..]] {
+        for artifact in cargo_build(workspace, target_dir, args)? {
+            let Artifact {
+                package,
+                name,
+                kind,
+                test,
+                exe,
+            } = artifact;
+            if name == "meshcap-vm-init" && !test {
+                init = Some(exe);
+            } else if kind == "test" && package.contains("#meshcap-tests@") {
+                tests.push((name, exe));
+            } else if kind == "bin" && !test && name != "xtask" {
+                helpers.push(exe);
+            }
+        }
+    }
+    ensure!(
+        !tests.is_empty(),
+        "no test binaries were built (tests/tests/*.rs)"
+    );
+    tests.sort();
+    Ok(Binaries {
+        tests,
+        helpers,
+        init: init.context("meshcap-vm-init was not built")?,
+    })
+}
+
+/// One executable cargo produced.
+struct Artifact {
+    package: String,
+    name: String,
+    kind: String,
+    test: bool,
+    exe: PathBuf,
+}
+
+fn cargo_build(
+    workspace: &Path,
+    target_dir: &Path,
+    args: &[&str],
+) -> anyhow::Result<Vec<Artifact>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut child = Command::new(cargo)
         .current_dir(workspace)
+        .arg("build")
+        .args(args)
         .args([
-            "build",
-            "--package",
-            "meshcap-tests",
-            "--tests",
-            "--bins",
-            "--package",
-            "xtask",
-            "--bin",
-            "meshcap-vm-init",
             "--message-format=json-render-diagnostics",
             "--target",
             TARGET,
@@ -52,7 +108,7 @@ pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
         .spawn()
         .context("running cargo build")?;
     let stdout = child.stdout.take().context("cargo's stdout")?;
-    let (mut tests, mut helpers, mut init) = (Vec::new(), Vec::new(), None);
+    let mut artifacts = Vec::new();
     for line in std::io::BufReader::new(stdout).lines() {
         let message: Value = serde_json::from_str(&line?).unwrap_or_default();
         if message["reason"] != "compiler-artifact" {
@@ -61,29 +117,19 @@ pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
         let Some(exe) = message["executable"].as_str().map(PathBuf::from) else {
             continue;
         };
-        let package = message["package_id"].as_str().unwrap_or_default();
-        let kind = &message["target"]["kind"];
-        let name = message["target"]["name"].as_str().unwrap_or_default();
-        let is_test_harness = message["profile"]["test"] == true;
-        if name == "meshcap-vm-init" && !is_test_harness {
-            init = Some(exe);
-        } else if package.contains("#meshcap-tests@") {
-            if kind == &serde_json::json!(["test"]) {
-                tests.push((name.to_owned(), exe));
-            } else if kind == &serde_json::json!(["bin"]) && !is_test_harness {
-                helpers.push(exe);
-            }
-        }
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        artifacts.push(Artifact {
+            package: text(&message["package_id"]),
+            name: text(&message["target"]["name"]),
+            kind: text(&message["target"]["kind"][0]),
+            test: message["profile"]["test"] == true,
+            exe,
+        });
     }
-    ensure!(child.wait()?.success(), "building the test binaries failed");
     ensure!(
-        !tests.is_empty(),
-        "no test binaries were built (tests/tests/*.rs)"
+        child.wait()?.success(),
+        "cargo build {} failed",
+        args.join(" ")
     );
-    tests.sort();
-    Ok(Binaries {
-        tests,
-        helpers,
-        init: init.context("meshcap-vm-init was not built")?,
-    })
+    Ok(artifacts)
 }

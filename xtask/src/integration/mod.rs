@@ -57,8 +57,13 @@ const HOST_TOOLS: &[&str] = &[
     "ip6tables-nft-restore",
 ];
 
-/// Plain data files those tools read.
-const HOST_FILES: &[&str] = &["/etc/protocols", "/etc/services"];
+/// Plain data files those tools read; the CA bundle is what rustls (kube-rs) insists on
+/// loading even for the tests' plain-HTTP API server.
+const HOST_FILES: &[&str] = &[
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/ssl/certs/ca-certificates.crt",
+];
 
 /// The iptables extensions (`libxt_owner.so`, ...), loaded at run time.
 const XTABLES_DIR: &str = "/usr/lib/x86_64-linux-gnu/xtables";
