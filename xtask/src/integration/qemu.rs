@@ -103,7 +103,7 @@ fn boot_once(
     // panic=-1: reboot at once on a panic, which -no-reboot turns into QEMU exiting.
     .args([
         "-append",
-        "console=ttyS0 panic=-1 oops=panic rdinit=/init loglevel=4",
+        "console=ttyS0 panic=-1 oops=panic rdinit=/init loglevel=4 noapic",
     ])
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
