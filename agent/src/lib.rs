@@ -7,22 +7,30 @@
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
+//! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`netns`]: entering a pod's network namespace and learning its cookie;
+//! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
 //! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
 //!   iptables rendering and an evaluator of the rendered rules;
 //! - [`probe`]: can this kernel run the eBPF backend;
-//! - [`status`]: status report, metrics, health endpoint.
+//! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
+//! - [`status`]: status report, metrics, health endpoint;
+//! - [`taint`]: the startup taint, removed from this node once the agent is ready.
 
 pub mod api;
 pub mod backend;
 pub mod bpf;
 pub mod capture;
 pub mod cgroup;
+pub mod install;
 pub mod logging;
 pub mod netns;
+pub mod paths;
 pub mod pods;
 pub mod policy;
 pub mod probe;
+pub mod settings;
 pub mod status;
+pub mod taint;

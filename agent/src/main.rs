@@ -18,10 +18,11 @@ use meshcap_agent::{
     },
     bpf,
     capture::{Capture, Settings},
-    logging,
+    install, logging,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
     policy::{self, SelectConfig},
     probe::{self, ProbeReport},
+    settings,
     status::{StatusReport, http},
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
@@ -42,6 +43,9 @@ struct Cli {
 enum Command {
     /// Load every embedded kernel program (the verifier checks each) and report.
     Verify,
+    /// Remove meshcap's plugin entry and binary from this node's CNI set-up (a real uninstall:
+    /// restarts and upgrades never do this). Reads the same MESHCAP_* settings as `run`.
+    Uninstall,
     /// Run the node agent: serve the CNI plugin, capture pods.
     Run(Box<RunArgs>),
     /// Show what a running agent captures, with which backend and why.
@@ -150,6 +154,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify => verify(),
+        Command::Uninstall => uninstall(),
         Command::Run(args) => run(*args),
         Command::Status { socket, json } => status(&socket, json),
         Command::Policy {
@@ -183,6 +188,20 @@ fn verify() -> anyhow::Result<()> {
     for name in bpf::load_all(&mut ebpf)? {
         println!("verified {name}");
     }
+    Ok(())
+}
+
+fn uninstall() -> anyhow::Result<()> {
+    let config = settings::install_config(
+        |name| std::env::var(name).ok(),
+        settings::PLUGIN_SOURCE.into(),
+    )?;
+    install::uninstall(&config)?;
+    println!(
+        "removed meshcap-cni from {} and {}",
+        config.cni_conf_dir.display(),
+        config.cni_bin_dir.display()
+    );
     Ok(())
 }
 

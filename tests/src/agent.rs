@@ -25,6 +25,10 @@ use crate::{Netns, unique_name};
 pub fn binaries() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
+        // Prebuilt binaries (`cargo xtask integration` runs the tests in a VM without cargo).
+        if let Some(dir) = std::env::var_os("MESHCAP_BIN_DIR") {
+            return PathBuf::from(dir);
+        }
         let exe = std::env::current_exe().expect("test executable path");
         // target/<profile>/deps/<test> → target/<profile>
         let dir = exe

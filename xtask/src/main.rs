@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd;
 mod demo;
+mod integration;
 mod setup;
 mod test;
 
@@ -25,6 +26,8 @@ enum Task {
     Test,
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
+    /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
+    Integration(integration::Args),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Test => setup::run().and_then(|()| test::run()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
+        Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -13,6 +13,10 @@ const PACKAGES: &[&str] = &[
     // The iptables fallback and the tests' network plumbing.
     "iptables",
     "iproute2",
+    // `cargo xtask integration` boots Debian's kernels in QEMU; objcopy strips the test
+    // binaries for its initramfs.
+    "qemu-system-x86",
+    "binutils",
 ];
 
 /// The eBPF toolchain: the installed nightly builds the programs with `-Z build-std=core`.

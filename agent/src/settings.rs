@@ -1,0 +1,206 @@
+//! The node settings a cluster install gives the agent: the keys of the `meshcap-config`
+//! ConfigMap (Istio's names and defaults where Istio has the setting), and the environment
+//! variable the DaemonSet passes each in. `deploy/` is checked against this table by a test, and
+//! the agent's `run` reads exactly these variables.
+use crate::{install, paths, taint};
+
+/// One setting: its ConfigMap key, the agent's environment variable and the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setting {
+    /// Key in the ConfigMap (Istio's value name where one exists).
+    pub key: &'static str,
+    /// Environment variable the agent reads.
+    pub env: &'static str,
+    /// The default, as the ConfigMap ships it.
+    pub default: &'static str,
+}
+
+/// `cniBinDir`: where the plugin binary is installed.
+pub const CNI_BIN_DIR: Setting = Setting {
+    key: "cniBinDir",
+    env: "MESHCAP_CNI_BIN_DIR",
+    default: paths::CNI_BIN_DIR,
+};
+
+/// `cniConfDir`: the runtime's CNI configuration directory.
+pub const CNI_CONF_DIR: Setting = Setting {
+    key: "cniConfDir",
+    env: "MESHCAP_CNI_CONF_DIR",
+    default: paths::CNI_CONF_DIR,
+};
+
+/// `cniConfFileName`: the file to chain into; empty picks the runtime's own choice.
+pub const CNI_CONF_FILE_NAME: Setting = Setting {
+    key: "cniConfFileName",
+    env: "MESHCAP_CNI_CONF_FILE_NAME",
+    default: "",
+};
+
+/// `chained`: `true` inserts into the primary CNI's list, `false` writes
+/// [`install::STANDALONE_FILE_NAME`].
+pub const CHAINED: Setting = Setting {
+    key: "chained",
+    env: "MESHCAP_CHAINED",
+    default: "true",
+};
+
+/// `excludeNamespaces`: comma-separated namespaces the plugin never captures.
+pub const EXCLUDE_NAMESPACES: Setting = Setting {
+    key: "excludeNamespaces",
+    env: "MESHCAP_EXCLUDE_NAMESPACES",
+    default: "kube-system",
+};
+
+/// `logLevel`: the agent's and the plugin's log level.
+pub const LOG_LEVEL: Setting = Setting {
+    key: "logLevel",
+    env: "MESHCAP_LOG_LEVEL",
+    default: "info",
+};
+
+/// `mode`: `auto` (eBPF when the kernel can, else iptables), `ebpf` or `iptables`.
+pub const MODE: Setting = Setting {
+    key: "mode",
+    env: "MESHCAP_MODE",
+    default: "auto",
+};
+
+/// `startupTaint`: the taint key the agent removes from its node when ready; empty disables.
+pub const STARTUP_TAINT: Setting = Setting {
+    key: "startupTaint",
+    env: "MESHCAP_STARTUP_TAINT",
+    default: taint::DEFAULT_KEY,
+};
+
+/// Every ConfigMap setting, in the ConfigMap's order.
+pub const ALL: [Setting; 8] = [
+    CNI_BIN_DIR,
+    CNI_CONF_DIR,
+    CNI_CONF_FILE_NAME,
+    CHAINED,
+    EXCLUDE_NAMESPACES,
+    LOG_LEVEL,
+    MODE,
+    STARTUP_TAINT,
+];
+
+/// The node the agent runs on (the downward API's `spec.nodeName`).
+pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";
+
+/// The agent's own namespace (the downward API's `metadata.namespace`).
+pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
+
+/// The cgroup v2 root the programs attach to ([`paths::HOST_CGROUP_ROOT`] in the DaemonSet;
+/// found in mountinfo when unset).
+pub const CGROUP_ROOT_ENV: &str = "MESHCAP_CGROUP_ROOT";
+
+/// The bpffs the agent pins under ([`paths::BPFFS`] by default).
+pub const BPFFS_ENV: &str = "MESHCAP_BPFFS";
+
+/// Where the `meshcap-cni` binary to install is, in the agent's image: beside the agent.
+pub const PLUGIN_SOURCE: &str = "/usr/local/bin/meshcap-cni";
+
+/// Parses `chained`'s value as Istio does (Go's `strconv.ParseBool`).
+#[must_use]
+pub fn parse_bool(value: &str) -> Option<bool> {
+    match value {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// Splits a comma-separated list, dropping empty elements and whitespace (Istio's
+/// `config.Split`).
+#[must_use]
+pub fn parse_list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A setting with a value the agent cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// A boolean setting is not one.
+    #[error("{env}: {value:?} is not true or false")]
+    NotBool {
+        /// The variable.
+        env: &'static str,
+        /// Its value.
+        value: String,
+    },
+}
+
+/// The install configuration from these settings, read through `lookup` (e.g.
+/// `|name| std::env::var(name).ok()`); unset variables take the defaults.
+///
+/// # Errors
+/// When `chained` is not a boolean: names the variable and the value.
+pub fn install_config(
+    lookup: impl Fn(&str) -> Option<String>,
+    plugin_source: std::path::PathBuf,
+) -> Result<install::InstallConfig, SettingsError> {
+    let get = |s: Setting| lookup(s.env).unwrap_or_else(|| s.default.to_owned());
+    let chained = get(CHAINED);
+    let mut config = install::InstallConfig::new(plugin_source);
+    config.cni_bin_dir = get(CNI_BIN_DIR).into();
+    config.cni_conf_dir = get(CNI_CONF_DIR).into();
+    config.cni_conf_file_name = Some(get(CNI_CONF_FILE_NAME)).filter(|n| !n.is_empty());
+    config.chained = parse_bool(&chained).ok_or(SettingsError::NotBool {
+        env: CHAINED.env,
+        value: chained.clone(),
+    })?;
+    config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
+    config.plugin.log_level = get(LOG_LEVEL);
+    if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
+        config.plugin.agent_pod_namespace = namespace;
+    }
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_install_modules() {
+        let config = install_config(|_| None, PLUGIN_SOURCE.into()).expect("defaults");
+        assert_eq!(
+            config,
+            install::InstallConfig::new(PLUGIN_SOURCE.into()),
+            "the ConfigMap's defaults and the install module's must agree"
+        );
+    }
+
+    #[test]
+    fn values_are_read_as_istio_reads_them() {
+        let env = |name: &str| match name {
+            "MESHCAP_CHAINED" => Some("False".to_owned()),
+            "MESHCAP_EXCLUDE_NAMESPACES" => Some(" kube-system,, istio-system ".to_owned()),
+            "MESHCAP_CNI_CONF_FILE_NAME" => Some("10-calico.conflist".to_owned()),
+            _ => None,
+        };
+        let config = install_config(env, PLUGIN_SOURCE.into()).expect("config");
+        assert!(!config.chained);
+        assert_eq!(
+            config.plugin.exclude_namespaces,
+            ["kube-system", "istio-system"]
+        );
+        assert_eq!(
+            config.cni_conf_file_name.as_deref(),
+            Some("10-calico.conflist")
+        );
+        let bad = install_config(
+            |n| (n == "MESHCAP_CHAINED").then(|| "yes".to_owned()),
+            PLUGIN_SOURCE.into(),
+        );
+        assert_eq!(
+            bad.expect_err("yes is not a Go bool").to_string(),
+            "MESHCAP_CHAINED: \"yes\" is not true or false"
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Debian's cloud kernels: found with apt-cache, fetched with `apt-get download` into the cache
+//! dir, unpacked with dpkg-deb. Debian builds veth, sch_ingress, cls_bpf and the netfilter
+//! matches as modules, so the ones the tests need are resolved (with their dependencies, in
+//! load order) from the package's own files.
+use std::{
+    collections::{BTreeMap, HashSet},
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, bail, ensure};
+
+/// Modules the end-to-end suites may need; those built into a kernel are simply absent.
+const WANTED_MODULES: &[&str] = &[
+    "veth",
+    "sch_ingress",
+    "cls_bpf",
+    "ip_tables",
+    "ip6_tables",
+    "iptable_nat",
+    "iptable_mangle",
+    "iptable_raw",
+    "ip6table_nat",
+    "ip6table_mangle",
+    "ip6table_raw",
+    "nf_tables",
+    "nft_compat",
+    "nft_chain_nat",
+    "xt_REDIRECT",
+    "xt_TPROXY",
+    "xt_owner",
+    "xt_mark",
+    "xt_connmark",
+    "xt_conntrack",
+    "xt_multiport",
+    "xt_CT",
+    "xt_tcpudp",
+    "nf_tproxy_ipv4",
+    "nf_tproxy_ipv6",
+];
+
+/// An unpacked kernel package.
+pub struct Kernel {
+    /// The package's kernel release (`6.1.0-56-cloud-amd64`).
+    pub release: String,
+    /// The bootable image.
+    pub vmlinuz: PathBuf,
+    /// Module files to load, dependencies first.
+    pub modules: Vec<PathBuf>,
+}
+
+/// The newest `linux-image-<series>…-cloud-amd64-unsigned` package apt knows.
+fn package_for(series: &str) -> anyhow::Result<String> {
+    let out = Command::new("apt-cache")
+        .args([
+            "search",
+            "--names-only",
+            "^linux-image-.*-cloud-amd64-unsigned$",
+        ])
+        .output()
+        .context("running apt-cache (is this Debian?)")?;
+    ensure!(out.status.success(), "apt-cache search failed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut matching: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|name| {
+            name.strip_prefix("linux-image-")
+                .and_then(|rest| rest.strip_prefix(series))
+                .is_some_and(|rest| rest.starts_with(['.', '-']))
+        })
+        .collect();
+    matching.sort_by_key(|name| version_key(name));
+    matching.last().map(|s| (*s).to_owned()).with_context(|| {
+        format!("apt knows no linux-image-{series}*-cloud-amd64-unsigned; run apt-get update")
+    })
+}
+
+/// Orders `linux-image-6.1.0-9-…` before `linux-image-6.1.0-56-…` (numbers compared as numbers).
+fn version_key(name: &str) -> Vec<u64> {
+    name.split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap_or(0))
+        .collect()
+}
+
+/// Fetches (unless cached) and unpacks the newest kernel of `series`.
+pub fn fetch(series: &str, cache: &Path) -> anyhow::Result<Kernel> {
+    let debs = cache.join("debs");
+    fs::create_dir_all(&debs)?;
+    let package = package_for(series)?;
+    let prefix = format!("{package}_");
+    let cached = |dir: &Path| -> anyhow::Result<Option<PathBuf>> {
+        Ok(fs::read_dir(dir)?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".deb"))
+            }))
+    };
+    let deb = match cached(&debs)? {
+        Some(deb) => deb,
+        None => {
+            eprintln!("integration: apt-get download {package}");
+            let status = Command::new("apt-get")
+                .args(["download", &package])
+                .current_dir(&debs)
+                .status()
+                .context("running apt-get download")?;
+            ensure!(status.success(), "apt-get download {package} failed");
+            cached(&debs)?.with_context(|| format!("{package}: downloaded .deb not found"))?
+        }
+    };
+    let root = cache.join("unpacked").join(&package);
+    if !root.join("boot").is_dir() {
+        let tmp = root.with_extension("tmp");
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(&tmp)?;
+        let status = Command::new("dpkg-deb")
+            .arg("-x")
+            .arg(&deb)
+            .arg(&tmp)
+            .status()
+            .context("running dpkg-deb")?;
+        ensure!(status.success(), "dpkg-deb -x {} failed", deb.display());
+        let _ = fs::remove_dir_all(&root);
+        fs::rename(&tmp, &root)?;
+    }
+    let vmlinuz = fs::read_dir(root.join("boot"))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
+        .with_context(|| format!("{package}: no boot/vmlinuz-*"))?;
+    let release = vmlinuz
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("vmlinuz-"))
+        .unwrap_or_default()
+        .to_owned();
+    let modules = resolve_modules(&root.join("lib/modules").join(&release))?;
+    Ok(Kernel {
+        release,
+        vmlinuz,
+        modules,
+    })
+}
+
+/// `name → file` for every module of the tree, names normalised (`-` → `_`).
+fn index_modules(dir: &Path, index: &mut BTreeMap<String, PathBuf>) -> anyhow::Result<()> {
+    for entry in fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if path.is_dir() {
+            index_modules(&path, index)?;
+        } else if let Some(name) = path.file_name().and_then(|n| n.to_str()) {
+            let stem = name
+                .strip_suffix(".ko.xz")
+                .or_else(|| name.strip_suffix(".ko"));
+            if let Some(stem) = stem {
+                index.insert(stem.replace('-', "_"), path.clone());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The wanted modules present in `tree` and everything they depend on, dependencies first.
+fn resolve_modules(tree: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut index = BTreeMap::new();
+    index_modules(&tree.join("kernel"), &mut index)?;
+    let mut order = Vec::new();
+    let mut seen = HashSet::new();
+    for name in WANTED_MODULES {
+        visit(name, &index, &mut seen, &mut order)?;
+    }
+    Ok(order)
+}
+
+fn visit(
+    name: &str,
+    index: &BTreeMap<String, PathBuf>,
+    seen: &mut HashSet<String>,
+    order: &mut Vec<PathBuf>,
+) -> anyhow::Result<()> {
+    let name = name.replace('-', "_");
+    if !seen.insert(name.clone()) {
+        return Ok(());
+    }
+    // Not a module file: built into this kernel.
+    let Some(path) = index.get(&name) else {
+        return Ok(());
+    };
+    for dep in depends(&module_bytes(path)?) {
+        visit(&dep, index, seen, order)?;
+    }
+    order.push(path.clone());
+    Ok(())
+}
+
+/// A module's ELF bytes (decompressed when it is `.ko.xz`).
+pub fn module_bytes(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let raw = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    if path.extension().is_some_and(|e| e == "xz") {
+        let mut out = Vec::new();
+        lzma_rs::xz_decompress(&mut raw.as_slice(), &mut out)
+            .map_err(|e| anyhow::anyhow!("decompressing {}: {e:?}", path.display()))?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+/// The `depends=` entry of a module's `.modinfo` strings.
+fn depends(elf: &[u8]) -> Vec<String> {
+    let needle = b"\0depends=";
+    let Some(at) = elf.windows(needle.len()).position(|w| w == needle) else {
+        return Vec::new();
+    };
+    let rest = &elf[at + needle.len()..];
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end])
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Fails unless `series` looks like `6.1` or `6.12`.
+pub fn check_series(series: &str) -> anyhow::Result<()> {
+    let ok = series.split('.').count() == 2 && series.split('.').all(|p| p.parse::<u32>().is_ok());
+    if !ok {
+        bail!("kernel series {series:?}: expected MAJOR.MINOR, e.g. 6.1");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_sort_numerically() {
+        let mut names = [
+            "linux-image-6.1.0-56-cloud-amd64-unsigned",
+            "linux-image-6.1.0-9-cloud-amd64-unsigned",
+        ];
+        names.sort_by_key(|n| version_key(n));
+        assert_eq!(names[1], "linux-image-6.1.0-56-cloud-amd64-unsigned");
+    }
+
+    #[test]
+    fn modinfo_depends() {
+        let elf = b"junk\0license=GPL\0depends=nf_tables,x_tables\0name=nft_compat\0";
+        assert_eq!(depends(elf), ["nf_tables", "x_tables"]);
+        assert!(depends(b"\0depends=\0").is_empty());
+    }
+}

@@ -1,0 +1,263 @@
+//! `cargo xtask integration`: the end-to-end tests (`tests/tests/*.rs`, whatever exists) inside
+//! QEMU on Debian's cloud kernels, so older verifiers, netlink TC and TCX are all covered.
+//!
+//! Per kernel: fetch its package (`apt-get download`, cached), build an initramfs in Rust
+//! (newc cpio) holding a small init, the static test binaries, the modules they need and the
+//! host tools the harness calls (`ip`, the iptables family, with their shared libraries), boot
+//! it (KVM when usable, else TCG) and read the init's single result line.
+use std::{
+    collections::BTreeSet,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+
+mod build;
+mod cpio;
+mod kernel;
+mod qemu;
+
+/// Options of `cargo xtask integration`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Kernel series to test (Debian cloud kernels).
+    #[arg(long = "kernel", default_values = ["6.1", "6.12"])]
+    kernels: Vec<String>,
+    /// Where kernel packages and build products are kept between runs.
+    #[arg(long, default_value = "target/integration")]
+    cache_dir: PathBuf,
+    /// Upper bound for one kernel's boot and test run, in seconds.
+    #[arg(long, default_value_t = 1200)]
+    timeout: u64,
+}
+
+/// Host tools the harness and the iptables backend run, copied with their libraries.
+const HOST_TOOLS: &[&str] = &[
+    "ip",
+    "iptables",
+    "iptables-save",
+    "iptables-restore",
+    "ip6tables",
+    "ip6tables-save",
+    "ip6tables-restore",
+    "iptables-legacy",
+    "iptables-legacy-save",
+    "iptables-legacy-restore",
+    "ip6tables-legacy",
+    "ip6tables-legacy-save",
+    "ip6tables-legacy-restore",
+    "iptables-nft",
+    "iptables-nft-save",
+    "iptables-nft-restore",
+    "ip6tables-nft",
+    "ip6tables-nft-save",
+    "ip6tables-nft-restore",
+];
+
+/// Plain data files those tools read; the CA bundle is what rustls (kube-rs) insists on
+/// loading even for the tests' plain-HTTP API server.
+const HOST_FILES: &[&str] = &[
+    "/etc/protocols",
+    "/etc/services",
+    "/etc/ssl/certs/ca-certificates.crt",
+];
+
+/// The iptables extensions (`libxt_owner.so`, ...), loaded at run time.
+const XTABLES_DIR: &str = "/usr/lib/x86_64-linux-gnu/xtables";
+
+/// Runs the suite on every kernel asked for; fails when any kernel fails.
+pub fn run(args: &Args) -> anyhow::Result<()> {
+    for series in &args.kernels {
+        kernel::check_series(series)?;
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .context("xtask is not inside the workspace")?
+        .to_path_buf();
+    let cache = workspace.join(&args.cache_dir);
+    fs::create_dir_all(&cache)?;
+    eprintln!(
+        "integration: building the test binaries (static, {})",
+        build::TARGET
+    );
+    let binaries = build::build(&workspace, &cache.join("build"))?;
+
+    let mut failures = Vec::new();
+    let mut summary = Vec::new();
+    for series in &args.kernels {
+        match run_kernel(series, &cache, &binaries, args) {
+            Ok((release, outcome)) => {
+                let verdict = if outcome.passed { "ok" } else { "FAILED" };
+                summary.push(format!(
+                    "{series} ({release}): {verdict}: {} in {:.0?}",
+                    outcome.result, outcome.elapsed
+                ));
+                if !outcome.passed {
+                    failures.push(series.clone());
+                }
+            }
+            Err(err) => {
+                summary.push(format!("{series}: FAILED: {err:#}"));
+                failures.push(series.clone());
+            }
+        }
+    }
+    eprintln!("integration: per kernel:");
+    for line in &summary {
+        eprintln!("  {line}");
+    }
+    if !failures.is_empty() {
+        bail!("integration failed on kernel(s) {}", failures.join(", "));
+    }
+    Ok(())
+}
+
+fn run_kernel(
+    series: &str,
+    cache: &Path,
+    binaries: &build::Binaries,
+    args: &Args,
+) -> anyhow::Result<(String, qemu::Outcome)> {
+    let kernel = kernel::fetch(series, cache)?;
+    let mut archive = cpio::Archive::default();
+    add_userland(&mut archive, binaries)?;
+    let mut list = String::new();
+    for (i, module) in kernel.modules.iter().enumerate() {
+        let name = module
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("module")
+            .trim_end_matches(".xz");
+        let path = format!("modules/{i:03}-{name}");
+        archive.file(&path, 0o644, &kernel::module_bytes(module)?);
+        list.push_str(&path);
+        list.push('\n');
+    }
+    archive.file("modules.list", 0o644, list.as_bytes());
+    archive.file(
+        "kernel.txt",
+        0o644,
+        format!("{series} {}\n", kernel.release).as_bytes(),
+    );
+    let initrd = cache.join(format!("initramfs-{series}.cpio"));
+    fs::write(&initrd, archive.finish())?;
+    let log = cache.join(format!("console-{series}.log"));
+    let outcome = qemu::boot(
+        &format!("linux {series}"),
+        &kernel.vmlinuz,
+        &initrd,
+        &log,
+        Duration::from_secs(args.timeout),
+    )?;
+    Ok((kernel.release, outcome))
+}
+
+/// Everything but the kernel's modules: init, tests, helpers, host tools and their libraries.
+fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyhow::Result<()> {
+    archive.char_device("dev/console", 5, 1);
+    archive.file("init", 0o755, &stripped(&binaries.init)?);
+    let mut list = String::new();
+    for (name, exe) in &binaries.tests {
+        archive.file(&format!("tests/{name}"), 0o755, &stripped(exe)?);
+        list.push_str(name);
+        list.push('\n');
+    }
+    archive.file("tests.list", 0o644, list.as_bytes());
+    for helper in &binaries.helpers {
+        let name = helper
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        archive.file(&format!("tests/{name}"), 0o755, &stripped(helper)?);
+    }
+    for dir in ["proc", "sys", "dev", "tmp", "run", "usr/bin", "bin", "sbin"] {
+        archive.dir(dir);
+    }
+    archive.symlink("var/run", "../run");
+    archive.file("etc/passwd", 0o644, b"root:x:0:0:root:/:/bin/sh\n");
+    archive.file("etc/group", 0o644, b"root:x:0:\n");
+    for file in HOST_FILES {
+        if let Ok(bytes) = fs::read(file) {
+            archive.file(file, 0o644, &bytes);
+        }
+    }
+    let mut elfs = Vec::new();
+    for tool in HOST_TOOLS {
+        if let Some(path) = which(tool) {
+            archive.file(&format!("usr/sbin/{tool}"), 0o755, &read(&path)?);
+            elfs.push(path);
+        }
+    }
+    if let Ok(entries) = fs::read_dir(XTABLES_DIR) {
+        for entry in entries.filter_map(Result::ok) {
+            let path = entry.path();
+            archive.file(&path.to_string_lossy(), 0o644, &read(&path)?);
+            elfs.push(path);
+        }
+    }
+    let mut libraries = BTreeSet::new();
+    for elf in &elfs {
+        libraries.extend(shared_libraries(elf)?);
+    }
+    for library in libraries {
+        archive.file(&library, 0o755, &read(Path::new(&library))?);
+    }
+    Ok(())
+}
+
+fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
+    fs::read(path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The binary without its debug info (ten times smaller: the whole initramfs sits in the VM's
+/// memory). Symbols stay, so backtraces still name functions.
+fn stripped(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let out = path.with_extension("stripped");
+    let status = Command::new("objcopy")
+        .arg("--strip-debug")
+        .arg(path)
+        .arg(&out)
+        .status()
+        .context("running objcopy (binutils)")?;
+    anyhow::ensure!(
+        status.success(),
+        "objcopy --strip-debug {} failed",
+        path.display()
+    );
+    let bytes = read(&out)?;
+    let _ = fs::remove_file(&out);
+    Ok(bytes)
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(tool))
+        .find(|p| p.is_file())
+}
+
+/// The shared libraries (and the ELF interpreter) `elf` loads, as `ldd` resolves them.
+fn shared_libraries(elf: &Path) -> anyhow::Result<Vec<String>> {
+    let out = Command::new("ldd")
+        .arg(elf)
+        .output()
+        .context("running ldd")?;
+    // Static or not an ELF: nothing to add.
+    if !out.status.success() {
+        return Ok(Vec::new());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim();
+            let path = match line.split_once("=>") {
+                Some((_, right)) => right.split_whitespace().next()?,
+                None => line.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| path.to_owned())
+        })
+        .collect())
+}
