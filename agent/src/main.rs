@@ -18,12 +18,14 @@ use meshcap_agent::{
     },
     bpf,
     capture::{Capture, Settings},
-    install, logging,
+    install::{self, watch::InstallStatus},
+    logging,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
     policy::{self, SelectConfig},
     probe::{self, ProbeReport},
     settings,
     status::{StatusReport, http},
+    taint,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
 use tokio::sync::watch;
@@ -35,6 +37,10 @@ struct Cli {
     /// Log format.
     #[arg(long, value_enum, default_value_t, global = true)]
     log_format: logging::LogFormat,
+    /// Log level (`error`, `warn`, `info`, `debug`, `trace`, or a `RUST_LOG` filter, which
+    /// takes precedence when set).
+    #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
+    log_level: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -105,7 +111,7 @@ struct RunArgs {
     #[arg(long, required_if_eq("pods", "dir"))]
     pod_dir: Option<PathBuf>,
     /// This node's name, with `--pods kube` (the DaemonSet passes spec.nodeName).
-    #[arg(long, env = "NODE_NAME", required_if_eq("pods", "kube"))]
+    #[arg(long, env = settings::NODE_NAME_ENV, required_if_eq("pods", "kube"))]
     node_name: Option<String>,
     /// Lookups of a pod the source does not have yet, at ADD.
     #[arg(long, default_value_t = 10)]
@@ -114,21 +120,33 @@ struct RunArgs {
     #[arg(long, default_value_t = 500)]
     pod_lookup_interval_ms: u64,
     /// Namespaces never captured (also decided by the plugin; repeat or comma-separate).
-    #[arg(long, value_delimiter = ',', default_value = "kube-system")]
+    #[arg(long, env = settings::EXCLUDE_NAMESPACES.env, value_delimiter = ',', default_value = settings::EXCLUDE_NAMESPACES.default)]
     exclude_namespaces: Vec<String>,
     /// The capture backend: auto probes the kernel.
-    #[arg(long, value_enum, default_value_t)]
+    #[arg(long, env = settings::MODE.env, value_enum, default_value_t)]
     backend: BackendChoice,
     /// The iptables implementation of the iptables backend (auto: as Istio decides).
     #[arg(long, value_enum, default_value_t)]
     iptables_flavour: FlavourChoice,
     /// The cgroup v2 directory the eBPF programs attach to (default: the cgroup2 mount).
-    #[arg(long)]
+    #[arg(long, env = settings::CGROUP_ROOT_ENV)]
     cgroup_root: Option<PathBuf>,
     /// The bpffs directory the eBPF backend pins under (versioned: a new layout gets a new
     /// directory, never a reinterpreted old pin).
-    #[arg(long, default_value = ebpf::DEFAULT_BPFFS_DIR)]
+    #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
     bpffs_dir: PathBuf,
+    /// Install `meshcap-cni` into the CNI bin dir and chain it into the runtime's conflist,
+    /// and keep it there (the DaemonSet's settings: cniBinDir, cniConfDir, chained, ...).
+    /// Never removed on exit: pods created while the agent is away wait instead of starting
+    /// uncaptured (`meshcap-agent uninstall` removes it).
+    #[arg(long, env = settings::INSTALL_CNI_ENV)]
+    install_cni: bool,
+    /// The `meshcap-cni` binary to install (default: beside this binary).
+    #[arg(long, env = "MESHCAP_PLUGIN_BINARY")]
+    plugin_binary: Option<PathBuf>,
+    /// With `--pods kube`: the taint removed from this node once meshcap is ready (empty: none).
+    #[arg(long, env = settings::STARTUP_TAINT.env, default_value = settings::STARTUP_TAINT.default)]
+    startup_taint: String,
     /// The agent's own state (records of applied iptables rules, xtables locks).
     #[arg(long, default_value = "/var/run/meshcap")]
     state_dir: PathBuf,
@@ -148,7 +166,7 @@ struct RunArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(err) = logging::init(cli.log_format, "info") {
+    if let Err(err) = logging::init(cli.log_format, &cli.log_level) {
         eprintln!("meshcap-agent: {err:#}");
         return ExitCode::FAILURE;
     }
@@ -260,6 +278,7 @@ fn open_backend(
 
 #[tokio::main]
 async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let mut kube_node = None;
     let source = match args.pods {
         PodSourceKind::Dir => {
             let dir = args
@@ -276,6 +295,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             let client = kube::Client::try_default()
                 .await
                 .context("building a Kubernetes client (in-cluster config or $KUBECONFIG)")?;
+            kube_node = Some((client.clone(), node.clone()));
             PodSource::Kube(KubePods::start(client, node))
         }
     };
@@ -332,6 +352,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     capture.set_serving(true);
     let serve = tokio::spawn(server.serve(capture.clone(), stopped(stop_rx)));
 
+    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
+    let _installer = if args.install_cni {
+        Some(start_install(&args, install_tx)?)
+    } else {
+        None
+    };
+    if let Some((client, node)) = kube_node
+        && !args.startup_taint.is_empty()
+    {
+        let gate = args.install_cni.then_some(install_rx);
+        tokio::spawn(untaint_when_ready(
+            client,
+            node,
+            args.startup_taint.clone(),
+            gate,
+        ));
+    }
+
     shutdown_signal().await?;
     info!("shutting down: no new requests; captured pods stay captured");
     let _ = stop_tx.send(true);
@@ -339,6 +377,51 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     http_task.await??;
     info!("stopped");
     Ok(())
+}
+
+/// Installs the plugin and keeps its conflist entry in place (a watcher thread); the returned
+/// watcher must live as long as the agent.
+fn start_install(
+    args: &RunArgs,
+    status: watch::Sender<InstallStatus>,
+) -> anyhow::Result<install::watch::Watcher> {
+    let plugin = match &args.plugin_binary {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .context("locating meshcap-agent")?
+            .with_file_name("meshcap-cni"),
+    };
+    let mut config = settings::install_config(|name| std::env::var(name).ok(), plugin)?;
+    config.plugin.agent_socket.clone_from(&args.socket);
+    info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
+    Ok(install::watch::spawn(config, status)?)
+}
+
+/// Removes the node's startup taint once pods can be captured: the agent serves and, when it
+/// installs the plugin, the plugin is chained in. Retries until it succeeds.
+async fn untaint_when_ready(
+    client: kube::Client,
+    node: String,
+    key: String,
+    install: Option<watch::Receiver<InstallStatus>>,
+) {
+    if let Some(mut install) = install
+        && install.wait_for(InstallStatus::is_installed).await.is_err()
+    {
+        return;
+    }
+    loop {
+        match taint::remove(client.clone(), &node, &key).await {
+            Ok(removal) => {
+                info!(%node, %key, ?removal, "startup taint handled: the node may run pods");
+                return;
+            }
+            Err(err) => {
+                warn!(%node, %key, "removing the startup taint: {err}; retrying in 5s");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
 }
 
 async fn shutdown_signal() -> anyhow::Result<()> {

@@ -94,8 +94,12 @@ pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
 /// found in mountinfo when unset).
 pub const CGROUP_ROOT_ENV: &str = "MESHCAP_CGROUP_ROOT";
 
-/// The bpffs the agent pins under ([`paths::BPFFS`] by default).
-pub const BPFFS_ENV: &str = "MESHCAP_BPFFS";
+/// The versioned bpffs directory the agent pins under (on the [`paths::BPFFS`] mount;
+/// [`crate::backend::ebpf::DEFAULT_BPFFS_DIR`] by default).
+pub const BPFFS_DIR_ENV: &str = "MESHCAP_BPFFS_DIR";
+
+/// `true` in the DaemonSet: install the plugin and keep its conflist entry in place.
+pub const INSTALL_CNI_ENV: &str = "MESHCAP_INSTALL_CNI";
 
 /// Where the `meshcap-cni` binary to install is, in the agent's image: beside the agent.
 pub const PLUGIN_SOURCE: &str = "/usr/local/bin/meshcap-cni";

@@ -193,7 +193,11 @@ fn the_daemon_set_passes_every_setting_in_its_variable() {
         value(settings::CGROUP_ROOT_ENV).as_deref(),
         Some(paths::HOST_CGROUP_ROOT)
     );
-    assert_eq!(value(settings::BPFFS_ENV).as_deref(), Some(paths::BPFFS));
+    assert_eq!(
+        value(settings::BPFFS_DIR_ENV).as_deref(),
+        Some(meshcap_agent::backend::ebpf::DEFAULT_BPFFS_DIR)
+    );
+    assert_eq!(value(settings::INSTALL_CNI_ENV).as_deref(), Some("true"));
     assert_eq!(
         agent
             .command
