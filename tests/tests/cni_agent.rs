@@ -885,3 +885,35 @@ fn restarted_iptables_agent_drops_records_of_gone_pods() {
     assert!(cni("DEL", &live_sandbox, &conf).expect("DEL").success);
     assert_eq!(records(&agent), 0);
 }
+
+/// aya-log: a record written by a kernel program reaches the agent's own log. The pod is
+/// captured but its proxy is not listening, so TC drops an inbound SYN (fail closed) and says
+/// so.
+#[test]
+fn kernel_log_records_reach_the_agents_log() {
+    require_root();
+    let dir = ManifestDir::new();
+    let agent = dir_agent(Backend::Ebpf, &dir);
+    let wired = Wired::new(&agent);
+    let name = unique_name("quiet");
+    write_manifest(&dir.0, &sidecar_pod("shop", &name, &[]));
+    let sandbox = Sandbox::new("shop", &name, &wired.pod);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "{add:?}");
+    let from_upstream = Placement {
+        netns: &wired.upstream,
+        cgroup: None,
+        uid: 0,
+        gid: 0,
+    };
+    let answer = dial(from_upstream, "tcp:10.0.0.2:8080", None).expect("dial");
+    assert_eq!(answer, None, "no proxy listens: the SYN is dropped");
+    eventually("the kernel's record reaches the agent's log", || {
+        agent
+            .log()
+            .contains("inbound TCP to port 8080 dropped: no proxy listener on port 15006")
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert!(cni("DEL", &sandbox, &conf).expect("DEL").success);
+}
