@@ -15,7 +15,10 @@ use anyhow::{Context as _, bail, ensure};
 use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig};
 use serde_json::{Value, json};
 
-use crate::{Netns, TestCgroup, scenario::EbpfUnderTest, unique_name};
+use crate::{
+    Netns, PROXY_UID, Placement, Proc, TestCgroup, dial, scenario::EbpfUnderTest, start_server,
+    unique_name,
+};
 
 /// Builds `meshcap-agent` and `meshcap-cni` once per test process (cargo does not build
 /// another package's binaries for this crate's tests) and returns the directory holding them.
@@ -27,15 +30,21 @@ pub fn binaries() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let exe = std::env::current_exe().expect("test executable path");
-        // target/<profile>/deps/<test> → target/<profile>
-        let dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target directory")
-            .to_owned();
+        // target/<profile>/deps/<test> (tests) or target/<profile>/<bin> (the demo)
+        let mut dir = exe.parent().expect("target directory").to_owned();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "meshcap-agent", "-p", "meshcap-cni"]);
+        cmd.args([
+            "build",
+            "--quiet",
+            "-p",
+            "meshcap-agent",
+            "-p",
+            "meshcap-cni",
+        ]);
         if dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }
@@ -544,4 +553,129 @@ pub fn eventually(what: &str, mut f: impl FnMut() -> bool) -> anyhow::Result<()>
     }
     ensure!(f(), "{what} never happened");
     Ok(())
+}
+
+/// The uid of the pods' application processes.
+pub const APP_UID: u32 = 1000;
+
+/// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
+/// 10.0.0.1/24, with a server on 10.0.0.1:80. The pod's processes run in the agent's cgroup
+/// (eBPF), as a real pod's run under the cgroup root the programs are attached to.
+pub struct Wired {
+    /// The pod's netns.
+    pub pod: Netns,
+    /// The upstream's netns.
+    pub upstream: Netns,
+    cgroup: Option<Arc<TestCgroup>>,
+}
+
+impl Wired {
+    /// Wires a new pod for `agent` (its processes go to the agent's cgroup, if any).
+    ///
+    /// # Panics
+    /// When the kernel refuses.
+    #[must_use]
+    pub fn new(agent: &Agent) -> Self {
+        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
+        let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
+        pod.ip(&[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            upstream.name(),
+        ])
+        .expect("veth pair");
+        for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
+            ns.ip(&["addr", "add", addr, "dev", "eth0"])
+                .expect("address");
+            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
+        }
+        Self {
+            pod,
+            upstream,
+            cgroup: agent.cgroup(),
+        }
+    }
+
+    /// A process of the pod running as `uid`.
+    #[must_use]
+    pub fn in_pod(&self, uid: u32) -> Placement<'_> {
+        Placement {
+            netns: &self.pod,
+            cgroup: self.cgroup.as_deref(),
+            uid,
+            gid: uid,
+        }
+    }
+
+    /// Servers: the stand-in Envoy in the pod (uid 1337) and the upstream.
+    /// # Panics
+    /// When a server cannot start.
+    #[must_use]
+    pub fn servers(&self) -> (Proc, Proc) {
+        let envoy = start_server(
+            self.in_pod(PROXY_UID),
+            "envoy",
+            &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
+        )
+        .expect("stand-in envoy");
+        let upstream = start_server(
+            Placement {
+                netns: &self.upstream,
+                cgroup: None,
+                uid: 0,
+                gid: 0,
+            },
+            "upstream",
+            &["tcp:10.0.0.1:80"],
+        )
+        .expect("upstream server");
+        (envoy, upstream)
+    }
+
+    /// Who answers the app's connection to 10.0.0.1:80, and the original destination Envoy saw.
+    /// # Panics
+    /// When the client cannot run or nothing answers.
+    #[must_use]
+    pub fn app_dial(&self) -> (String, Option<String>) {
+        let report = dial(self.in_pod(APP_UID), "tcp:10.0.0.1:80", None)
+            .expect("dial")
+            .expect("something answers 10.0.0.1:80");
+        (report.server, report.original_dst.map(|a| a.to_string()))
+    }
+}
+
+/// Writes a pod manifest into the directory source's directory.
+///
+/// # Panics
+/// When the file cannot be written.
+pub fn write_manifest(dir: &Path, pod: &Value) {
+    let name = pod["metadata"]["name"].as_str().expect("name");
+    std::fs::write(dir.join(format!("{name}.json")), pod.to_string()).expect("manifest");
+}
+
+/// A throwaway manifest directory, removed on drop.
+pub struct ManifestDir(pub PathBuf);
+
+impl ManifestDir {
+    /// # Panics
+    /// When the directory cannot be made.
+    #[must_use]
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
+        std::fs::create_dir_all(&dir).expect("manifest dir");
+        Self(dir)
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

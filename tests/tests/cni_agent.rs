@@ -18,115 +18,14 @@ use std::{
 };
 
 use meshcap_tests::{
-    Netns, PROXY_UID, Placement, Proc, TestCgroup,
+    Netns, PROXY_UID, Placement,
     agent::{
-        Agent, Backend, Sandbox, cni, config, eventually, leftovers, run_plugin_raw, sidecar_pod,
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
+        run_plugin_raw, sidecar_pod, write_manifest,
     },
-    dial, require_root, start_server, unique_name,
+    dial, require_root, unique_name,
 };
 use serde_json::{Value, json};
-
-const APP_UID: u32 = 1000;
-
-/// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
-/// 10.0.0.1/24, with a server on 10.0.0.1:80. The pod's processes run in the agent's cgroup
-/// (eBPF), as a real pod's run under the cgroup root the programs are attached to.
-struct Wired {
-    pod: Netns,
-    upstream: Netns,
-    cgroup: Option<Arc<TestCgroup>>,
-}
-
-impl Wired {
-    fn new(agent: &Agent) -> Self {
-        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
-        let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
-        pod.ip(&[
-            "link",
-            "add",
-            "eth0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            upstream.name(),
-        ])
-        .expect("veth pair");
-        for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
-            ns.ip(&["addr", "add", addr, "dev", "eth0"])
-                .expect("address");
-            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
-        }
-        Self {
-            pod,
-            upstream,
-            cgroup: agent.cgroup(),
-        }
-    }
-
-    fn in_pod(&self, uid: u32) -> Placement<'_> {
-        Placement {
-            netns: &self.pod,
-            cgroup: self.cgroup.as_deref(),
-            uid,
-            gid: uid,
-        }
-    }
-
-    /// Servers: the stand-in Envoy in the pod (uid 1337) and the upstream.
-    fn servers(&self) -> (Proc, Proc) {
-        let envoy = start_server(
-            self.in_pod(PROXY_UID),
-            "envoy",
-            &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
-        )
-        .expect("stand-in envoy");
-        let upstream = start_server(
-            Placement {
-                netns: &self.upstream,
-                cgroup: None,
-                uid: 0,
-                gid: 0,
-            },
-            "upstream",
-            &["tcp:10.0.0.1:80"],
-        )
-        .expect("upstream server");
-        (envoy, upstream)
-    }
-
-    /// Who answers the app's connection to 10.0.0.1:80, and the original destination Envoy saw.
-    fn app_dial(&self) -> (String, Option<String>) {
-        let report = dial(self.in_pod(APP_UID), "tcp:10.0.0.1:80", None)
-            .expect("dial")
-            .expect("something answers 10.0.0.1:80");
-        (report.server, report.original_dst.map(|a| a.to_string()))
-    }
-}
-
-fn write_manifest(dir: &Path, pod: &Value) {
-    let name = pod["metadata"]["name"].as_str().expect("name");
-    std::fs::write(dir.join(format!("{name}.json")), pod.to_string()).expect("manifest");
-}
-
-/// A throwaway manifest directory, removed on drop.
-struct ManifestDir(std::path::PathBuf);
-
-impl ManifestDir {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
-        std::fs::create_dir_all(&dir).expect("manifest dir");
-        Self(dir)
-    }
-}
-
-impl Drop for ManifestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
     Agent::start(
