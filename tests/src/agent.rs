@@ -667,6 +667,10 @@ impl ManifestDir {
     /// # Panics
     /// When the directory cannot be made.
     #[must_use]
+    #[expect(
+        clippy::new_without_default,
+        reason = "it creates a directory: not a default value"
+    )]
     pub fn new() -> Self {
         let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
         std::fs::create_dir_all(&dir).expect("manifest dir");
