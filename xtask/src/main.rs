@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod cmd;
 mod demo;
 mod setup;
@@ -25,6 +26,12 @@ enum Task {
     Test,
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
+    /// Setup, build in release, then benchmark no capture vs Istio's iptables vs eBPF (root).
+    Bench {
+        /// A smoke run: a few rounds of small loads, under 3 minutes.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -32,6 +39,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Test => setup::run().and_then(|()| test::run()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
+        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

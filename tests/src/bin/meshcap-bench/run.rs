@@ -1,0 +1,613 @@
+//! The runner: throwaway pods, one per capture mode, interleaved rounds, Markdown tables.
+//!
+//! Every pod is a network namespace with `lo` and a veth `eth0` (10.0.0.2/24, default route),
+//! `tcp_tw_reuse=1` and ports 16000–65000 (so back-to-back short connections never run out of
+//! ports in any mode), a stand-in proxy on 0.0.0.0:15001 running as uid 1337, and the app
+//! running as uid 1000. The app dials 10.96.0.10:80 (a "service"), except in the no-capture
+//! mode, where it dials the proxy port directly: the floor.
+use std::{
+    fmt::Write as _,
+    fs,
+    io::Write as _,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, ensure};
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapInfo},
+    programs::{CgroupAttachMode, CgroupSockAddr},
+};
+use meshcap_common::{PodConfig, maps};
+use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
+
+use crate::{
+    stats::{Samples, Table, count, human},
+    workload::{Load, Measured},
+};
+
+/// The app's uid and gid.
+const APP_UID: u32 = 1000;
+/// The "service" the app dials when its traffic is captured.
+const SERVICE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+/// Where the app dials when nothing captures: the proxy itself.
+const PROXY_DIRECT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 15001);
+/// excludeOutboundIPRanges sizes of the policy-scale benchmark.
+const SCALE_SIZES: [usize; 4] = [1, 100, 1_000, 10_000];
+
+/// How much work a run does.
+struct Plan {
+    rounds: usize,
+    load: Load,
+    scale_rounds: usize,
+    scale_load: Load,
+    plugin_runs: usize,
+}
+
+impl Plan {
+    fn new(quick: bool) -> Self {
+        if quick {
+            Self {
+                rounds: 5,
+                load: Load {
+                    short: 5_000,
+                    warmup: 200,
+                    pingpong: 20_000,
+                    bulk: 512 << 20,
+                },
+                scale_rounds: 5,
+                scale_load: Load {
+                    short: 3_000,
+                    warmup: 100,
+                    pingpong: 0,
+                    bulk: 0,
+                },
+                plugin_runs: 20,
+            }
+        } else {
+            Self {
+                rounds: 9,
+                load: Load {
+                    short: 20_000,
+                    warmup: 1_000,
+                    pingpong: 100_000,
+                    bulk: 1 << 30,
+                },
+                scale_rounds: 7,
+                scale_load: Load {
+                    short: 10_000,
+                    warmup: 500,
+                    pingpong: 0,
+                    bulk: 0,
+                },
+                plugin_runs: 200,
+            }
+        }
+    }
+}
+
+/// Runs every benchmark and prints (and optionally writes) the tables.
+pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
+    require_root();
+    let started = Instant::now();
+    let plan = Plan::new(quick);
+    let exe = std::env::current_exe().context("locating meshcap-bench")?;
+    let mut report = machine(quick, cpu);
+    eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
+    let mut node = EbpfNode::new()?;
+    report.push_str(&data_path(&plan, &exe, cpu, &mut node)?);
+    eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
+    report.push_str(&policy_scale(&plan, &exe, cpu, &mut node)?);
+    report.push_str(&footprint(&plan, &exe, &node)?);
+    let _ = writeln!(
+        report,
+        "\nThis run took {:.0} s.",
+        started.elapsed().as_secs_f64()
+    );
+    print!("{report}");
+    if let Some(out) = out {
+        fs::write(out, &report).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn machine(quick: bool, cpu: usize) -> String {
+    let read = |path: &str| fs::read_to_string(path).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map_or("unknown", |(_, m)| m.trim());
+    let cpus = cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("processor"))
+        .count();
+    let mem_kib: u64 = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let kernel = read("/proc/sys/kernel/osrelease");
+    let iptables = Command::new("iptables")
+        .arg("-V")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let command = if quick {
+        "cargo xtask bench --quick"
+    } else {
+        "cargo xtask bench"
+    };
+    format!(
+        "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \
+         `{command}`\n- Client and proxy are both pinned to CPU {cpu} (sched_setaffinity), in \
+         every mode: the numbers are CPU cost, not cross-CPU wake-up latency.\n",
+        mem_kib as f64 / 1024.0 / 1024.0,
+        kernel.trim()
+    )
+}
+
+/// How a pod's traffic reaches its proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Nothing captures: the app dials the proxy port.
+    Direct,
+    /// Istio's rule set, applied with iptables-restore in the pod netns.
+    Iptables,
+    /// meshcap's programs, with an entry for the pod.
+    Ebpf,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Direct => "no capture",
+            Self::Iptables => "iptables",
+            Self::Ebpf => "eBPF",
+        }
+    }
+}
+
+/// meshcap's kernel side, once per run: programs attached to a throwaway cgroup that every
+/// eBPF pod's cgroup is a child of (as the cgroup v2 root is in production).
+struct EbpfNode {
+    ebpf: Ebpf,
+    root: TestCgroup,
+}
+
+impl EbpfNode {
+    fn new() -> anyhow::Result<Self> {
+        let root = TestCgroup::new("mcb-node")?;
+        let mut ebpf = meshcap_agent::bpf::open()?;
+        let program: &mut CgroupSockAddr = ebpf
+            .program_mut("meshcap_connect4")
+            .context("meshcap_connect4 in the object")?
+            .try_into()?;
+        program.load()?;
+        program.attach(root.open()?, CgroupAttachMode::Single)?;
+        Ok(Self { ebpf, root })
+    }
+
+    fn add(&mut self, netns: &Netns) -> anyhow::Result<()> {
+        let mut pods: HashMap<_, u64, PodConfig> =
+            HashMap::try_from(self.ebpf.map_mut(maps::PODS).context("pods map")?)?;
+        let proxy = PodConfig {
+            proxy_uid: PROXY_UID,
+            proxy_gid: PROXY_UID,
+        };
+        pods.insert(netns.cookie()?, proxy, 0)?;
+        Ok(())
+    }
+
+    /// The kernel's memory accounting of every map the node holds.
+    /// (This process holds no other BPF maps.)
+    fn map_memory(&self) -> Vec<(String, u64, u64)> {
+        fdinfo_maps()
+            .into_iter()
+            .map(|(id, max, memlock)| {
+                let name = MapInfo::from_id(id)
+                    .ok()
+                    .and_then(|i| i.name_as_str().map(str::to_owned))
+                    .unwrap_or_else(|| format!("id {id}"));
+                (name, max, memlock)
+            })
+            .collect()
+    }
+}
+
+/// `(map id, max_entries, memlock bytes)` of every BPF map fd this process holds, from
+/// /proc/self/fdinfo (no bpftool needed).
+fn fdinfo_maps() -> Vec<(u32, u64, u64)> {
+    let mut out = Vec::new();
+    let Ok(dir) = fs::read_dir("/proc/self/fdinfo") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(text) = fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        let field = |key: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        if let (Some(id), Some(max), Some(memlock)) =
+            (field("map_id:"), field("max_entries:"), field("memlock:"))
+            && let Ok(id) = u32::try_from(id)
+            && !out.iter().any(|(i, _, _)| *i == id)
+        {
+            out.push((id, max, memlock));
+        }
+    }
+    out
+}
+
+/// One throwaway pod. Fields drop in order: the proxy first, then the cgroup, then the netns.
+struct Pod {
+    label: String,
+    target: SocketAddrV4,
+    _proxy: Proc,
+    cgroup: Option<TestCgroup>,
+    netns: Netns,
+    /// iptables-restore's wall time, when the mode applied rules.
+    apply: Option<Duration>,
+}
+
+impl Pod {
+    fn new(
+        mode: Mode,
+        excludes: &[String],
+        exe: &Path,
+        cpu: usize,
+        node: &mut EbpfNode,
+    ) -> anyhow::Result<Self> {
+        let netns = pod_netns()?;
+        let mut apply = None;
+        let cgroup = match mode {
+            Mode::Direct => None,
+            Mode::Iptables => {
+                let start = Instant::now();
+                iptables_restore(&netns, &istio_rules(excludes))?;
+                apply = Some(start.elapsed());
+                None
+            }
+            Mode::Ebpf => {
+                ensure!(
+                    excludes.is_empty(),
+                    "this eBPF backend has no excludeOutboundIPRanges yet"
+                );
+                node.add(&netns)?;
+                Some(TestCgroup::new_under(node.root.path(), "mcb-pod")?)
+            }
+        };
+        let cpu = cpu.to_string();
+        let mut proxy = Proc::spawn(
+            Placement {
+                netns: &netns,
+                cgroup: cgroup.as_ref(),
+                uid: PROXY_UID,
+                gid: PROXY_UID,
+            },
+            exe,
+            &["proxy", "--listen", "0.0.0.0:15001", "--cpu", &cpu],
+        )?;
+        let line = proxy.wait_line()?;
+        ensure!(line == "ready", "the proxy said {line:?}");
+        let target = if mode == Mode::Direct {
+            PROXY_DIRECT
+        } else {
+            SERVICE
+        };
+        Ok(Self {
+            label: mode.label().to_owned(),
+            target,
+            _proxy: proxy,
+            cgroup,
+            netns,
+            apply,
+        })
+    }
+
+    fn measure(&self, exe: &Path, cpu: usize, load: Load) -> anyhow::Result<Measured> {
+        let args = [
+            "client".to_owned(),
+            "--target".to_owned(),
+            self.target.to_string(),
+            "--cpu".to_owned(),
+            cpu.to_string(),
+            "--short".to_owned(),
+            load.short.to_string(),
+            "--warmup".to_owned(),
+            load.warmup.to_string(),
+            "--pingpong".to_owned(),
+            load.pingpong.to_string(),
+            "--bulk".to_owned(),
+            load.bulk.to_string(),
+        ];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = Proc::spawn(
+            Placement {
+                netns: &self.netns,
+                cgroup: self.cgroup.as_ref(),
+                uid: APP_UID,
+                gid: APP_UID,
+            },
+            exe,
+            &args,
+        )?
+        .finish()
+        .with_context(|| format!("client in the {} pod", self.label))?;
+        serde_json::from_str(out.trim()).with_context(|| format!("client printed {out:?}"))
+    }
+}
+
+/// A pod network namespace: `lo`, and `eth0` (a veth whose peer stays inside) with 10.0.0.2/24
+/// and the default route, as a CNI plugin leaves it.
+fn pod_netns() -> anyhow::Result<Netns> {
+    let ns = Netns::new("mcb-pod")?;
+    ns.ip(&[
+        "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+    ])?;
+    ns.ip(&["addr", "add", "10.0.0.2/24", "dev", "eth0"])?;
+    ns.ip(&["link", "set", "eth0", "up"])?;
+    ns.ip(&["link", "set", "peer0", "up"])?;
+    ns.ip(&["route", "add", "default", "dev", "eth0"])?;
+    ns.run_in(|| {
+        fs::write("/proc/sys/net/ipv4/tcp_tw_reuse", "1")?;
+        fs::write("/proc/sys/net/ipv4/ip_local_port_range", "16000 65000")?;
+        Ok(())
+    })?;
+    Ok(ns)
+}
+
+/// `excludeOutboundIPRanges` of `n` /24s, none of which holds the service.
+fn exclude_ranges(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| format!("100.{}.{}.0/24", 64 + i / 256, i % 256))
+        .collect()
+}
+
+/// Istio's rules for a default pod (`basic.txt.golden`), with `excludes` as
+/// `excludeOutboundIPRanges`.
+fn istio_rules(excludes: &[String]) -> String {
+    let mut rules = String::from(
+        "*nat\n-N ISTIO_INBOUND\n-N ISTIO_REDIRECT\n-N ISTIO_IN_REDIRECT\n-N ISTIO_OUTPUT\n\
+         -A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN\n\
+         -A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001\n\
+         -A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006\n\
+         -A PREROUTING -p tcp -j ISTIO_INBOUND\n\
+         -A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN\n\
+         -A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN\n\
+         -A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN\n\
+         -A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT\n\
+         -A OUTPUT -j ISTIO_OUTPUT\n\
+         -A ISTIO_OUTPUT -p tcp --dport 15020 -j RETURN\n\
+         -A ISTIO_OUTPUT -p udp --dport 15020 -j RETURN\n\
+         -A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN\n\
+         -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT\n\
+         -A ISTIO_OUTPUT -o lo -m owner ! --uid-owner 1337 -j RETURN\n\
+         -A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN\n\
+         -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT\n\
+         -A ISTIO_OUTPUT -o lo -m owner ! --gid-owner 1337 -j RETURN\n\
+         -A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN\n\
+         -A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN\n",
+    );
+    for cidr in excludes {
+        let _ = writeln!(rules, "-A ISTIO_OUTPUT -d {cidr} -j RETURN");
+    }
+    rules.push_str("-A ISTIO_OUTPUT -j ISTIO_REDIRECT\nCOMMIT\n");
+    rules
+}
+
+fn iptables_restore(netns: &Netns, rules: &str) -> anyhow::Result<()> {
+    let mut child = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            netns.name(),
+            "iptables-restore",
+            "--noflush",
+        ])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting iptables-restore")?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(rules.as_bytes())?;
+    let out = child.wait_with_output()?;
+    ensure!(
+        out.status.success(),
+        "iptables-restore in {}: {}",
+        netns.name(),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// Runs `rounds` rounds over `pods`, each round in a rotated order, and returns every pod's
+/// measurements.
+fn interleave(
+    pods: &[Pod],
+    rounds: usize,
+    exe: &Path,
+    cpu: usize,
+    load: Load,
+) -> anyhow::Result<Vec<Vec<Measured>>> {
+    let mut results = vec![Vec::new(); pods.len()];
+    for round in 0..rounds {
+        for k in 0..pods.len() {
+            let i = (round + k) % pods.len();
+            results[i].push(pods[i].measure(exe, cpu, load)?);
+        }
+        eprintln!("  round {}/{rounds} done", round + 1);
+    }
+    Ok(results)
+}
+
+fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
+    Samples(runs.iter().map(metric).collect())
+}
+
+fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow::Result<String> {
+    let modes = [Mode::Direct, Mode::Iptables, Mode::Ebpf];
+    let pods: Vec<Pod> = modes
+        .iter()
+        .map(|&m| Pod::new(m, &[], exe, cpu, node))
+        .collect::<anyhow::Result<_>>()?;
+    let results = interleave(&pods, plan.rounds, exe, cpu, plan.load)?;
+    type Metric = fn(&Measured) -> f64;
+    let metrics: [(&str, Metric); 6] = [
+        ("short conn/s", |m| m.short_per_s),
+        ("short p50 µs", |m| m.short_p50_us),
+        ("short p99 µs", |m| m.short_p99_us),
+        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
+        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
+        ("bulk Gbit/s", |m| m.bulk_gbit_s),
+    ];
+    let table = Table {
+        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+        ratios: vec![(1, 0), (2, 0), (2, 1)],
+        rows: metrics
+            .iter()
+            .map(|(name, f)| {
+                (
+                    (*name).to_owned(),
+                    results.iter().map(|r| column(r, f)).collect(),
+                )
+            })
+            .collect(),
+    };
+    let mut out = format!(
+        "\n## Data path\n\n{} interleaved rounds; per round and mode: {} short connections \
+         (after {} warm-up), {} round trips on one connection, {} MiB bulk. Cells: median \
+         ±half the round-to-round range; ratios are ratios of medians.\n\n",
+        plan.rounds,
+        plan.load.short,
+        plan.load.warmup,
+        plan.load.pingpong,
+        plan.load.bulk >> 20
+    );
+    out.push_str(&table.markdown());
+    out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
+    for (pod, runs) in pods.iter().zip(&results) {
+        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
+        let all: usize = runs.iter().map(|m| m.short).sum();
+        let _ = write!(out, " {} {ok} of {all};", pod.label);
+    }
+    out.pop();
+    out.push_str(".\n");
+    Ok(out)
+}
+
+fn policy_scale(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    node: &mut EbpfNode,
+) -> anyhow::Result<String> {
+    let mut pods = vec![Pod::new(Mode::Direct, &[], exe, cpu, node)?];
+    for n in SCALE_SIZES {
+        let mut pod = Pod::new(Mode::Iptables, &exclude_ranges(n), exe, cpu, node)?;
+        pod.label = format!("iptables {n}");
+        pods.push(pod);
+    }
+    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load)?;
+    let floor = column(&results[0], |m| m.short_per_s);
+    let base = column(&results[1], |m| m.short_per_s).median();
+    let mut out = format!(
+        "\n## Policy scale\n\nShort connections with `excludeOutboundIPRanges` of N /24s (none \
+         matches the service, so every connection passes the whole list). {} interleaved \
+         rounds of {} connections (after {} warm-up); the no-capture floor ran in the same \
+         rounds: {} conn/s ±{:.0}%.\n\n| CIDRs | iptables rules applied in | iptables conn/s | \
+         iptables p99 µs | iptables vs 1 CIDR | eBPF conn/s | eBPF p99 µs | eBPF vs 1 CIDR \
+         |\n|---|---|---|---|---|---|---|---|\n",
+        plan.scale_rounds,
+        plan.scale_load.short,
+        plan.scale_load.warmup,
+        human(floor.median()),
+        floor.spread_pct()
+    );
+    for (k, n) in SCALE_SIZES.iter().enumerate() {
+        let runs = &results[k + 1];
+        let rate = column(runs, |m| m.short_per_s);
+        let p99 = column(runs, |m| m.short_p99_us);
+        let apply = pods[k + 1].apply.unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "| {} | {:.0} ms | {} ±{:.0}% | {} ±{:.0}% | {:.2} | n/a | n/a | n/a |",
+            count(*n),
+            apply.as_secs_f64() * 1e3,
+            human(rate.median()),
+            rate.spread_pct(),
+            human(p99.median()),
+            p99.spread_pct(),
+            rate.median() / base
+        );
+    }
+    Ok(out)
+}
+
+fn footprint(plan: &Plan, exe: &Path, node: &EbpfNode) -> anyhow::Result<String> {
+    let mut out = String::from("\n## Footprint\n\n");
+    let maps = node.map_memory();
+    let total: u64 = maps.iter().map(|m| m.2).sum();
+    let _ = writeln!(
+        out,
+        "BPF maps (kernel memlock accounting, /proc/<pid>/fdinfo): {} KiB in total.\n\n| map | \
+         max entries | memlock KiB |\n|---|---|---|",
+        total / 1024
+    );
+    for (name, max, memlock) in &maps {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} |",
+            human(*max as f64),
+            memlock / 1024
+        );
+    }
+    let plugin = sibling(exe, "meshcap-cni");
+    if let Ok(meta) = fs::metadata(&plugin) {
+        let mut times = Vec::with_capacity(plan.plugin_runs);
+        for _ in 0..plan.plugin_runs {
+            let start = Instant::now();
+            let status = Command::new(&plugin)
+                .env("CNI_COMMAND", "VERSION")
+                .stdout(Stdio::null())
+                .status()?;
+            times.push(start.elapsed().as_secs_f64() * 1e6);
+            ensure!(status.success(), "meshcap-cni VERSION failed");
+        }
+        let mut samples = Samples(times);
+        let p50 = samples.median();
+        samples.0.sort_by(f64::total_cmp);
+        let p99 = samples.0[(samples.0.len() * 99).div_ceil(100).max(1) - 1];
+        let _ = writeln!(
+            out,
+            "\nPlugin `meshcap-cni` (release): {:.0} KiB; start to exit (`CNI_COMMAND=VERSION`, \
+             {} runs): p50 {} µs, p99 {} µs.",
+            meta.len() as f64 / 1024.0,
+            plan.plugin_runs,
+            human(p50),
+            human(p99)
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "\nPlugin binary not found beside meshcap-bench ({}): build it with `cargo build \
+             --release -p meshcap-cni`.",
+            plugin.display()
+        );
+    }
+    Ok(out)
+}
+
+fn sibling(exe: &Path, name: &str) -> PathBuf {
+    exe.parent().unwrap_or(Path::new(".")).join(name)
+}
