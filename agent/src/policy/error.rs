@@ -85,3 +85,8 @@ pub enum PolicyError {
         value: i64,
     },
 }
+
+/// A pod manifest that is not a pod.
+#[derive(Debug, thiserror::Error)]
+#[error("not a pod manifest (YAML or JSON): {0}")]
+pub struct ManifestError(#[from] serde_yaml::Error);

@@ -1,20 +1,30 @@
 //! Pod → capture decision, with Istio's CNI semantics down to the edge cases.
 //!
-//! - [`select`] decides, as Istio's CNI plugin does, whether a pod is captured at all;
+//! - [`select`] decides, as Istio's CNI plugin does, whether a pod is captured at all, and
+//!   builds its [`RedirectPolicy`];
 //! - [`RedirectPolicy`] is the one model both backends translate (the eBPF maps and the
 //!   iptables rules); nothing else in meshcap reads the annotations;
 //! - [`RedirectPolicy::decide`] is the policy's own per-packet decision, written from the
 //!   semantics;
-//! - [`RedirectPolicy::render`] writes Istio's exact iptables rules, and [`RuleSet`] parses and
-//!   walks rendered rules: an oracle independent of the model, to check the eBPF decision and
-//!   [`RedirectPolicy::decide`] against.
+//! - [`RedirectPolicy::render`] writes Istio's exact iptables rules ([`IptablesRules`]), and
+//!   [`RuleEvaluator`] parses and walks rendered rules: an oracle independent of the model, to
+//!   check the eBPF decision and [`RedirectPolicy::decide`] against.
 //!
 //! Everything here is pure: no I/O, no kernel.
 
+pub mod annotations;
+mod decide;
 mod error;
+mod eval;
+mod iptables;
 mod model;
 mod packet;
+mod pod;
 
-pub use error::PolicyError;
+pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
+pub use error::{ManifestError, PolicyError};
+pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
+pub use iptables::{IptablesRules, PolicyRoutes, TproxyRoute};
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
+pub use pod::{SelectConfig, parse_pod_manifest, select, status_pod_ips};
