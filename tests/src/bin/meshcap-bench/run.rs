@@ -15,12 +15,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, ensure};
+use anyhow::{Context as _, bail, ensure};
 use aya::{
     Ebpf,
     maps::{HashMap, MapInfo},
     programs::{CgroupAttachMode, CgroupSockAddr},
 };
+use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
 use meshcap_common::{PodConfig, maps};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
@@ -173,15 +174,22 @@ impl Mode {
 }
 
 /// meshcap's kernel side, once per run: programs attached to a throwaway cgroup that every
-/// eBPF pod's cgroup is a child of (as the cgroup v2 root is in production).
+/// eBPF pod's cgroup is a child of (as the cgroup v2 root is in production). Pods of the other
+/// modes get their cgroups under a sibling with nothing attached, so every pod's processes sit
+/// at the same depth of the hierarchy.
 struct EbpfNode {
     ebpf: Ebpf,
     root: TestCgroup,
+    plain: TestCgroup,
+    /// BPF_ENABLE_STATS: run time and count of the programs, while the run lasts.
+    _stats: Option<std::os::fd::OwnedFd>,
 }
 
 impl EbpfNode {
     fn new() -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
+        let plain = TestCgroup::new("mcb-plain")?;
+        let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
         let mut ebpf = meshcap_agent::bpf::open()?;
         let program: &mut CgroupSockAddr = ebpf
             .program_mut("meshcap_connect4")
@@ -189,7 +197,19 @@ impl EbpfNode {
             .try_into()?;
         program.load()?;
         program.attach(root.open()?, CgroupAttachMode::Single)?;
-        Ok(Self { ebpf, root })
+        Ok(Self {
+            ebpf,
+            root,
+            plain,
+            _stats: stats,
+        })
+    }
+
+    /// The connect program's (runs, total run time) so far, from bpf_stats.
+    fn connect_stats(&self) -> Option<(u64, Duration)> {
+        let program: &CgroupSockAddr = self.ebpf.program("meshcap_connect4")?.try_into().ok()?;
+        let info = program.info().ok()?;
+        Some((info.run_count(), info.run_time()))
     }
 
     fn add(&mut self, netns: &Netns) -> anyhow::Result<()> {
@@ -251,7 +271,7 @@ struct Pod {
     label: String,
     target: SocketAddrV4,
     _proxy: Proc,
-    cgroup: Option<TestCgroup>,
+    cgroup: TestCgroup,
     netns: Netns,
     /// iptables-restore's wall time, when the mode applied rules.
     apply: Option<Duration>,
@@ -267,13 +287,13 @@ impl Pod {
     ) -> anyhow::Result<Self> {
         let netns = pod_netns()?;
         let mut apply = None;
-        let cgroup = match mode {
-            Mode::Direct => None,
+        let parent = match mode {
+            Mode::Direct => node.plain.path(),
             Mode::Iptables => {
                 let start = Instant::now();
-                iptables_restore(&netns, &istio_rules(excludes))?;
+                iptables_restore(&netns, &istio_rules(excludes)?)?;
                 apply = Some(start.elapsed());
-                None
+                node.plain.path()
             }
             Mode::Ebpf => {
                 ensure!(
@@ -281,14 +301,15 @@ impl Pod {
                     "this eBPF backend has no excludeOutboundIPRanges yet"
                 );
                 node.add(&netns)?;
-                Some(TestCgroup::new_under(node.root.path(), "mcb-pod")?)
+                node.root.path()
             }
         };
+        let cgroup = TestCgroup::new_under(parent, "mcb-pod")?;
         let cpu = cpu.to_string();
         let mut proxy = Proc::spawn(
             Placement {
                 netns: &netns,
-                cgroup: cgroup.as_ref(),
+                cgroup: Some(&cgroup),
                 uid: PROXY_UID,
                 gid: PROXY_UID,
             },
@@ -332,7 +353,7 @@ impl Pod {
         let out = Proc::spawn(
             Placement {
                 netns: &self.netns,
-                cgroup: self.cgroup.as_ref(),
+                cgroup: Some(&self.cgroup),
                 uid: APP_UID,
                 gid: APP_UID,
             },
@@ -371,36 +392,38 @@ fn exclude_ranges(n: usize) -> Vec<String> {
         .collect()
 }
 
-/// Istio's rules for a default pod (`basic.txt.golden`), with `excludes` as
-/// `excludeOutboundIPRanges`.
-fn istio_rules(excludes: &[String]) -> String {
-    let mut rules = String::from(
-        "*nat\n-N ISTIO_INBOUND\n-N ISTIO_REDIRECT\n-N ISTIO_IN_REDIRECT\n-N ISTIO_OUTPUT\n\
-         -A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN\n\
-         -A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001\n\
-         -A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006\n\
-         -A PREROUTING -p tcp -j ISTIO_INBOUND\n\
-         -A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN\n\
-         -A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN\n\
-         -A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN\n\
-         -A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT\n\
-         -A OUTPUT -j ISTIO_OUTPUT\n\
-         -A ISTIO_OUTPUT -p tcp --dport 15020 -j RETURN\n\
-         -A ISTIO_OUTPUT -p udp --dport 15020 -j RETURN\n\
-         -A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN\n\
-         -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT\n\
-         -A ISTIO_OUTPUT -o lo -m owner ! --uid-owner 1337 -j RETURN\n\
-         -A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN\n\
-         -A ISTIO_OUTPUT -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --gid-owner 1337 -j ISTIO_IN_REDIRECT\n\
-         -A ISTIO_OUTPUT -o lo -m owner ! --gid-owner 1337 -j RETURN\n\
-         -A ISTIO_OUTPUT -m owner --gid-owner 1337 -j RETURN\n\
-         -A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN\n",
-    );
-    for cidr in excludes {
-        let _ = writeln!(rules, "-A ISTIO_OUTPUT -d {cidr} -j RETURN");
+/// The pod every benchmark pod is: Istio's injected default (as in Istio's `basic` golden
+/// case), with `excludes` as `excludeOutboundIPRanges`.
+fn pod_manifest(name: &str, excludes: &[String]) -> String {
+    let mut annotations = String::from("    sidecar.istio.io/status: \"true\"\n");
+    if !excludes.is_empty() {
+        let _ = writeln!(
+            annotations,
+            "    traffic.sidecar.istio.io/excludeOutboundIPRanges: \"{}\"",
+            excludes.join(",")
+        );
     }
-    rules.push_str("-A ISTIO_OUTPUT -j ISTIO_REDIRECT\nCOMMIT\n");
-    rules
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: bench\n  \
+         annotations:\n{annotations}spec:\n  containers:\n  - name: app\n    image: app\n  \
+         - name: istio-proxy\n    image: proxyv2\n    args: [\"proxy\", \"sidecar\"]\n\
+         status:\n  podIP: 10.0.0.2\n  podIPs:\n  - ip: 10.0.0.2\n"
+    )
+}
+
+/// The policy meshcap's policy module derives from [`pod_manifest`].
+fn redirect_policy(excludes: &[String]) -> anyhow::Result<RedirectPolicy> {
+    let pod = policy::parse_pod_manifest(&pod_manifest("bench", excludes))?;
+    let ips = policy::status_pod_ips(&pod);
+    match policy::select(&pod, &ips, &SelectConfig::default())? {
+        Selection::Capture { policy } => Ok(*policy),
+        Selection::Skip { reason } => bail!("the benchmark pod is not captured: {reason}"),
+    }
+}
+
+/// Istio's rules for the benchmark pod, as the policy module renders them.
+fn istio_rules(excludes: &[String]) -> anyhow::Result<String> {
+    Ok(redirect_policy(excludes)?.render().v4)
 }
 
 fn iptables_restore(netns: &Netns, rules: &str) -> anyhow::Result<()> {
@@ -461,7 +484,9 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
+    let before = node.connect_stats();
     let results = interleave(&pods, plan.rounds, exe, cpu, plan.load)?;
+    let after = node.connect_stats();
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -495,6 +520,14 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow
         plan.load.bulk >> 20
     );
     out.push_str(&table.markdown());
+    let rules = istio_rules(&[])?;
+    let _ = write!(
+        out,
+        "\niptables: the {} rules (`-A` lines, nat table) meshcap's policy module renders for a \
+         default injected pod, identical to Istio's `basic` golden, applied with \
+         `iptables-restore --noflush` in the pod netns.\n",
+        rules.lines().filter(|l| l.starts_with("-A")).count()
+    );
     out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
     for (pod, runs) in pods.iter().zip(&results) {
         let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
@@ -503,6 +536,16 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow
     }
     out.pop();
     out.push_str(".\n");
+    if let (Some((n0, t0)), Some((n1, t1))) = (before, after)
+        && n1 > n0
+    {
+        let _ = writeln!(
+            out,
+            "\nbpf_stats: the connect program ran {} times, {:.0} ns per run on average.",
+            n1 - n0,
+            (t1 - t0).as_secs_f64() * 1e9 / (n1 - n0) as f64
+        );
+    }
     Ok(out)
 }
 
