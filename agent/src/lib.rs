@@ -1,15 +1,27 @@
 //! meshcap-agent: the node daemon that captures sidecar pods' traffic.
 //!
 //! Layout, one concern per module:
+//! - [`api`]: the plugin socket (root only, one bounded request per connection);
+//! - [`backend`]: the capture backends (`iptables`; `ebpf`) behind one trait;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
+//! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`netns`]: entering a pod's network namespace and learning its cookie;
+//! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
-//!   iptables rendering and an evaluator of the rendered rules.
+//!   iptables rendering and an evaluator of the rendered rules;
+//! - [`probe`]: can this kernel run the eBPF backend;
+//! - [`status`]: status report, metrics, health endpoint.
 
+pub mod api;
+pub mod backend;
 pub mod bpf;
+pub mod capture;
 pub mod cgroup;
 pub mod logging;
 pub mod netns;
+pub mod pods;
 pub mod policy;
+pub mod probe;
+pub mod status;

@@ -1,9 +1,31 @@
 //! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface.
-use std::{net::IpAddr, path::PathBuf, process::ExitCode};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    process::ExitCode,
+    sync::Arc,
+    time::Duration,
+};
 
-use anyhow::Context as _;
-use clap::{Parser, Subcommand, ValueEnum};
-use meshcap_agent::{bpf, logging, policy};
+use anyhow::{Context as _, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use meshcap_agent::{
+    api::{Server, ServerConfig},
+    backend::{
+        BackendChoice, CaptureBackend,
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+    },
+    bpf,
+    capture::{Capture, Settings},
+    logging,
+    pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
+    policy::{self, SelectConfig},
+    probe::{self, ProbeReport},
+    status::{StatusReport, http},
+};
+use meshcap_cni::protocol::{self, Op, Reply, Request};
+use tokio::sync::watch;
+use tracing::{info, warn};
 
 #[derive(Parser)]
 #[command(name = "meshcap-agent", version, about)]
@@ -19,6 +41,19 @@ struct Cli {
 enum Command {
     /// Load every embedded kernel program (the verifier checks each) and report.
     Verify,
+    /// Run the node agent: serve the CNI plugin, capture pods.
+    Run(Box<RunArgs>),
+    /// Show what a running agent captures, with which backend and why.
+    Status {
+        /// The agent's plugin socket.
+        #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Probe the kernel for the eBPF backend's needs and print the findings.
+    Probe,
     /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
     /// redirect policy, or the exact iptables rules.
     Policy {
@@ -45,6 +80,66 @@ enum PolicyFormat {
     Iptables,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum PodSourceKind {
+    /// The Kubernetes API (in-cluster, or $KUBECONFIG): a watch of this node's pods.
+    Kube,
+    /// A directory of pod manifests (standalone, no cluster).
+    Dir,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The plugin socket (root only, mode 0600).
+    #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
+    socket: PathBuf,
+    /// Where pods come from.
+    #[arg(long, value_enum, default_value = "kube")]
+    pods: PodSourceKind,
+    /// The manifest directory, with `--pods dir`.
+    #[arg(long, required_if_eq("pods", "dir"))]
+    pod_dir: Option<PathBuf>,
+    /// This node's name, with `--pods kube` (the DaemonSet passes spec.nodeName).
+    #[arg(long, env = "NODE_NAME", required_if_eq("pods", "kube"))]
+    node_name: Option<String>,
+    /// Lookups of a pod the source does not have yet, at ADD.
+    #[arg(long, default_value_t = 10)]
+    pod_lookup_attempts: u32,
+    /// Milliseconds between two lookups.
+    #[arg(long, default_value_t = 500)]
+    pod_lookup_interval_ms: u64,
+    /// Namespaces never captured (also decided by the plugin; repeat or comma-separate).
+    #[arg(long, value_delimiter = ',', default_value = "kube-system")]
+    exclude_namespaces: Vec<String>,
+    /// The capture backend: auto probes the kernel.
+    #[arg(long, value_enum, default_value_t)]
+    backend: BackendChoice,
+    /// The iptables implementation of the iptables backend (auto: as Istio decides).
+    #[arg(long, value_enum, default_value_t)]
+    iptables_flavour: FlavourChoice,
+    /// The cgroup v2 directory the eBPF programs attach to (default: the cgroup2 mount).
+    #[arg(long)]
+    cgroup_root: Option<PathBuf>,
+    /// The bpffs directory the eBPF backend pins under.
+    #[arg(long, default_value = "/sys/fs/bpf/meshcap")]
+    bpffs_dir: PathBuf,
+    /// The agent's own state (records of applied iptables rules, xtables locks).
+    #[arg(long, default_value = "/var/run/meshcap")]
+    state_dir: PathBuf,
+    /// Health, readiness and metrics endpoint (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, default_value = "0.0.0.0:15022")]
+    http_listen: SocketAddr,
+    /// Seconds to read a request or write a response on the socket.
+    #[arg(long, default_value_t = 5)]
+    io_timeout_seconds: u64,
+    /// Seconds to handle one request (pod lookups included); keep below the plugin's timeout.
+    #[arg(long, default_value_t = 25)]
+    request_timeout_seconds: u64,
+    /// Connections served at once.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(err) = logging::init(cli.log_format, "info") {
@@ -53,12 +148,15 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify => verify(),
+        Command::Run(args) => run(*args),
+        Command::Status { socket, json } => status(&socket, json),
         Command::Policy {
             pod,
             ips,
             exclude_namespaces,
             format,
         } => show_policy(&pod, &ips, exclude_namespaces, format),
+        Command::Probe => probe_kernel(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -69,10 +167,155 @@ fn main() -> ExitCode {
     }
 }
 
+fn probe_kernel() -> anyhow::Result<()> {
+    let report = probe::run();
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if !report.ok() {
+        bail!("the eBPF backend cannot run here: {}", report.failures());
+    }
+    Ok(())
+}
+
 fn verify() -> anyhow::Result<()> {
     let mut ebpf = bpf::open()?;
     for name in bpf::load_all(&mut ebpf)? {
         println!("verified {name}");
+    }
+    Ok(())
+}
+
+fn status(socket: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let response = protocol::call(socket, &Request::new(Op::Status), Duration::from_secs(10))?;
+    match response.reply {
+        Reply::Ok {
+            report: Some(report),
+            ..
+        } => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                let report: StatusReport = serde_json::from_value(report)?;
+                print!("{}", report.to_text());
+            }
+            Ok(())
+        }
+        Reply::Ok { .. } => bail!("the agent sent no status report"),
+        Reply::Error { msg, .. } => bail!("{msg}"),
+    }
+}
+
+/// The backend to use, why, and the probe's findings.
+fn open_backend(
+    choice: BackendChoice,
+    iptables: IptablesConfig,
+) -> anyhow::Result<(Arc<dyn CaptureBackend>, String, Option<ProbeReport>)> {
+    let iptables = || -> anyhow::Result<Arc<dyn CaptureBackend>> {
+        Ok(Arc::new(IptablesBackend::new(&iptables)?))
+    };
+    match choice {
+        BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
+        BackendChoice::Ebpf => bail!(
+            "--backend ebpf: the eBPF backend is not wired into this build yet; use --backend iptables or auto"
+        ),
+        BackendChoice::Auto => {
+            let report = probe::run();
+            let reason = if report.ok() {
+                "auto: the kernel passed every probe, but the eBPF backend is not wired into this build yet".to_owned()
+            } else {
+                format!(
+                    "auto: the kernel cannot run the eBPF backend ({})",
+                    report.failures()
+                )
+            };
+            warn!(%reason, "using the iptables backend");
+            Ok((iptables()?, reason, Some(report)))
+        }
+    }
+}
+
+#[tokio::main]
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let source = match args.pods {
+        PodSourceKind::Dir => {
+            let dir = args
+                .pod_dir
+                .clone()
+                .context("--pod-dir is required with --pods dir")?;
+            PodSource::Dir(DirPods::new(dir))
+        }
+        PodSourceKind::Kube => {
+            let node = args
+                .node_name
+                .clone()
+                .context("--node-name (or NODE_NAME) is required with --pods kube")?;
+            let client = kube::Client::try_default()
+                .await
+                .context("building a Kubernetes client (in-cluster config or $KUBECONFIG)")?;
+            PodSource::Kube(KubePods::start(client, node))
+        }
+    };
+    let iptables = IptablesConfig {
+        state_dir: args.state_dir.clone(),
+        flavour: args.iptables_flavour,
+    };
+    let choice = args.backend;
+    let (backend, reason, probe) =
+        tokio::task::spawn_blocking(move || open_backend(choice, iptables)).await??;
+    info!(backend = backend.name(), %reason, cgroup_root = ?args.cgroup_root, bpffs_dir = %args.bpffs_dir.display(), "backend chosen");
+    let capture = Arc::new(Capture::new(
+        source,
+        backend,
+        reason,
+        probe,
+        Settings {
+            retry: Retry {
+                attempts: args.pod_lookup_attempts,
+                interval: Duration::from_millis(args.pod_lookup_interval_ms),
+            },
+            select: SelectConfig {
+                exclude_namespaces: args.exclude_namespaces.clone(),
+            },
+            socket: args.socket.clone(),
+        },
+    ));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let (http_addr, http_server) =
+        http::bind(args.http_listen, capture.clone(), stopped(stop_rx.clone()))
+            .await
+            .with_context(|| format!("binding --http-listen {}", args.http_listen))?;
+    info!(%http_addr, "health and metrics endpoint listening");
+    let http_task = tokio::spawn(http_server);
+
+    let server = Server::bind(ServerConfig {
+        path: args.socket.clone(),
+        io_timeout: Duration::from_secs(args.io_timeout_seconds),
+        request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        max_connections: args.max_connections,
+    })
+    .await?;
+    capture.set_serving(true);
+    let serve = tokio::spawn(server.serve(capture.clone(), stopped(stop_rx)));
+
+    shutdown_signal().await?;
+    info!("shutting down: no new requests; captured pods stay captured");
+    let _ = stop_tx.send(true);
+    serve.await?;
+    http_task.await??;
+    info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM"),
+        _ = int.recv() => info!("SIGINT"),
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 use std::{
     fs::File,
     io,
+    net::IpAddr,
     os::fd::AsRawFd as _,
     path::{Path, PathBuf},
     thread,
@@ -106,4 +107,33 @@ pub fn cookie_of(path: &Path) -> Result<u64, NetnsError> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// The addresses of the calling thread's network namespace, loopback and link-local left out:
+/// what Istio reads inside a pod to decide whether it has IPv6.
+///
+/// # Errors
+/// When the interfaces cannot be listed.
+pub fn pod_addresses() -> io::Result<Vec<IpAddr>> {
+    let mut out = Vec::new();
+    for ifaddr in nix::ifaddrs::getifaddrs().map_err(io::Error::from)? {
+        let Some(address) = ifaddr.address else {
+            continue;
+        };
+        let ip = if let Some(v4) = address.as_sockaddr_in() {
+            IpAddr::V4(v4.ip())
+        } else if let Some(v6) = address.as_sockaddr_in6() {
+            IpAddr::V6(v6.ip())
+        } else {
+            continue;
+        };
+        let local = match ip {
+            IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local(),
+            IpAddr::V6(v6) => v6.is_loopback() || v6.is_unicast_link_local(),
+        };
+        if !local && !out.contains(&ip) {
+            out.push(ip);
+        }
+    }
+    Ok(out)
 }

@@ -1,12 +1,12 @@
-//! meshcap-cni: the CNI side. Knows the CNI spec and the agent's socket protocol, nothing of
-//! Kubernetes or BPF.
+//! meshcap-cni: the CNI side of meshcap. Knows the CNI spec and the agent's socket protocol,
+//! nothing of Kubernetes or BPF. Small and synchronous: no async runtime, no kube client.
+//!
+//! - [`cni`]: spec versions, the network configuration (with meshcap's keys), the runtime's
+//!   environment, results and errors;
+//! - [`protocol`]: the plugin ⇄ agent protocol (the agent depends on this module);
+//! - [`plugin`]: one invocation, from environment and stdin to stdout and exit status.
 #![forbid(unsafe_code)]
 
-/// CNI spec versions this plugin speaks.
-pub const SUPPORTED_VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
-
-/// The `VERSION` command's answer.
-#[must_use]
-pub fn version_info() -> serde_json::Value {
-    serde_json::json!({ "cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS })
-}
+pub mod cni;
+pub mod plugin;
+pub mod protocol;

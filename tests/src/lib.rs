@@ -21,6 +21,8 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+pub mod agent;
+
 /// The uid/gid Istio's proxy runs as.
 pub const PROXY_UID: u32 = 1337;
 

@@ -1,0 +1,503 @@
+//! The iptables fallback: Istio's own rules, rendered by the policy module, applied in the
+//! pod's network namespace with `iptables-restore --noflush`.
+//!
+//! - **Which iptables**: as Istio decides (`tools/istio-iptables/pkg/dependencies`): legacy
+//!   when `iptables-legacy-save` already shows rules in the pod's netns, else nft when
+//!   `iptables-nft-save` works, else plain `iptables`; `--iptables-flavour` forces one (Istio's
+//!   `FORCE_IPTABLES_BINARY`).
+//! - **Lock**: legacy iptables serializes on `/run/xtables.lock`, one file for the whole node,
+//!   so one slow pod (or the host's kube-proxy) would stall every other pod. Istio bind-mounts a
+//!   per-netns file over it in a private mount namespace; meshcap gets the same effect with
+//!   less machinery: `XTABLES_LOCKFILE` (iptables ≥ 1.8.3) points each netns at its own lock
+//!   file, and `-w` waits for it. Two operations on one pod are already serialized by the
+//!   agent, so the lock only guards against foreign writers in that netns. nft takes no lock.
+//! - **Idempotence and updates**: what was applied is recorded per pod (in memory and in
+//!   `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
+//!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
+//!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
+//!   A failure part-way rolls back what this call applied.
+//! - **TPROXY**: the policy route over netlink (see [`route`]).
+mod restore;
+mod route;
+
+use std::{
+    collections::HashMap,
+    fs,
+    io::Write as _,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::Mutex,
+};
+
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
+use crate::{
+    netns,
+    policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
+};
+
+/// Which iptables to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum FlavourChoice {
+    /// Istio's detection, per pod netns.
+    #[default]
+    Auto,
+    /// `iptables-legacy`.
+    Legacy,
+    /// `iptables-nft`.
+    Nft,
+}
+
+/// The iptables implementation used for a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavour {
+    /// x_tables (`iptables-legacy*`).
+    Legacy,
+    /// nf_tables (`iptables-nft*`).
+    Nft,
+    /// Whatever `iptables*` is on this host.
+    Plain,
+}
+
+impl Flavour {
+    fn suffix(self) -> &'static str {
+        match self {
+            Self::Legacy => "-legacy",
+            Self::Nft => "-nft",
+            Self::Plain => "",
+        }
+    }
+
+    /// `iptables…`/`ip6tables…` followed by `tail` (`-restore`, `-save` or nothing).
+    fn binary(self, ipv6: bool, tail: &str) -> String {
+        let base = if ipv6 { "ip6tables" } else { "iptables" };
+        format!("{base}{}{tail}", self.suffix())
+    }
+}
+
+/// Backend configuration.
+#[derive(Clone, Debug)]
+pub struct IptablesConfig {
+    /// Where records of applied rules and the per-netns lock files live.
+    pub state_dir: PathBuf,
+    /// Which iptables.
+    pub flavour: FlavourChoice,
+}
+
+/// Nothing: what a removed capture is swapped for.
+fn nothing() -> IptablesRules {
+    IptablesRules {
+        v4: String::new(),
+        v6: None,
+        routes: PolicyRoutes::default(),
+    }
+}
+
+/// What was applied to a pod.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Applied {
+    pod: PodRef,
+    flavour: Flavour,
+    rules: IptablesRules,
+    mode: InterceptionMode,
+}
+
+/// The iptables backend.
+#[derive(Debug)]
+pub struct IptablesBackend {
+    records: PathBuf,
+    locks: PathBuf,
+    flavour: FlavourChoice,
+    applied: Mutex<HashMap<String, Applied>>,
+}
+
+impl IptablesBackend {
+    /// Opens the backend and adopts the records of a previous run.
+    ///
+    /// # Errors
+    /// When the state directory cannot be created or read.
+    pub fn new(config: &IptablesConfig) -> Result<Self, BackendError> {
+        let records = config.state_dir.join("iptables");
+        let locks = config.state_dir.join("xtables-locks");
+        for dir in [&records, &locks] {
+            fs::create_dir_all(dir).map_err(|e| BackendError::State {
+                path: dir.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        let mut applied = HashMap::new();
+        let entries = fs::read_dir(&records).map_err(|e| BackendError::State {
+            path: records.clone(),
+            reason: e.to_string(),
+        })?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            match fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
+            {
+                Ok(record) => {
+                    applied.insert(record.pod.container_id.clone(), record);
+                }
+                Err(reason) => {
+                    warn!(path = %path.display(), %reason, "ignoring unreadable iptables record")
+                }
+            }
+        }
+        info!(adopted = applied.len(), flavour = ?config.flavour, "iptables backend ready");
+        Ok(Self {
+            records,
+            locks,
+            flavour: config.flavour,
+            applied: Mutex::new(applied),
+        })
+    }
+
+    fn record_path(&self, container_id: &str) -> PathBuf {
+        // Container IDs are hex from the runtime, but never trust a file name.
+        let safe: String = container_id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        self.records.join(format!("{safe}.json"))
+    }
+
+    fn save(&self, record: &Applied) -> Result<(), BackendError> {
+        let path = self.record_path(&record.pod.container_id);
+        let tmp = path.with_extension("json.tmp");
+        let write = || -> std::io::Result<()> {
+            fs::write(
+                &tmp,
+                serde_json::to_vec(record).map_err(std::io::Error::other)?,
+            )?;
+            fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| BackendError::State {
+            path,
+            reason: e.to_string(),
+        })
+    }
+
+    fn forget(&self, container_id: &str) {
+        let path = self.record_path(container_id);
+        if let Err(e) = fs::remove_file(&path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(path = %path.display(), error = %e, "removing iptables record");
+        }
+        self.lock().remove(container_id);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
+        // A panic while holding the map leaves it consistent (single inserts and removes).
+        self.applied
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The lock file for one netns: its device and inode identify it.
+    fn lock_file(&self, netns: &Path) -> PathBuf {
+        let id = fs::metadata(netns).map_or_else(
+            |_| "unknown".to_owned(),
+            |m| format!("{}-{}", m.dev(), m.ino()),
+        );
+        self.locks.join(format!("{id}.lock"))
+    }
+
+    fn in_netns<T: Send>(
+        &self,
+        pod: &PodRef,
+        f: impl FnOnce(&Ctx) -> Result<T, BackendError> + Send,
+    ) -> Result<T, BackendError> {
+        let ctx = Ctx {
+            pod: pod.to_string(),
+            lock: self.lock_file(&pod.netns),
+        };
+        netns::run_in(&pod.netns, || f(&ctx)).map_err(|source| BackendError::Netns {
+            pod: pod.to_string(),
+            source,
+        })?
+    }
+}
+
+/// What every command run in a pod's netns needs.
+struct Ctx {
+    pod: String,
+    lock: PathBuf,
+}
+
+impl Ctx {
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("XTABLES_LOCKFILE", &self.lock);
+        cmd
+    }
+
+    fn failed(&self, command: String, stderr: impl Into<String>) -> BackendError {
+        BackendError::Command {
+            pod: self.pod.clone(),
+            command,
+            stderr: stderr.into(),
+        }
+    }
+
+    /// Runs a command, returning its stdout.
+    fn run(&self, program: &str, args: &[String]) -> Result<String, BackendError> {
+        let line = format!("{program} {}", args.join(" "));
+        let out = self
+            .command(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
+        if !out.status.success() {
+            return Err(self.failed(line, String::from_utf8_lossy(&out.stderr).trim().to_owned()));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// `iptables-restore --noflush -w` with `payload` on stdin.
+    fn restore(&self, flavour: Flavour, ipv6: bool, payload: &str) -> Result<(), BackendError> {
+        if payload.is_empty() {
+            return Ok(());
+        }
+        let program = flavour.binary(ipv6, "-restore");
+        let line = format!("{program} --noflush -w 10");
+        debug!(pod = %self.pod, %program, payload, "restoring");
+        let mut child = self
+            .command(&program)
+            .args(["--noflush", "-w", "10"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(payload.as_bytes())
+                .map_err(|e| self.failed(line.clone(), format!("writing rules: {e}")))?;
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(self.failed(line, String::from_utf8_lossy(&out.stderr).trim().to_owned()))
+        }
+    }
+
+    /// Istio's choice of iptables for this netns.
+    fn detect(&self, choice: FlavourChoice) -> Flavour {
+        match choice {
+            FlavourChoice::Legacy => return Flavour::Legacy,
+            FlavourChoice::Nft => return Flavour::Nft,
+            FlavourChoice::Auto => {}
+        }
+        let has_rules = |ipv6| {
+            self.run(&Flavour::Legacy.binary(ipv6, "-save"), &[])
+                .is_ok_and(|out| out.lines().any(|l| l.starts_with("-A ")))
+        };
+        if has_rules(false) || has_rules(true) {
+            Flavour::Legacy
+        } else if self.run(&Flavour::Nft.binary(false, "-save"), &[]).is_ok() {
+            Flavour::Nft
+        } else {
+            Flavour::Plain
+        }
+    }
+
+    /// Applies `new` over `old` (both rule sets of one pod), rolling back on failure.
+    fn swap(
+        &self,
+        flavour: Flavour,
+        old: Option<&IptablesRules>,
+        new: &IptablesRules,
+    ) -> Result<(), BackendError> {
+        let old_v4 = old.map(|r| r.v4.as_str());
+        let old_v6 = old.and_then(|r| r.v6.as_deref());
+        self.restore(flavour, false, &restore::replace(old_v4, &new.v4))?;
+        let undo_v4 = || {
+            let back = restore::replace(Some(&new.v4), old_v4.unwrap_or(""));
+            if let Err(err) = self.restore(flavour, false, &back) {
+                warn!(pod = %self.pod, error = %err, "rolling back IPv4 rules");
+            }
+        };
+        if let Err(err) = self.restore(
+            flavour,
+            true,
+            &restore::replace(old_v6, new.v6.as_deref().unwrap_or("")),
+        ) {
+            undo_v4();
+            return Err(err);
+        }
+        let empty = PolicyRoutes::default();
+        if let Err(e) = route::update(old.map_or(&empty, |r| &r.routes), &new.routes) {
+            undo_v4();
+            let back = restore::replace(new.v6.as_deref(), old_v6.unwrap_or(""));
+            if let Err(err) = self.restore(flavour, true, &back) {
+                warn!(pod = %self.pod, error = %err, "rolling back IPv6 rules");
+            }
+            return Err(BackendError::Netlink {
+                pod: self.pod.clone(),
+                what: e.what,
+                reason: e.reason,
+            });
+        }
+        Ok(())
+    }
+
+    /// The first rule of `rules` that is not in place, if any.
+    fn first_missing(
+        &self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+    ) -> Result<Option<String>, BackendError> {
+        let families = [
+            (false, Some(rules.v4.as_str())),
+            (true, rules.v6.as_deref()),
+        ];
+        for (ipv6, text) in families {
+            let Some(text) = text else { continue };
+            let program = flavour.binary(ipv6, "");
+            for table in restore::tables(text) {
+                for mut args in restore::checks(&table) {
+                    args.insert(0, "-w".to_owned());
+                    args.insert(1, "10".to_owned());
+                    if self.run(&program, &args).is_err() {
+                        return Ok(Some(format!("{program} rule `{}`", args[2..].join(" "))));
+                    }
+                }
+            }
+        }
+        route::missing(&rules.routes).map_err(|e| BackendError::Netlink {
+            pod: self.pod.clone(),
+            what: e.what,
+            reason: e.reason,
+        })
+    }
+}
+
+impl CaptureBackend for IptablesBackend {
+    fn name(&self) -> &'static str {
+        "iptables"
+    }
+
+    #[tracing::instrument(name = "iptables_add", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+        let rules = policy.render();
+        let previous = self.lock().get(&pod.container_id).cloned();
+        if let Some(prev) = &previous
+            && prev.rules == rules
+            && self.check(pod, policy).is_ok()
+        {
+            debug!("already captured with these rules");
+            return Ok(());
+        }
+        let choice = self.flavour;
+        let flavour = self.in_netns(pod, |ctx| {
+            let flavour = previous
+                .as_ref()
+                .map_or_else(|| ctx.detect(choice), |p| p.flavour);
+            ctx.swap(flavour, previous.as_ref().map(|p| &p.rules), &rules)?;
+            Ok(flavour)
+        })?;
+        let record = Applied {
+            pod: pod.clone(),
+            flavour,
+            rules,
+            mode: policy.mode,
+        };
+        if let Err(err) = self.save(&record) {
+            // Without a record a restarted agent could not remove these rules: undo them.
+            let _ = self.in_netns(pod, |ctx| {
+                ctx.swap(flavour, Some(&record.rules), &nothing())
+            });
+            return Err(err);
+        }
+        info!(?flavour, mode = %policy.mode, "iptables rules applied");
+        self.lock().insert(pod.container_id.clone(), record);
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        let Some(record) = self.lock().get(&pod.container_id).cloned() else {
+            debug!("nothing applied for this container");
+            return Ok(());
+        };
+        let target = if pod.netns.as_os_str().is_empty() {
+            record.pod.clone()
+        } else {
+            pod.clone()
+        };
+        if !target.netns.exists() {
+            debug!(netns = %target.netns.display(), "netns gone: its rules went with it");
+            self.forget(&pod.container_id);
+            return Ok(());
+        }
+        self.in_netns(&target, |ctx| {
+            ctx.swap(record.flavour, Some(&record.rules), &nothing())
+        })?;
+        self.forget(&pod.container_id);
+        info!("iptables rules removed");
+        Ok(())
+    }
+
+    #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+        let rules = policy.render();
+        let not_captured = |missing: String| BackendError::NotCaptured {
+            pod: pod.to_string(),
+            missing,
+        };
+        let Some(record) = self.lock().get(&pod.container_id).cloned() else {
+            return Err(not_captured(
+                "meshcap never applied rules to this container".into(),
+            ));
+        };
+        if record.rules != rules {
+            return Err(not_captured(
+                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
+            ));
+        }
+        match self.in_netns(pod, |ctx| ctx.first_missing(record.flavour, &rules))? {
+            None => Ok(()),
+            Some(missing) => Err(not_captured(missing)),
+        }
+    }
+
+    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+        let mut out: Vec<CapturedPod> = self
+            .lock()
+            .values()
+            .map(|a| CapturedPod {
+                pod: a.pod.clone(),
+                backend: self.name().to_owned(),
+                summary: format!(
+                    "{} via {}{}",
+                    a.mode,
+                    a.flavour.binary(false, ""),
+                    if a.rules.family(Family::V6).is_some() {
+                        ", IPv4+IPv6"
+                    } else {
+                        ""
+                    }
+                ),
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
+        Ok(out)
+    }
+}

@@ -1,0 +1,222 @@
+//! iptables-restore payloads: the rendered rule text split into tables, the inverse of a
+//! rule set (to remove or replace it atomically), and rules as `-C` argument lists.
+//!
+//! Rendered rules are Istio's: `* table`, `-N chain`, `-A chain spec…`, `-I chain n spec…`,
+//! `COMMIT`. No rule contains quotes or comments, so whitespace splitting is exact.
+
+/// Chains the kernel provides; every other chain in a rule set is created by it.
+const BUILTIN_CHAINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+
+/// One table of a rule set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Table {
+    /// `nat`, `mangle`, `raw`, …
+    pub name: String,
+    /// The command lines between the `*table` header and `COMMIT`.
+    pub lines: Vec<String>,
+}
+
+/// Splits a rendered rule set into its tables. Tables named twice are merged in order.
+#[must_use]
+pub fn tables(text: &str) -> Vec<Table> {
+    let mut out: Vec<Table> = Vec::new();
+    let mut current: Option<usize> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('*') {
+            let name = name.trim().to_owned();
+            let index = out.iter().position(|t| t.name == name).unwrap_or_else(|| {
+                out.push(Table {
+                    name,
+                    lines: Vec::new(),
+                });
+                out.len() - 1
+            });
+            current = Some(index);
+        } else if line == "COMMIT" {
+            current = None;
+        } else if !line.is_empty()
+            && !line.starts_with('#')
+            && let Some(i) = current
+        {
+            out[i].lines.push(line.to_owned());
+        }
+    }
+    out
+}
+
+/// The chains a table's lines create (`-N`).
+fn own_chains(table: &Table) -> Vec<&str> {
+    table
+        .lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("-N "))
+        .map(str::trim)
+        .collect()
+}
+
+/// The lines that undo `table`: delete its rules in built-in chains, then flush and delete the
+/// chains it created (their rules go with them).
+#[must_use]
+pub fn inverse(table: &Table) -> Vec<String> {
+    let own = own_chains(table);
+    let mut out = Vec::new();
+    for line in &table.lines {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let spec = match words.as_slice() {
+            ["-A", chain, spec @ ..] if BUILTIN_CHAINS.contains(chain) => Some((chain, spec)),
+            ["-I", chain, index, spec @ ..]
+                if BUILTIN_CHAINS.contains(chain) && index.parse::<u32>().is_ok() =>
+            {
+                Some((chain, spec))
+            }
+            ["-I", chain, spec @ ..] if BUILTIN_CHAINS.contains(chain) => Some((chain, spec)),
+            _ => None,
+        };
+        if let Some((chain, spec)) = spec {
+            out.push(format!("-D {chain} {}", spec.join(" ")));
+        }
+    }
+    out.extend(own.iter().map(|c| format!("-F {c}")));
+    out.extend(own.iter().map(|c| format!("-X {c}")));
+    out
+}
+
+/// A restore payload: the given lines per table, each table committed on its own.
+#[must_use]
+pub fn payload(tables: &[(String, Vec<String>)]) -> String {
+    let mut out = String::new();
+    for (name, lines) in tables.iter().filter(|(_, l)| !l.is_empty()) {
+        out.push('*');
+        out.push_str(name);
+        out.push('\n');
+        for line in lines {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out.push_str("COMMIT\n");
+    }
+    out
+}
+
+/// The payload that replaces `old` (what was applied before, if anything) by `new`, one
+/// transaction per table, so no table is ever seen half-way.
+#[must_use]
+pub fn replace(old: Option<&str>, new: &str) -> String {
+    let old = old.map(tables).unwrap_or_default();
+    let new = tables(new);
+    let mut names: Vec<String> = old.iter().map(|t| t.name.clone()).collect();
+    for t in &new {
+        if !names.contains(&t.name) {
+            names.push(t.name.clone());
+        }
+    }
+    let merged: Vec<(String, Vec<String>)> = names
+        .into_iter()
+        .map(|name| {
+            let mut lines = old
+                .iter()
+                .find(|t| t.name == name)
+                .map(inverse)
+                .unwrap_or_default();
+            if let Some(t) = new.iter().find(|t| t.name == name) {
+                lines.extend(t.lines.iter().cloned());
+            }
+            (name, lines)
+        })
+        .collect();
+    payload(&merged)
+}
+
+/// `-C` argument lists that verify every rule of a table (`-t table -C chain spec…`).
+#[must_use]
+pub fn checks(table: &Table) -> Vec<Vec<String>> {
+    table
+        .lines
+        .iter()
+        .filter_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let (chain, spec) = match words.as_slice() {
+                ["-A", chain, spec @ ..] => (chain, spec),
+                ["-I", chain, index, spec @ ..] if index.parse::<u32>().is_ok() => (chain, spec),
+                ["-I", chain, spec @ ..] => (chain, spec),
+                _ => return None,
+            };
+            let mut args = vec!["-t".to_owned(), table.name.clone(), "-C".to_owned()];
+            args.push((*chain).to_owned());
+            args.extend(spec.iter().map(|s| (*s).to_owned()));
+            Some(args)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TPROXY: &str = "* mangle
+-N ISTIO_DIVERT
+-N ISTIO_INBOUND
+-A ISTIO_DIVERT -j MARK --set-mark 1337
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A OUTPUT -p tcp -o lo -m mark --mark 1337 -j RETURN
+-I ISTIO_INBOUND 1 -p tcp -m mark --mark 1337 -j RETURN
+COMMIT
+* nat
+-N ISTIO_OUTPUT
+-A OUTPUT -j ISTIO_OUTPUT
+COMMIT
+";
+
+    #[test]
+    fn tables_are_split_and_trimmed() {
+        let t = tables(TPROXY);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].name, "mangle");
+        assert_eq!(t[0].lines.len(), 6);
+        assert_eq!(t[1].lines, ["-N ISTIO_OUTPUT", "-A OUTPUT -j ISTIO_OUTPUT"]);
+    }
+
+    #[test]
+    fn inverse_deletes_builtin_rules_then_own_chains() {
+        let t = tables(TPROXY);
+        assert_eq!(
+            inverse(&t[0]),
+            [
+                "-D PREROUTING -p tcp -j ISTIO_INBOUND",
+                "-D OUTPUT -p tcp -o lo -m mark --mark 1337 -j RETURN",
+                "-F ISTIO_DIVERT",
+                "-F ISTIO_INBOUND",
+                "-X ISTIO_DIVERT",
+                "-X ISTIO_INBOUND",
+            ]
+        );
+    }
+
+    #[test]
+    fn replace_is_one_transaction_per_table() {
+        let text = replace(
+            Some(TPROXY),
+            "* nat\n-N ISTIO_OUTPUT\n-A OUTPUT -j ISTIO_OUTPUT\nCOMMIT\n",
+        );
+        assert_eq!(
+            text,
+            "*mangle\n-D PREROUTING -p tcp -j ISTIO_INBOUND\n\
+             -D OUTPUT -p tcp -o lo -m mark --mark 1337 -j RETURN\n-F ISTIO_DIVERT\n\
+             -F ISTIO_INBOUND\n-X ISTIO_DIVERT\n-X ISTIO_INBOUND\nCOMMIT\n\
+             *nat\n-D OUTPUT -j ISTIO_OUTPUT\n-F ISTIO_OUTPUT\n-X ISTIO_OUTPUT\n\
+             -N ISTIO_OUTPUT\n-A OUTPUT -j ISTIO_OUTPUT\nCOMMIT\n"
+        );
+        assert_eq!(replace(None, ""), "");
+    }
+
+    #[test]
+    fn checks_drop_insert_positions() {
+        let t = tables(TPROXY);
+        let checks = checks(&t[0]);
+        assert_eq!(checks.len(), 4);
+        assert_eq!(
+            checks[3].join(" "),
+            "-t mangle -C ISTIO_INBOUND -p tcp -m mark --mark 1337 -j RETURN"
+        );
+    }
+}

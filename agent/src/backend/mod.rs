@@ -1,0 +1,141 @@
+//! Capture backends: translations of a [`RedirectPolicy`] into kernel state for one pod.
+//!
+//! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
+//! netlink or BPF): the agent calls them through `tokio::task::spawn_blocking`, never on a
+//! runtime worker.
+use std::{fmt, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{netns::NetnsError, policy::RedirectPolicy};
+
+pub mod iptables;
+
+/// The pod a backend works on: its identity and its sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PodRef {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+    /// The sandbox (pause) container's ID, as CNI names it: the key of a capture.
+    pub container_id: String,
+    /// The sandbox's network namespace file (may be empty on DEL: the runtime may have
+    /// removed it already).
+    pub netns: PathBuf,
+}
+
+impl fmt::Display for PodRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pod {}/{}", self.namespace, self.name)
+    }
+}
+
+/// A capture in place, as a backend reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapturedPod {
+    /// The pod.
+    pub pod: PodRef,
+    /// The backend holding the capture ([`CaptureBackend::name`]).
+    pub backend: String,
+    /// What is applied, in one line (mode, and backend details such as the iptables flavour).
+    pub summary: String,
+}
+
+/// Errors of a backend, naming the pod and what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The pod's network namespace cannot be entered.
+    #[error("{pod}: {source}")]
+    Netns {
+        /// The pod.
+        pod: String,
+        /// Why.
+        #[source]
+        source: NetnsError,
+    },
+    /// A command run in the pod's network namespace failed.
+    #[error("{pod}: {command} failed: {stderr}")]
+    Command {
+        /// The pod.
+        pod: String,
+        /// The command line (program and arguments).
+        command: String,
+        /// Its error output (or why it could not run).
+        stderr: String,
+    },
+    /// A netlink request failed.
+    #[error("{pod}: netlink: {what}: {reason}")]
+    Netlink {
+        /// The pod.
+        pod: String,
+        /// The request.
+        what: String,
+        /// The kernel's answer.
+        reason: String,
+    },
+    /// CHECK: the kernel state differs from the policy.
+    #[error("{pod}: capture is not in place: {missing}")]
+    NotCaptured {
+        /// The pod.
+        pod: String,
+        /// What is missing or different.
+        missing: String,
+    },
+    /// The backend's own state (on disk) could not be read or written.
+    #[error("backend state {path}: {reason}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The backend cannot run here (missing binaries, kernel features).
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// A way of capturing a pod's traffic. Implementations are shared between threads.
+pub trait CaptureBackend: Send + Sync {
+    /// The backend's name: `ebpf` or `iptables`.
+    fn name(&self) -> &'static str;
+
+    /// Captures the pod as the policy says. Idempotent; when the pod is already captured with
+    /// another policy, the capture is updated. On error nothing of this call stays applied.
+    ///
+    /// # Errors
+    /// When the capture cannot be applied.
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
+
+    /// Removes the pod's capture. Idempotent: an unknown pod, or one whose netns is gone,
+    /// succeeds.
+    ///
+    /// # Errors
+    /// When capture state exists but cannot be removed.
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError>;
+
+    /// Verifies that the pod is captured exactly as the policy says.
+    ///
+    /// # Errors
+    /// [`BackendError::NotCaptured`] naming what is missing, or a failure to look.
+    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
+
+    /// The captures this backend holds.
+    ///
+    /// # Errors
+    /// When its state cannot be read.
+    fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
+}
+
+/// Which backend the agent uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// eBPF when the kernel probe passes, else iptables.
+    #[default]
+    Auto,
+    /// eBPF, or fail to start.
+    Ebpf,
+    /// Istio's iptables rules.
+    Iptables,
+}

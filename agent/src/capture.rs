@@ -1,0 +1,458 @@
+//! The agent's core: a plugin request in, a capture decision applied, a response out.
+//!
+//! ADD looks the pod up (bounded retries), asks the policy module whether and how Istio would
+//! capture it, and applies that with the backend; DEL removes; CHECK re-derives the policy and
+//! asks the backend whether it is in place. Requests for one container are serialized; the
+//! backend's blocking work runs on tokio's blocking pool.
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Instant,
+};
+
+use meshcap_cni::protocol::{ErrorKind, Op, Outcome, PodAttachment, Reply, Response};
+use tracing::{Instrument as _, error, info, info_span, warn};
+
+use crate::{
+    backend::{BackendError, CaptureBackend, PodRef},
+    netns,
+    pods::{PodSource, PodSourceError, Retry},
+    policy::{
+        self, CidrSet, Family, IpRanges, PortSelection, RedirectPolicy, SelectConfig, Selection,
+    },
+    probe::ProbeReport,
+    status::{PodStatus, StatusReport, metrics::Metrics},
+};
+
+/// How the agent decides.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Pod lookups at ADD and CHECK.
+    pub retry: Retry,
+    /// Node-level selection (excluded namespaces).
+    pub select: SelectConfig,
+    /// The plugin socket, for status.
+    pub socket: PathBuf,
+}
+
+/// A failed request: its kind and message.
+struct Failure {
+    kind: ErrorKind,
+    msg: String,
+    details: String,
+}
+
+impl Failure {
+    fn new(kind: ErrorKind, msg: impl Into<String>) -> Self {
+        Self {
+            kind,
+            msg: msg.into(),
+            details: String::new(),
+        }
+    }
+}
+
+impl From<PodSourceError> for Failure {
+    fn from(err: PodSourceError) -> Self {
+        let kind = match err {
+            PodSourceError::NotFound { .. } => ErrorKind::PodNotFound,
+            PodSourceError::Unavailable { .. } => ErrorKind::PodSourceUnavailable,
+        };
+        Self::new(kind, err.to_string())
+    }
+}
+
+impl From<BackendError> for Failure {
+    fn from(err: BackendError) -> Self {
+        let kind = match err {
+            BackendError::NotCaptured { .. } => ErrorKind::CheckFailed,
+            _ => ErrorKind::Backend,
+        };
+        Self::new(kind, err.to_string())
+    }
+}
+
+/// The request handler.
+pub struct Capture {
+    source: PodSource,
+    backend: Arc<dyn CaptureBackend>,
+    backend_reason: String,
+    probe: Option<ProbeReport>,
+    settings: Settings,
+    metrics: Metrics,
+    serving: AtomicBool,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    policies: Mutex<HashMap<String, String>>,
+}
+
+impl Capture {
+    /// A handler over a pod source and a backend (`reason`: why this backend).
+    #[must_use]
+    pub fn new(
+        source: PodSource,
+        backend: Arc<dyn CaptureBackend>,
+        backend_reason: String,
+        probe: Option<ProbeReport>,
+        settings: Settings,
+    ) -> Self {
+        let capture = Self {
+            source,
+            backend,
+            backend_reason,
+            probe,
+            settings,
+            metrics: Metrics::new(),
+            serving: AtomicBool::new(false),
+            locks: Mutex::new(HashMap::new()),
+            policies: Mutex::new(HashMap::new()),
+        };
+        capture.update_captured_gauge();
+        capture
+    }
+
+    /// The metrics.
+    #[must_use]
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Marks the agent as serving (or not: shutting down).
+    pub fn set_serving(&self, serving: bool) {
+        self.serving.store(serving, Ordering::Release);
+    }
+
+    /// Why the agent is not ready, or `None` when it is.
+    #[must_use]
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if !self.serving.load(Ordering::Acquire) {
+            return Some("the plugin socket is not serving".into());
+        }
+        if !self.source.is_ready() {
+            return Some(format!("{} has not synced yet", self.source.describe()));
+        }
+        None
+    }
+
+    fn update_captured_gauge(&self) {
+        if let Ok(pods) = self.backend.list() {
+            self.metrics.set_captured(self.backend.name(), pods.len());
+        }
+    }
+
+    /// Handles one request.
+    pub async fn handle(self: &Arc<Self>, op: Op) -> Response {
+        let name = op.name();
+        let span = match &op {
+            Op::Add { pod } | Op::Del { pod } | Op::Check { pod } => info_span!(
+                "cni", op = name, pod = %format!("{}/{}", pod.namespace, pod.name), container = %pod.container_id
+            ),
+            _ => info_span!("cni", op = name),
+        };
+        let started = Instant::now();
+        let result = self.dispatch(op).instrument(span.clone()).await;
+        let _enter = span.enter();
+        match result {
+            Ok(response) => {
+                if let Reply::Ok {
+                    outcome, message, ..
+                } = &response.reply
+                {
+                    let outcome = serde_json::to_value(outcome)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default();
+                    self.metrics.observe(name, &outcome, started.elapsed());
+                    if !matches!(name, "ping" | "status") {
+                        info!(
+                            outcome,
+                            took_ms = started.elapsed().as_millis(),
+                            "{message}"
+                        );
+                    }
+                }
+                response
+            }
+            Err(failure) => {
+                let reason = serde_json::to_value(failure.kind)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                self.metrics.observe(name, "error", started.elapsed());
+                self.metrics.error(name, &reason);
+                warn!(reason, "{}", failure.msg);
+                Response::error(failure.kind, failure.msg, failure.details)
+            }
+        }
+    }
+
+    async fn dispatch(self: &Arc<Self>, op: Op) -> Result<Response, Failure> {
+        if !matches!(op, Op::Status) && !self.serving.load(Ordering::Acquire) {
+            return Err(Failure::new(
+                ErrorKind::NotReady,
+                "meshcap-agent is shutting down",
+            ));
+        }
+        match op {
+            Op::Add { pod } => self.locked(&pod.container_id.clone(), self.add(pod)).await,
+            Op::Del { pod } => self.locked(&pod.container_id.clone(), self.del(pod)).await,
+            Op::Check { pod } => {
+                self.locked(&pod.container_id.clone(), self.check(pod))
+                    .await
+            }
+            Op::Gc {
+                valid_container_ids,
+            } => self.gc(&valid_container_ids).await,
+            Op::Ping => match self.not_ready_reason() {
+                None => Ok(Response::ok(
+                    Outcome::Alive,
+                    format!("ready, backend {}", self.backend.name()),
+                )),
+                Some(reason) => Err(Failure::new(ErrorKind::NotReady, reason)),
+            },
+            Op::Status => {
+                let report = self.status().await?;
+                let mut response = Response::ok(Outcome::Status, "status");
+                if let Reply::Ok { report: slot, .. } = &mut response.reply {
+                    *slot = serde_json::to_value(report).ok();
+                }
+                Ok(response)
+            }
+        }
+    }
+
+    /// Runs `work` holding the lock of one container.
+    async fn locked<T>(&self, container_id: &str, work: impl Future<Output = T>) -> T {
+        let lock = {
+            let mut locks = self
+                .locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            locks.entry(container_id.to_owned()).or_default().clone()
+        };
+        let out = {
+            let _guard = lock.lock().await;
+            work.await
+        };
+        let mut locks = self
+            .locks
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Drop the entry when nobody else waits on it (the map holds one reference, we another).
+        if locks
+            .get(container_id)
+            .is_some_and(|l| Arc::strong_count(l) <= 2)
+        {
+            locks.remove(container_id);
+        }
+        out
+    }
+
+    /// Runs a blocking backend call on the blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&dyn CaptureBackend) -> T + Send + 'static,
+    ) -> Result<T, Failure> {
+        let backend = self.backend.clone();
+        let span = tracing::Span::current();
+        tokio::task::spawn_blocking(move || span.in_scope(|| f(backend.as_ref())))
+            .await
+            .map_err(|e| Failure::new(ErrorKind::Internal, format!("backend task failed: {e}")))
+    }
+
+    /// The pod's decision: skip (with the reason) or capture with a policy.
+    async fn select(&self, pod: &PodAttachment) -> Result<Selection, Failure> {
+        let found = self
+            .source
+            .get(
+                &pod.namespace,
+                &pod.name,
+                pod.uid.as_deref(),
+                self.settings.retry,
+            )
+            .await?;
+        let ips = if pod.ips.is_empty() {
+            let netns = PathBuf::from(&pod.netns);
+            tokio::task::spawn_blocking(move || netns::run_in(&netns, netns::pod_addresses))
+                .await
+                .map_err(|e| Failure::new(ErrorKind::Internal, e.to_string()))?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::BadRequest,
+                        format!("pod {}/{}: {e}", pod.namespace, pod.name),
+                    )
+                })?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "pod {}/{}: listing addresses in {}: {e}",
+                            pod.namespace, pod.name, pod.netns
+                        ),
+                    )
+                })?
+        } else {
+            pod.ips.clone()
+        };
+        policy::select(&found, &ips, &self.settings.select)
+            .map_err(|e| Failure::new(ErrorKind::InvalidPod, e.to_string()))
+    }
+
+    async fn add(&self, pod: PodAttachment) -> Result<Response, Failure> {
+        let policy = match self.select(&pod).await? {
+            Selection::Skip { reason } => {
+                return Ok(Response::ok(
+                    Outcome::Skipped,
+                    format!("not captured: {reason}"),
+                ));
+            }
+            Selection::Capture { policy } => policy,
+        };
+        let target = pod_ref(&pod);
+        let summary = summary(&policy);
+        let applied = policy.clone();
+        self.blocking(move |b| b.add(&target, &applied)).await??;
+        self.policies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(pod.container_id.clone(), summary.clone());
+        self.update_captured_gauge();
+        Ok(Response::ok(
+            Outcome::Captured,
+            format!("captured by the {} backend: {summary}", self.backend.name()),
+        ))
+    }
+
+    async fn del(&self, pod: PodAttachment) -> Result<Response, Failure> {
+        let target = pod_ref(&pod);
+        self.blocking(move |b| b.remove(&target)).await??;
+        self.policies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&pod.container_id);
+        self.update_captured_gauge();
+        Ok(Response::ok(Outcome::Removed, "capture removed"))
+    }
+
+    async fn check(&self, pod: PodAttachment) -> Result<Response, Failure> {
+        let policy = match self.select(&pod).await? {
+            Selection::Skip { reason } => {
+                return Ok(Response::ok(
+                    Outcome::Skipped,
+                    format!("not captured: {reason}"),
+                ));
+            }
+            Selection::Capture { policy } => policy,
+        };
+        let target = pod_ref(&pod);
+        self.blocking(move |b| b.check(&target, &policy)).await??;
+        Ok(Response::ok(Outcome::Checked, "capture is in place"))
+    }
+
+    async fn gc(&self, valid: &[String]) -> Result<Response, Failure> {
+        let captured = self.blocking(|b| b.list()).await??;
+        let mut removed = 0;
+        for stale in captured
+            .into_iter()
+            .filter(|c| !valid.contains(&c.pod.container_id))
+        {
+            let pod = stale.pod.clone();
+            let id = pod.container_id.clone();
+            match self
+                .locked(&id, self.blocking(move |b| b.remove(&pod)))
+                .await?
+            {
+                Ok(()) => removed += 1,
+                Err(err) => {
+                    error!(container = %id, error = %err, "GC could not remove a stale capture")
+                }
+            }
+        }
+        self.update_captured_gauge();
+        Ok(Response::ok(
+            Outcome::Collected,
+            format!("removed {removed} stale captures"),
+        ))
+    }
+
+    /// The status report.
+    async fn status(&self) -> Result<StatusReport, Failure> {
+        let captured = self.blocking(|b| b.list()).await??;
+        let policies = self
+            .policies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        Ok(StatusReport {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            ready: self.not_ready_reason().is_none(),
+            backend: self.backend.name().to_owned(),
+            backend_reason: self.backend_reason.clone(),
+            probe: self.probe.clone(),
+            pod_source: self.source.describe(),
+            socket: self.settings.socket.display().to_string(),
+            pods: captured
+                .into_iter()
+                .map(|c| PodStatus {
+                    policy: policies.get(&c.pod.container_id).cloned(),
+                    captured: c,
+                })
+                .collect(),
+        })
+    }
+}
+
+fn pod_ref(pod: &PodAttachment) -> PodRef {
+    PodRef {
+        namespace: pod.namespace.clone(),
+        name: pod.name.clone(),
+        container_id: pod.container_id.clone(),
+        netns: PathBuf::from(&pod.netns),
+    }
+}
+
+/// A policy in one line, for logs and status.
+#[must_use]
+pub fn summary(policy: &RedirectPolicy) -> String {
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
+            "none".to_owned()
+        } else {
+            items.join(",")
+        }
+    };
+    let ports = |p: &[u16]| list(p.iter().map(u16::to_string).collect());
+    let cidrs = |set: &CidrSet| {
+        list(
+            [Family::V4, Family::V6]
+                .into_iter()
+                .flat_map(|f| set.family(f).iter().map(ToString::to_string))
+                .collect(),
+        )
+    };
+    let outbound = match &policy.include_outbound_ip_ranges {
+        IpRanges::All => "*".to_owned(),
+        IpRanges::Cidrs(set) => cidrs(set),
+    };
+    let inbound = match &policy.include_inbound_ports {
+        PortSelection::All => format!("* except {}", ports(&policy.exclude_inbound_ports)),
+        PortSelection::Ports(p) => ports(p),
+    };
+    format!(
+        "{}; outbound {outbound} (not {}; ports not {}); inbound {inbound}; proxy uid/gid {}/{}{}{}",
+        policy.mode,
+        cidrs(&policy.exclude_outbound_ip_ranges),
+        ports(&policy.exclude_outbound_ports),
+        policy.proxy_uid,
+        policy.proxy_gid,
+        if policy.dns_capture {
+            "; DNS captured"
+        } else {
+            ""
+        },
+        if policy.ipv6 { "; IPv6" } else { "" },
+    )
+}

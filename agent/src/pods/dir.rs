@@ -1,0 +1,169 @@
+//! Pods from a directory of manifests (`*.yaml`, `*.yml`, `*.json`; several YAML documents per
+//! file and `kind: List` are fine), for running without a cluster. Read on every lookup, so a
+//! manifest written just before the CNI ADD is seen.
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Pod;
+use serde::Deserialize as _;
+use tracing::warn;
+
+use super::Lookup;
+
+/// The directory source.
+#[derive(Debug)]
+pub struct DirPods {
+    dir: PathBuf,
+}
+
+impl DirPods {
+    /// A source reading `dir`.
+    #[must_use]
+    pub fn new(dir: PathBuf) -> Self {
+        Self { dir }
+    }
+
+    pub(super) fn describe(&self) -> String {
+        format!("pod manifest directory {}", self.dir.display())
+    }
+
+    pub(super) async fn lookup(&self, namespace: &str, name: &str) -> Lookup {
+        let dir = self.dir.clone();
+        let (namespace, name) = (namespace.to_owned(), name.to_owned());
+        tokio::task::spawn_blocking(move || find(&dir, &namespace, &name))
+            .await
+            .unwrap_or_else(|e| Lookup::Failed(format!("reading manifests: {e}")))
+    }
+}
+
+/// Every pod in one manifest file's text.
+///
+/// # Errors
+/// When the text is not YAML/JSON, or a `Pod` document does not parse as one.
+pub fn pods_in(text: &str) -> Result<Vec<Pod>, String> {
+    let mut pods = Vec::new();
+    for document in serde_yaml::Deserializer::from_str(text) {
+        let value = serde_yaml::Value::deserialize(document).map_err(|e| e.to_string())?;
+        collect(value, &mut pods)?;
+    }
+    Ok(pods)
+}
+
+fn collect(value: serde_yaml::Value, pods: &mut Vec<Pod>) -> Result<(), String> {
+    match value.get("kind").and_then(serde_yaml::Value::as_str) {
+        Some("Pod") => {
+            let name = value
+                .get("metadata")
+                .and_then(|m| m.get("name"))
+                .and_then(serde_yaml::Value::as_str)
+                .unwrap_or("<unnamed>")
+                .to_owned();
+            pods.push(serde_yaml::from_value(value).map_err(|e| format!("pod {name}: {e}"))?);
+        }
+        Some("List" | "PodList") => {
+            if let Some(serde_yaml::Value::Sequence(items)) = value.get("items").cloned() {
+                for item in items {
+                    collect(item, pods)?;
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn find(dir: &Path, namespace: &str, name: &str) -> Lookup {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => return Lookup::Failed(format!("reading {}: {e}", dir.display())),
+    };
+    let mut broken = Vec::new();
+    let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+    paths.sort();
+    for path in paths {
+        let is_manifest = path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+        if !is_manifest {
+            continue;
+        }
+        let parsed = std::fs::read_to_string(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|text| pods_in(&text));
+        match parsed {
+            Ok(pods) => {
+                if let Some(pod) = pods.into_iter().find(|p| {
+                    p.metadata.name.as_deref() == Some(name)
+                        && p.metadata.namespace.as_deref().unwrap_or("default") == namespace
+                }) {
+                    return Lookup::Found(Box::new(pod));
+                }
+            }
+            Err(reason) => {
+                warn!(path = %path.display(), %reason, "skipping a manifest that does not parse");
+                broken.push(format!("{}: {reason}", path.display()));
+            }
+        }
+    }
+    let hint = if broken.is_empty() {
+        String::new()
+    } else {
+        format!(" (manifests that do not parse: {})", broken.join("; "))
+    };
+    Lookup::Missing { hint }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn several_documents_and_lists() {
+        let text = "
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x}
+spec: {containers: [{name: app, image: busybox}]}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: ignored}
+---
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: v1, kind: Pod, metadata: {name: b}, spec: {containers: []}}
+";
+        let pods = pods_in(text).unwrap();
+        let names: Vec<_> = pods
+            .iter()
+            .map(|p| p.metadata.name.clone().unwrap())
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+    }
+
+    #[test]
+    fn a_broken_pod_is_named() {
+        let err = pods_in("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n").unwrap_err();
+        assert!(err.contains("pod web"), "{err}");
+    }
+
+    #[test]
+    fn lookup_defaults_the_namespace_and_reports_broken_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("web.yaml"),
+            "kind: Pod\nmetadata: {name: web}\nspec: {containers: []}\n",
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("bad.json"), "{not json").unwrap();
+        assert!(matches!(
+            find(dir.path(), "default", "web"),
+            Lookup::Found(_)
+        ));
+        match find(dir.path(), "default", "nope") {
+            Lookup::Missing { hint } => assert!(hint.contains("bad.json"), "{hint}"),
+            _ => panic!("expected a miss"),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! Pods from the Kubernetes API: a watch (kube-rs reflector) of the pods scheduled to this
+//! node, and a GET when the store has not seen a pod yet (the watch can lag the CNI ADD).
+use std::sync::{
+    Arc,
+    atomic::{AtomicBool, Ordering},
+};
+
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api, Client,
+    runtime::{WatchStreamExt as _, reflector, reflector::ObjectRef, watcher},
+};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::Lookup;
+
+/// The Kubernetes source.
+pub struct KubePods {
+    client: Client,
+    node: String,
+    store: reflector::Store<Pod>,
+    ready: Arc<AtomicBool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl KubePods {
+    /// Starts watching the pods of `node` (the watch reconnects with backoff on its own).
+    #[must_use]
+    pub fn start(client: Client, node: String) -> Self {
+        let (store, writer) = reflector::store();
+        let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let stream = reflector(writer, watcher(Api::<Pod>::all(client.clone()), config))
+            .default_backoff()
+            .applied_objects();
+        let watch = tokio::spawn(async move {
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                if let Err(err) = event {
+                    warn!(error = %err, "watching this node's pods; retrying");
+                }
+            }
+        });
+        let ready = Arc::new(AtomicBool::new(false));
+        let synced = {
+            let (store, ready, node) = (store.clone(), ready.clone(), node.clone());
+            tokio::spawn(async move {
+                if store.wait_until_ready().await.is_ok() {
+                    ready.store(true, Ordering::Release);
+                    info!(node, pods = store.state().len(), "pod watch synced");
+                }
+            })
+        };
+        Self {
+            client,
+            node,
+            store,
+            ready,
+            tasks: vec![watch, synced],
+        }
+    }
+
+    pub(super) fn describe(&self) -> String {
+        format!("the Kubernetes API (pods of node {})", self.node)
+    }
+
+    pub(super) fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    pub(super) async fn lookup(&self, namespace: &str, name: &str) -> Lookup {
+        if let Some(pod) = self.store.get(&ObjectRef::new(name).within(namespace)) {
+            return Lookup::Found(Box::new((*pod).clone()));
+        }
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        match api.get_opt(name).await {
+            Ok(Some(pod)) => Lookup::Found(Box::new(pod)),
+            Ok(None) => Lookup::Missing {
+                hint: String::new(),
+            },
+            Err(err) => Lookup::Failed(err.to_string()),
+        }
+    }
+}
+
+impl Drop for KubePods {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}

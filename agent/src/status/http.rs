@@ -1,0 +1,57 @@
+//! `/healthz` (the process answers), `/readyz` (the agent serves CNI requests: backend open,
+//! pod source synced) and `/metrics` (Prometheus text), on the address given by
+//! `--http-listen`.
+use std::{net::SocketAddr, sync::Arc};
+
+use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use tokio::net::TcpListener;
+
+use crate::capture::Capture;
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
+    match capture.not_ready_reason() {
+        None => (StatusCode::OK, "ready\n".to_owned()),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {reason}\n"),
+        ),
+    }
+}
+
+async fn metrics(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        capture.metrics().render(),
+    )
+}
+
+/// Binds the endpoint (so that the caller can report the address) and returns it with the
+/// future that serves it until `shutdown` completes.
+///
+/// # Errors
+/// When the address cannot be bound.
+pub async fn bind(
+    addr: SocketAddr,
+    capture: Arc<Capture>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<(SocketAddr, impl Future<Output = std::io::Result<()>>)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let app = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .with_state(capture);
+    Ok((local, async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+    }))
+}

@@ -1,0 +1,126 @@
+//! Prometheus metrics of the CNI path.
+use std::time::Duration;
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// The agent's metrics.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    errors: Family<Labels, Counter>,
+    latency: Family<Labels, Histogram>,
+    captured: Family<Labels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    #[must_use]
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("meshcap");
+        let requests = Family::<Labels, Counter>::default();
+        let errors = Family::<Labels, Counter>::default();
+        let latency = Family::<Labels, Histogram>::new_with_constructor(|| {
+            // 1 ms … ~16 s: pod lookups with retries sit at the top end.
+            Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+                0.001, 2.0, 15,
+            ))
+        });
+        let captured = Family::<Labels, Gauge>::default();
+        registry.register(
+            "cni_requests",
+            "Plugin requests handled, by operation (add, del, check, gc, ping, status) and outcome",
+            requests.clone(),
+        );
+        registry.register(
+            "cni_errors",
+            "Plugin requests that failed, by operation and reason",
+            errors.clone(),
+        );
+        registry.register(
+            "cni_request_duration_seconds",
+            "Time to handle a plugin request, by operation",
+            latency.clone(),
+        );
+        registry.register(
+            "pods_captured",
+            "Pods whose traffic is captured, by backend",
+            captured.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            errors,
+            latency,
+            captured,
+        }
+    }
+
+    /// Counts one handled request.
+    pub fn observe(&self, op: &str, outcome: &str, took: Duration) {
+        self.requests
+            .get_or_create(&vec![
+                ("op", op.to_owned()),
+                ("outcome", outcome.to_owned()),
+            ])
+            .inc();
+        self.latency
+            .get_or_create(&vec![("op", op.to_owned())])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Counts one failure.
+    pub fn error(&self, op: &str, reason: &str) {
+        self.errors
+            .get_or_create(&vec![("op", op.to_owned()), ("reason", reason.to_owned())])
+            .inc();
+    }
+
+    /// Sets the number of captured pods of a backend.
+    pub fn set_captured(&self, backend: &str, pods: usize) {
+        self.captured
+            .get_or_create(&vec![("backend", backend.to_owned())])
+            .set(i64::try_from(pods).unwrap_or(i64::MAX));
+    }
+
+    /// The Prometheus text exposition.
+    #[must_use]
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_the_labels() {
+        let m = Metrics::new();
+        m.observe("add", "captured", Duration::from_millis(3));
+        m.error("add", "invalid_pod");
+        m.set_captured("iptables", 2);
+        let text = m.render();
+        assert!(
+            text.contains(r#"meshcap_cni_requests_total{op="add",outcome="captured"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"meshcap_cni_errors_total{op="add",reason="invalid_pod"} 1"#));
+        assert!(text.contains(r#"meshcap_pods_captured{backend="iptables"} 2"#));
+        assert!(text.contains("meshcap_cni_request_duration_seconds_bucket"));
+    }
+}
