@@ -12,6 +12,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
 mod run;
+mod setup;
 mod stats;
 mod workload;
 

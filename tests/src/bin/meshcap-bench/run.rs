@@ -26,6 +26,7 @@ use meshcap_common::{PodConfig, maps};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
 use crate::{
+    setup,
     stats::{Samples, Table, count, human},
     workload::{Load, Measured},
 };
@@ -46,6 +47,8 @@ struct Plan {
     scale_rounds: usize,
     scale_load: Load,
     plugin_runs: usize,
+    /// Pods ADDed (and DELeted) per backend; the agent's RSS is read at 100 and at this.
+    setup_pods: usize,
 }
 
 impl Plan {
@@ -67,6 +70,7 @@ impl Plan {
                     bulk: 0,
                 },
                 plugin_runs: 20,
+                setup_pods: 100,
             }
         } else {
             Self {
@@ -85,6 +89,7 @@ impl Plan {
                     bulk: 0,
                 },
                 plugin_runs: 200,
+                setup_pods: 1_000,
             }
         }
     }
@@ -103,6 +108,11 @@ pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
     eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
     report.push_str(&policy_scale(&plan, &exe, cpu, &mut node)?);
     report.push_str(&footprint(&plan, &exe, &node)?);
+    eprintln!(
+        "meshcap-bench: pod set-up, {} pods per backend",
+        plan.setup_pods
+    );
+    report.push_str(&pod_setup(&plan, &exe)?);
     let _ = writeln!(
         report,
         "\nThis run took {:.0} s.",
@@ -647,6 +657,77 @@ fn footprint(plan: &Plan, exe: &Path, node: &EbpfNode) -> anyhow::Result<String>
              --release -p meshcap-cni`.",
             plugin.display()
         );
+    }
+    Ok(out)
+}
+
+/// Latency of ADD and DEL is reported over this many pods (and over all of them).
+const SETUP_LATENCY_PODS: usize = 200;
+
+fn pod_setup(plan: &Plan, exe: &Path) -> anyhow::Result<String> {
+    let bin_dir = exe.parent().unwrap_or(Path::new("."));
+    let pods = setup::sandboxes(plan.setup_pods)?;
+    let mut rss_at = vec![100, plan.setup_pods];
+    rss_at.dedup();
+    let results: Vec<_> = ["iptables", "ebpf"]
+        .into_iter()
+        .map(|backend| {
+            eprintln!("  {backend}");
+            setup::run(bin_dir, backend, &pods, &rss_at)
+        })
+        .collect();
+    drop(pods);
+    let first = SETUP_LATENCY_PODS.min(plan.setup_pods);
+    let mut out = format!(
+        "\n## Pod set-up and agent memory\n\nThe real `meshcap-cni` binary run as kubelet runs it (CNI \
+         environment, configuration with `prevResult` on stdin) against a running \
+         `meshcap-agent run --pods dir --backend B`, one pod netns (lo, veth eth0) per pod, \
+         {n} pods ADDed one after another, then DELeted. Times are the plugin's spawn to exit. \
+         The pod's manifest sits in the agent's manifest directory only during its ADD (that \
+         source reads every file per lookup; the Kubernetes source looks up a watch \
+         cache). Percentiles over the first {first} pods, and ADD p99 over all.\n\n| backend | \
+         ADD p50 ms | ADD p99 ms | DEL p50 ms | DEL p99 ms | ADD p99 ms, all {n} \
+         |\n|---|---|---|---|---|---|\n",
+        n = plan.setup_pods
+    );
+    for r in &results {
+        if let Some(why) = &r.unavailable {
+            let _ = writeln!(out, "| {} | n/a: {why} | | | | |", r.backend);
+            continue;
+        }
+        let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
+        let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
+        let (_, add99_all) = setup::SetupResult::percentiles(&r.add_ms, r.add_ms.len());
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            r.backend,
+            human(add50),
+            human(add99),
+            human(del50),
+            human(del99),
+            human(add99_all)
+        );
+    }
+    let _ = write!(
+        out,
+        "\nAgent resident memory (VmRSS), idle and with pods captured:\n\n| backend | idle |"
+    );
+    for n in &rss_at {
+        let _ = write!(out, " {} pods |", count(*n));
+    }
+    out.push_str("\n|---|---|");
+    out.push_str(&"---|".repeat(rss_at.len()));
+    out.push('\n');
+    for r in &results {
+        let _ = write!(out, "| {} |", r.backend);
+        for (_, kib) in &r.rss_kib {
+            let _ = write!(out, " {:.1} MiB |", *kib as f64 / 1024.0);
+        }
+        for _ in r.rss_kib.len()..=rss_at.len() {
+            out.push_str(" n/a |");
+        }
+        out.push('\n');
     }
     Ok(out)
 }
