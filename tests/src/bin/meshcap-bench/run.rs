@@ -8,7 +8,6 @@
 use std::{
     fmt::Write as _,
     fs,
-    io::Write as _,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -26,7 +25,7 @@ use meshcap_common::{PodConfig, maps};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
 use crate::{
-    setup,
+    setup::{self, Agent},
     stats::{Samples, Table, count, human},
     workload::{Load, Measured},
 };
@@ -103,7 +102,8 @@ pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(quick, cpu);
     eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
-    let mut node = EbpfNode::new()?;
+    let bin_dir = exe.parent().unwrap_or(Path::new("."));
+    let mut node = Node::new(bin_dir)?;
     report.push_str(&data_path(&plan, &exe, cpu, &mut node)?);
     eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
     report.push_str(&policy_scale(&plan, &exe, cpu, &mut node)?);
@@ -183,31 +183,51 @@ impl Mode {
     }
 }
 
-/// meshcap's kernel side, once per run: programs attached to a throwaway cgroup that every
-/// eBPF pod's cgroup is a child of (as the cgroup v2 root is in production). Pods of the other
-/// modes get their cgroups under a sibling with nothing attached, so every pod's processes sit
-/// at the same depth of the hierarchy.
-struct EbpfNode {
-    ebpf: Ebpf,
+/// The node, once per run: a running `meshcap-agent` per backend, driven through the real
+/// plugin. eBPF programs attach to a throwaway cgroup that every eBPF pod's cgroup is a child
+/// of (as the cgroup v2 root is in production); pods of the other modes get their cgroups under
+/// a sibling with nothing attached, so every pod's processes sit at the same depth.
+/// Fields drop in order: the agents (their bpffs pins go, which detaches), then the cgroups.
+struct Node {
+    iptables: Agent,
+    ebpf: EbpfCapture,
     root: TestCgroup,
     plain: TestCgroup,
     /// BPF_ENABLE_STATS: run time and count of the programs, while the run lasts.
     _stats: Option<std::os::fd::OwnedFd>,
 }
 
-impl EbpfNode {
-    fn new() -> anyhow::Result<Self> {
+/// How eBPF pods are captured.
+enum EbpfCapture {
+    /// `meshcap-agent run --backend ebpf`.
+    Agent(Agent),
+    /// The agent cannot run the eBPF backend (why): meshcap's connect4 program with a pod
+    /// entry, loaded here.
+    Bare(Ebpf, String),
+}
+
+impl Node {
+    fn new(bin_dir: &Path) -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
         let plain = TestCgroup::new("mcb-plain")?;
         let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
-        let mut ebpf = meshcap_agent::bpf::open()?;
-        let program: &mut CgroupSockAddr = ebpf
-            .program_mut("meshcap_connect4")
-            .context("meshcap_connect4 in the object")?
-            .try_into()?;
-        program.load()?;
-        program.attach(root.open()?, CgroupAttachMode::Single)?;
+        let iptables = Agent::start(bin_dir, "iptables", plain.path())
+            .context("starting meshcap-agent --backend iptables")?;
+        let ebpf = match Agent::start(bin_dir, "ebpf", root.path()) {
+            Ok(agent) => EbpfCapture::Agent(agent),
+            Err(err) => {
+                let mut ebpf = meshcap_agent::bpf::open()?;
+                let program: &mut CgroupSockAddr = ebpf
+                    .program_mut("meshcap_connect4")
+                    .context("meshcap_connect4 in the object")?
+                    .try_into()?;
+                program.load()?;
+                program.attach(root.open()?, CgroupAttachMode::Single)?;
+                EbpfCapture::Bare(ebpf, format!("{err:#}"))
+            }
+        };
         Ok(Self {
+            iptables,
             ebpf,
             root,
             plain,
@@ -215,28 +235,60 @@ impl EbpfNode {
         })
     }
 
-    /// The connect program's (runs, total run time) so far, from bpf_stats.
+    /// What the eBPF mode is, for the report.
+    fn ebpf_description(&self) -> String {
+        match &self.ebpf {
+            EbpfCapture::Agent(_) => "eBPF: `meshcap-agent run --backend ebpf`, the pod ADDed \
+                                      through meshcap-cni."
+                .to_owned(),
+            EbpfCapture::Bare(_, why) => format!(
+                "eBPF: the agent could not run its eBPF backend ({why}), so this is meshcap's \
+                 bare `connect4` program with the pod's entry in MESHCAP_PODS: no \
+                 original-destination answer, no CIDR lists."
+            ),
+        }
+    }
+
+    /// The bare connect program's (runs, total run time) so far, from bpf_stats.
     fn connect_stats(&self) -> Option<(u64, Duration)> {
-        let program: &CgroupSockAddr = self.ebpf.program("meshcap_connect4")?.try_into().ok()?;
+        let EbpfCapture::Bare(ebpf, _) = &self.ebpf else {
+            return None;
+        };
+        let program: &CgroupSockAddr = ebpf.program("meshcap_connect4")?.try_into().ok()?;
         let info = program.info().ok()?;
         Some((info.run_count(), info.run_time()))
     }
 
-    fn add(&mut self, netns: &Netns) -> anyhow::Result<()> {
-        let mut pods: HashMap<_, u64, PodConfig> =
-            HashMap::try_from(self.ebpf.map_mut(maps::PODS).context("pods map")?)?;
-        let proxy = PodConfig {
-            proxy_uid: PROXY_UID,
-            proxy_gid: PROXY_UID,
-        };
-        pods.insert(netns.cookie()?, proxy, 0)?;
-        Ok(())
+    /// Captures the pod in `netns` as `mode` does; returns the agent's ADD time, ms.
+    fn add(&mut self, mode: Mode, netns: &Netns, excludes: &[String]) -> anyhow::Result<f64> {
+        match (mode, &mut self.ebpf) {
+            (Mode::Direct, _) => Ok(0.0),
+            (Mode::Iptables, _) => self.iptables.add(netns, netns.name(), excludes),
+            (Mode::Ebpf, EbpfCapture::Agent(agent)) => agent.add(netns, netns.name(), excludes),
+            (Mode::Ebpf, EbpfCapture::Bare(ebpf, _)) => {
+                ensure!(
+                    excludes.is_empty(),
+                    "the bare connect4 program has no excludeOutboundIPRanges"
+                );
+                let mut pods: HashMap<_, u64, PodConfig> =
+                    HashMap::try_from(ebpf.map_mut(maps::PODS).context("pods map")?)?;
+                let proxy = PodConfig {
+                    proxy_uid: PROXY_UID,
+                    proxy_gid: PROXY_UID,
+                };
+                pods.insert(netns.cookie()?, proxy, 0)?;
+                Ok(0.0)
+            }
+        }
     }
 
-    /// The kernel's memory accounting of every map the node holds.
-    /// (This process holds no other BPF maps.)
+    /// The kernel's memory accounting of every map the eBPF side holds.
     fn map_memory(&self) -> Vec<(String, u64, u64)> {
-        fdinfo_maps()
+        let pid = match &self.ebpf {
+            EbpfCapture::Agent(agent) => agent.pid(),
+            EbpfCapture::Bare(..) => std::process::id(),
+        };
+        fdinfo_maps(pid)
             .into_iter()
             .map(|(id, max, memlock)| {
                 let name = MapInfo::from_id(id)
@@ -250,10 +302,10 @@ impl EbpfNode {
 }
 
 /// `(map id, max_entries, memlock bytes)` of every BPF map fd this process holds, from
-/// /proc/self/fdinfo (no bpftool needed).
-fn fdinfo_maps() -> Vec<(u32, u64, u64)> {
+/// /proc/<pid>/fdinfo (no bpftool needed).
+fn fdinfo_maps(pid: u32) -> Vec<(u32, u64, u64)> {
     let mut out = Vec::new();
-    let Ok(dir) = fs::read_dir("/proc/self/fdinfo") else {
+    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
         return out;
     };
     for entry in dir.flatten() {
@@ -283,8 +335,8 @@ struct Pod {
     _proxy: Proc,
     cgroup: TestCgroup,
     netns: Netns,
-    /// iptables-restore's wall time, when the mode applied rules.
-    apply: Option<Duration>,
+    /// The agent's ADD (plugin spawn to exit), ms; 0 without one.
+    add_ms: f64,
 }
 
 impl Pod {
@@ -293,26 +345,14 @@ impl Pod {
         excludes: &[String],
         exe: &Path,
         cpu: usize,
-        node: &mut EbpfNode,
+        node: &mut Node,
     ) -> anyhow::Result<Self> {
         let netns = pod_netns()?;
-        let mut apply = None;
-        let parent = match mode {
-            Mode::Direct => node.plain.path(),
-            Mode::Iptables => {
-                let start = Instant::now();
-                iptables_restore(&netns, &istio_rules(excludes)?)?;
-                apply = Some(start.elapsed());
-                node.plain.path()
-            }
-            Mode::Ebpf => {
-                ensure!(
-                    excludes.is_empty(),
-                    "this eBPF backend has no excludeOutboundIPRanges yet"
-                );
-                node.add(&netns)?;
-                node.root.path()
-            }
+        let add_ms = node.add(mode, &netns, excludes)?;
+        let parent = if mode == Mode::Ebpf {
+            node.root.path()
+        } else {
+            node.plain.path()
         };
         let cgroup = TestCgroup::new_under(parent, "mcb-pod")?;
         let cpu = cpu.to_string();
@@ -339,7 +379,7 @@ impl Pod {
             _proxy: proxy,
             cgroup,
             netns,
-            apply,
+            add_ms,
         })
     }
 
@@ -436,34 +476,6 @@ fn istio_rules(excludes: &[String]) -> anyhow::Result<String> {
     Ok(redirect_policy(excludes)?.render().v4)
 }
 
-fn iptables_restore(netns: &Netns, rules: &str) -> anyhow::Result<()> {
-    let mut child = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            netns.name(),
-            "iptables-restore",
-            "--noflush",
-        ])
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting iptables-restore")?;
-    child
-        .stdin
-        .take()
-        .context("stdin")?
-        .write_all(rules.as_bytes())?;
-    let out = child.wait_with_output()?;
-    ensure!(
-        out.status.success(),
-        "iptables-restore in {}: {}",
-        netns.name(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-    Ok(())
-}
-
 /// Runs `rounds` rounds over `pods`, each round in a rotated order, and returns every pod's
 /// measurements.
 fn interleave(
@@ -488,7 +500,7 @@ fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
     Samples(runs.iter().map(metric).collect())
 }
 
-fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow::Result<String> {
+fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Result<String> {
     let modes = [Mode::Direct, Mode::Iptables, Mode::Ebpf];
     let pods: Vec<Pod> = modes
         .iter()
@@ -533,10 +545,11 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow
     let rules = istio_rules(&[])?;
     let _ = write!(
         out,
-        "\niptables: the {} rules (`-A` lines, nat table) meshcap's policy module renders for a \
-         default injected pod, identical to Istio's `basic` golden, applied with \
-         `iptables-restore --noflush` in the pod netns.\n",
-        rules.lines().filter(|l| l.starts_with("-A")).count()
+        "\niptables: `meshcap-agent run --backend iptables`, the pod ADDed through meshcap-cni: \
+         the {} rules (`-A` lines, nat table) of Istio's `basic` golden for a default injected \
+         pod, applied with iptables-restore in the pod netns.\n\n{}\n",
+        rules.lines().filter(|l| l.starts_with("-A")).count(),
+        node.ebpf_description()
     );
     out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
     for (pod, runs) in pods.iter().zip(&results) {
@@ -559,55 +572,70 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut EbpfNode) -> anyhow
     Ok(out)
 }
 
-fn policy_scale(
-    plan: &Plan,
-    exe: &Path,
-    cpu: usize,
-    node: &mut EbpfNode,
-) -> anyhow::Result<String> {
+fn policy_scale(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Result<String> {
+    let ebpf = matches!(node.ebpf, EbpfCapture::Agent(_));
+    let mut modes = vec![Mode::Iptables];
+    if ebpf {
+        modes.push(Mode::Ebpf);
+    }
+    // pods[0] is the floor; then, per size, one pod per mode.
     let mut pods = vec![Pod::new(Mode::Direct, &[], exe, cpu, node)?];
     for n in SCALE_SIZES {
-        let mut pod = Pod::new(Mode::Iptables, &exclude_ranges(n), exe, cpu, node)?;
-        pod.label = format!("iptables {n}");
-        pods.push(pod);
+        for &mode in &modes {
+            let mut pod = Pod::new(mode, &exclude_ranges(n), exe, cpu, node)?;
+            pod.label = format!("{} {n}", mode.label());
+            pods.push(pod);
+        }
     }
     let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load)?;
     let floor = column(&results[0], |m| m.short_per_s);
-    let base = column(&results[1], |m| m.short_per_s).median();
     let mut out = format!(
         "\n## Policy scale\n\nShort connections with `excludeOutboundIPRanges` of N /24s (none \
          matches the service, so every connection passes the whole list). {} interleaved \
          rounds of {} connections (after {} warm-up); the no-capture floor ran in the same \
-         rounds: {} conn/s ±{:.0}%.\n\n| CIDRs | iptables rules applied in | iptables conn/s | \
-         iptables p99 µs | iptables vs 1 CIDR | eBPF conn/s | eBPF p99 µs | eBPF vs 1 CIDR \
-         |\n|---|---|---|---|---|---|---|---|\n",
+         rounds: {} conn/s ±{:.0}%. ADD: the plugin's wall time capturing that pod.\n\n| \
+         CIDRs | iptables ADD ms | iptables conn/s | iptables p99 µs | iptables vs 1 CIDR | eBPF \
+         ADD ms | eBPF conn/s | eBPF p99 µs | eBPF vs 1 CIDR |\n|---|---|---|---|---|---|---|---|---|\n",
         plan.scale_rounds,
         plan.scale_load.short,
         plan.scale_load.warmup,
         human(floor.median()),
         floor.spread_pct()
     );
+    let base: Vec<f64> = (0..modes.len())
+        .map(|m| column(&results[1 + m], |r| r.short_per_s).median())
+        .collect();
     for (k, n) in SCALE_SIZES.iter().enumerate() {
-        let runs = &results[k + 1];
-        let rate = column(runs, |m| m.short_per_s);
-        let p99 = column(runs, |m| m.short_p99_us);
-        let apply = pods[k + 1].apply.unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "| {} | {:.0} ms | {} ±{:.0}% | {} ±{:.0}% | {:.2} | n/a | n/a | n/a |",
-            count(*n),
-            apply.as_secs_f64() * 1e3,
-            human(rate.median()),
-            rate.spread_pct(),
-            human(p99.median()),
-            p99.spread_pct(),
-            rate.median() / base
+        let _ = write!(out, "| {} |", count(*n));
+        for (m, base) in base.iter().enumerate() {
+            let i = 1 + k * modes.len() + m;
+            let rate = column(&results[i], |r| r.short_per_s);
+            let p99 = column(&results[i], |r| r.short_p99_us);
+            let _ = write!(
+                out,
+                " {} | {} ±{:.0}% | {} ±{:.0}% | {:.2} |",
+                human(pods[i].add_ms),
+                human(rate.median()),
+                rate.spread_pct(),
+                human(p99.median()),
+                p99.spread_pct(),
+                rate.median() / base
+            );
+        }
+        if modes.len() == 1 {
+            out.push_str(" n/a | n/a | n/a | n/a |");
+        }
+        out.push('\n');
+    }
+    if !ebpf {
+        out.push_str(
+            "\neBPF: n/a until `meshcap-agent run --backend ebpf` runs (see the data path).\n",
         );
     }
     Ok(out)
 }
 
-fn footprint(plan: &Plan, exe: &Path, node: &EbpfNode) -> anyhow::Result<String> {
+fn footprint(plan: &Plan, exe: &Path, node: &Node) -> anyhow::Result<String> {
     let mut out = String::from("\n## Footprint\n\n");
     let maps = node.map_memory();
     let total: u64 = maps.iter().map(|m| m.2).sum();

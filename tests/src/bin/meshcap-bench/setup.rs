@@ -66,22 +66,27 @@ pub fn sandboxes(n: usize) -> anyhow::Result<Vec<Netns>> {
         .collect()
 }
 
-/// A running agent and its throwaway directories, stopped (SIGTERM, by pid) on drop.
-struct Agent {
+/// A running agent and its throwaway directories, stopped (SIGTERM, by pid) on drop; the
+/// bpffs directory goes with it, which detaches everything it attached.
+pub struct Agent {
     child: Child,
     dir: PathBuf,
     bpffs: PathBuf,
-    _cgroup: TestCgroup,
     socket: PathBuf,
     log: PathBuf,
+    plugin: PathBuf,
 }
 
 impl Agent {
-    fn start(bin_dir: &Path, backend: &str) -> anyhow::Result<Self> {
+    /// Starts `meshcap-agent run --pods dir --backend <backend>`, attaching (eBPF) to
+    /// `cgroup_root`, and waits for its socket.
+    ///
+    /// # Errors
+    /// When it exits first (e.g. the backend is not available), with its last log line.
+    pub fn start(bin_dir: &Path, backend: &str, cgroup_root: &Path) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(unique_name("mcb-agent"));
         fs::create_dir_all(dir.join("pods"))?;
         let bpffs = Path::new("/sys/fs/bpf").join(unique_name("mcb"));
-        let cgroup = TestCgroup::new("mcb-agent")?;
         let socket = dir.join("agent.sock");
         let log = dir.join("agent.log");
         let http = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
@@ -94,7 +99,7 @@ impl Agent {
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--cgroup-root")
-            .arg(cgroup.path())
+            .arg(cgroup_root)
             .arg("--bpffs-dir")
             .arg(&bpffs)
             .args(["--http-listen", &http.to_string()])
@@ -108,9 +113,9 @@ impl Agent {
             child,
             dir,
             bpffs,
-            _cgroup: cgroup,
             socket,
             log,
+            plugin: bin_dir.join("meshcap-cni"),
         };
         for _ in 0..400 {
             if let Some(status) = agent.child.try_wait()? {
@@ -126,6 +131,48 @@ impl Agent {
             thread::sleep(Duration::from_millis(25));
         }
         bail!("the agent did not open its socket within 10 s")
+    }
+
+    /// Captures a default injected pod named `name` (with `excludes` as
+    /// excludeOutboundIPRanges) in `netns` through the plugin; returns the ADD's wall time, ms.
+    ///
+    /// # Errors
+    /// When the ADD fails.
+    pub fn add(&self, netns: &Netns, name: &str, excludes: &[String]) -> anyhow::Result<f64> {
+        let joined = excludes.join(",");
+        let annotations: &[(&str, &str)] = if excludes.is_empty() {
+            &[]
+        } else {
+            &[("traffic.sidecar.istio.io/excludeOutboundIPRanges", &joined)]
+        };
+        // The manifest is in the directory only while its ADD looks it up: the directory
+        // source reads every file on a lookup, a cost the Kubernetes source (a watch cache)
+        // does not have.
+        let manifest = self.dir.join("pods").join(format!("{name}.json"));
+        fs::write(
+            &manifest,
+            sidecar_pod("bench", name, annotations).to_string(),
+        )?;
+        let took = cni(&self.plugin, "ADD", netns, name, self.conf().as_bytes());
+        fs::remove_file(&manifest)?;
+        took
+    }
+
+    /// DELs pod `name`; returns the wall time, ms.
+    ///
+    /// # Errors
+    /// When the DEL fails.
+    pub fn del(&self, netns: &Netns, name: &str) -> anyhow::Result<f64> {
+        cni(&self.plugin, "DEL", netns, name, self.conf().as_bytes())
+    }
+
+    fn conf(&self) -> String {
+        config("1.1.0", &self.socket, "10.0.0.2").to_string()
+    }
+
+    /// The agent's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     fn rss_kib(&self) -> u64 {
@@ -240,31 +287,21 @@ fn measure(
     rss_at: &[usize],
     result: &mut SetupResult,
 ) -> anyhow::Result<()> {
-    let agent = Agent::start(bin_dir, result.backend)?;
-    let plugin = bin_dir.join("meshcap-cni");
-    let conf = config("1.1.0", &agent.socket, "10.0.0.2").to_string();
+    let cgroup = TestCgroup::new("mcb-agent")?;
+    let agent = Agent::start(bin_dir, result.backend, cgroup.path())?;
     // Let start-up settle (program loads, first allocations) before calling it idle.
     thread::sleep(Duration::from_millis(500));
     result.rss_kib.push((0, agent.rss_kib()));
     for (i, netns) in pods.iter().enumerate() {
-        let name = format!("pod-{i}");
-        // The manifest is in the directory only while its ADD looks it up: the directory
-        // source reads every file on a lookup, a cost the Kubernetes source (a watch cache)
-        // does not have.
-        let manifest = agent.dir.join("pods").join(format!("{name}.json"));
-        fs::write(&manifest, sidecar_pod("bench", &name, &[]).to_string())?;
-        let took = cni(&plugin, "ADD", netns, &name, conf.as_bytes());
-        fs::remove_file(&manifest)?;
-        result.add_ms.push(took?);
+        result
+            .add_ms
+            .push(agent.add(netns, &format!("pod-{i}"), &[])?);
         if rss_at.contains(&(i + 1)) {
             result.rss_kib.push((i + 1, agent.rss_kib()));
         }
     }
     for (i, netns) in pods.iter().enumerate() {
-        let name = format!("pod-{i}");
-        result
-            .del_ms
-            .push(cni(&plugin, "DEL", netns, &name, conf.as_bytes())?);
+        result.del_ms.push(agent.del(netns, &format!("pod-{i}"))?);
     }
     Ok(())
 }
