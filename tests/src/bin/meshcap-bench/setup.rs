@@ -120,9 +120,11 @@ impl Agent {
         for _ in 0..400 {
             if let Some(status) = agent.child.try_wait()? {
                 let log = fs::read_to_string(&agent.log).unwrap_or_default();
-                let last = strip_ansi(log.lines().last().unwrap_or(""))
-                    .trim()
-                    .to_owned();
+                let last = strip_ansi(log.lines().last().unwrap_or(""));
+                // Drop the timestamp and level: keep the agent's message.
+                let last = last
+                    .split_once("meshcap_agent: ")
+                    .map_or(last.trim(), |(_, msg)| msg.trim());
                 bail!("the agent exited ({status}): {last}");
             }
             if agent.socket.exists() {
