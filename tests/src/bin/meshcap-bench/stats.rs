@@ -118,3 +118,47 @@ impl Table {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_and_spreads() {
+        assert_eq!(Samples(vec![3.0, 1.0, 2.0]).median(), 2.0);
+        assert_eq!(Samples(vec![4.0, 1.0, 2.0, 3.0]).median(), 2.5);
+        assert_eq!(Samples(Vec::new()).median(), 0.0);
+        assert_eq!(Samples(vec![90.0, 100.0, 110.0]).spread_pct(), 10.0);
+    }
+
+    #[test]
+    fn numbers_read_like_the_tables() {
+        assert_eq!(human(24_502.4), "24,502");
+        assert_eq!(human(1_234_567.0), "1,234,567");
+        assert_eq!(human(174.2), "174");
+        assert_eq!(human(31.54), "31.5");
+        assert_eq!(human(5.071), "5.07");
+        assert_eq!(count(1), "1");
+        assert_eq!(count(10_000), "10,000");
+    }
+
+    #[test]
+    fn ratios_are_ratios_of_medians() {
+        let table = Table {
+            columns: vec!["a".into(), "b".into()],
+            ratios: vec![(1, 0)],
+            rows: vec![(
+                "m".into(),
+                vec![
+                    Samples(vec![10.0, 20.0, 30.0]),
+                    Samples(vec![5.0, 10.0, 15.0]),
+                ],
+            )],
+        };
+        let text = table.markdown();
+        assert!(
+            text.contains("| m | 20.0 ±50% | 10.0 ±50% | 0.50 |"),
+            "{text}"
+        );
+    }
+}
