@@ -2,7 +2,8 @@
 //!
 //! Layout, one concern per module:
 //! - [`api`]: the plugin socket (root only, one bounded request per connection);
-//! - [`backend`]: the capture backends (`iptables`; `ebpf`) behind one trait;
+//! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`) behind
+//!   one trait;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;

@@ -13,6 +13,7 @@ use meshcap_agent::{
     api::{Server, ServerConfig},
     backend::{
         BackendChoice, CaptureBackend,
+        ebpf::{self, EbpfBackend, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     bpf,
@@ -120,8 +121,9 @@ struct RunArgs {
     /// The cgroup v2 directory the eBPF programs attach to (default: the cgroup2 mount).
     #[arg(long)]
     cgroup_root: Option<PathBuf>,
-    /// The bpffs directory the eBPF backend pins under.
-    #[arg(long, default_value = "/sys/fs/bpf/meshcap")]
+    /// The bpffs directory the eBPF backend pins under (versioned: a new layout gets a new
+    /// directory, never a reinterpreted old pin).
+    #[arg(long, default_value = ebpf::DEFAULT_BPFFS_DIR)]
     bpffs_dir: PathBuf,
     /// The agent's own state (records of applied iptables rules, xtables locks).
     #[arg(long, default_value = "/var/run/meshcap")]
@@ -208,25 +210,29 @@ fn status(socket: &std::path::Path, json: bool) -> anyhow::Result<()> {
 fn open_backend(
     choice: BackendChoice,
     iptables: IptablesConfig,
+    ebpf: EbpfConfig,
 ) -> anyhow::Result<(Arc<dyn CaptureBackend>, String, Option<ProbeReport>)> {
     let iptables = || -> anyhow::Result<Arc<dyn CaptureBackend>> {
         Ok(Arc::new(IptablesBackend::new(&iptables)?))
     };
+    let open_ebpf = |ebpf| -> anyhow::Result<Arc<dyn CaptureBackend>> {
+        Ok(Arc::new(
+            EbpfBackend::open(ebpf).context("opening the eBPF backend")?,
+        ))
+    };
     match choice {
         BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
-        BackendChoice::Ebpf => bail!(
-            "--backend ebpf: the eBPF backend is not wired into this build yet; use --backend iptables or auto"
-        ),
+        BackendChoice::Ebpf => Ok((open_ebpf(ebpf)?, "forced by --backend ebpf".into(), None)),
         BackendChoice::Auto => {
             let report = probe::run();
-            let reason = if report.ok() {
-                "auto: the kernel passed every probe, but the eBPF backend is not wired into this build yet".to_owned()
-            } else {
-                format!(
-                    "auto: the kernel cannot run the eBPF backend ({})",
-                    report.failures()
-                )
-            };
+            if report.ok() {
+                let reason = "auto: the kernel passed every probe".to_owned();
+                return Ok((open_ebpf(ebpf)?, reason, Some(report)));
+            }
+            let reason = format!(
+                "auto: the kernel cannot run the eBPF backend ({})",
+                report.failures()
+            );
             warn!(%reason, "using the iptables backend");
             Ok((iptables()?, reason, Some(report)))
         }
@@ -258,9 +264,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         state_dir: args.state_dir.clone(),
         flavour: args.iptables_flavour,
     };
+    let ebpf = EbpfConfig {
+        cgroup_root: match args.cgroup_root.clone() {
+            Some(root) => root,
+            None => meshcap_agent::cgroup::cgroup2_mount().context("finding the cgroup2 mount")?,
+        },
+        bpffs_dir: args.bpffs_dir.clone(),
+    };
     let choice = args.backend;
     let (backend, reason, probe) =
-        tokio::task::spawn_blocking(move || open_backend(choice, iptables)).await??;
+        tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
     info!(backend = backend.name(), %reason, cgroup_root = ?args.cgroup_root, bpffs_dir = %args.bpffs_dir.display(), "backend chosen");
     let capture = Arc::new(Capture::new(
         source,

@@ -19,6 +19,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
+
+pub mod scenario;
+pub mod world;
 use serde::{Deserialize, Serialize};
 
 pub mod agent;
@@ -224,6 +227,20 @@ impl Proc {
     /// # Errors
     /// When the process cannot be started.
     pub fn spawn(at: Placement<'_>, program: &Path, args: &[&str]) -> anyhow::Result<Self> {
+        Self::spawn_with(at, program, args, false)
+    }
+
+    /// [`Self::spawn`], keeping `CAP_NET_ADMIN` across the uid change when `net_admin` (as
+    /// Envoy has it in TPROXY mode: `IP_TRANSPARENT`, `SO_MARK`).
+    ///
+    /// # Errors
+    /// When the process cannot be started.
+    pub fn spawn_with(
+        at: Placement<'_>,
+        program: &Path,
+        args: &[&str],
+        net_admin: bool,
+    ) -> anyhow::Result<Self> {
         let netns = File::open(at.netns.path())?;
         let procs = at
             .cgroup
@@ -255,11 +272,15 @@ impl Proc {
                     }
                 }
                 if libc::setns(netns_fd, libc::CLONE_NEWNET) != 0
+                    || (net_admin && libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0)
                     || libc::setgroups(1, &raw const gid) != 0
                     || libc::setgid(gid) != 0
                     || libc::setuid(uid) != 0
                 {
                     return Err(std::io::Error::last_os_error());
+                }
+                if net_admin {
+                    keep_net_admin()?;
                 }
                 Ok(())
             });
@@ -316,6 +337,60 @@ impl Drop for Proc {
     }
 }
 
+/// `CAP_NET_ADMIN`.
+const CAP_NET_ADMIN: u32 = 12;
+
+/// Makes `CAP_NET_ADMIN` effective and ambient (it then survives `execve` as a non-root uid).
+/// Async-signal-safe: raw syscalls on stack values only.
+fn keep_net_admin() -> std::io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let bit = 1 << CAP_NET_ADMIN;
+    let data = [
+        Data {
+            effective: bit,
+            permitted: bit,
+            inheritable: bit,
+        },
+        Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        },
+    ];
+    // SAFETY: capset with a v3 header and two data words, as the syscall expects; prctl with
+    // integer arguments.
+    let ok = unsafe {
+        libc::syscall(libc::SYS_capset, &raw mut header, data.as_ptr()) == 0
+            && libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_RAISE,
+                libc::c_ulong::from(CAP_NET_ADMIN),
+                0,
+                0,
+            ) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// What the stand-in Envoy (or a plain upstream server) reports for each connection it
 /// accepts or datagram it receives.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -369,7 +444,8 @@ pub fn start_server(at: Placement<'_>, name: &str, listen: &[&str]) -> anyhow::R
     for l in listen {
         args.extend_from_slice(&["--listen", l]);
     }
-    let mut proc = Proc::spawn(at, &bin::standin(), &args)?;
+    let net_admin = listen.iter().any(|l| l.ends_with("+transparent"));
+    let mut proc = Proc::spawn_with(at, &bin::standin(), &args, net_admin)?;
     let line = proc.wait_line()?;
     ensure!(
         line == "ready",

@@ -2,10 +2,10 @@
 //! program passes the verifier, and the connect4 program, attached to a throwaway cgroup,
 //! sends a pod's connection to its proxy and leaves everything else alone.
 use aya::{
-    maps::HashMap,
+    maps::{HashMap, LpmTrie, lpm_trie::Key},
     programs::{CgroupAttachMode, CgroupSockAddr},
 };
-use meshcap_common::{PodConfig, maps};
+use meshcap_common::{CIDR_KEY_PREFIX_BITS, Cidr4Data, CidrKind, PodConfig, maps};
 use meshcap_tests::{Netns, PROXY_UID, Placement, TestCgroup, dial, require_root, start_server};
 
 const APP_UID: u32 = 1000;
@@ -45,11 +45,19 @@ fn connect4_sends_the_pods_connections_to_its_proxy() {
     let mut pods: HashMap<_, u64, PodConfig> =
         HashMap::try_from(ebpf.map_mut(maps::PODS).expect("pods map")).expect("hash map");
     let proxy = PodConfig {
+        pod_id: 1,
+        flags: 0,
         proxy_uid: PROXY_UID,
         proxy_gid: PROXY_UID,
     };
     pods.insert(pod.cookie().expect("netns cookie"), proxy, 0)
         .expect("pod entry");
+    let mut cidrs: LpmTrie<_, Cidr4Data, u32> =
+        LpmTrie::try_from(ebpf.map_mut(maps::CIDRS4).expect("cidr map")).expect("lpm trie");
+    let everything = Cidr4Data::new(1, CidrKind::IncludeOutbound, 0);
+    cidrs
+        .insert(&Key::new(CIDR_KEY_PREFIX_BITS, everything), 0, 0)
+        .expect("include *");
 
     let in_pod = |uid| Placement {
         netns: &pod,

@@ -1,4 +1,5 @@
-//! Capture backends: translations of a [`RedirectPolicy`] into kernel state for one pod.
+//! Capture backends: translations of a [`RedirectPolicy`] into kernel state for one pod —
+//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback).
 //!
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::spawn_blocking`, never on a
@@ -9,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{netns::NetnsError, policy::RedirectPolicy};
 
+pub mod ebpf;
 pub mod iptables;
 
 /// The pod a backend works on: its identity and its sandbox.
@@ -93,6 +95,9 @@ pub enum BackendError {
     /// The backend cannot run here (missing binaries, kernel features).
     #[error("{0}")]
     Unavailable(String),
+    /// The eBPF backend's own failure (maps, programs, links, pins).
+    #[error(transparent)]
+    Ebpf(#[from] ebpf::EbpfError),
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.

@@ -1,27 +1,145 @@
-//! What the kernel programs and the agent agree on: map names, map value layouts and the
-//! capture decision. `no_std`, no allocation, no panics: the same code runs in the verifier's
-//! world and in host tests.
+//! What the kernel programs and the agent agree on: map names, map key and value layouts, and
+//! the per-connection capture decision. `no_std`, no allocation, no panics, no loops: the same
+//! code runs in the verifier's world and in host tests.
+//!
+//! The decision ([`decide_outbound`], [`decide_inbound`]) is Istio's `ISTIO_OUTPUT` /
+//! `ISTIO_INBOUND` rule order written as straight-line code over a [`PodTables`] lookup: in the
+//! kernel the lookups are BPF maps, on the host plain collections.
 #![no_std]
 
-/// Map names, as the programs declare them and the agent opens them.
+#[cfg(test)]
+extern crate std;
+
+mod decision;
+mod keys;
+
+pub use decision::*;
+pub use keys::*;
+
+/// Map names, as the programs declare them and the agent opens them (and pins them under
+/// these names).
 pub mod maps {
-    /// Per-pod capture configuration, keyed by the pod's network namespace cookie.
+    /// [`crate::PodConfig`] by network namespace cookie (`u64`).
     pub const PODS: &str = "MESHCAP_PODS";
+    /// IPv4 CIDR lists (LPM trie, [`crate::Cidr4Key`] → `u32`).
+    pub const CIDRS4: &str = "MESHCAP_CIDRS4";
+    /// IPv6 CIDR lists (LPM trie, [`crate::Cidr6Key`] → `u32`).
+    pub const CIDRS6: &str = "MESHCAP_CIDRS6";
+    /// Port lists ([`crate::PortKey`] → `u8`).
+    pub const PORTS: &str = "MESHCAP_PORTS";
+    /// Interface flags in a pod ([`crate::IfaceKey`] → `u32`).
+    pub const IFACES: &str = "MESHCAP_IFACES";
+    /// Original destination of a redirected socket by socket cookie (`u64` →
+    /// [`crate::OrigDst`]), from connect/sendmsg until sockops moves it to [`FLOWS`].
+    pub const BY_COOKIE: &str = "MESHCAP_BY_COOKIE";
+    /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
+    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
+    pub const FLOWS: &str = "MESHCAP_FLOWS";
 }
 
-/// The proxy's outbound listener port (Istio's fixed `15001`).
+/// Program names in the object (and their pin names).
+pub mod programs {
+    /// `cgroup/connect4`.
+    pub const CONNECT4: &str = "meshcap_connect4";
+    /// `cgroup/connect6`.
+    pub const CONNECT6: &str = "meshcap_connect6";
+    /// `cgroup/sendmsg4`.
+    pub const SENDMSG4: &str = "meshcap_sendmsg4";
+    /// `cgroup/sendmsg6`.
+    pub const SENDMSG6: &str = "meshcap_sendmsg6";
+    /// `cgroup/recvmsg4`.
+    pub const RECVMSG4: &str = "meshcap_recvmsg4";
+    /// `cgroup/recvmsg6`.
+    pub const RECVMSG6: &str = "meshcap_recvmsg6";
+    /// `sockops`.
+    pub const SOCKOPS: &str = "meshcap_sockops";
+    /// `cgroup/getsockopt`.
+    pub const GETSOCKOPT: &str = "meshcap_getsockopt";
+    /// TC ingress classifier (one loaded instance per pod).
+    pub const INGRESS: &str = "meshcap_ingress";
+    /// The global of [`INGRESS`] holding the pod's netns cookie.
+    pub const INGRESS_POD_GLOBAL: &str = "MESHCAP_TC_NETNS_COOKIE";
+}
+
+/// Envoy's outbound listener.
 pub const PROXY_OUTBOUND_PORT: u16 = 15001;
+/// Envoy's inbound listener.
+pub const PROXY_INBOUND_PORT: u16 = 15006;
+/// HBONE: never sent to the inbound listener by the proxy-loopback rule, never captured
+/// inbound in REDIRECT mode.
+pub const HBONE_PORT: u16 = 15008;
+/// istio-agent's DNS proxy.
+pub const DNS_PROXY_PORT: u16 = 15053;
+/// DNS.
+pub const DNS_PORT: u16 = 53;
+/// The mark of TPROXY'd traffic (Envoy's `original_src` upstream sockets, and the policy
+/// route's `fwmark`).
+pub const TPROXY_MARK: u32 = 1337;
+/// The policy route table of TPROXY mode.
+pub const TPROXY_TABLE: u32 = 133;
+/// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST`.
+pub const SO_ORIGINAL_DST: i32 = 80;
 
 /// Capture configuration of one pod, the value of [`maps::PODS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PodConfig {
-    /// The proxy's uid: its own connections are never captured.
+    /// The pod's id in [`PortKey`], [`Cidr4Key`] and [`Cidr6Key`] (netns cookies are 64-bit;
+    /// a 32-bit id keeps the LPM keys short). Never 0.
+    pub pod_id: u32,
+    /// [`flags`].
+    pub flags: u32,
+    /// The proxy's uid.
     pub proxy_uid: u32,
-    /// The proxy's gid: its own connections are never captured.
+    /// The proxy's gid.
     pub proxy_gid: u32,
 }
 
+impl PodConfig {
+    /// Whether `flag` (from [`flags`]) is set.
+    #[inline(always)]
+    #[must_use]
+    pub const fn has(&self, flag: u32) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Bits of [`PodConfig::flags`].
+pub mod flags {
+    /// The include list names a loopback range (Istio's `HasLoopBackIP`, either family): the
+    /// app's own loopback traffic is not waved through.
+    pub const INCLUDE_LOOPBACK: u32 = 1;
+    /// `ISTIO_META_DNS_CAPTURE`: port 53 to 15053.
+    pub const DNS_CAPTURE: u32 = 1 << 1;
+    /// `interceptionMode: TPROXY`.
+    pub const TPROXY: u32 = 1 << 2;
+    /// `includeInboundPorts: *` (otherwise the [`crate::PortKind::IncludeInbound`] list).
+    pub const INBOUND_ALL: u32 = 1 << 3;
+    /// IPv6 rules are installed (the pod has an IPv6 address); otherwise IPv6 passes.
+    pub const IPV6: u32 = 1 << 4;
+    /// The pod has `excludeInterfaces`: look up [`crate::CidrKind::Route`].
+    pub const EXCLUDED_ROUTES: u32 = 1 << 5;
+    /// `INVALID_DROP`.
+    pub const INVALID_DROP: u32 = 1 << 6;
+}
+
+/// Bits of the [`maps::IFACES`] value.
+pub mod iface_flags {
+    /// `istio.io/reroute-virtual-interfaces`: inbound goes to the outbound listener.
+    pub const REROUTE: u32 = 1;
+    /// `excludeInterfaces`: left alone.
+    pub const EXCLUDED: u32 = 1 << 1;
+}
+
 #[cfg(feature = "user")]
-// SAFETY: `PodConfig` is `repr(C)`, `Copy`, has no padding and every bit pattern is valid.
-unsafe impl aya::Pod for PodConfig {}
+mod user {
+    // SAFETY (all): `repr(C)`, `Copy`, no padding (checked by the size tests), every bit
+    // pattern valid.
+    unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::PortKey {}
+    unsafe impl aya::Pod for super::IfaceKey {}
+    unsafe impl aya::Pod for super::Cidr4Data {}
+    unsafe impl aya::Pod for super::Cidr6Data {}
+    unsafe impl aya::Pod for super::OrigDst {}
+    unsafe impl aya::Pod for super::FlowKey {}
+}

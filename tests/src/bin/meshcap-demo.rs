@@ -2,10 +2,10 @@
 //! captured by meshcap's connect4 program and sent to a stand-in Envoy, while the proxy's own
 //! traffic goes straight out. Everything is removed when it ends.
 use aya::{
-    maps::HashMap,
+    maps::{HashMap, LpmTrie, lpm_trie::Key},
     programs::{CgroupAttachMode, CgroupSockAddr},
 };
-use meshcap_common::{PodConfig, maps};
+use meshcap_common::{CIDR_KEY_PREFIX_BITS, Cidr4Data, CidrKind, PodConfig, maps};
 use meshcap_tests::{
     Netns, PROXY_UID, Placement, Report, TestCgroup, dial, require_root, start_server,
 };
@@ -38,11 +38,20 @@ fn main() -> anyhow::Result<()> {
     pods.insert(
         pod.cookie()?,
         PodConfig {
+            pod_id: 1,
+            flags: 0,
             proxy_uid: PROXY_UID,
             proxy_gid: PROXY_UID,
         },
         0,
     )?;
+    let mut cidrs: LpmTrie<_, Cidr4Data, u32> = LpmTrie::try_from(
+        ebpf.map_mut(maps::CIDRS4)
+            .ok_or_else(|| anyhow::anyhow!("no CIDR map"))?,
+    )?;
+    // includeOutboundIPRanges "*": a zero-length prefix in the pod's include list.
+    let everything = Cidr4Data::new(1, CidrKind::IncludeOutbound, 0);
+    cidrs.insert(&Key::new(CIDR_KEY_PREFIX_BITS, everything), 0, 0)?;
     println!(
         "meshcap: connect4 attached to the pod's cgroup, pod registered by its netns cookie\n"
     );

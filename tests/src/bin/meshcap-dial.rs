@@ -1,4 +1,5 @@
-//! The application side of end-to-end tests: `meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]`
+//! The application side of end-to-end tests: `meshcap-dial tcp|udp|udpc:ADDR:PORT [--bind ADDR]`
+//! (`udpc`: connected UDP)
 //! connects (or sends one datagram), prints the one-line answer of whoever took it, or
 //! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
 use std::{
@@ -34,7 +35,8 @@ fn main() -> anyhow::Result<()> {
         .transpose()?;
     let answer = match proto {
         "tcp" => tcp(addr, bind_to),
-        "udp" => udp(addr, bind_to),
+        "udp" => udp(addr, bind_to, false),
+        "udpc" => udp(addr, bind_to, true),
         other => bail!("unknown protocol {other}"),
     };
     match answer {
@@ -79,7 +81,8 @@ fn tcp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> 
     Ok(line)
 }
 
-fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> {
+/// One datagram; `connected`: `connect` then `send`/`recv_from` (as glibc's resolver does).
+fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>, connected: bool) -> anyhow::Result<String> {
     let local = bind_to.unwrap_or_else(|| {
         if addr.is_ipv4() {
             "0.0.0.0:0".parse()
@@ -90,7 +93,12 @@ fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> 
     });
     let socket = UdpSocket::bind(local)?;
     socket.set_read_timeout(Some(TIMEOUT))?;
-    socket.send_to(b"query", addr)?;
+    if connected {
+        socket.connect(addr)?;
+        socket.send(b"query")?;
+    } else {
+        socket.send_to(b"query", addr)?;
+    }
     let mut buf = [0u8; 1500];
     let (n, from) = socket.recv_from(&mut buf)?;
     let mut line = String::from_utf8_lossy(&buf[..n]).into_owned();

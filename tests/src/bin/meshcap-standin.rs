@@ -35,18 +35,23 @@ fn main() -> anyhow::Result<()> {
         let (proto, addr) = spec
             .split_once(':')
             .context("--listen is proto:addr:port")?;
+        let (addr, transparent) = match addr.strip_suffix("+transparent") {
+            Some(addr) => (addr, true),
+            None => (addr, false),
+        };
         let addr: SocketAddr = addr
             .parse()
             .with_context(|| format!("bad address in {spec}"))?;
         let name = name.clone();
         match proto {
             "tcp" => {
-                let listener = bind_tcp(addr)?;
-                handles.push(thread::spawn(move || serve_tcp(&name, &listener)));
+                let listener = bind_tcp(addr, transparent)?;
+                handles.push(thread::spawn(move || {
+                    serve_tcp(&name, &listener, transparent)
+                }));
             }
             "udp" => {
-                let socket =
-                    UdpSocket::bind(addr).with_context(|| format!("binding udp {addr}"))?;
+                let socket = bind_udp(addr)?;
                 handles.push(thread::spawn(move || serve_udp(&name, &socket)));
             }
             other => bail!("unknown protocol {other}"),
@@ -62,7 +67,7 @@ fn main() -> anyhow::Result<()> {
 
 /// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
 /// them by accident.
-fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+fn bind_tcp(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> {
     use nix::sys::socket::{
         AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
         socket, sockopt,
@@ -77,17 +82,99 @@ fn bind_tcp(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     if addr.is_ipv6() {
         setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
     }
+    if transparent {
+        // Envoy's TPROXY-mode inbound listener is transparent: iptables' TPROXY target only
+        // hands connections to such sockets (bpf_sk_assign does not care).
+        set_transparent(&fd, addr.is_ipv6())?;
+    }
     bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
         .with_context(|| format!("binding tcp {addr}"))?;
     listen(&fd, Backlog::new(128)?)?;
     Ok(TcpListener::from(fd))
 }
 
-fn serve_tcp(name: &str, listener: &TcpListener) {
+/// As [`bind_tcp`]: IPv6 wildcards are v6-only.
+fn bind_udp(addr: SocketAddr) -> anyhow::Result<UdpSocket> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
+    };
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    if addr.is_ipv6() {
+        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .with_context(|| format!("binding udp {addr}"))?;
+    Ok(UdpSocket::from(fd))
+}
+
+fn serve_tcp(name: &str, listener: &TcpListener, transparent: bool) {
     let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
     for stream in listener.incoming().flatten() {
-        let _ = answer_tcp(name, port, stream);
+        let _ = if transparent {
+            relay_transparent(stream)
+        } else {
+            answer_tcp(name, port, stream)
+        };
     }
+}
+
+/// Envoy's TPROXY-mode inbound path: connect to the original destination (the accepted
+/// socket's local address) from the client's own address (`IP_TRANSPARENT`, mark 1337, as
+/// Envoy's `original_src` filter does) and relay the upstream's answer line to the client.
+fn relay_transparent(mut client: TcpStream) -> anyhow::Result<()> {
+    use std::io::{BufRead as _, BufReader};
+
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket,
+        sockopt,
+    };
+    let dst = client.local_addr()?;
+    let src = SocketAddr::new(client.peer_addr()?.ip(), 0);
+    let family = if dst.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    set_transparent(&fd, dst.is_ipv6())?;
+    setsockopt(&fd, sockopt::Mark, &1337)?;
+    bind(fd.as_raw_fd(), &SockaddrStorage::from(src)).context("transparent bind")?;
+    connect(fd.as_raw_fd(), &SockaddrStorage::from(dst)).context("transparent connect")?;
+    let mut line = String::new();
+    BufReader::new(TcpStream::from(fd)).read_line(&mut line)?;
+    client.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+/// `IP_TRANSPARENT` / `IPV6_TRANSPARENT` (needs `CAP_NET_ADMIN`, which the harness keeps).
+fn set_transparent(fd: &std::os::fd::OwnedFd, v6: bool) -> anyhow::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    if !v6 {
+        setsockopt(fd, sockopt::IpTransparent, &true)?;
+        return Ok(());
+    }
+    let on: libc::c_int = 1;
+    // SAFETY: an int option on our own socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_IPV6,
+            libc::IPV6_TRANSPARENT,
+            (&raw const on).cast(),
+            4,
+        )
+    };
+    anyhow::ensure!(
+        rc == 0,
+        "IPV6_TRANSPARENT: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(())
 }
 
 fn answer_tcp(name: &str, listener: u16, mut stream: TcpStream) -> anyhow::Result<()> {

@@ -1,0 +1,161 @@
+//! A pod's capture configuration as map entries: the flags word, port lists and CIDR lists of
+//! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use meshcap_common::{CidrKind, PodConfig, PortKind, flags, iface_flags};
+
+use super::podnet::PodNet;
+use crate::policy::{CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy};
+
+/// Everything the maps hold for one pod, before a pod id is assigned.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Entries {
+    /// [`PodConfig`] without its `pod_id`.
+    pub config: PodConfig,
+    /// Port lists.
+    pub ports: Vec<(PortKind, u16)>,
+    /// CIDR lists: kind, network, prefix length, value.
+    pub cidrs: Vec<(CidrKind, IpAddr, u8, u32)>,
+    /// Interface flags by interface name.
+    pub ifaces: Vec<(String, u32)>,
+}
+
+impl Entries {
+    /// Adds what the pod's netns says: its own addresses (traffic to them leaves by `lo`) and,
+    /// with `excludeInterfaces`, its routes marked by whether they leave by an excluded
+    /// interface. Also the interface flags.
+    pub fn add_pod_net(&mut self, net: &PodNet, exclude: &[String], reroute: &[String]) {
+        for addr in &net.addresses {
+            let len = if addr.is_ipv4() { 32 } else { 128 };
+            self.cidrs.push((CidrKind::Local, *addr, len, 1));
+        }
+        if self.config.has(flags::IPV6) {
+            self.cidrs.push((
+                CidrKind::Local,
+                IpAddr::V6(std::net::Ipv6Addr::from(6u128)),
+                128,
+                1,
+            ));
+        }
+        if !exclude.is_empty() {
+            self.config.flags |= flags::EXCLUDED_ROUTES;
+            for route in &net.routes {
+                let excluded = u32::from(exclude.contains(&route.dev));
+                self.cidrs
+                    .push((CidrKind::Route, route.dst, route.len, excluded));
+            }
+        }
+        for (_, name) in &net.interfaces {
+            let mut f = 0;
+            if exclude.contains(name) {
+                f |= iface_flags::EXCLUDED;
+            }
+            if reroute.contains(name) {
+                f |= iface_flags::REROUTE;
+            }
+            if f != 0 {
+                self.ifaces.push((name.clone(), f));
+            }
+        }
+    }
+}
+
+/// A policy's map entries (the pod's netns adds its own with [`Entries::add_pod_net`]).
+#[must_use]
+pub fn encode(policy: &RedirectPolicy) -> Entries {
+    let mut f = 0;
+    if policy.include_outbound_ip_ranges.has_loopback() {
+        f |= flags::INCLUDE_LOOPBACK;
+    }
+    if policy.dns_capture {
+        f |= flags::DNS_CAPTURE;
+    }
+    if policy.mode == InterceptionMode::Tproxy {
+        f |= flags::TPROXY;
+    }
+    if policy.include_inbound_ports == PortSelection::All {
+        f |= flags::INBOUND_ALL;
+    }
+    if policy.ipv6 {
+        f |= flags::IPV6;
+    }
+    if policy.invalid_drop {
+        f |= flags::INVALID_DROP;
+    }
+    let mut ports = Vec::new();
+    ports.extend(
+        policy
+            .exclude_outbound_ports
+            .iter()
+            .map(|p| (PortKind::ExcludeOutbound, *p)),
+    );
+    ports.extend(
+        policy
+            .include_outbound_ports
+            .iter()
+            .map(|p| (PortKind::IncludeOutbound, *p)),
+    );
+    ports.extend(
+        policy
+            .exclude_inbound_ports
+            .iter()
+            .map(|p| (PortKind::ExcludeInbound, *p)),
+    );
+    if let PortSelection::Ports(list) = &policy.include_inbound_ports {
+        ports.extend(list.iter().map(|p| (PortKind::IncludeInbound, *p)));
+    }
+    let mut cidrs = Vec::new();
+    match &policy.include_outbound_ip_ranges {
+        IpRanges::All => {
+            cidrs.push((
+                CidrKind::IncludeOutbound,
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+                0,
+                1,
+            ));
+            cidrs.push((
+                CidrKind::IncludeOutbound,
+                IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+                0,
+                1,
+            ));
+        }
+        IpRanges::Cidrs(set) => cidrs.extend(prefixes(CidrKind::IncludeOutbound, set)),
+    }
+    cidrs.extend(prefixes(
+        CidrKind::ExcludeOutbound,
+        &policy.exclude_outbound_ip_ranges,
+    ));
+    for ip in &policy.pod_ips {
+        let len = if ip.is_ipv4() { 32 } else { 128 };
+        cidrs.push((CidrKind::Local, *ip, len, 1));
+    }
+    Entries {
+        config: PodConfig {
+            pod_id: 0,
+            flags: f,
+            proxy_uid: policy.proxy_uid,
+            proxy_gid: policy.proxy_gid,
+        },
+        ports,
+        cidrs,
+        ifaces: Vec::new(),
+    }
+}
+
+/// A set's prefixes, masked (the policy keeps addresses as written, `10.0.0.1/8`).
+fn prefixes(kind: CidrKind, set: &CidrSet) -> impl Iterator<Item = (CidrKind, IpAddr, u8, u32)> {
+    set.v4.iter().chain(&set.v6).map(move |p| {
+        let addr = match p.addr() {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(p.len())).unwrap_or(0);
+                IpAddr::V4(Ipv4Addr::from(u32::from(a) & mask))
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(p.len())).unwrap_or(0);
+                IpAddr::V6(Ipv6Addr::from(u128::from(a) & mask))
+            }
+        };
+        (kind, addr, p.len(), 1)
+    })
+}

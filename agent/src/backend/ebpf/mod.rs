@@ -1,0 +1,794 @@
+//! The eBPF backend: meshcap's kernel programs attached once, node-wide, and per-pod state in
+//! maps keyed by the pod's network namespace cookie.
+//!
+//! Everything lives under one versioned bpffs directory ([`EbpfConfig::bpffs_dir`], default
+//! `/sys/fs/bpf/meshcap/v1`), which is the source of truth across agent restarts:
+//!
+//! ```text
+//! maps/<MAP>                                   every map, adopted as is when present
+//! links/<program>                              the node-wide cgroup links (bpf_link pins)
+//! pods/<cookie>/pod@<namespace>@<name>@<id>/    which pod a netns cookie belongs to
+//! pods/<cookie>/tc-<ifname>                    the pod's TCX links
+//! ```
+//!
+//! A restarted agent opens the pinned maps and links and attaches nothing twice; killing it
+//! (even with SIGKILL) detaches nothing, because every attachment is a pinned bpf_link.
+mod bpffs;
+mod encode;
+mod podnet;
+mod sys;
+
+use std::{
+    fs, io,
+    net::IpAddr,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
+    programs::{Program, ProgramError},
+};
+pub use encode::{Entries, encode};
+use meshcap_common::{
+    CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey, maps, programs,
+};
+pub use podnet::PodNet;
+use sys::CgroupAttach;
+
+use super::PodRef;
+use crate::{
+    netns::{self, NetnsError},
+    policy::RedirectPolicy,
+};
+
+/// A pod the backend captures, as the pins record it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PinnedPod {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+    /// The sandbox container id.
+    pub container_id: String,
+    /// The pod's netns cookie (the maps' key).
+    pub netns_cookie: u64,
+    /// Interfaces with the inbound TC program.
+    pub interfaces: Vec<String>,
+}
+
+/// Errors of the eBPF backend; each names what it was doing.
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfError {
+    /// A filesystem or syscall failure.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: io::Error,
+    },
+    /// aya refused (object, map or link).
+    #[error("{what}: {source}")]
+    Bpf {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The kernel refused a program.
+    #[error("program {name}: {source}")]
+    Program {
+        /// The program.
+        name: &'static str,
+        /// aya's error (with the verifier log).
+        #[source]
+        source: ProgramError,
+    },
+    /// The embedded object lacks a program or map.
+    #[error("the embedded eBPF object has no {0}")]
+    Missing(&'static str),
+    /// A helper command failed.
+    #[error("{0}")]
+    Command(String),
+    /// The pod's netns could not be entered.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    /// A pod-level failure.
+    #[error("{pod}: {message}")]
+    Pod {
+        /// `pod namespace/name`.
+        pod: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl EbpfError {
+    fn io(what: &str, source: io::Error) -> Self {
+        Self::Io {
+            what: what.to_owned(),
+            source,
+        }
+    }
+
+    fn program(name: &'static str, source: ProgramError) -> Self {
+        Self::Program { name, source }
+    }
+
+    fn map(what: &str, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Bpf {
+            what: what.to_owned(),
+            source: Box::new(source),
+        }
+    }
+
+    fn pod(pod: &PodRef, message: impl Into<String>) -> Self {
+        Self::Pod {
+            pod: pod.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Where the backend attaches and pins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EbpfConfig {
+    /// The cgroup the node-wide programs attach to: the cgroup v2 root in production, a
+    /// throwaway child in tests.
+    pub cgroup_root: PathBuf,
+    /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v1`).
+    pub bpffs_dir: PathBuf,
+}
+
+/// The default pin directory; the version changes whenever a map layout does.
+pub const DEFAULT_BPFFS_DIR: &str = "/sys/fs/bpf/meshcap/v1";
+
+impl EbpfConfig {
+    /// The cgroup v2 root and [`DEFAULT_BPFFS_DIR`].
+    ///
+    /// # Errors
+    /// When there is no cgroup2 mount.
+    pub fn production() -> Result<Self, EbpfError> {
+        Ok(Self {
+            cgroup_root: crate::cgroup::cgroup2_mount()
+                .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
+            bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
+        })
+    }
+}
+
+/// The node-wide programs, in attach order: the original-destination plumbing before the
+/// redirects, so no redirected connection ever lacks its answer.
+const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
+    (programs::SOCKOPS, CgroupAttach::SockOps),
+    (programs::GETSOCKOPT, CgroupAttach::GetSockopt),
+    (programs::RECVMSG4, CgroupAttach::RecvMsg4),
+    (programs::RECVMSG6, CgroupAttach::RecvMsg6),
+    (programs::CONNECT4, CgroupAttach::Connect4),
+    (programs::CONNECT6, CgroupAttach::Connect6),
+    (programs::SENDMSG4, CgroupAttach::SendMsg4),
+    (programs::SENDMSG6, CgroupAttach::SendMsg6),
+];
+
+/// Every map of the object (all pinned).
+const MAPS: [&str; 7] = [
+    maps::PODS,
+    maps::CIDRS4,
+    maps::CIDRS6,
+    maps::PORTS,
+    maps::IFACES,
+    maps::BY_COOKIE,
+    maps::FLOWS,
+];
+
+struct Tables {
+    pods: HashMap<MapData, u64, PodConfig>,
+    cidrs4: LpmTrie<MapData, Cidr4Data, u32>,
+    cidrs6: LpmTrie<MapData, Cidr6Data, u32>,
+    ports: HashMap<MapData, PortKey, u8>,
+    ifaces: HashMap<MapData, IfaceKey, u32>,
+}
+
+/// The eBPF capture backend. Cheap to call concurrently: map updates are serialised, netns
+/// work runs on dedicated threads.
+pub struct EbpfBackend {
+    config: EbpfConfig,
+    tables: Mutex<Tables>,
+}
+
+impl std::fmt::Debug for EbpfBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EbpfBackend")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn mkdir(path: &Path) -> Result<(), EbpfError> {
+    fs::create_dir_all(path).map_err(|e| EbpfError::io(&format!("creating {}", path.display()), e))
+}
+
+impl EbpfBackend {
+    /// Opens (or creates) the pinned maps, and attaches every node-wide program to the cgroup
+    /// root unless a pinned link says it already is.
+    ///
+    /// # Errors
+    /// When bpffs, the cgroup or the kernel refuse.
+    pub fn open(config: EbpfConfig) -> Result<Self, EbpfError> {
+        bpffs::ensure(&config.bpffs_dir).map_err(|e| EbpfError::io("bpffs", e))?;
+        for sub in ["maps", "links", "pods"] {
+            mkdir(&config.bpffs_dir.join(sub))?;
+        }
+        let mut ebpf = load_object(&config.bpffs_dir)?;
+        let cgroup = fs::File::open(&config.cgroup_root).map_err(|e| {
+            EbpfError::io(
+                &format!("opening cgroup {}", config.cgroup_root.display()),
+                e,
+            )
+        })?;
+        for (name, attach) in CGROUP_PROGRAMS {
+            let pin = config.bpffs_dir.join("links").join(name);
+            if sys::obj_get(&pin).is_ok() {
+                tracing::debug!(program = name, pin = %pin.display(), "adopting pinned link");
+                continue;
+            }
+            let program = ebpf.program_mut(name).ok_or(EbpfError::Missing(name))?;
+            let fd = load_program(program, name)?;
+            let link = sys::link_create(fd.as_fd(), &cgroup, attach).map_err(|e| {
+                EbpfError::io(
+                    &format!("attaching {name} to {}", config.cgroup_root.display()),
+                    e,
+                )
+            })?;
+            sys::obj_pin(&link, &pin)
+                .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
+            tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
+        }
+        let tables = Tables {
+            pods: take(&mut ebpf, maps::PODS)?,
+            cidrs4: take(&mut ebpf, maps::CIDRS4)?,
+            cidrs6: take(&mut ebpf, maps::CIDRS6)?,
+            ports: take(&mut ebpf, maps::PORTS)?,
+            ifaces: take(&mut ebpf, maps::IFACES)?,
+        };
+        Ok(Self {
+            config,
+            tables: Mutex::new(tables),
+        })
+    }
+
+    /// The configuration in use.
+    #[must_use]
+    pub fn config(&self) -> &EbpfConfig {
+        &self.config
+    }
+
+    /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
+        self.add_entries(
+            pod,
+            encode::encode(policy),
+            &policy.exclude_interfaces,
+            &policy.reroute_virtual_interfaces,
+        )
+    }
+
+    /// Verifies `pod` is captured with `policy`.
+    ///
+    /// # Errors
+    /// What is missing or different, naming the pod.
+    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
+        self.check_entries(pod, &encode::encode(policy))
+    }
+
+    /// Captures `pod` with these map entries, or updates its entries. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add_entries(
+        &self,
+        pod: &PodRef,
+        mut entries: Entries,
+        exclude_interfaces: &[String],
+        reroute_interfaces: &[String],
+    ) -> Result<(), EbpfError> {
+        let net = netns::run_in(&pod.netns, podnet::inspect)??;
+        entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
+        let cookie = net.cookie;
+        let pod_dir = self.pod_dir(cookie);
+        mkdir(&pod_dir.join(meta_name(pod)))?;
+
+        // The netns side first: routes, then TC. The pod entry comes last, so a pod is
+        // captured in full or not at all.
+        let config = entries.config;
+        let ipv6 = config.has(meshcap_common::flags::IPV6);
+        let tproxy = config.has(meshcap_common::flags::TPROXY);
+        let reroute = !reroute_interfaces.is_empty();
+        let pins = self.map_pins();
+        let tc_ifaces: Vec<String> = net
+            .interfaces
+            .iter()
+            .map(|(_, name)| name.clone())
+            .filter(|name| !exclude_interfaces.contains(name))
+            .collect();
+        let dir = pod_dir.clone();
+        netns::run_in(&pod.netns, || -> Result<(), EbpfError> {
+            if tproxy || reroute {
+                podnet::install_tproxy_route(ipv6, tproxy)?;
+            }
+            if ipv6 {
+                podnet::add_passthrough6()?;
+            }
+            for ifname in &tc_ifaces {
+                let pin = dir.join(format!("tc-{ifname}"));
+                if pin.exists() {
+                    continue;
+                }
+                podnet::attach_tc(crate::bpf::object(), &pins, cookie, ifname, &pin)?;
+            }
+            Ok(())
+        })??;
+        let mut tables = self.lock();
+        let old = tables.pods.get(&cookie, 0).ok();
+        let pod_id = next_pod_id(&tables, old.map(|c| c.pod_id));
+        tables.write_lists(pod_id, &entries)?;
+        tables.write_ifaces(cookie, &net, &entries)?;
+        tables
+            .pods
+            .insert(cookie, PodConfig { pod_id, ..config }, 0)
+            .map_err(|e| EbpfError::map("writing the pod entry", e))?;
+        if let Some(old) = old {
+            tables.remove_lists(old.pod_id)?;
+        }
+        tracing::info!(pod = %pod, netns_cookie = cookie, pod_id, "captured");
+        Ok(())
+    }
+
+    /// Stops capturing `pod` and removes everything of it. Idempotent; works when the netns
+    /// is already gone.
+    ///
+    /// # Errors
+    /// When the maps refuse.
+    pub fn remove(&self, pod: &PodRef) -> Result<(), EbpfError> {
+        let Some(cookie) = self.find_cookie(pod) else {
+            return Ok(());
+        };
+        {
+            let mut tables = self.lock();
+            if let Ok(config) = tables.pods.get(&cookie, 0) {
+                tables
+                    .pods
+                    .remove(&cookie)
+                    .map_err(|e| EbpfError::map("removing the pod entry", e))?;
+                tables.remove_lists(config.pod_id)?;
+            }
+            tables.remove_ifaces(cookie)?;
+        }
+        let dir = self.pod_dir(cookie);
+        let tc: Vec<(String, PathBuf)> = list_dir(&dir)
+            .into_iter()
+            .filter_map(|name| Some((name.strip_prefix("tc-")?.to_owned(), dir.join(&name))))
+            .collect();
+        let detached = netns::run_in(&pod.netns, || {
+            for (ifname, pin) in &tc {
+                podnet::detach_tc(ifname, pin);
+            }
+        });
+        if detached.is_err() {
+            // The netns is gone, and its devices with it: only the pins are left.
+            for (_, pin) in &tc {
+                let _ = unpin_link(pin);
+            }
+        }
+        remove_tree(&dir);
+        tracing::info!(pod = %pod, netns_cookie = cookie, "released");
+        Ok(())
+    }
+
+    /// Verifies `pod` is captured with exactly these entries' configuration and its TC
+    /// programs are attached.
+    ///
+    /// # Errors
+    /// What is missing or different.
+    pub fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), EbpfError> {
+        let cookie = netns::cookie_of(&pod.netns)?;
+        let config = self
+            .lock()
+            .pods
+            .get(&cookie, 0)
+            .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
+        let want = entries.config.flags & !meshcap_common::flags::EXCLUDED_ROUTES;
+        if config.flags & !meshcap_common::flags::EXCLUDED_ROUTES != want
+            || config.proxy_uid != entries.config.proxy_uid
+            || config.proxy_gid != entries.config.proxy_gid
+        {
+            return Err(EbpfError::pod(
+                pod,
+                format!("captured with a different configuration: {config:?}"),
+            ));
+        }
+        for (name, _) in CGROUP_PROGRAMS {
+            let pin = self.config.bpffs_dir.join("links").join(name);
+            sys::obj_get(&pin).map_err(|e| {
+                EbpfError::pod(
+                    pod,
+                    format!("node-wide program {name} is not attached: {e}"),
+                )
+            })?;
+        }
+        if !list_dir(&self.pod_dir(cookie))
+            .iter()
+            .any(|n| n.starts_with("tc-"))
+        {
+            return Err(EbpfError::pod(pod, "no inbound TC program attached"));
+        }
+        Ok(())
+    }
+
+    /// How many programs of each node-wide hook are attached to the cgroup root (1 each when
+    /// healthy; 2 would mean a double attach).
+    ///
+    /// # Errors
+    /// When the cgroup cannot be queried.
+    pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, EbpfError> {
+        let cgroup = fs::File::open(&self.config.cgroup_root)
+            .map_err(|e| EbpfError::io("opening the cgroup root", e))?;
+        CGROUP_PROGRAMS
+            .iter()
+            .map(|(name, attach)| {
+                sys::prog_count(&cgroup, *attach)
+                    .map(|n| (*name, n))
+                    .map_err(|e| EbpfError::io(&format!("querying {name}"), e))
+            })
+            .collect()
+    }
+
+    /// Every pod captured, from the pins.
+    ///
+    /// # Errors
+    /// When the pin directory cannot be read.
+    pub fn list(&self) -> Result<Vec<PinnedPod>, EbpfError> {
+        let pods_dir = self.config.bpffs_dir.join("pods");
+        let mut out = Vec::new();
+        for cookie_name in list_dir(&pods_dir) {
+            let Ok(cookie) = cookie_name.parse::<u64>() else {
+                continue;
+            };
+            let names = list_dir(&pods_dir.join(&cookie_name));
+            let Some((namespace, name, container_id)) =
+                names.iter().find_map(|n| parse_meta_name(n))
+            else {
+                continue;
+            };
+            out.push(PinnedPod {
+                namespace,
+                name,
+                container_id,
+                netns_cookie: cookie,
+                interfaces: names
+                    .iter()
+                    .filter_map(|n| n.strip_prefix("tc-").map(str::to_owned))
+                    .collect(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Detaches every node-wide program and removes every pin (maps included): the node is
+    /// left as before the first [`Self::open`]. Pods' TC links go with their pins.
+    ///
+    /// # Errors
+    /// When the directory cannot be removed.
+    pub fn uninstall(self) -> Result<(), EbpfError> {
+        let dir = self.config.bpffs_dir.clone();
+        drop(self);
+        remove_tree(&dir);
+        if dir.exists() {
+            return Err(EbpfError::io(
+                &format!("removing {}", dir.display()),
+                io::Error::other("still present"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Tables> {
+        self.tables
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn pod_dir(&self, cookie: u64) -> PathBuf {
+        self.config.bpffs_dir.join("pods").join(cookie.to_string())
+    }
+
+    fn map_pins(&self) -> podnet::MapPins {
+        MAPS.iter()
+            .map(|name| (*name, self.config.bpffs_dir.join("maps").join(name)))
+            .collect()
+    }
+
+    /// The pod's cookie: from its netns while it exists, else from the pins.
+    fn find_cookie(&self, pod: &PodRef) -> Option<u64> {
+        let meta = meta_name(pod);
+        let pods_dir = self.config.bpffs_dir.join("pods");
+        list_dir(&pods_dir)
+            .into_iter()
+            .find(|c| pods_dir.join(c).join(&meta).exists())
+            .and_then(|c| c.parse().ok())
+            .or_else(|| netns::cookie_of(&pod.netns).ok())
+    }
+}
+
+/// The pin-directory name recording which pod a cookie is (`@` is not in Kubernetes names).
+fn meta_name(pod: &PodRef) -> String {
+    format!("pod@{}@{}@{}", pod.namespace, pod.name, pod.container_id)
+}
+
+fn parse_meta_name(name: &str) -> Option<(String, String, String)> {
+    let mut parts = name.strip_prefix("pod@")?.splitn(3, '@');
+    Some((
+        parts.next()?.to_owned(),
+        parts.next()?.to_owned(),
+        parts.next()?.to_owned(),
+    ))
+}
+
+fn list_dir(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes a bpffs tree: pins are files (links are detached first), the rest directories.
+fn remove_tree(dir: &Path) {
+    for name in list_dir(dir) {
+        let path = dir.join(name);
+        if path.is_dir() {
+            remove_tree(&path);
+        } else {
+            let _ = unpin_link(&path);
+        }
+    }
+    let _ = fs::remove_dir(dir);
+}
+
+/// Detaches the link pinned at `path` now (when it is a link) and removes the pin. Only
+/// unlinking the pin would detach it later, from a kernel workqueue.
+///
+/// # Errors
+/// When the pin cannot be removed.
+pub fn unpin_link(path: &Path) -> io::Result<()> {
+    if let Ok(fd) = sys::obj_get(path) {
+        // Maps and netlink-era leftovers are not links: EINVAL, and nothing to detach.
+        let _ = sys::link_detach(&fd);
+    }
+    fs::remove_file(path)
+}
+
+fn load_object(bpffs_dir: &Path) -> Result<Ebpf, EbpfError> {
+    if crate::bpf::object().is_empty() {
+        return Err(EbpfError::Bpf {
+            what: "opening the embedded object".into(),
+            source: Box::new(crate::bpf::LoadError::NotEmbedded),
+        });
+    }
+    let mut loader = EbpfLoader::new();
+    for name in MAPS {
+        loader.map_pin_path(name, bpffs_dir.join("maps").join(name));
+    }
+    loader
+        .load(crate::bpf::object())
+        .map_err(|e| EbpfError::map("loading the eBPF object", e))
+}
+
+fn load_program(
+    program: &mut Program,
+    name: &'static str,
+) -> Result<aya::programs::ProgramFd, EbpfError> {
+    let err = |e| EbpfError::program(name, e);
+    match program {
+        Program::CgroupSockAddr(p) => {
+            p.load().map_err(err)?;
+            p.fd()
+                .map_err(err)?
+                .try_clone()
+                .map_err(|e| EbpfError::io(name, e))
+        }
+        Program::CgroupSockopt(p) => {
+            p.load().map_err(err)?;
+            p.fd()
+                .map_err(err)?
+                .try_clone()
+                .map_err(|e| EbpfError::io(name, e))
+        }
+        Program::SockOps(p) => {
+            p.load().map_err(err)?;
+            p.fd()
+                .map_err(err)?
+                .try_clone()
+                .map_err(|e| EbpfError::io(name, e))
+        }
+        _ => Err(err(ProgramError::UnexpectedProgramType)),
+    }
+}
+
+fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
+where
+    T::Error: std::error::Error + Send + Sync + 'static,
+{
+    let map = ebpf.take_map(name).ok_or(EbpfError::Missing(name))?;
+    T::try_from(map).map_err(|e| EbpfError::map(&format!("map {name}"), e))
+}
+
+/// A fresh pod id: every update gets a new one, so the old lists stay intact until the pod
+/// entry points at the new ones (no connection sees a half-written policy).
+fn next_pod_id(tables: &Tables, old: Option<u32>) -> u32 {
+    let used: Vec<u32> = tables
+        .pods
+        .iter()
+        .flatten()
+        .map(|(_, c)| c.pod_id)
+        .collect();
+    let mut id = old.unwrap_or(0).wrapping_add(1).max(1);
+    while used.contains(&id) {
+        id = id.wrapping_add(1).max(1);
+    }
+    id
+}
+
+impl Tables {
+    fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), EbpfError> {
+        for (kind, port) in &entries.ports {
+            self.ports
+                .insert(PortKey::new(pod_id, *kind, *port), 1, 0)
+                .map_err(|e| EbpfError::map("writing a port list", e))?;
+        }
+        for (kind, addr, len, value) in &entries.cidrs {
+            let prefix = CIDR_KEY_PREFIX_BITS + u32::from(*len);
+            match addr {
+                IpAddr::V4(a) => self.cidrs4.insert(
+                    &Key::new(
+                        prefix,
+                        Cidr4Data::new(pod_id, *kind, u32::from_ne_bytes(a.octets())),
+                    ),
+                    *value,
+                    0,
+                ),
+                IpAddr::V6(a) => self.cidrs6.insert(
+                    &Key::new(
+                        prefix,
+                        Cidr6Data::new(pod_id, *kind, meshcap_common::Addr::v6(a.octets()).words()),
+                    ),
+                    *value,
+                    0,
+                ),
+            }
+            .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
+        }
+        Ok(())
+    }
+
+    fn remove_lists(&mut self, pod_id: u32) -> Result<(), EbpfError> {
+        let ports: Vec<PortKey> = self
+            .ports
+            .keys()
+            .flatten()
+            .filter(|k| k.pod_id == pod_id)
+            .collect();
+        for key in ports {
+            let _ = self.ports.remove(&key);
+        }
+        let pod = pod_id.to_be_bytes();
+        let v4: Vec<Key<Cidr4Data>> = self
+            .cidrs4
+            .keys()
+            .flatten()
+            .filter(|k| k.data().pod == pod)
+            .collect();
+        for key in v4 {
+            let _ = self.cidrs4.remove(&key);
+        }
+        let v6: Vec<Key<Cidr6Data>> = self
+            .cidrs6
+            .keys()
+            .flatten()
+            .filter(|k| k.data().pod == pod)
+            .collect();
+        for key in v6 {
+            let _ = self.cidrs6.remove(&key);
+        }
+        Ok(())
+    }
+
+    fn write_ifaces(
+        &mut self,
+        cookie: u64,
+        net: &PodNet,
+        entries: &Entries,
+    ) -> Result<(), EbpfError> {
+        self.remove_ifaces(cookie)?;
+        for (ifindex, name) in &net.interfaces {
+            if let Some((_, flags)) = entries.ifaces.iter().find(|(n, _)| n == name) {
+                let key = IfaceKey {
+                    netns: cookie,
+                    ifindex: *ifindex,
+                    pad: 0,
+                };
+                self.ifaces
+                    .insert(key, *flags, 0)
+                    .map_err(|e| EbpfError::map("writing interface flags", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_ifaces(&mut self, cookie: u64) -> Result<(), EbpfError> {
+        let keys: Vec<IfaceKey> = self
+            .ifaces
+            .keys()
+            .flatten()
+            .filter(|k| k.netns == cookie)
+            .collect();
+        for key in keys {
+            let _ = self.ifaces.remove(&key);
+        }
+        Ok(())
+    }
+}
+
+impl super::CaptureBackend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), super::BackendError> {
+        Ok(Self::add(self, pod, policy)?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> Result<(), super::BackendError> {
+        Ok(Self::remove(self, pod)?)
+    }
+
+    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), super::BackendError> {
+        Ok(Self::check(self, pod, policy)?)
+    }
+
+    fn list(&self) -> Result<Vec<super::CapturedPod>, super::BackendError> {
+        Ok(Self::list(self)?
+            .into_iter()
+            .map(|pinned| super::CapturedPod {
+                summary: format!(
+                    "netns cookie {}, inbound TC on {}",
+                    pinned.netns_cookie,
+                    if pinned.interfaces.is_empty() {
+                        "no interface".to_owned()
+                    } else {
+                        pinned.interfaces.join(",")
+                    }
+                ),
+                pod: PodRef {
+                    namespace: pinned.namespace,
+                    name: pinned.name,
+                    container_id: pinned.container_id,
+                    // The pins record the cookie, not the runtime's netns path.
+                    netns: PathBuf::new(),
+                },
+                backend: "ebpf".to_owned(),
+            })
+            .collect())
+    }
+}

@@ -1,0 +1,266 @@
+//! What happens inside a pod's network namespace, always on a dedicated thread
+//! ([`crate::netns::run_in`]): learning its interfaces, addresses and routes, attaching and
+//! detaching the TC program, and the TPROXY policy route.
+use std::{
+    fs,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use aya::{
+    EbpfLoader,
+    programs::{SchedClassifier, TcAttachType, links::FdLink, tc},
+    util::KernelVersion,
+};
+use meshcap_common::{TPROXY_MARK, TPROXY_TABLE, programs};
+
+use super::EbpfError;
+
+/// A route of the pod's main table: destination prefix and device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// Destination network.
+    pub dst: IpAddr,
+    /// Prefix length.
+    pub len: u8,
+    /// Output device.
+    pub dev: String,
+}
+
+/// The pod's network as seen from inside its netns.
+#[derive(Clone, Debug, Default)]
+pub struct PodNet {
+    /// The netns cookie.
+    pub cookie: u64,
+    /// Interfaces other than `lo`: (ifindex, name).
+    pub interfaces: Vec<(u32, String)>,
+    /// Every address on every interface.
+    pub addresses: Vec<IpAddr>,
+    /// The main routing table (IPv4 and IPv6).
+    pub routes: Vec<Route>,
+}
+
+/// Reads the calling thread's netns (call inside [`crate::netns::run_in`]).
+///
+/// # Errors
+/// When the kernel refuses the queries.
+pub fn inspect() -> Result<PodNet, EbpfError> {
+    let cookie = crate::netns::current_cookie().map_err(|e| EbpfError::io("netns cookie", e))?;
+    let interfaces = nix::net::if_::if_nameindex()
+        .map_err(|e| EbpfError::io("listing interfaces", e.into()))?
+        .iter()
+        .map(|i| (i.index(), i.name().to_string_lossy().into_owned()))
+        .filter(|(_, name)| name != "lo")
+        .collect();
+    let addresses = nix::ifaddrs::getifaddrs()
+        .map_err(|e| EbpfError::io("listing addresses", e.into()))?
+        .filter_map(|a| a.address)
+        .filter_map(|s| {
+            s.as_sockaddr_in()
+                .map(|v4| IpAddr::V4(v4.ip()))
+                .or_else(|| s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+        })
+        .collect();
+    // /proc/thread-self: /proc/self/net would show the thread group leader's netns.
+    let v4 = fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
+    let v6 = fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap_or_default();
+    let mut routes = parse_route4(&v4);
+    routes.extend(parse_route6(&v6));
+    Ok(PodNet {
+        cookie,
+        interfaces,
+        addresses,
+        routes,
+    })
+}
+
+/// `/proc/net/route`: `Iface Destination Gateway Flags RefCnt Use Metric Mask ...`, addresses
+/// as the hex of the raw (network order) word.
+fn parse_route4(text: &str) -> Vec<Route> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let dst = u32::from_str_radix(f.get(1)?, 16).ok()?;
+            let mask = u32::from_str_radix(f.get(7)?, 16).ok()?;
+            Some(Route {
+                dst: IpAddr::V4(Ipv4Addr::from(dst.to_le_bytes())),
+                len: u8::try_from(mask.count_ones()).ok()?,
+                dev: (*f.first()?).to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// `/proc/net/ipv6_route`: `dst dst_len src src_len gw metric refcnt use flags dev`.
+fn parse_route6(text: &str) -> Vec<Route> {
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let dst = u128::from_str_radix(f.first()?, 16).ok()?;
+            Some(Route {
+                dst: IpAddr::V6(Ipv6Addr::from(dst)),
+                len: u8::from_str_radix(f.get(1)?, 16).ok()?,
+                dev: (*f.get(9)?).to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// Where the TC program's maps are pinned: the per-pod program instance must share them.
+pub type MapPins = Vec<(&'static str, PathBuf)>;
+
+/// Loads a TC program instance for the pod `cookie` and attaches it on `ifname`'s ingress in
+/// the calling thread's netns. With TCX (Linux 6.6+) the link is pinned at `pin`; with
+/// netlink TC the filter itself outlives the agent.
+///
+/// # Errors
+/// When the program cannot be loaded or attached.
+pub fn attach_tc(
+    object: &[u8],
+    maps: &MapPins,
+    cookie: u64,
+    ifname: &str,
+    pin: &Path,
+) -> Result<(), EbpfError> {
+    let mut loader = EbpfLoader::new();
+    for (name, path) in maps {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader.override_global(programs::INGRESS_POD_GLOBAL, &cookie, true);
+    let mut ebpf = loader.load(object).map_err(|e| EbpfError::Bpf {
+        what: format!("loading the TC program for {ifname}"),
+        source: Box::new(e),
+    })?;
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(programs::INGRESS)
+        .ok_or_else(|| EbpfError::Missing(programs::INGRESS))?
+        .try_into()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    prog.load()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
+    if !tcx {
+        // netlink TC needs the clsact qdisc; "exists" is fine.
+        let _ = tc::qdisc_add_clsact(ifname);
+    }
+    let id = prog
+        .attach(ifname, TcAttachType::Ingress)
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    let link = prog
+        .take_link(id)
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    if tcx {
+        let link: FdLink = link.try_into().map_err(|e| EbpfError::Bpf {
+            what: format!("TCX link on {ifname}"),
+            source: Box::new(e),
+        })?;
+        link.pin(pin).map_err(|e| EbpfError::Bpf {
+            what: format!("pinning the TC link of {ifname} at {}", pin.display()),
+            source: Box::new(e),
+        })?;
+    } else {
+        // A netlink filter stays attached after its link handle is gone.
+        std::mem::forget(link);
+    }
+    Ok(())
+}
+
+/// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns).
+pub fn detach_tc(ifname: &str, pin: &Path) {
+    if pin.exists() {
+        let _ = super::unpin_link(pin);
+    } else {
+        let _ = tc::qdisc_detach_program(ifname, TcAttachType::Ingress, programs::INGRESS);
+    }
+}
+
+/// The policy route TPROXY mode and rerouted interfaces need (as Istio installs it):
+/// packets marked 1337 are delivered locally (`ip rule fwmark 1337 lookup 133`, `local default
+/// dev lo table 133`), and accepted sockets inherit the SYN's mark (`tcp_fwmark_accept`), so
+/// the app's replies to the original client source reach the proxy's transparent socket.
+/// Rerouted interfaces need only the route (`fwmark_accept` false): their packets are marked
+/// by the TC program, and the proxy's sockets must not inherit that mark or their replies
+/// would be routed back to `lo`.
+///
+/// # Errors
+/// When `ip` fails.
+pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfError> {
+    let mark = TPROXY_MARK.to_string();
+    let table = TPROXY_TABLE.to_string();
+    let mut families = vec!["-4"];
+    if ipv6 {
+        families.push("-6");
+    }
+    for family in families {
+        let rules = ip(&[family, "rule", "show"])?;
+        if !rules.contains(&format!("fwmark {:#x} lookup {table}", TPROXY_MARK)) {
+            ip(&[family, "rule", "add", "fwmark", &mark, "lookup", &table])?;
+        }
+        ip(&[
+            family, "route", "replace", "local", "default", "dev", "lo", "table", &table,
+        ])?;
+    }
+    if !fwmark_accept {
+        return Ok(());
+    }
+    fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
+        .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
+}
+
+/// Adds `::6` to `lo` (Envoy's IPv6 inbound passthrough source), as Istio does.
+///
+/// # Errors
+/// When `ip` fails.
+pub fn add_passthrough6() -> Result<(), EbpfError> {
+    ip(&["-6", "addr", "replace", "::6/128", "dev", "lo"]).map(drop)
+}
+
+/// Runs `ip` in the calling thread's netns (a forked child inherits the thread's namespaces).
+fn ip(args: &[&str]) -> Result<String, EbpfError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| EbpfError::io("running ip", e))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(EbpfError::Command(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_parse() {
+        let v4 = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+                  eth0\t00000000\t0100000A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n\
+                  eth1\t0000A8C0\t00000000\t0001\t0\t0\t0\t0000FFFF\t0\t0\t0\n";
+        let routes = parse_route4(v4);
+        assert_eq!(
+            routes[1],
+            Route {
+                dst: "192.168.0.0".parse().unwrap(),
+                len: 16,
+                dev: "eth1".into()
+            }
+        );
+        assert_eq!(routes[0].len, 0);
+        let v6 = "fd000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth1\n";
+        assert_eq!(
+            parse_route6(v6),
+            vec![Route {
+                dst: "fd00::".parse().unwrap(),
+                len: 64,
+                dev: "eth1".into()
+            }]
+        );
+    }
+}

@@ -1,0 +1,239 @@
+//! The per-connection decision: Istio's rule order as straight-line code.
+
+use crate::{
+    Addr, CidrKind, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
+    PodConfig, PortKind, TPROXY_MARK, flags, iface_flags,
+};
+
+/// What happens to a connection (or datagram).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// Left alone.
+    Pass,
+    /// Sent to the proxy's listener on this port (on loopback for outbound; assigned to the
+    /// listener for inbound).
+    Redirect(u16),
+    /// Dropped (`INVALID_DROP`).
+    Drop,
+}
+
+/// The transport protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Proto {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+/// A pod's lists, as the decision reads them. In the kernel: BPF maps keyed with the pod's
+/// id; on the host: plain collections.
+pub trait PodTables {
+    /// Whether `port` is in the pod's `kind` list.
+    fn has_port(&self, kind: PortKind, port: u16) -> bool;
+    /// The value of the longest prefix of the pod's `kind` list containing `addr`, if any.
+    fn lookup(&self, kind: CidrKind, addr: &Addr) -> Option<u32>;
+}
+
+/// An outbound connection (TCP connect, UDP connect or datagram) from inside a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Outbound {
+    /// TCP or UDP.
+    pub proto: Proto,
+    /// Where the app sends it.
+    pub dst: Addr,
+    /// Destination port.
+    pub dst_port: u16,
+    /// The socket's bound source address (unspecified when unbound).
+    pub src: Addr,
+    /// The socket owner's uid.
+    pub uid: u32,
+    /// The socket owner's gid.
+    pub gid: u32,
+    /// The socket's mark (`SO_MARK`).
+    pub mark: u32,
+}
+
+/// What already owns an inbound TCP packet's 4-tuple inside the pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Existing {
+    /// Nothing: a new connection (or a SYN cookie's ACK).
+    Nothing,
+    /// Only a listener on the destination port.
+    Listener,
+    /// A connection (established, in handshake, or time-wait): it keeps its packets.
+    Connection,
+}
+
+/// An inbound TCP packet arriving on one of the pod's interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Inbound {
+    /// Destination port.
+    pub dst_port: u16,
+    /// [`iface_flags`] of the interface it arrived on.
+    pub iface: u32,
+    /// SYN without ACK: opens a connection.
+    pub syn: bool,
+    /// ACK set (with SYN clear: a handshake's last packet, or data).
+    pub ack: bool,
+    /// What owns its 4-tuple.
+    pub existing: Existing,
+}
+
+/// `127.0.0.1` / `::1`.
+#[inline(always)]
+const fn localhost(v6: bool) -> Addr {
+    if v6 {
+        Addr::V6([0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])])
+    } else {
+        Addr::V4(u32::from_ne_bytes([127, 0, 0, 1]))
+    }
+}
+
+/// `127.0.0.6` / `::6`: the source Envoy binds for inbound passthrough.
+#[inline(always)]
+const fn passthrough_source(v6: bool) -> Addr {
+    if v6 {
+        Addr::V6([0, 0, 0, u32::from_ne_bytes([0, 0, 0, 6])])
+    } else {
+        Addr::V4(u32::from_ne_bytes([127, 0, 0, 6]))
+    }
+}
+
+/// `127.0.0.0/8` or `::1`.
+#[inline(always)]
+#[must_use]
+pub fn is_loopback(addr: &Addr) -> bool {
+    match *addr {
+        Addr::V4(a) => a.to_ne_bytes()[0] == 127,
+        Addr::V6(w) => w[0] == 0 && w[1] == 0 && w[2] == 0 && w[3] == localhost(true).words()[3],
+    }
+}
+
+/// The decision for an outbound connection, rule by rule as Istio's `OUTPUT` / `ISTIO_OUTPUT`
+/// (nat) chains order them. "`-o lo`" is "the destination is local": loopback, or one of the
+/// pod's own addresses ([`CidrKind::Local`]).
+#[inline(always)]
+#[must_use]
+pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Verdict {
+    let v6 = matches!(c.dst, Addr::V6(_));
+    // A pod without IPv6 gets no ip6tables rules.
+    if v6 && !pod.has(flags::IPV6) {
+        return Verdict::Pass;
+    }
+    let via_lo = is_loopback(&c.dst) || t.lookup(CidrKind::Local, &c.dst).is_some();
+    // OUTPUT -o <excludeInterfaces> -j RETURN, by the pod's routes.
+    if !via_lo && pod.has(flags::EXCLUDED_ROUTES) && t.lookup(CidrKind::Route, &c.dst) == Some(1) {
+        return Verdict::Pass;
+    }
+    // -p tcp/udp --dport <excludeOutboundPorts> -j RETURN
+    if t.has_port(PortKind::ExcludeOutbound, c.dst_port) {
+        return Verdict::Pass;
+    }
+    // -o lo -s 127.0.0.6/32 -j RETURN
+    if via_lo && c.src == passthrough_source(v6) {
+        return Verdict::Pass;
+    }
+    // TPROXY mode: Envoy's original_src upstream sockets (mark 1337) deliver inbound traffic
+    // to the app, as 127.0.0.6 does in REDIRECT mode.
+    if pod.has(flags::TPROXY) && c.mark == TPROXY_MARK {
+        return Verdict::Pass;
+    }
+    let tcp = matches!(c.proto, Proto::Tcp);
+    let dns = pod.has(flags::DNS_CAPTURE);
+    let to_localhost = c.dst == localhost(v6);
+    let keep_app_loopback = !pod.has(flags::INCLUDE_LOOPBACK);
+    let is_uid = c.uid == pod.proxy_uid;
+    let is_gid = c.gid == pod.proxy_gid;
+
+    // -o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 (and 53 with DNS) --uid-owner -> 15006
+    if via_lo
+        && !to_localhost
+        && tcp
+        && c.dst_port != HBONE_PORT
+        && !(dns && c.dst_port == DNS_PORT)
+        && is_uid
+    {
+        return Verdict::Redirect(PROXY_INBOUND_PORT);
+    }
+    // -o lo [-p tcp ! --dport 53] ! --uid-owner -> RETURN (absent with a loopback include)
+    if keep_app_loopback && via_lo && !is_uid && (!dns || (tcp && c.dst_port != DNS_PORT)) {
+        return Verdict::Pass;
+    }
+    // --uid-owner -> RETURN
+    if is_uid {
+        return Verdict::Pass;
+    }
+    // The gid twins. Istio's gid redirect rule does not exempt port 53.
+    if via_lo && !to_localhost && tcp && c.dst_port != HBONE_PORT && is_gid {
+        return Verdict::Redirect(PROXY_INBOUND_PORT);
+    }
+    if keep_app_loopback && via_lo && !is_gid && (!dns || (tcp && c.dst_port != DNS_PORT)) {
+        return Verdict::Pass;
+    }
+    if is_gid {
+        return Verdict::Pass;
+    }
+    // ISTIO_OUTPUT_DNS: tcp and udp --dport 53 -> 15053
+    if dns && c.dst_port == DNS_PORT {
+        return Verdict::Redirect(DNS_PROXY_PORT);
+    }
+    // -d 127.0.0.1/32 -j RETURN
+    if to_localhost {
+        return Verdict::Pass;
+    }
+    // -d <excludeOutboundIPRanges> -j RETURN
+    if t.lookup(CidrKind::ExcludeOutbound, &c.dst).is_some() {
+        return Verdict::Pass;
+    }
+    // ISTIO_REDIRECT is -p tcp: UDP falls through every jump to it.
+    if !tcp {
+        return Verdict::Pass;
+    }
+    // -p tcp --dport <includeOutboundPorts> -j ISTIO_REDIRECT
+    if t.has_port(PortKind::IncludeOutbound, c.dst_port) {
+        return Verdict::Redirect(PROXY_OUTBOUND_PORT);
+    }
+    // -d <includeOutboundIPRanges> (or everything for `*`) -j ISTIO_REDIRECT
+    if t.lookup(CidrKind::IncludeOutbound, &c.dst).is_some() {
+        return Verdict::Redirect(PROXY_OUTBOUND_PORT);
+    }
+    Verdict::Pass
+}
+
+/// The decision for an inbound TCP packet on one of the pod's interfaces, as Istio's
+/// `PREROUTING` / `ISTIO_INBOUND` chains (nat in REDIRECT mode, mangle in TPROXY mode) order
+/// them. Only new connections are captured; packets of existing connections keep reaching
+/// their sockets. A packet with no socket that is not a SYN (a SYN cookie's ACK) is captured
+/// like a SYN, so a flooded listener never hands a captured connection to the app.
+#[inline(always)]
+#[must_use]
+pub fn decide_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verdict {
+    if matches!(c.existing, Existing::Connection) || c.iface & iface_flags::EXCLUDED != 0 {
+        return Verdict::Pass;
+    }
+    // PREROUTING -i <reroute-virtual-interfaces> -j ISTIO_REDIRECT (inserted first).
+    if c.iface & iface_flags::REROUTE != 0 {
+        return Verdict::Redirect(PROXY_OUTBOUND_PORT);
+    }
+    // nat ISTIO_INBOUND -p tcp --dport 15008 -j RETURN (TPROXY's mangle chain has no such rule).
+    if !pod.has(flags::TPROXY) && c.dst_port == HBONE_PORT {
+        return Verdict::Pass;
+    }
+    let captured = if pod.has(flags::INBOUND_ALL) {
+        !t.has_port(PortKind::ExcludeInbound, c.dst_port)
+    } else {
+        t.has_port(PortKind::IncludeInbound, c.dst_port)
+    };
+    if !captured {
+        return Verdict::Pass;
+    }
+    // conntrack INVALID: neither opening nor continuing a connection.
+    if pod.has(flags::INVALID_DROP) && !c.syn && !c.ack {
+        return Verdict::Drop;
+    }
+    Verdict::Redirect(PROXY_INBOUND_PORT)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,239 @@
+//! Map keys and values. Addresses are kept as the kernel keeps them: 32-bit words in network
+//! byte order (`user_ip4`, `user_ip6[i]`, `bpf_sock.src_ip6[i]`), so the programs copy words and
+//! never swap bytes; ports are host order.
+
+/// `AF_INET`.
+pub const AF_INET: u16 = 2;
+/// `AF_INET6`.
+pub const AF_INET6: u16 = 10;
+
+/// An IP address in the kernel's layout (words in network byte order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Addr {
+    /// IPv4: `u32::from_ne_bytes(octets)`.
+    V4(u32),
+    /// IPv6: four words, each `u32::from_ne_bytes` of four octets.
+    V6([u32; 4]),
+}
+
+impl Addr {
+    /// From octets.
+    #[inline(always)]
+    #[must_use]
+    pub const fn v4(octets: [u8; 4]) -> Self {
+        Self::V4(u32::from_ne_bytes(octets))
+    }
+
+    /// From octets.
+    #[inline(always)]
+    #[must_use]
+    pub const fn v6(o: [u8; 16]) -> Self {
+        Self::V6([
+            u32::from_ne_bytes([o[0], o[1], o[2], o[3]]),
+            u32::from_ne_bytes([o[4], o[5], o[6], o[7]]),
+            u32::from_ne_bytes([o[8], o[9], o[10], o[11]]),
+            u32::from_ne_bytes([o[12], o[13], o[14], o[15]]),
+        ])
+    }
+
+    /// The four words of a [`FlowKey`] / [`OrigDst`] (IPv4 in the first).
+    #[inline(always)]
+    #[must_use]
+    pub const fn words(&self) -> [u32; 4] {
+        match *self {
+            Self::V4(a) => [a, 0, 0, 0],
+            Self::V6(w) => w,
+        }
+    }
+
+    /// The address family number.
+    #[inline(always)]
+    #[must_use]
+    pub const fn family(&self) -> u16 {
+        match self {
+            Self::V4(_) => AF_INET,
+            Self::V6(_) => AF_INET6,
+        }
+    }
+}
+
+/// Which port list of a pod a [`PortKey`] belongs to.
+#[repr(u16)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PortKind {
+    /// `excludeOutboundPorts` (TCP and UDP).
+    ExcludeOutbound = 1,
+    /// `includeOutboundPorts` (TCP).
+    IncludeOutbound = 2,
+    /// `includeInboundPorts` when it is a list.
+    IncludeInbound = 3,
+    /// `excludeInboundPorts` (with 15020, 15021, 15090), used when the include list is `*`.
+    ExcludeInbound = 4,
+}
+
+/// Key of [`crate::maps::PORTS`]: presence means "in the list".
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortKey {
+    /// [`crate::PodConfig::pod_id`].
+    pub pod_id: u32,
+    /// [`PortKind`] as `u16`.
+    pub kind: u16,
+    /// The port, host order.
+    pub port: u16,
+}
+
+impl PortKey {
+    /// The key of `port` in `pod_id`'s `kind` list.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(pod_id: u32, kind: PortKind, port: u16) -> Self {
+        Self {
+            pod_id,
+            kind: kind as u16,
+            port,
+        }
+    }
+}
+
+/// Which CIDR list of a pod an LPM entry belongs to.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CidrKind {
+    /// `excludeOutboundIPRanges`.
+    ExcludeOutbound = 1,
+    /// `includeOutboundIPRanges` (`*` is a zero-length prefix).
+    IncludeOutbound = 2,
+    /// The pod's own addresses (and `::6`): traffic to them leaves by `lo`.
+    Local = 3,
+    /// A snapshot of the pod's routes, value 1 when the route's device is in
+    /// `excludeInterfaces` (outbound traffic by that device is left alone), else 0.
+    Route = 4,
+}
+
+/// Bits of an LPM key before the address: pod id and list kind.
+pub const CIDR_KEY_PREFIX_BITS: u32 = 64;
+
+/// Data part of an IPv4 LPM key: `pod_id` (big-endian), kind (big-endian), address. The LPM
+/// prefix length is [`CIDR_KEY_PREFIX_BITS`] plus the CIDR's length, so entries of other pods
+/// and lists never match.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Cidr4Data {
+    /// `pod_id.to_be_bytes()`.
+    pub pod: [u8; 4],
+    /// `(kind as u32).to_be_bytes()`.
+    pub kind: [u8; 4],
+    /// The address (network order word).
+    pub addr: u32,
+}
+
+impl Cidr4Data {
+    /// Data of `addr` in `pod_id`'s `kind` list.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(pod_id: u32, kind: CidrKind, addr: u32) -> Self {
+        Self {
+            pod: pod_id.to_be_bytes(),
+            kind: (kind as u32).to_be_bytes(),
+            addr,
+        }
+    }
+}
+
+/// Data part of an IPv6 LPM key (as [`Cidr4Data`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Cidr6Data {
+    /// `pod_id.to_be_bytes()`.
+    pub pod: [u8; 4],
+    /// `(kind as u32).to_be_bytes()`.
+    pub kind: [u8; 4],
+    /// The address (network order words).
+    pub addr: [u32; 4],
+}
+
+impl Cidr6Data {
+    /// Data of `addr` in `pod_id`'s `kind` list.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(pod_id: u32, kind: CidrKind, addr: [u32; 4]) -> Self {
+        Self {
+            pod: pod_id.to_be_bytes(),
+            kind: (kind as u32).to_be_bytes(),
+            addr,
+        }
+    }
+}
+
+/// Key of [`crate::maps::IFACES`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct IfaceKey {
+    /// The pod's netns cookie.
+    pub netns: u64,
+    /// The interface's index inside the pod netns.
+    pub ifindex: u32,
+    /// Zero.
+    pub pad: u32,
+}
+
+/// An original destination: what the app dialled (outbound) or the client dialled (inbound).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct OrigDst {
+    /// Address words (IPv4 in the first), network order.
+    pub addr: [u32; 4],
+    /// Port, host order.
+    pub port: u16,
+    /// [`AF_INET`] or [`AF_INET6`].
+    pub family: u16,
+}
+
+impl OrigDst {
+    /// `addr:port`.
+    #[inline(always)]
+    #[must_use]
+    pub const fn new(addr: Addr, port: u16) -> Self {
+        Self {
+            addr: addr.words(),
+            port,
+            family: addr.family(),
+        }
+    }
+}
+
+/// Key of [`crate::maps::FLOWS`]: one TCP connection inside one network namespace, named by its
+/// client and server ends (two pods can have identical loopback 4-tuples, hence the netns).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    /// Network namespace cookie.
+    pub netns: u64,
+    /// The connecting end's address.
+    pub client: [u32; 4],
+    /// The accepting end's address (the proxy listener's, after a redirect).
+    pub server: [u32; 4],
+    /// The connecting end's port, host order.
+    pub client_port: u16,
+    /// The accepting end's port, host order.
+    pub server_port: u16,
+    /// [`AF_INET`] or [`AF_INET6`] (`u32` to keep the key free of padding).
+    pub family: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_have_no_padding() {
+        assert_eq!(size_of::<PortKey>(), 8);
+        assert_eq!(size_of::<Cidr4Data>(), 12);
+        assert_eq!(size_of::<Cidr6Data>(), 24);
+        assert_eq!(size_of::<IfaceKey>(), 16);
+        assert_eq!(size_of::<OrigDst>(), 20);
+        assert_eq!(size_of::<FlowKey>(), 48);
+        assert_eq!(size_of::<crate::PodConfig>(), 16);
+    }
+}

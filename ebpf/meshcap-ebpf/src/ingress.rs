@@ -1,0 +1,208 @@
+//! Inbound capture: a TC classifier on the pod's interfaces, inside the pod netns. New TCP
+//! connections to captured ports are handed to the proxy's listener with `bpf_sk_assign`
+//! (TPROXY-like: no NAT, the accepted socket's local address is what the client dialled);
+//! packets of existing connections keep reaching their own sockets.
+//!
+//! One instance of this program is loaded per pod, with the pod's netns cookie in
+//! [`MESHCAP_TC_NETNS_COOKIE`] (`bpf_get_netns_cookie` is not available to TC programs before
+//! Linux 6.15).
+use aya_ebpf::{
+    bindings::{
+        BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
+        bpf_sock_tuple__bindgen_ty_1, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2,
+    },
+    helpers::{bpf_sk_assign, bpf_sk_lookup_tcp, bpf_sk_release, bpf_skc_lookup_tcp},
+    macros::classifier,
+    programs::TcContext,
+};
+use meshcap_common::{
+    Addr, Existing, FlowKey, IfaceKey, Inbound, OrigDst, TPROXY_MARK, Verdict, decide_inbound,
+    iface_flags,
+};
+
+use crate::tables::{FLOWS, IFACES, Maps, pod};
+
+/// The pod this instance serves; set by the agent at load time.
+#[unsafe(no_mangle)]
+static MESHCAP_TC_NETNS_COOKIE: u64 = 0;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+const IPPROTO_TCP: u8 = 6;
+const TCP_LISTEN: u32 = 10;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+
+#[classifier]
+pub fn meshcap_ingress(ctx: TcContext) -> i32 {
+    match ingress(&ctx) {
+        Some(action) => action,
+        None => TC_ACT_OK,
+    }
+}
+
+/// The fields the decision and the socket lookups need.
+struct Packet {
+    src: Addr,
+    dst: Addr,
+    sport: u16,
+    dport: u16,
+    flags: u8,
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Packet> {
+    let proto = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let (src, dst, l4) = if proto == ETH_P_IP {
+        let vihl = ctx.load::<u8>(ETH_HLEN).ok()?;
+        let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+        if ctx.load::<u8>(ETH_HLEN + 9).ok()? != IPPROTO_TCP || frag & 0x1fff != 0 {
+            return None;
+        }
+        let src = Addr::V4(ctx.load::<u32>(ETH_HLEN + 12).ok()?);
+        let dst = Addr::V4(ctx.load::<u32>(ETH_HLEN + 16).ok()?);
+        (src, dst, ETH_HLEN + usize::from(vihl & 0x0f) * 4)
+    } else if proto == ETH_P_IPV6 {
+        // Extension headers before TCP are left alone (not captured).
+        if ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_TCP {
+            return None;
+        }
+        let src = Addr::V6(ctx.load::<[u32; 4]>(ETH_HLEN + 8).ok()?);
+        let dst = Addr::V6(ctx.load::<[u32; 4]>(ETH_HLEN + 24).ok()?);
+        (src, dst, ETH_HLEN + 40)
+    } else {
+        return None;
+    };
+    Some(Packet {
+        src,
+        dst,
+        sport: u16::from_be(ctx.load::<u16>(l4).ok()?),
+        dport: u16::from_be(ctx.load::<u16>(l4 + 2).ok()?),
+        flags: ctx.load::<u8>(l4 + 13).ok()?,
+    })
+}
+
+#[inline(always)]
+fn tuple(p: &Packet, dport: u16) -> (bpf_sock_tuple, u32) {
+    match (p.src, p.dst) {
+        (Addr::V4(s), Addr::V4(d)) => (
+            bpf_sock_tuple {
+                __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
+                    ipv4: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+                        saddr: s,
+                        daddr: d,
+                        sport: p.sport.to_be(),
+                        dport: dport.to_be(),
+                    },
+                },
+            },
+            12,
+        ),
+        _ => (
+            bpf_sock_tuple {
+                __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
+                    ipv6: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
+                        saddr: p.src.words(),
+                        daddr: p.dst.words(),
+                        sport: p.sport.to_be(),
+                        dport: dport.to_be(),
+                    },
+                },
+            },
+            36,
+        ),
+    }
+}
+
+const CURRENT_NETNS: u64 = BPF_F_CURRENT_NETNS as u64;
+
+#[inline(always)]
+fn existing(ctx: &TcContext, p: &Packet) -> Existing {
+    let (mut t, len) = tuple(p, p.dport);
+    // SAFETY: `t` is a valid tuple of `len` bytes; a returned socket is released below.
+    let sk: *mut bpf_sock =
+        unsafe { bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &raw mut t, len, CURRENT_NETNS, 0) };
+    if sk.is_null() {
+        return Existing::Nothing;
+    }
+    // SAFETY: `sk` is a referenced socket from the lookup; released once.
+    unsafe {
+        let state = core::ptr::read_volatile(&raw const (*sk).state);
+        bpf_sk_release(sk.cast());
+        if state == TCP_LISTEN {
+            Existing::Listener
+        } else {
+            Existing::Connection
+        }
+    }
+}
+
+/// Hands the packet to the listener on `port`. `false` when there is none.
+#[inline(always)]
+fn assign(ctx: &TcContext, p: &Packet, port: u16) -> bool {
+    let (mut t, len) = tuple(p, port);
+    // SAFETY: as in `existing`.
+    let sk: *mut bpf_sock =
+        unsafe { bpf_sk_lookup_tcp(ctx.skb.skb.cast(), &raw mut t, len, CURRENT_NETNS, 0) };
+    if sk.is_null() {
+        return false;
+    }
+    // SAFETY: `sk` is a referenced full socket; released once.
+    unsafe {
+        let ok = core::ptr::read_volatile(&raw const (*sk).state) == TCP_LISTEN
+            && bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) == 0;
+        bpf_sk_release(sk.cast());
+        ok
+    }
+}
+
+#[inline(always)]
+fn ingress(ctx: &TcContext) -> Option<i32> {
+    // SAFETY: a read of a constant the loader set.
+    let netns = unsafe { core::ptr::read_volatile(&raw const MESHCAP_TC_NETNS_COOKIE) };
+    let pod = pod(netns)?;
+    let p = parse(ctx)?;
+    // SAFETY: context read.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let key = IfaceKey {
+        netns,
+        ifindex,
+        pad: 0,
+    };
+    // SAFETY: a plain read.
+    let iface = unsafe { IFACES.get(key) }.copied().unwrap_or(0);
+    if iface & iface_flags::REROUTE != 0 {
+        // Not addressed to the pod: the policy route (fwmark 1337 -> local) delivers it to the
+        // proxy's socket instead of forwarding it.
+        ctx.set_mark(TPROXY_MARK);
+    }
+    let c = Inbound {
+        dst_port: p.dport,
+        iface,
+        syn: p.flags & TCP_SYN != 0 && p.flags & TCP_ACK == 0,
+        ack: p.flags & TCP_ACK != 0,
+        existing: existing(ctx, &p),
+    };
+    match decide_inbound(&pod, &c, &Maps { pod_id: pod.pod_id }) {
+        Verdict::Pass => Some(TC_ACT_OK),
+        Verdict::Drop => Some(TC_ACT_SHOT),
+        Verdict::Redirect(port) => {
+            if !assign(ctx, &p, port) {
+                // Fail closed: the proxy is not listening (yet); the client retries.
+                return Some(TC_ACT_SHOT);
+            }
+            let flow = FlowKey {
+                netns,
+                client: p.src.words(),
+                server: p.dst.words(),
+                client_port: p.sport,
+                server_port: p.dport,
+                family: u32::from(p.src.family()),
+            };
+            let _ = FLOWS.insert(flow, OrigDst::new(p.dst, p.dport), 0);
+            Some(TC_ACT_OK)
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Outbound capture at the socket layer: the destination is rewritten before any packet
+//! exists (no NAT, no conntrack), and the original is remembered by socket cookie.
+use core::ptr::{read_volatile, write_volatile};
+
+use aya_ebpf::{
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use meshcap_common::{Addr, DNS_PROXY_PORT, OrigDst, Outbound, Proto, Verdict, decide_outbound};
+
+use crate::tables::{BY_COOKIE, Maps, pod};
+
+/// Keep the call going (0 would fail it with EPERM).
+const ALLOW: i32 = 1;
+const IPPROTO_TCP: u32 = 6;
+const IPPROTO_UDP: u32 = 17;
+/// `::ffff:0:0/96`, the third word.
+const V4_MAPPED: u32 = u32::from_be(0x0000_ffff);
+
+/// Which address family the hook is for.
+#[derive(Clone, Copy)]
+enum Family {
+    V4,
+    V6,
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn meshcap_connect4(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, Family::V4, None);
+    ALLOW
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn meshcap_connect6(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, Family::V6, None);
+    ALLOW
+}
+
+/// Unconnected UDP: only datagrams (DNS) can be captured.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn meshcap_sendmsg4(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, Family::V4, Some(Proto::Udp));
+    ALLOW
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn meshcap_sendmsg6(ctx: SockAddrContext) -> i32 {
+    capture(&ctx, Family::V6, Some(Proto::Udp));
+    ALLOW
+}
+
+/// The DNS proxy's reply must look as if the server the app asked had sent it.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn meshcap_recvmsg4(ctx: SockAddrContext) -> i32 {
+    restore_source(&ctx, Family::V4);
+    ALLOW
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn meshcap_recvmsg6(ctx: SockAddrContext) -> i32 {
+    restore_source(&ctx, Family::V6);
+    ALLOW
+}
+
+/// The user address of the call (destination for connect/sendmsg, source for recvmsg), with
+/// IPv4-mapped IPv6 addresses read as IPv4.
+#[inline(always)]
+fn user_addr(sa: *const bpf_sock_addr, family: Family) -> Addr {
+    // SAFETY: `sa` is the program's context; the words are read one by one (the verifier
+    // refuses wider reads of `user_ip6`).
+    unsafe {
+        match family {
+            Family::V4 => Addr::V4(read_volatile(&raw const (*sa).user_ip4)),
+            Family::V6 => {
+                let w = [
+                    read_volatile(&raw const (*sa).user_ip6[0]),
+                    read_volatile(&raw const (*sa).user_ip6[1]),
+                    read_volatile(&raw const (*sa).user_ip6[2]),
+                    read_volatile(&raw const (*sa).user_ip6[3]),
+                ];
+                if w[0] == 0 && w[1] == 0 && w[2] == V4_MAPPED {
+                    Addr::V4(w[3])
+                } else {
+                    Addr::V6(w)
+                }
+            }
+        }
+    }
+}
+
+/// Writes the proxy's loopback address and `port` as the user address.
+#[inline(always)]
+fn set_user_addr(sa: *mut bpf_sock_addr, family: Family, v4: bool, port: u16) {
+    let localhost4 = u32::from_ne_bytes([127, 0, 0, 1]);
+    // SAFETY: `sa` is the program's context; these fields are writable in these hooks.
+    unsafe {
+        match (family, v4) {
+            (Family::V4, _) => write_volatile(&raw mut (*sa).user_ip4, localhost4),
+            (Family::V6, true) => {
+                write_volatile(&raw mut (*sa).user_ip6[0], 0);
+                write_volatile(&raw mut (*sa).user_ip6[1], 0);
+                write_volatile(&raw mut (*sa).user_ip6[2], V4_MAPPED);
+                write_volatile(&raw mut (*sa).user_ip6[3], localhost4);
+            }
+            (Family::V6, false) => {
+                write_volatile(&raw mut (*sa).user_ip6[0], 0);
+                write_volatile(&raw mut (*sa).user_ip6[1], 0);
+                write_volatile(&raw mut (*sa).user_ip6[2], 0);
+                (*sa).user_ip6[3] = u32::from_ne_bytes([0, 0, 0, 1]);
+            }
+        }
+        write_volatile(&raw mut (*sa).user_port, u32::from(port.to_be()));
+    }
+}
+
+#[inline(always)]
+fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
+    let sa = ctx.sock_addr;
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
+    let Some(pod) = pod(netns) else {
+        return;
+    };
+    // SAFETY: context reads; `sk` is always set in sock_addr hooks.
+    let (protocol, dst_port, src, mark) = unsafe {
+        let sk = (*sa).__bindgen_anon_1.sk;
+        // One volatile load per field: the verifier refuses arithmetic on socket pointers.
+        let src = match family {
+            Family::V4 => Addr::V4(read_volatile(&raw const (*sk).src_ip4)),
+            Family::V6 => {
+                let w = [
+                    read_volatile(&raw const (*sk).src_ip6[0]),
+                    read_volatile(&raw const (*sk).src_ip6[1]),
+                    read_volatile(&raw const (*sk).src_ip6[2]),
+                    read_volatile(&raw const (*sk).src_ip6[3]),
+                ];
+                if w[0] == 0 && w[1] == 0 && w[2] == V4_MAPPED {
+                    Addr::V4(w[3])
+                } else {
+                    Addr::V6(w)
+                }
+            }
+        };
+        #[expect(clippy::cast_possible_truncation, reason = "the port is the low half")]
+        let port = u16::from_be(read_volatile(&raw const (*sa).user_port) as u16);
+        (
+            read_volatile(&raw const (*sa).protocol),
+            port,
+            src,
+            read_volatile(&raw const (*sk).mark),
+        )
+    };
+    let proto = match protocol {
+        IPPROTO_TCP => Proto::Tcp,
+        IPPROTO_UDP => Proto::Udp,
+        _ => return,
+    };
+    if only.is_some_and(|p| p != proto) {
+        return;
+    }
+    let dst = user_addr(sa, family);
+    let ids = bpf_get_current_uid_gid();
+    #[expect(clippy::cast_possible_truncation, reason = "uid is the low half")]
+    let uid = ids as u32;
+    let gid = (ids >> 32) as u32;
+    let conn = Outbound {
+        proto,
+        dst,
+        dst_port,
+        src,
+        uid,
+        gid,
+        mark,
+    };
+    let Verdict::Redirect(port) = decide_outbound(&pod, &conn, &Maps { pod_id: pod.pod_id }) else {
+        return;
+    };
+    // SAFETY: the helper takes the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // A full map only costs the original destination of this one socket (LRU).
+    let _ = BY_COOKIE.insert(cookie, OrigDst::new(dst, dst_port), 0);
+    set_user_addr(sa, family, matches!(dst, Addr::V4(_)), port);
+}
+
+#[inline(always)]
+fn restore_source(ctx: &SockAddrContext, family: Family) {
+    let sa = ctx.sock_addr;
+    let src = user_addr(sa, family);
+    // SAFETY: context read.
+    #[expect(clippy::cast_possible_truncation, reason = "the port is the low half")]
+    let port = u16::from_be(unsafe { read_volatile(&raw const (*sa).user_port) } as u16);
+    let from_proxy = match src {
+        Addr::V4(a) => a == u32::from_ne_bytes([127, 0, 0, 1]),
+        Addr::V6(w) => {
+            w[0] == 0 && w[1] == 0 && w[2] == 0 && w[3] == u32::from_ne_bytes([0, 0, 0, 1])
+        }
+    };
+    if port != DNS_PROXY_PORT || !from_proxy {
+        return;
+    }
+    // SAFETY: the helper takes the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+    // SAFETY: a plain read.
+    let Some(orig) = (unsafe { BY_COOKIE.get(cookie) }).copied() else {
+        return;
+    };
+    // SAFETY: context writes, word by word.
+    unsafe {
+        match family {
+            Family::V4 => write_volatile(&raw mut (*sa).user_ip4, orig.addr[0]),
+            Family::V6 if orig.family == meshcap_common::AF_INET => {
+                write_volatile(&raw mut (*sa).user_ip6[0], 0);
+                write_volatile(&raw mut (*sa).user_ip6[1], 0);
+                write_volatile(&raw mut (*sa).user_ip6[2], V4_MAPPED);
+                write_volatile(&raw mut (*sa).user_ip6[3], orig.addr[0]);
+            }
+            Family::V6 => {
+                write_volatile(&raw mut (*sa).user_ip6[0], orig.addr[0]);
+                write_volatile(&raw mut (*sa).user_ip6[1], orig.addr[1]);
+                write_volatile(&raw mut (*sa).user_ip6[2], orig.addr[2]);
+                write_volatile(&raw mut (*sa).user_ip6[3], orig.addr[3]);
+            }
+        }
+        write_volatile(&raw mut (*sa).user_port, u32::from(orig.port.to_be()));
+    }
+}

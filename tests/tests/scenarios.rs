@@ -1,0 +1,562 @@
+//! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
+//! hairpin, loopback, dual stack, DNS, TPROXY) against the eBPF backend on the real kernel.
+use meshcap_agent::{
+    backend::{PodRef, ebpf::unpin_link},
+    policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
+};
+use meshcap_tests::{
+    require_root,
+    scenario::{
+        Backend, Case, EbpfUnderTest, Expect::*, IptablesUnderTest, To::*, Who::*, case, cidrs,
+        run_case, run_table,
+    },
+    world::Node,
+};
+
+const OUTBOUND: u16 = 15001;
+const INBOUND: u16 = 15006;
+const DNS: u16 = 15053;
+
+fn table() -> Vec<Case> {
+    vec![
+        // Defaults (basic golden).
+        case(
+            "app to a peer is captured",
+            App,
+            Peer(80),
+            Captured(OUTBOUND),
+        ),
+        case(
+            "app to a service IP is captured (hairpin, first hop)",
+            App,
+            Service(80),
+            Captured(OUTBOUND),
+        ),
+        case(
+            "proxy to its own pod IP goes inbound (hairpin, second hop)",
+            Proxy,
+            Own(8080),
+            Captured(INBOUND),
+        ),
+        Case {
+            bind: Some("127.0.0.1"),
+            ..case(
+                "istio-validation: uid 1337 dials 127.0.0.6:15002 from 127.0.0.1",
+                Proxy,
+                Addr("127.0.0.6", 15002),
+                Captured(INBOUND),
+            )
+        },
+        case(
+            "app to 127.0.0.1 is left alone",
+            App,
+            Addr("127.0.0.1", 8080),
+            Server("app"),
+        ),
+        case(
+            "proxy to 127.0.0.1 is left alone",
+            Proxy,
+            Addr("127.0.0.1", 8080),
+            Server("app"),
+        ),
+        case(
+            "app to its own pod IP passes (app loopback)",
+            App,
+            Own(8080),
+            Server("app"),
+        ),
+        case(
+            "app to another loopback address passes",
+            App,
+            Addr("127.0.0.5", 8080),
+            Server("app"),
+        ),
+        case(
+            "proxy's own upstream passes",
+            Proxy,
+            Peer(80),
+            Server("peer"),
+        ),
+        case(
+            "proxy gid alone passes",
+            Ids(2000, 1337),
+            Peer(80),
+            Server("peer"),
+        ),
+        Case {
+            bind: Some("127.0.0.6"),
+            ..case(
+                "inbound passthrough from 127.0.0.6 passes",
+                Proxy,
+                Own(8080),
+                Server("app"),
+            )
+        },
+        case(
+            "proxy to 15008 on its own IP passes",
+            Proxy,
+            Own(15008),
+            Server("app"),
+        ),
+        case(
+            "excludeOutboundPorts default 15020",
+            App,
+            Peer(15020),
+            Server("peer"),
+        ),
+        case(
+            "inbound to the app is captured",
+            Node,
+            Own(8080),
+            Captured(INBOUND),
+        ),
+        case(
+            "inbound status port 15020 is not captured",
+            Node,
+            Own(15020),
+            Server("app"),
+        ),
+        case(
+            "inbound HBONE 15008 is not captured (REDIRECT)",
+            Node,
+            Own(15008),
+            Server("app"),
+        ),
+        // excludeOutboundPorts.
+        Case {
+            policy: |p| p.exclude_outbound_ports = vec![3306],
+            ..case("excludeOutboundPorts 3306", App, Peer(3306), Server("peer"))
+        },
+        Case {
+            policy: |p| p.exclude_outbound_ports = vec![3306],
+            ..case(
+                "explicit excludeOutboundPorts replaces 15020",
+                App,
+                Peer(15020),
+                Captured(OUTBOUND),
+            )
+        },
+        // includeOutboundIPRanges / excludeOutboundIPRanges.
+        Case {
+            policy: |p| p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["10.96.0.0/16"])),
+            ..case(
+                "includeOutboundIPRanges captures the listed range",
+                App,
+                Service(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["10.96.0.0/16"])),
+            ..case(
+                "includeOutboundIPRanges leaves the rest",
+                App,
+                Peer(80),
+                Server("peer"),
+            )
+        },
+        Case {
+            policy: |p| p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&[])),
+            ..case(
+                "empty includeOutboundIPRanges captures nothing",
+                App,
+                Peer(80),
+                Server("peer"),
+            )
+        },
+        Case {
+            policy: |p| p.exclude_outbound_ip_ranges = cidrs(&["10.77.0.0/16"]),
+            ..case("excludeOutboundIPRanges", App, Peer(80), Server("peer"))
+        },
+        Case {
+            policy: |p| p.exclude_outbound_ip_ranges = cidrs(&["10.77.0.0/16"]),
+            ..case(
+                "excludeOutboundIPRanges leaves the rest captured",
+                App,
+                Service(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["127.0.0.0/8"])),
+            ..case(
+                "a loopback include range captures app loopback",
+                App,
+                Addr("127.0.0.5", 8080),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["127.0.0.0/8"])),
+            ..case(
+                "a loopback include range still leaves 127.0.0.1",
+                App,
+                Addr("127.0.0.1", 8080),
+                Server("app"),
+            )
+        },
+        // includeOutboundPorts.
+        Case {
+            policy: |p| {
+                p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&[]));
+                p.include_outbound_ports = vec![3306];
+            },
+            ..case(
+                "includeOutboundPorts captures whatever the destination",
+                App,
+                Peer(3306),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| {
+                p.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&[]));
+                p.include_outbound_ports = vec![3306];
+            },
+            ..case(
+                "includeOutboundPorts leaves other ports",
+                App,
+                Peer(80),
+                Server("peer"),
+            )
+        },
+        // Inbound ports.
+        Case {
+            policy: |p| p.include_inbound_ports = PortSelection::Ports(vec![8081]),
+            ..case(
+                "includeInboundPorts captures the listed port",
+                Node,
+                Own(8081),
+                Captured(INBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.include_inbound_ports = PortSelection::Ports(vec![8081]),
+            ..case(
+                "includeInboundPorts leaves the rest",
+                Node,
+                Own(8080),
+                Server("app"),
+            )
+        },
+        Case {
+            policy: |p| p.include_inbound_ports = PortSelection::Ports(vec![]),
+            ..case(
+                "empty includeInboundPorts captures nothing",
+                Node,
+                Own(8080),
+                Server("app"),
+            )
+        },
+        Case {
+            policy: |p| p.exclude_inbound_ports = vec![8081, 15020, 15021, 15090],
+            ..case("excludeInboundPorts", Node, Own(8081), Server("app"))
+        },
+        // Interfaces.
+        Case {
+            policy: |p| p.exclude_interfaces = vec!["eth1".into()],
+            ..case(
+                "excludeInterfaces: outbound by eth1 is left alone",
+                App,
+                Side(80),
+                Server("peer"),
+            )
+        },
+        Case {
+            policy: |p| p.exclude_interfaces = vec!["eth1".into()],
+            ..case(
+                "excludeInterfaces: other outbound is captured",
+                App,
+                Peer(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.exclude_interfaces = vec!["eth1".into()],
+            ..case(
+                "excludeInterfaces: inbound on eth1 is left alone",
+                Node,
+                OwnSide(8080),
+                Server("app"),
+            )
+        },
+        Case {
+            policy: |p| p.reroute_virtual_interfaces = vec!["eth1".into()],
+            ..case(
+                "reroute-virtual-interfaces: inbound on eth1 goes to the outbound listener",
+                Node,
+                OwnSide(8080),
+                Captured(OUTBOUND),
+            )
+        },
+        // Proxy uid/gid.
+        Case {
+            policy: |p| {
+                p.proxy_uid = 1_000_670_000;
+                p.proxy_gid = 1_000_670_001;
+            },
+            ..case(
+                "custom proxy uid: its upstream passes",
+                Ids(1_000_670_000, 1_000_670_001),
+                Peer(80),
+                Server("peer"),
+            )
+        },
+        Case {
+            policy: |p| {
+                p.proxy_uid = 1_000_670_000;
+                p.proxy_gid = 1_000_670_001;
+            },
+            ..case(
+                "custom proxy uid: uid 1337 is an app",
+                Proxy,
+                Peer(80),
+                Captured(OUTBOUND),
+            )
+        },
+        // DNS.
+        Case {
+            policy: |p| p.dns_capture = true,
+            proto: "udp",
+            ..case(
+                "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+                App,
+                Peer(53),
+                Captured(DNS),
+            )
+        },
+        Case {
+            policy: |p| p.dns_capture = true,
+            proto: "udpc",
+            ..case(
+                "DNS capture: connected UDP 53",
+                App,
+                Peer(53),
+                Captured(DNS),
+            )
+        },
+        Case {
+            policy: |p| p.dns_capture = true,
+            ..case("DNS capture: TCP 53", App, Peer(53), Captured(DNS))
+        },
+        Case {
+            policy: |p| p.dns_capture = true,
+            proto: "udp",
+            ..case(
+                "DNS capture: the proxy's own DNS passes",
+                Proxy,
+                Peer(53),
+                Server("peer"),
+            )
+        },
+        Case {
+            proto: "udp",
+            ..case(
+                "no DNS capture: UDP 53 passes",
+                App,
+                Peer(53),
+                Server("peer"),
+            )
+        },
+        // IPv6 (dual-stack pod).
+        Case {
+            ipv6: true,
+            ..case(
+                "IPv6: app to a peer is captured",
+                App,
+                PeerV6(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            ipv6: true,
+            ..case(
+                "IPv6: IPv4 still captured in a dual-stack pod",
+                App,
+                Peer(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            ipv6: true,
+            ..case(
+                "IPv6: proxy to its own IPv6 goes inbound",
+                Proxy,
+                OwnV6(8080),
+                Captured(INBOUND),
+            )
+        },
+        Case {
+            ipv6: true,
+            ..case(
+                "IPv6: app to ::1 is left alone",
+                App,
+                Addr("::1", 8080),
+                Server("app"),
+            )
+        },
+        Case {
+            ipv6: true,
+            bind: Some("::1"),
+            ..case(
+                "IPv6: validation probe to [::6]:15002",
+                Proxy,
+                Addr("::6", 15002),
+                Captured(INBOUND),
+            )
+        },
+        Case {
+            ipv6: true,
+            ..case(
+                "IPv6: inbound is captured",
+                Node,
+                OwnV6(8080),
+                Captured(INBOUND),
+            )
+        },
+        Case {
+            ipv6: true,
+            policy: |p| p.dns_capture = true,
+            proto: "udp",
+            ..case("IPv6: DNS capture", App, PeerV6(53), Captured(DNS))
+        },
+        // TPROXY.
+        Case {
+            policy: |p| p.mode = InterceptionMode::Tproxy,
+            ..case(
+                "TPROXY: outbound is captured",
+                App,
+                Peer(80),
+                Captured(OUTBOUND),
+            )
+        },
+        Case {
+            policy: |p| p.mode = InterceptionMode::Tproxy,
+            ..case(
+                "TPROXY: inbound HBONE 15008 is captured",
+                Node,
+                Own(15008),
+                AppSeesClient,
+            )
+        },
+    ]
+}
+
+#[test]
+fn ebpf_backend_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+    let mut cases = table();
+    // The programs act on the cgroup they are attached to (the node's root in production,
+    // a throwaway child here), not on a whole netns as iptables does.
+    cases.push(case(
+        "a process outside the attached cgroup is untouched",
+        Outside,
+        Peer(80),
+        Server("peer"),
+    ));
+    // The stand-in proxy dials the original destination transparently (client source, mark
+    // 1337) as uid 1337. Istio's nat ISTIO_OUTPUT sends that loopback connection back to
+    // 15006 (`-o lo ! -d 127.0.0.1 --uid-owner 1337 -j ISTIO_IN_REDIRECT`), so the iptables
+    // fallback, which must write Istio's rules unchanged, cannot pass this row; the eBPF path
+    // exempts the proxy's mark-1337 sockets (docs/ebpf.md, TPROXY).
+    cases.push(Case {
+        policy: |p| p.mode = InterceptionMode::Tproxy,
+        ..case(
+            "TPROXY: the app sees the original client address",
+            Node,
+            Own(8080),
+            AppSeesClient,
+        )
+    });
+    run_table(&backend, &mut node, &cases);
+}
+
+/// The same table, unchanged, through the iptables fallback: both backends make Istio's
+/// decisions.
+#[test]
+fn iptables_backend_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = IptablesUnderTest::new().expect("iptables backend");
+    run_table(&backend, &mut node, &table());
+}
+
+/// Detaching any one program (by unpinning its link) makes its scenario fail: every program
+/// is load-bearing, and the table notices when one is missing.
+#[test]
+fn every_program_is_needed() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let rows = table();
+    let row = |name: &str| {
+        *rows
+            .iter()
+            .find(|c| c.name == name)
+            .unwrap_or_else(|| panic!("no row {name:?}"))
+    };
+    let probe = "istio-validation: uid 1337 dials 127.0.0.6:15002 from 127.0.0.1";
+    for (program, name) in [
+        ("meshcap_connect4", "app to a peer is captured"),
+        ("meshcap_connect6", "IPv6: app to a peer is captured"),
+        (
+            "meshcap_sendmsg4",
+            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+        ),
+        (
+            "meshcap_recvmsg4",
+            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+        ),
+        ("meshcap_sendmsg6", "IPv6: DNS capture"),
+        ("meshcap_recvmsg6", "IPv6: DNS capture"),
+        ("meshcap_sockops", probe),
+        ("meshcap_getsockopt", probe),
+    ] {
+        let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+        let c = row(name);
+        run_case(&mut node, &backend, &c)
+            .unwrap_or_else(|e| panic!("{name} fails with every program attached: {e:#}"));
+        let pin = backend.get().config().bpffs_dir.join("links").join(program);
+        unpin_link(&pin).expect("detaching the link");
+        assert!(
+            run_case(&mut node, &backend, &c).is_err(),
+            "{name:?} still passes without {program}"
+        );
+    }
+    // The TC program is per pod: detach it after the pod is added.
+    struct NoTc<'a>(&'a EbpfUnderTest);
+    impl Backend for NoTc<'_> {
+        fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
+            self.0.add(pod, policy)?;
+            let cookie = meshcap_agent::netns::cookie_of(&pod.netns)?;
+            let dir = self
+                .0
+                .get()
+                .config()
+                .bpffs_dir
+                .join("pods")
+                .join(cookie.to_string());
+            for entry in std::fs::read_dir(dir)?.flatten() {
+                if entry.file_name().to_string_lossy().starts_with("tc-") {
+                    unpin_link(&entry.path())?;
+                }
+            }
+            Ok(())
+        }
+
+        fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
+            self.0.remove(pod)
+        }
+    }
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+    assert!(
+        run_case(
+            &mut node,
+            &NoTc(&backend),
+            &row("inbound to the app is captured")
+        )
+        .is_err(),
+        "inbound capture still works without the TC program"
+    );
+}
