@@ -11,17 +11,12 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::{Context as _, bail, ensure};
-use aya::{
-    Ebpf,
-    maps::{HashMap, MapInfo},
-    programs::{CgroupAttachMode, CgroupSockAddr},
-};
+use aya::maps::MapInfo;
 use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
-use meshcap_common::{PodConfig, maps};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
 use crate::{
@@ -103,10 +98,10 @@ pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
     let mut report = machine(quick, cpu);
     eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
     let bin_dir = exe.parent().unwrap_or(Path::new("."));
-    let mut node = Node::new(bin_dir)?;
-    report.push_str(&data_path(&plan, &exe, cpu, &mut node)?);
+    let node = Node::new(bin_dir)?;
+    report.push_str(&data_path(&plan, &exe, cpu, &node)?);
     eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
-    report.push_str(&policy_scale(&plan, &exe, cpu, &mut node)?);
+    report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
     report.push_str(&footprint(&plan, &exe, &node)?);
     eprintln!(
         "meshcap-bench: pod set-up, {} pods per backend",
@@ -190,105 +185,64 @@ impl Mode {
 /// Fields drop in order: the agents (their bpffs pins go, which detaches), then the cgroups.
 struct Node {
     iptables: Agent,
-    ebpf: EbpfCapture,
+    /// `meshcap-agent run --backend ebpf`, or why it could not run.
+    ebpf: Result<Agent, String>,
     root: TestCgroup,
     plain: TestCgroup,
-    /// BPF_ENABLE_STATS: run time and count of the programs, while the run lasts.
-    _stats: Option<std::os::fd::OwnedFd>,
-}
-
-/// How eBPF pods are captured.
-enum EbpfCapture {
-    /// `meshcap-agent run --backend ebpf`.
-    Agent(Agent),
-    /// The agent cannot run the eBPF backend (why): meshcap's connect4 program with a pod
-    /// entry, loaded here.
-    Bare(Ebpf, String),
 }
 
 impl Node {
     fn new(bin_dir: &Path) -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
         let plain = TestCgroup::new("mcb-plain")?;
-        let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
         let iptables = Agent::start(bin_dir, "iptables", plain.path())
             .context("starting meshcap-agent --backend iptables")?;
-        let ebpf = match Agent::start(bin_dir, "ebpf", root.path()) {
-            Ok(agent) => EbpfCapture::Agent(agent),
-            Err(err) => {
-                let mut ebpf = meshcap_agent::bpf::open()?;
-                let program: &mut CgroupSockAddr = ebpf
-                    .program_mut("meshcap_connect4")
-                    .context("meshcap_connect4 in the object")?
-                    .try_into()?;
-                program.load()?;
-                program.attach(root.open()?, CgroupAttachMode::Single)?;
-                EbpfCapture::Bare(ebpf, format!("{err:#}"))
-            }
-        };
+        let ebpf = Agent::start(bin_dir, "ebpf", root.path()).map_err(|e| format!("{e:#}"));
         Ok(Self {
             iptables,
             ebpf,
             root,
             plain,
-            _stats: stats,
         })
+    }
+
+    /// The modes this node can measure.
+    fn modes(&self) -> Vec<Mode> {
+        let mut modes = vec![Mode::Direct, Mode::Iptables];
+        if self.ebpf.is_ok() {
+            modes.push(Mode::Ebpf);
+        }
+        modes
     }
 
     /// What the eBPF mode is, for the report.
     fn ebpf_description(&self) -> String {
         match &self.ebpf {
-            EbpfCapture::Agent(_) => "eBPF: `meshcap-agent run --backend ebpf`, the pod ADDed \
-                                      through meshcap-cni."
-                .to_owned(),
-            EbpfCapture::Bare(_, why) => format!(
-                "eBPF: the agent could not run its eBPF backend ({why}), so this is meshcap's \
-                 bare `connect4` program with the pod's entry in MESHCAP_PODS: no \
-                 original-destination answer, no CIDR lists."
-            ),
+            Ok(_) => {
+                "eBPF: `meshcap-agent run --backend ebpf`, the pod ADDed through meshcap-cni, \
+                      the programs attached to the pods' parent cgroup."
+                    .to_owned()
+            }
+            Err(why) => format!("eBPF: n/a, the agent could not run its eBPF backend: {why}"),
         }
-    }
-
-    /// The bare connect program's (runs, total run time) so far, from bpf_stats.
-    fn connect_stats(&self) -> Option<(u64, Duration)> {
-        let EbpfCapture::Bare(ebpf, _) = &self.ebpf else {
-            return None;
-        };
-        let program: &CgroupSockAddr = ebpf.program("meshcap_connect4")?.try_into().ok()?;
-        let info = program.info().ok()?;
-        Some((info.run_count(), info.run_time()))
     }
 
     /// Captures the pod in `netns` as `mode` does; returns the agent's ADD time, ms.
-    fn add(&mut self, mode: Mode, netns: &Netns, excludes: &[String]) -> anyhow::Result<f64> {
-        match (mode, &mut self.ebpf) {
+    fn add(&self, mode: Mode, netns: &Netns, excludes: &[String]) -> anyhow::Result<f64> {
+        match (mode, &self.ebpf) {
             (Mode::Direct, _) => Ok(0.0),
             (Mode::Iptables, _) => self.iptables.add(netns, netns.name(), excludes),
-            (Mode::Ebpf, EbpfCapture::Agent(agent)) => agent.add(netns, netns.name(), excludes),
-            (Mode::Ebpf, EbpfCapture::Bare(ebpf, _)) => {
-                ensure!(
-                    excludes.is_empty(),
-                    "the bare connect4 program has no excludeOutboundIPRanges"
-                );
-                let mut pods: HashMap<_, u64, PodConfig> =
-                    HashMap::try_from(ebpf.map_mut(maps::PODS).context("pods map")?)?;
-                let proxy = PodConfig {
-                    proxy_uid: PROXY_UID,
-                    proxy_gid: PROXY_UID,
-                };
-                pods.insert(netns.cookie()?, proxy, 0)?;
-                Ok(0.0)
-            }
+            (Mode::Ebpf, Ok(agent)) => agent.add(netns, netns.name(), excludes),
+            (Mode::Ebpf, Err(why)) => bail!("no eBPF backend: {why}"),
         }
     }
 
-    /// The kernel's memory accounting of every map the eBPF side holds.
+    /// The kernel's memory accounting of every map the eBPF agent holds.
     fn map_memory(&self) -> Vec<(String, u64, u64)> {
-        let pid = match &self.ebpf {
-            EbpfCapture::Agent(agent) => agent.pid(),
-            EbpfCapture::Bare(..) => std::process::id(),
+        let Ok(agent) = &self.ebpf else {
+            return Vec::new();
         };
-        fdinfo_maps(pid)
+        fdinfo_maps(agent.pid())
             .into_iter()
             .map(|(id, max, memlock)| {
                 let name = MapInfo::from_id(id)
@@ -345,7 +299,7 @@ impl Pod {
         excludes: &[String],
         exe: &Path,
         cpu: usize,
-        node: &mut Node,
+        node: &Node,
     ) -> anyhow::Result<Self> {
         let netns = pod_netns()?;
         let add_ms = node.add(mode, &netns, excludes)?;
@@ -500,15 +454,13 @@ fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
     Samples(runs.iter().map(metric).collect())
 }
 
-fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Result<String> {
-    let modes = [Mode::Direct, Mode::Iptables, Mode::Ebpf];
+fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+    let modes = node.modes();
     let pods: Vec<Pod> = modes
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
-    let before = node.connect_stats();
     let results = interleave(&pods, plan.rounds, exe, cpu, plan.load)?;
-    let after = node.connect_stats();
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -520,7 +472,11 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Re
     ];
     let table = Table {
         columns: modes.iter().map(|m| m.label().to_owned()).collect(),
-        ratios: vec![(1, 0), (2, 0), (2, 1)],
+        ratios: if modes.len() == 3 {
+            vec![(1, 0), (2, 0), (2, 1)]
+        } else {
+            vec![(1, 0)]
+        },
         rows: metrics
             .iter()
             .map(|(name, f)| {
@@ -559,21 +515,11 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Re
     }
     out.pop();
     out.push_str(".\n");
-    if let (Some((n0, t0)), Some((n1, t1))) = (before, after)
-        && n1 > n0
-    {
-        let _ = writeln!(
-            out,
-            "\nbpf_stats: the connect program ran {} times, {:.0} ns per run on average.",
-            n1 - n0,
-            (t1 - t0).as_secs_f64() * 1e9 / (n1 - n0) as f64
-        );
-    }
     Ok(out)
 }
 
-fn policy_scale(plan: &Plan, exe: &Path, cpu: usize, node: &mut Node) -> anyhow::Result<String> {
-    let ebpf = matches!(node.ebpf, EbpfCapture::Agent(_));
+fn policy_scale(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+    let ebpf = node.ebpf.is_ok();
     let mut modes = vec![Mode::Iptables];
     if ebpf {
         modes.push(Mode::Ebpf);
