@@ -100,6 +100,7 @@ pub struct Agent {
     args: Vec<String>,
     env: Vec<(String, String)>,
     cgroup: Option<Arc<TestCgroup>>,
+    cgroup_root: Option<PathBuf>,
     bpffs_dir: Option<PathBuf>,
     /// The plugin socket.
     pub socket: PathBuf,
@@ -114,23 +115,45 @@ impl Agent {
     /// # Errors
     /// When it does not come up.
     pub fn start(backend: Backend, source: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
+        Self::start_in(backend, source, env, None)
+    }
+
+    /// As [`Self::start`], but an eBPF agent attaches to `cgroup_root` (a cgroup the caller
+    /// owns, e.g. a scenario [`crate::world::Node`]'s) instead of a cgroup of its own;
+    /// [`Self::cgroup`] is then `None`.
+    ///
+    /// # Errors
+    /// When it does not come up.
+    pub fn start_in(
+        backend: Backend,
+        source: &[&str],
+        env: &[(&str, &str)],
+        cgroup_root: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(unique_name("meshcap-agent"));
         std::fs::create_dir_all(&dir)?;
         let socket = dir.join("agent.sock");
         let http = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
         args.extend(["--backend".into(), backend.name().into()]);
-        let (cgroup, bpffs_dir) = match backend {
+        let (cgroup, cgroup_root, bpffs_dir) = match backend {
             Backend::Ebpf => {
-                let cgroup = TestCgroup::new("meshcap-agent")?;
+                let (cgroup, root) = match cgroup_root {
+                    Some(root) => (None, root.to_owned()),
+                    None => {
+                        let cgroup = TestCgroup::new("meshcap-agent")?;
+                        let root = cgroup.path().to_owned();
+                        (Some(Arc::new(cgroup)), root)
+                    }
+                };
                 let bpffs = EbpfUnderTest::unique_dir();
                 args.push("--cgroup-root".into());
-                args.push(cgroup.path().display().to_string());
+                args.push(root.display().to_string());
                 args.push("--bpffs-dir".into());
                 args.push(bpffs.display().to_string());
-                (Some(Arc::new(cgroup)), Some(bpffs))
+                (cgroup, Some(root), Some(bpffs))
             }
-            Backend::Iptables => (None, None),
+            Backend::Iptables => (None, None, None),
         };
         let child = spawn(&dir, &args, &socket, &http, env)?;
         let mut agent = Self {
@@ -143,6 +166,7 @@ impl Agent {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
             cgroup,
+            cgroup_root,
             bpffs_dir,
             socket,
             http,
@@ -192,7 +216,7 @@ impl Agent {
     #[must_use]
     pub fn ebpf_config(&self) -> Option<EbpfConfig> {
         Some(EbpfConfig {
-            cgroup_root: self.cgroup.as_ref()?.path().to_owned(),
+            cgroup_root: self.cgroup_root.clone()?,
             bpffs_dir: self.bpffs_dir.clone()?,
         })
     }
@@ -399,10 +423,33 @@ impl Sandbox {
 /// a `prevResult` with the pod's address.
 #[must_use]
 pub fn config(version: &str, socket: &Path, pod_ip: &str) -> Value {
-    let mut ip = json!({"address": format!("{pod_ip}/24"), "interface": 0});
-    if !version.starts_with("1.") {
-        ip["version"] = json!("4");
-    }
+    config_with(version, socket, &[(format!("{pod_ip}/24"), "4")])
+}
+
+/// As [`config`], with every address of the pod (dual stack) in `prevResult`.
+#[must_use]
+pub fn config_ips(version: &str, socket: &Path, pod_ips: &[std::net::IpAddr]) -> Value {
+    let addresses: Vec<(String, &str)> = pod_ips
+        .iter()
+        .map(|ip| match ip {
+            std::net::IpAddr::V4(_) => (format!("{ip}/24"), "4"),
+            std::net::IpAddr::V6(_) => (format!("{ip}/64"), "6"),
+        })
+        .collect();
+    config_with(version, socket, &addresses)
+}
+
+fn config_with(version: &str, socket: &Path, addresses: &[(String, &str)]) -> Value {
+    let ips: Vec<Value> = addresses
+        .iter()
+        .map(|(address, family)| {
+            let mut ip = json!({"address": address, "interface": 0});
+            if !version.starts_with("1.") {
+                ip["version"] = json!(family);
+            }
+            ip
+        })
+        .collect();
     json!({
         "cniVersion": version,
         "name": "k8s-pod-network",
@@ -413,7 +460,7 @@ pub fn config(version: &str, socket: &Path, pod_ip: &str) -> Value {
         "prevResult": {
             "cniVersion": version,
             "interfaces": [{"name": "eth0", "sandbox": "/x"}],
-            "ips": [ip],
+            "ips": ips,
         }
     })
 }
@@ -618,7 +665,8 @@ impl Wired {
         }
     }
 
-    /// Servers: the stand-in Envoy in the pod (uid 1337) and the upstream.
+    /// Servers: the stand-in Envoy in the pod (uid 1337; its outbound listener holds
+    /// connections open, see [`crate::Held`]) and the upstream.
     /// # Panics
     /// When a server cannot start.
     #[must_use]
@@ -626,7 +674,7 @@ impl Wired {
         let envoy = start_server(
             self.in_pod(PROXY_UID),
             "envoy",
-            &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
+            &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
         )
         .expect("stand-in envoy");
         let upstream = start_server(

@@ -25,6 +25,7 @@ pub mod world;
 use serde::{Deserialize, Serialize};
 
 pub mod agent;
+pub mod plugin;
 
 /// The uid/gid Istio's proxy runs as.
 pub const PROXY_UID: u32 = 1337;
@@ -241,6 +242,16 @@ impl Proc {
         args: &[&str],
         net_admin: bool,
     ) -> anyhow::Result<Self> {
+        Self::spawn_inner(at, program, args, net_admin, Stdio::null())
+    }
+
+    fn spawn_inner(
+        at: Placement<'_>,
+        program: &Path,
+        args: &[&str],
+        net_admin: bool,
+        stdin: Stdio,
+    ) -> anyhow::Result<Self> {
         let netns = File::open(at.netns.path())?;
         let procs = at
             .cgroup
@@ -253,7 +264,7 @@ impl Proc {
             .context("opening cgroup.procs")?;
         let mut cmd = Command::new(program);
         cmd.args(args)
-            .stdin(Stdio::null())
+            .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let netns_fd = netns.as_raw_fd();
@@ -472,4 +483,56 @@ pub fn dial(at: Placement<'_>, target: &str, bind: Option<&str>) -> anyhow::Resu
     serde_json::from_str(line)
         .map(Some)
         .with_context(|| format!("dial printed {line:?}"))
+}
+
+/// A long-lived TCP connection from a pod process (`meshcap-dial --hold`), to a stand-in
+/// listener in hold mode (`tcp:ADDR:PORT+hold`). The client exits when this is dropped.
+#[derive(Debug)]
+pub struct Held {
+    proc: Proc,
+    first: Report,
+}
+
+impl Held {
+    /// Connects from `at` to `target` and reads the first answer.
+    ///
+    /// # Errors
+    /// When the client cannot run or nothing answers.
+    pub fn connect(at: Placement<'_>, target: SocketAddr) -> anyhow::Result<Self> {
+        let target = format!("tcp:{target}");
+        let mut proc = Proc::spawn_inner(
+            at,
+            &bin::dial(),
+            &[target.as_str(), "--hold"],
+            false,
+            Stdio::piped(),
+        )?;
+        let line = proc.wait_line()?;
+        let first = serde_json::from_str(&line).with_context(|| format!("dial said {line:?}"))?;
+        Ok(Self { proc, first })
+    }
+
+    /// The report of the connection's first answer.
+    #[must_use]
+    pub const fn first(&self) -> &Report {
+        &self.first
+    }
+
+    /// Sends `line` on the connection and returns the server's fresh report, checking the
+    /// line came back.
+    ///
+    /// # Errors
+    /// When the exchange fails.
+    pub fn exchange(&mut self, line: &str) -> anyhow::Result<Report> {
+        use std::io::Write as _;
+        let stdin = self.proc.child.stdin.as_mut().context("stdin not piped")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        let answer = self.proc.wait_line()?;
+        let report = answer
+            .strip_prefix(line)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .with_context(|| format!("sent {line:?}, the connection answered {answer:?}"))?;
+        serde_json::from_str(report).with_context(|| format!("answer {answer:?}"))
+    }
 }

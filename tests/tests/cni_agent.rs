@@ -18,7 +18,7 @@ use std::{
 };
 
 use meshcap_tests::{
-    Netns, PROXY_UID, Placement,
+    Held, Netns, PROXY_UID, Placement,
     agent::{
         APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
         run_plugin_raw, sidecar_pod, write_manifest,
@@ -622,7 +622,7 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
             let pinned = held.iter().filter(|l| l.starts_with("pinned pod")).count();
             assert_eq!(pinned, count, "{held:?}");
             let entries = format!("{count} entries in MESHCAP_PODS");
-            assert!(held.iter().any(|l| *l == entries), "{held:?}");
+            assert!(held.contains(&entries), "{held:?}");
         }
     }
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
@@ -665,7 +665,9 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
 /// captured. During the gap every new connection still reaches the stand-in Envoy and a pod
 /// ADDed fails closed; a pod whose netns goes away during the gap is dropped by the restarted
 /// agent, which adopts the pins without attaching anything twice, keeps the live pod captured
-/// and captures the pod that failed before.
+/// and captures the pod that failed before. A captured connection opened before the kill
+/// keeps exchanging lines across the kill and the restart, and its original destination
+/// (Envoy's `SO_ORIGINAL_DST`, asked afresh at each exchange) stays what it was.
 #[test]
 fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
     require_root();
@@ -695,11 +697,30 @@ fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
         live.app_dial(),
         ("envoy".into(), Some("10.0.0.1:80".into()))
     );
+    let mut held = Held::connect(live.in_pod(APP_UID), "10.0.0.1:80".parse().expect("addr"))
+        .expect("a held connection");
+    let first = held.first().clone();
+    assert_eq!(
+        (first.server.as_str(), first.original_dst),
+        ("envoy", Some("10.0.0.1:80".parse().expect("addr"))),
+        "the held connection is captured"
+    );
+    let mut exchanges = 0;
+    let mut exchange = |held: &mut Held, when: &str| {
+        exchanges += 1;
+        let report = held
+            .exchange(&format!("{when} #{exchanges}"))
+            .unwrap_or_else(|e| panic!("exchange {exchanges} ({when}) failed: {e:#}"));
+        assert_eq!(report, first, "exchange {exchanges} ({when})");
+    };
+    exchange(&mut held, "before the kill");
     let before = agent.ebpf_leftovers().expect("eBPF state");
 
     agent.kill().expect("SIGKILL the agent");
-    // The gap: nothing serves the socket, yet capture holds for every new connection.
+    // The gap: nothing serves the socket, yet capture holds for every new connection, and the
+    // established one keeps working.
     for _ in 0..20 {
+        exchange(&mut held, "agent down");
         assert_eq!(
             live.app_dial(),
             ("envoy".into(), Some("10.0.0.1:80".into())),
@@ -720,7 +741,9 @@ fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
         "the agent's death changed nothing"
     );
 
+    exchange(&mut held, "agent down, a pod gone");
     agent.restart().expect("restart on the same bpffs dir");
+    exchange(&mut held, "after the restart");
     let config = agent.ebpf_config().expect("eBPF");
     let backend = meshcap_agent::backend::ebpf::EbpfBackend::open(config).expect("pins");
     for (program, count) in backend.attachments().expect("BPF_PROG_QUERY") {
@@ -748,6 +771,8 @@ fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
         add.success,
         "kubelet's retry succeeds after the restart: {add:?}"
     );
+    exchange(&mut held, "after the reconcile and a new ADD");
+    drop(held);
 
     for sandbox in [&live_sandbox, &late_sandbox] {
         assert!(cni("DEL", sandbox, &conf).expect("DEL").success);

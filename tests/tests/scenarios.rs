@@ -1,14 +1,19 @@
 //! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
-//! hairpin, loopback, dual stack, DNS, TPROXY) against the eBPF backend on the real kernel.
+//! hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the real kernel,
+//! directly and through the agent and the real plugin binary.
+use std::net::IpAddr;
+
 use meshcap_agent::{
     backend::{PodRef, ebpf::unpin_link},
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{
+    agent::Backend as AgentBackend,
+    plugin::{PluginUnderTest, ensure_exact, pod_manifest},
     require_root,
     scenario::{
         Backend, Case, EbpfUnderTest, Expect::*, IptablesUnderTest, To::*, Who::*, case, cidrs,
-        run_case, run_table,
+        default_policy, run_case, run_table,
     },
     world::Node,
 };
@@ -442,34 +447,41 @@ fn table() -> Vec<Case> {
     ]
 }
 
+/// Rows only the eBPF backend passes.
+fn ebpf_only() -> Vec<Case> {
+    vec![
+        // The programs act on the cgroup they are attached to (the node's root in
+        // production, a throwaway child here), not on a whole netns as iptables does.
+        case(
+            "a process outside the attached cgroup is untouched",
+            Outside,
+            Peer(80),
+            Server("peer"),
+        ),
+        // The stand-in proxy dials the original destination transparently (client source,
+        // mark 1337) as uid 1337. Istio's nat ISTIO_OUTPUT sends that loopback connection
+        // back to 15006 (`-o lo ! -d 127.0.0.1 --uid-owner 1337 -j ISTIO_IN_REDIRECT`), so
+        // the iptables fallback, which must write Istio's rules unchanged, cannot pass this
+        // row; the eBPF path exempts the proxy's mark-1337 sockets (docs/ebpf.md, TPROXY).
+        Case {
+            policy: |p| p.mode = InterceptionMode::Tproxy,
+            ..case(
+                "TPROXY: the app sees the original client address",
+                Node,
+                Own(8080),
+                AppSeesClient,
+            )
+        },
+    ]
+}
+
 #[test]
 fn ebpf_backend_makes_istios_decisions() {
     require_root();
     let mut node = Node::new().expect("node netns");
     let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
     let mut cases = table();
-    // The programs act on the cgroup they are attached to (the node's root in production,
-    // a throwaway child here), not on a whole netns as iptables does.
-    cases.push(case(
-        "a process outside the attached cgroup is untouched",
-        Outside,
-        Peer(80),
-        Server("peer"),
-    ));
-    // The stand-in proxy dials the original destination transparently (client source, mark
-    // 1337) as uid 1337. Istio's nat ISTIO_OUTPUT sends that loopback connection back to
-    // 15006 (`-o lo ! -d 127.0.0.1 --uid-owner 1337 -j ISTIO_IN_REDIRECT`), so the iptables
-    // fallback, which must write Istio's rules unchanged, cannot pass this row; the eBPF path
-    // exempts the proxy's mark-1337 sockets (docs/ebpf.md, TPROXY).
-    cases.push(Case {
-        policy: |p| p.mode = InterceptionMode::Tproxy,
-        ..case(
-            "TPROXY: the app sees the original client address",
-            Node,
-            Own(8080),
-            AppSeesClient,
-        )
-    });
+    cases.extend(ebpf_only());
     run_table(&backend, &mut node, &cases);
 }
 
@@ -481,6 +493,68 @@ fn iptables_backend_makes_istios_decisions() {
     let mut node = Node::new().expect("node netns");
     let backend = IptablesUnderTest::new().expect("iptables backend");
     run_table(&backend, &mut node, &table());
+}
+
+/// The table through the product path on the eBPF backend: a running agent with a
+/// manifest directory as its pod source, each row's policy written as the pod's annotations,
+/// proxy environment and security context, and the real `meshcap-cni` ADD and DEL.
+#[test]
+fn ebpf_agent_through_the_plugin_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = PluginUnderTest::new(AgentBackend::Ebpf, node.cgroup.path()).expect("agent");
+    let mut cases = table();
+    cases.extend(ebpf_only());
+    run_table(&backend, &mut node, &cases);
+    assert_eq!(
+        backend.agent().ebpf_leftovers().expect("eBPF state"),
+        Vec::<String>::new(),
+        "every DEL released its pod"
+    );
+}
+
+/// The same table through the product path on the iptables fallback.
+#[test]
+fn iptables_agent_through_the_plugin_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = PluginUnderTest::new(AgentBackend::Iptables, node.cgroup.path()).expect("agent");
+    run_table(&backend, &mut node, &table());
+}
+
+/// Every row's policy, written as a pod manifest, is read back by the agent's selection as
+/// exactly that policy: the plugin tests above test the rows they name. (No root needed.)
+#[test]
+fn every_rows_policy_maps_exactly_to_a_pod_manifest() {
+    let ips: Vec<IpAddr> = vec![
+        "10.77.1.2".parse().expect("ip"),
+        "fd77:1::2".parse().expect("ip"),
+    ];
+    let mut rows = table();
+    rows.extend(ebpf_only());
+    let mut policies: Vec<RedirectPolicy> = rows
+        .iter()
+        .map(|c| {
+            let ips = if c.ipv6 { &ips[..] } else { &ips[..1] };
+            let mut policy = default_policy("case-1", ips.to_vec());
+            (c.policy)(&mut policy);
+            policy
+        })
+        .collect();
+    // What no row sets: INVALID_DROP, v6 ranges, wildcard-free include lists.
+    let mut extra = default_policy("extra", ips.clone());
+    extra.invalid_drop = true;
+    extra.dual_stack = false;
+    extra.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["10.0.0.0/8", "fd00::/8"]));
+    extra.exclude_outbound_ip_ranges = cidrs(&["10.1.0.0/16", "fd00:1::/32"]);
+    extra.include_inbound_ports = PortSelection::Ports(vec![80, 443]);
+    extra.include_outbound_ports = vec![5432, 6379];
+    extra.exclude_interfaces = vec!["eth1".into(), "eth2".into()];
+    policies.push(extra);
+    for policy in &policies {
+        let manifest = pod_manifest(policy);
+        ensure_exact(&manifest, policy).unwrap_or_else(|e| panic!("{e:#}"));
+    }
 }
 
 /// Detaching any one program (by unpinning its link) makes its scenario fail: every program

@@ -2,6 +2,9 @@
 //! (`udpc`: connected UDP)
 //! connects (or sends one datagram), prints the one-line answer of whoever took it, or
 //! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
+//!
+//! With `--hold` (TCP) it keeps the connection: every line read from stdin is sent, and the
+//! answer line printed, until stdin closes (or `no-answer: <why>` and exit on a failure).
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpStream, UdpSocket},
@@ -20,9 +23,11 @@ fn main() -> anyhow::Result<()> {
         .next()
         .context("usage: meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]")?;
     let mut bind_to = None;
+    let mut hold = false;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
+            "--hold" => hold = true,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -33,8 +38,12 @@ fn main() -> anyhow::Result<()> {
     let bind_to = bind_to
         .map(|b| parse_bind(&b, addr.is_ipv6()))
         .transpose()?;
+    if hold {
+        anyhow::ensure!(proto == "tcp", "--hold is for tcp");
+        return hold_tcp(addr);
+    }
     let answer = match proto {
-        "tcp" => tcp(addr, bind_to),
+        "tcp" => tcp(addr, bind_to).map(|(line, _)| line),
         "udp" => udp(addr, bind_to, false),
         "udpc" => udp(addr, bind_to, true),
         other => bail!("unknown protocol {other}"),
@@ -59,7 +68,42 @@ fn parse_bind(text: &str, v6: bool) -> anyhow::Result<SocketAddr> {
     Ok(SocketAddr::new(ip, 0))
 }
 
-fn tcp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> {
+/// The `--hold` loop: the first answer, then one answer per stdin line.
+fn hold_tcp(addr: SocketAddr) -> anyhow::Result<()> {
+    let (first, mut reader) = match tcp(addr, None) {
+        Ok(answer) => answer,
+        Err(err) => {
+            println!("no-answer: {err:#}");
+            return Ok(());
+        }
+    };
+    println!("{}", first.trim());
+    std::io::stdout().flush()?;
+    let mut writer = reader.get_ref().try_clone()?;
+    for line in std::io::stdin().lines() {
+        let line = line?;
+        let mut answer = String::new();
+        let sent = writeln!(writer, "{line}").and_then(|()| reader.read_line(&mut answer));
+        match sent {
+            Ok(n) if n > 0 => println!("{}", answer.trim()),
+            Ok(_) => {
+                println!("no-answer: connection closed");
+                return Ok(());
+            }
+            Err(err) => {
+                println!("no-answer: {err}");
+                return Ok(());
+            }
+        }
+        std::io::stdout().flush()?;
+    }
+    Ok(())
+}
+
+fn tcp(
+    addr: SocketAddr,
+    bind_to: Option<SocketAddr>,
+) -> anyhow::Result<(String, BufReader<TcpStream>)> {
     let stream = match bind_to {
         None => TcpStream::connect_timeout(&addr, TIMEOUT)?,
         Some(local) => {
@@ -76,9 +120,10 @@ fn tcp(addr: SocketAddr, bind_to: Option<SocketAddr>) -> anyhow::Result<String> 
     };
     stream.set_read_timeout(Some(TIMEOUT))?;
     let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line)?;
+    let mut reader = BufReader::new(stream);
+    reader.read_line(&mut line)?;
     anyhow::ensure!(!line.is_empty(), "connection closed without an answer");
-    Ok(line)
+    Ok((line, reader))
 }
 
 /// One datagram; `connected`: `connect` then `send`/`recv_from` (as glibc's resolver does).

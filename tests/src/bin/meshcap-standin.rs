@@ -5,6 +5,11 @@
 //! datagram with one JSON [`Report`] line: who answered, on which listener, the local and
 //! peer addresses, and what `getsockopt(SO_ORIGINAL_DST)` says — exactly what Envoy and
 //! Istio's validation probe rely on. Runs until killed.
+//!
+//! A TCP listener written `tcp:ADDR:PORT+hold` keeps each connection open (one thread per
+//! connection) and answers every line the client sends with that line, a space and a fresh
+//! report (its `original_dst` asked again), until the client closes: a long-lived connection
+//! whose capture can be checked at any time.
 use std::{
     io::Write as _,
     mem::MaybeUninit,
@@ -35,9 +40,12 @@ fn main() -> anyhow::Result<()> {
         let (proto, addr) = spec
             .split_once(':')
             .context("--listen is proto:addr:port")?;
-        let (addr, transparent) = match addr.strip_suffix("+transparent") {
-            Some(addr) => (addr, true),
-            None => (addr, false),
+        let (addr, mode) = if let Some(addr) = addr.strip_suffix("+transparent") {
+            (addr, Mode::Transparent)
+        } else if let Some(addr) = addr.strip_suffix("+hold") {
+            (addr, Mode::Hold)
+        } else {
+            (addr, Mode::Answer)
         };
         let addr: SocketAddr = addr
             .parse()
@@ -45,10 +53,8 @@ fn main() -> anyhow::Result<()> {
         let name = name.clone();
         match proto {
             "tcp" => {
-                let listener = bind_tcp(addr, transparent)?;
-                handles.push(thread::spawn(move || {
-                    serve_tcp(&name, &listener, transparent)
-                }));
+                let listener = bind_tcp(addr, mode == Mode::Transparent)?;
+                handles.push(thread::spawn(move || serve_tcp(&name, &listener, mode)));
             }
             "udp" => {
                 let socket = bind_udp(addr)?;
@@ -112,15 +118,58 @@ fn bind_udp(addr: SocketAddr) -> anyhow::Result<UdpSocket> {
     Ok(UdpSocket::from(fd))
 }
 
-fn serve_tcp(name: &str, listener: &TcpListener, transparent: bool) {
+/// What a TCP listener does with a connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// One report line, then close.
+    Answer,
+    /// Relay to the original destination from the client's address (TPROXY inbound).
+    Transparent,
+    /// A report line, then an echo and a fresh report for every line, until the client closes.
+    Hold,
+}
+
+fn serve_tcp(name: &str, listener: &TcpListener, mode: Mode) {
     let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
     for stream in listener.incoming().flatten() {
-        let _ = if transparent {
-            relay_transparent(stream)
-        } else {
-            answer_tcp(name, port, stream)
+        let _ = match mode {
+            Mode::Transparent => relay_transparent(stream),
+            Mode::Answer => answer_tcp(name, port, stream),
+            Mode::Hold => {
+                let name = name.to_owned();
+                thread::spawn(move || hold_tcp(&name, port, stream));
+                Ok(())
+            }
         };
     }
+}
+
+fn hold_tcp(name: &str, listener: u16, stream: TcpStream) -> anyhow::Result<()> {
+    use std::io::{BufRead as _, BufReader};
+    let mut writer = stream.try_clone()?;
+    writeln!(
+        writer,
+        "{}",
+        serde_json::to_string(&report(name, listener, &stream)?)?
+    )?;
+    for line in BufReader::new(stream.try_clone()?).lines() {
+        let line = line?;
+        let report = serde_json::to_string(&report(name, listener, &stream)?)?;
+        writeln!(writer, "{line} {report}")?;
+    }
+    Ok(())
+}
+
+fn report(name: &str, listener: u16, stream: &TcpStream) -> anyhow::Result<Report> {
+    let local = stream.local_addr()?;
+    Ok(Report {
+        server: name.to_owned(),
+        proto: "tcp".into(),
+        listener,
+        local,
+        peer: stream.peer_addr()?,
+        original_dst: original_dst(stream.as_raw_fd(), local.is_ipv6()),
+    })
 }
 
 /// Envoy's TPROXY-mode inbound path: connect to the original destination (the accepted
@@ -178,15 +227,7 @@ fn set_transparent(fd: &std::os::fd::OwnedFd, v6: bool) -> anyhow::Result<()> {
 }
 
 fn answer_tcp(name: &str, listener: u16, mut stream: TcpStream) -> anyhow::Result<()> {
-    let local = stream.local_addr()?;
-    let report = Report {
-        server: name.to_owned(),
-        proto: "tcp".into(),
-        listener,
-        local,
-        peer: stream.peer_addr()?,
-        original_dst: original_dst(stream.as_raw_fd(), local.is_ipv6()),
-    };
+    let report = report(name, listener, &stream)?;
     writeln!(stream, "{}", serde_json::to_string(&report)?)?;
     Ok(())
 }
