@@ -622,7 +622,7 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
             let pinned = held.iter().filter(|l| l.starts_with("pinned pod")).count();
             assert_eq!(pinned, count, "{held:?}");
             let entries = format!("{count} entries in MESHCAP_PODS");
-            assert!(held.iter().any(|l| *l == entries), "{held:?}");
+            assert!(held.contains(&entries), "{held:?}");
         }
     }
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
