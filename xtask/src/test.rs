@@ -5,6 +5,8 @@ use crate::cmd::{self, root};
 
 pub fn run() -> anyhow::Result<()> {
     let root = root();
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| root.join("target"), std::path::PathBuf::from);
     let mut timings = Vec::new();
     let mut phase = |name: &'static str, cmd: &mut Command| -> anyhow::Result<()> {
         let start = Instant::now();
@@ -43,8 +45,16 @@ pub fn run() -> anyhow::Result<()> {
             .args(["+nightly", "clippy", "--release", "--", "-D", "warnings"]),
     )?;
     phase(
+        "build meshcap-agent, meshcap-cni",
+        Command::new("cargo").args(["build", "-p", "meshcap-agent", "-p", "meshcap-cni"]),
+    )?;
+    phase(
         "tests (host and real kernel)",
-        Command::new("cargo").args(["test", "--workspace", "--exclude", "meshcap-ebpf"]),
+        // The end-to-end tests run these binaries; built once above instead of by each test
+        // executable's own nested `cargo build`.
+        Command::new("cargo")
+            .env("MESHCAP_BIN_DIR", target.join("debug"))
+            .args(["test", "--workspace", "--exclude", "meshcap-ebpf"]),
     )?;
     eprintln!("xtask test: all phases passed");
     for (name, took) in timings {
