@@ -175,6 +175,9 @@ const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
     (programs::SENDMSG6, CgroupAttach::SendMsg6),
 ];
 
+/// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
+const MAX_PODS: usize = 1_024;
+
 /// Every map of the object (all pinned).
 const MAPS: [&str; 7] = [
     maps::PODS,
@@ -339,12 +342,27 @@ impl EbpfBackend {
         let mut tables = self.lock();
         let old = tables.pods.get(&cookie, 0).ok();
         let pod_id = next_pod_id(&tables, old.map(|c| c.pod_id));
-        tables.write_lists(pod_id, &entries)?;
-        tables.write_ifaces(cookie, &net, &entries)?;
-        tables
-            .pods
-            .insert(cookie, PodConfig { pod_id, ..config }, 0)
-            .map_err(|e| EbpfError::map("writing the pod entry", e))?;
+        let written = tables
+            .write_lists(pod_id, &entries)
+            .and_then(|()| tables.write_ifaces(cookie, &net, &entries))
+            .and_then(|()| {
+                tables
+                    .pods
+                    .insert(cookie, PodConfig { pod_id, ..config }, 0)
+                    .map_err(|e| EbpfError::map("writing the pod entry", e))
+            });
+        if let Err(err) = written {
+            // A full map (E2BIG): nothing of this ADD stays; an update keeps its old entry.
+            tables.remove_lists(pod_id)?;
+            drop(tables);
+            if old.is_none() {
+                self.remove(pod)?;
+            }
+            return Err(EbpfError::pod(
+                pod,
+                format!("capture not applied (a node holds at most {MAX_PODS} pods): {err}"),
+            ));
+        }
         if let Some(old) = old {
             tables.remove_lists(old.pod_id)?;
         }
