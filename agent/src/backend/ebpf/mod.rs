@@ -28,8 +28,8 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
-    programs::{Program, ProgramError},
+    maps::{HashMap, LpmTrie, MapData, ProgramArray, lpm_trie::Key},
+    programs::{Program, ProgramError, SchedClassifier},
 };
 pub use encode::{Entries, encode};
 use meshcap_common::{
@@ -179,7 +179,7 @@ const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
 const MAX_PODS: usize = 1_024;
 
 /// Every map of the object (all pinned).
-const MAPS: [&str; 7] = [
+const MAPS: [&str; 8] = [
     maps::PODS,
     maps::CIDRS4,
     maps::CIDRS6,
@@ -187,6 +187,7 @@ const MAPS: [&str; 7] = [
     maps::IFACES,
     maps::BY_COOKIE,
     maps::FLOWS,
+    maps::TC_PROG,
 ];
 
 struct Tables {
@@ -252,6 +253,7 @@ impl EbpfBackend {
                 .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
             tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
         }
+        install_shared_tc(&mut ebpf)?;
         let tables = Tables {
             pods: take(&mut ebpf, maps::PODS)?,
             cidrs4: take(&mut ebpf, maps::CIDRS4)?,
@@ -642,6 +644,28 @@ fn load_program(
         }
         _ => Err(err(ProgramError::UnexpectedProgramType)),
     }
+}
+
+/// Loads (verifies) the inbound classifier once and puts it in slot 0 of the pinned
+/// `MESHCAP_TC_PROG`, which every pod's stub tail-calls. A restarted agent replaces it
+/// atomically with its own instance.
+fn install_shared_tc(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(programs::INGRESS)
+        .ok_or(EbpfError::Missing(programs::INGRESS))?
+        .try_into()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    prog.load()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    let fd = prog
+        .fd()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?
+        .try_clone()
+        .map_err(|e| EbpfError::io(programs::INGRESS, e))?;
+    let mut slots: ProgramArray<MapData> = take(ebpf, maps::TC_PROG)?;
+    slots
+        .set(0, &fd, 0)
+        .map_err(|e| EbpfError::map("setting the shared TC program", e))
 }
 
 fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
