@@ -253,9 +253,11 @@ fn open_backend(
         Ok(Arc::new(IptablesBackend::new(&iptables)?))
     };
     let open_ebpf = |ebpf| -> anyhow::Result<Arc<dyn CaptureBackend>> {
-        Ok(Arc::new(
-            EbpfBackend::open(ebpf).context("opening the eBPF backend")?,
-        ))
+        let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
+        if !backend.forward_kernel_logs()? {
+            warn!("the programs' own log records will not reach this log");
+        }
+        Ok(Arc::new(backend))
     };
     match choice {
         BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
@@ -314,6 +316,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (backend, reason, probe) =
         tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
     info!(backend = backend.name(), %reason, cgroup_root = ?args.cgroup_root, bpffs_dir = %args.bpffs_dir.display(), "backend chosen");
+    let reconciling = backend.clone();
+    let gone = tokio::task::spawn_blocking(move || reconciling.prune_gone())
+        .await?
+        .context("reconciling the captures of a previous run with live pods")?;
+    info!(
+        dropped = gone.len(),
+        "reconciled with live pods: captures whose netns is gone dropped"
+    );
     let capture = Arc::new(Capture::new(
         source,
         backend,

@@ -137,3 +137,47 @@ pub fn pod_addresses() -> io::Result<Vec<IpAddr>> {
     }
     Ok(out)
 }
+
+/// The cookies of every network namespace alive on the host, as far as it can be seen: those
+/// of every process (`/proc/<pid>/ns/net`) and those bind-mounted where runtimes and `ip netns`
+/// keep them (`/run/netns`, `/var/run/netns`). Each namespace is entered once (deduplicated by
+/// inode).
+#[must_use]
+pub fn live_cookies() -> std::collections::HashSet<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path().join("ns/net"))
+        .collect();
+    for dir in ["/run/netns", "/var/run/netns"] {
+        candidates.extend(
+            std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path()),
+        );
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut cookies = std::collections::HashSet::new();
+    for path in candidates {
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if !seen.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        if let Ok(cookie) = cookie_of(&path) {
+            cookies.insert(cookie);
+        }
+    }
+    cookies
+}

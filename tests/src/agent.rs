@@ -6,15 +6,19 @@ use std::{
     os::unix::process::CommandExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::OnceLock,
+    sync::{Arc, OnceLock},
     thread,
     time::Duration,
 };
 
 use anyhow::{Context as _, bail, ensure};
+use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig};
 use serde_json::{Value, json};
 
-use crate::{Netns, unique_name};
+use crate::{
+    Netns, PROXY_UID, Placement, Proc, TestCgroup, dial, scenario::EbpfUnderTest, start_server,
+    unique_name,
+};
 
 /// Builds `meshcap-agent` and `meshcap-cni` once per test process (cargo does not build
 /// another package's binaries for this crate's tests) and returns the directory holding them.
@@ -30,15 +34,21 @@ pub fn binaries() -> &'static Path {
             return PathBuf::from(dir);
         }
         let exe = std::env::current_exe().expect("test executable path");
-        // target/<profile>/deps/<test> → target/<profile>
-        let dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target directory")
-            .to_owned();
+        // target/<profile>/deps/<test> (tests) or target/<profile>/<bin> (the demo)
+        let mut dir = exe.parent().expect("target directory").to_owned();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "meshcap-agent", "-p", "meshcap-cni"]);
+        cmd.args([
+            "build",
+            "--quiet",
+            "-p",
+            "meshcap-agent",
+            "-p",
+            "meshcap-cni",
+        ]);
         if dir.file_name().is_some_and(|n| n == "release") {
             cmd.arg("--release");
         }
@@ -59,11 +69,38 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// A running agent with throwaway socket and state directories; stopped (SIGTERM, by pid)
-/// and its files removed on drop.
+/// The capture backend an [`Agent`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// `--backend ebpf`, attached to a throwaway cgroup and pinned under a unique bpffs dir.
+    Ebpf,
+    /// `--backend iptables`.
+    Iptables,
+}
+
+impl Backend {
+    /// The name the agent uses (`--backend`, metrics labels).
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::Iptables => "iptables",
+        }
+    }
+}
+
+/// A running agent with throwaway socket, state, cgroup and bpffs directories. On drop it is
+/// stopped (SIGTERM, by pid) and everything it left is removed: the agent itself never
+/// uninstalls (captured pods must outlive it), so the eBPF pins and links are removed here.
+/// Its stderr goes to a file ([`Self::log`]), printed when the test panics.
 pub struct Agent {
     child: Child,
     dir: PathBuf,
+    backend: Backend,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cgroup: Option<Arc<TestCgroup>>,
+    bpffs_dir: Option<PathBuf>,
     /// The plugin socket.
     pub socket: PathBuf,
     /// The health/metrics endpoint.
@@ -71,51 +108,154 @@ pub struct Agent {
 }
 
 impl Agent {
-    /// Starts `meshcap-agent run --backend iptables` with `source` (e.g. `--pods dir
+    /// Starts `meshcap-agent run --backend <backend>` with `source` (e.g. `--pods dir
     /// --pod-dir X`) and `env`, and waits until its socket exists and it answers /healthz.
     ///
     /// # Errors
     /// When it does not come up.
-    pub fn start(source: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
+    pub fn start(backend: Backend, source: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(unique_name("meshcap-agent"));
         std::fs::create_dir_all(&dir)?;
         let socket = dir.join("agent.sock");
         let http = format!("127.0.0.1:{}", free_port());
-        let child = Command::new(binaries().join("meshcap-agent"))
-            .arg("run")
-            .args(source)
-            .args(["--backend", "iptables", "--pod-lookup-attempts", "3"])
-            .args(["--pod-lookup-interval-ms", "100"])
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .args(["--http-listen", &http])
-            .env("RUST_LOG", "warn,meshcap_agent=info")
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .spawn()
-            .context("starting meshcap-agent")?;
+        let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
+        args.extend(["--backend".into(), backend.name().into()]);
+        let (cgroup, bpffs_dir) = match backend {
+            Backend::Ebpf => {
+                let cgroup = TestCgroup::new("meshcap-agent")?;
+                let bpffs = EbpfUnderTest::unique_dir();
+                args.push("--cgroup-root".into());
+                args.push(cgroup.path().display().to_string());
+                args.push("--bpffs-dir".into());
+                args.push(bpffs.display().to_string());
+                (Some(Arc::new(cgroup)), Some(bpffs))
+            }
+            Backend::Iptables => (None, None),
+        };
+        let child = spawn(&dir, &args, &socket, &http, env)?;
         let mut agent = Self {
             child,
             dir,
+            backend,
+            args,
+            env: env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            cgroup,
+            bpffs_dir,
             socket,
             http,
         };
-        for _ in 0..200 {
-            if let Some(status) = agent.child.try_wait()? {
-                bail!("meshcap-agent exited during start-up: {status}");
+        agent.wait_ready()?;
+        Ok(agent)
+    }
+
+    fn wait_ready(&mut self) -> anyhow::Result<()> {
+        for _ in 0..400 {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "meshcap-agent exited during start-up: {status}\n{}",
+                    self.log()
+                );
             }
-            if agent.socket.exists()
-                && agent
-                    .http_get("/healthz")
-                    .is_ok_and(|(code, _)| code == 200)
+            if self.socket.exists() && self.http_get("/healthz").is_ok_and(|(code, _)| code == 200)
             {
-                return Ok(agent);
+                return Ok(());
             }
             thread::sleep(Duration::from_millis(50));
         }
-        bail!("meshcap-agent did not become ready")
+        bail!("meshcap-agent did not become ready\n{}", self.log())
+    }
+
+    /// The backend it runs.
+    #[must_use]
+    pub const fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The process id of the running agent.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The throwaway cgroup the eBPF backend attaches to (`None` for iptables): the pods'
+    /// processes must run in it to be captured. Shared: it is removed when the last holder
+    /// lets go.
+    #[must_use]
+    pub fn cgroup(&self) -> Option<Arc<TestCgroup>> {
+        self.cgroup.clone()
+    }
+
+    /// The eBPF backend's configuration (`None` for iptables).
+    #[must_use]
+    pub fn ebpf_config(&self) -> Option<EbpfConfig> {
+        Some(EbpfConfig {
+            cgroup_root: self.cgroup.as_ref()?.path().to_owned(),
+            bpffs_dir: self.bpffs_dir.clone()?,
+        })
+    }
+
+    /// What the eBPF backend still holds, read from its pins: captured pods and entries of
+    /// the per-pod maps. Empty when nothing is captured (and always for iptables).
+    ///
+    /// # Errors
+    /// When the pins cannot be opened.
+    pub fn ebpf_leftovers(&self) -> anyhow::Result<Vec<String>> {
+        let Some(config) = self.ebpf_config() else {
+            return Ok(Vec::new());
+        };
+        let backend = EbpfBackend::open(config)?;
+        let mut out: Vec<String> = backend
+            .list()?
+            .into_iter()
+            .map(|p| {
+                format!(
+                    "pinned pod {}/{} (netns cookie {})",
+                    p.namespace, p.name, p.netns_cookie
+                )
+            })
+            .collect();
+        out.extend(
+            backend
+                .entry_counts()
+                .into_iter()
+                .filter(|(_, n)| *n > 0)
+                .map(|(map, n)| format!("{n} entries in {map}")),
+        );
+        Ok(out)
+    }
+
+    /// The agent's stderr so far.
+    #[must_use]
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    /// SIGKILL (by pid), as a crash or an OOM kill would: nothing runs on the way out.
+    ///
+    /// # Errors
+    /// When the process cannot be signalled or reaped.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        signal(&self.child, nix::sys::signal::Signal::SIGKILL)?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// Starts the agent again with the same arguments (same socket, state and bpffs
+    /// directories), after [`Self::kill`], and waits until it serves.
+    ///
+    /// # Errors
+    /// When it does not come up.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        self.child = spawn(&self.dir, &self.args, &self.socket, &self.http, &env)?;
+        self.wait_ready()
     }
 
     /// The agent's state directory.
@@ -156,14 +296,48 @@ impl Agent {
     }
 }
 
+fn signal(child: &Child, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+    let pid = i32::try_from(child.id())?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal)?;
+    Ok(())
+}
+
+fn spawn(
+    dir: &Path,
+    args: &[String],
+    socket: &Path,
+    http: &str,
+    env: &[(&str, &str)],
+) -> anyhow::Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("agent.log"))?;
+    Command::new(binaries().join("meshcap-agent"))
+        .arg("run")
+        .args(args)
+        .args([
+            "--pod-lookup-attempts",
+            "3",
+            "--pod-lookup-interval-ms",
+            "100",
+        ])
+        .arg("--socket")
+        .arg(socket)
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .args(["--http-listen", http])
+        .env("RUST_LOG", "warn,meshcap_agent=info")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("starting meshcap-agent")
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
-        if let Ok(pid) = i32::try_from(self.child.id()) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
+        let _ = signal(&self.child, nix::sys::signal::Signal::SIGTERM);
         for _ in 0..100 {
             if !matches!(self.child.try_wait(), Ok(None)) {
                 break;
@@ -172,6 +346,25 @@ impl Drop for Agent {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if thread::panicking() {
+            eprintln!("meshcap-agent's log:\n{}", self.log());
+        }
+        if let Some(config) = self.ebpf_config()
+            && config.bpffs_dir.exists()
+        {
+            let parent = config.bpffs_dir.parent().map(PathBuf::from);
+            match EbpfBackend::open(config) {
+                Ok(backend) => {
+                    if let Err(err) = backend.uninstall() {
+                        eprintln!("cleanup: {err}");
+                    }
+                }
+                Err(err) => eprintln!("cleanup: {err}"),
+            }
+            if let Some(parent) = parent {
+                let _ = std::fs::remove_dir(parent);
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
@@ -364,4 +557,133 @@ pub fn eventually(what: &str, mut f: impl FnMut() -> bool) -> anyhow::Result<()>
     }
     ensure!(f(), "{what} never happened");
     Ok(())
+}
+
+/// The uid of the pods' application processes.
+pub const APP_UID: u32 = 1000;
+
+/// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
+/// 10.0.0.1/24, with a server on 10.0.0.1:80. The pod's processes run in the agent's cgroup
+/// (eBPF), as a real pod's run under the cgroup root the programs are attached to.
+pub struct Wired {
+    /// The pod's netns.
+    pub pod: Netns,
+    /// The upstream's netns.
+    pub upstream: Netns,
+    cgroup: Option<Arc<TestCgroup>>,
+}
+
+impl Wired {
+    /// Wires a new pod for `agent` (its processes go to the agent's cgroup, if any).
+    ///
+    /// # Panics
+    /// When the kernel refuses.
+    #[must_use]
+    pub fn new(agent: &Agent) -> Self {
+        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
+        let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
+        pod.ip(&[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            upstream.name(),
+        ])
+        .expect("veth pair");
+        for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
+            ns.ip(&["addr", "add", addr, "dev", "eth0"])
+                .expect("address");
+            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
+        }
+        Self {
+            pod,
+            upstream,
+            cgroup: agent.cgroup(),
+        }
+    }
+
+    /// A process of the pod running as `uid`.
+    #[must_use]
+    pub fn in_pod(&self, uid: u32) -> Placement<'_> {
+        Placement {
+            netns: &self.pod,
+            cgroup: self.cgroup.as_deref(),
+            uid,
+            gid: uid,
+        }
+    }
+
+    /// Servers: the stand-in Envoy in the pod (uid 1337) and the upstream.
+    /// # Panics
+    /// When a server cannot start.
+    #[must_use]
+    pub fn servers(&self) -> (Proc, Proc) {
+        let envoy = start_server(
+            self.in_pod(PROXY_UID),
+            "envoy",
+            &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
+        )
+        .expect("stand-in envoy");
+        let upstream = start_server(
+            Placement {
+                netns: &self.upstream,
+                cgroup: None,
+                uid: 0,
+                gid: 0,
+            },
+            "upstream",
+            &["tcp:10.0.0.1:80"],
+        )
+        .expect("upstream server");
+        (envoy, upstream)
+    }
+
+    /// Who answers the app's connection to 10.0.0.1:80, and the original destination Envoy saw.
+    /// # Panics
+    /// When the client cannot run or nothing answers.
+    #[must_use]
+    pub fn app_dial(&self) -> (String, Option<String>) {
+        let report = dial(self.in_pod(APP_UID), "tcp:10.0.0.1:80", None)
+            .expect("dial")
+            .expect("something answers 10.0.0.1:80");
+        (report.server, report.original_dst.map(|a| a.to_string()))
+    }
+}
+
+/// Writes a pod manifest into the directory source's directory.
+///
+/// # Panics
+/// When the file cannot be written.
+pub fn write_manifest(dir: &Path, pod: &Value) {
+    let name = pod["metadata"]["name"].as_str().expect("name");
+    std::fs::write(dir.join(format!("{name}.json")), pod.to_string()).expect("manifest");
+}
+
+/// A throwaway manifest directory, removed on drop.
+pub struct ManifestDir(pub PathBuf);
+
+impl ManifestDir {
+    /// # Panics
+    /// When the directory cannot be made.
+    #[must_use]
+    #[expect(
+        clippy::new_without_default,
+        reason = "it creates a directory: not a default value"
+    )]
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
+        std::fs::create_dir_all(&dir).expect("manifest dir");
+        Self(dir)
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

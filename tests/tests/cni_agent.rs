@@ -1,5 +1,6 @@
 //! End to end, playing kubelet: a pod netns, the real `meshcap-cni` binary run with the CNI
-//! environment and configuration, a running `meshcap-agent` (iptables backend) that learns the
+//! environment and configuration, a running `meshcap-agent` (each test on both backends: eBPF
+//! attached to a throwaway cgroup holding the pod's processes, and iptables) that learns the
 //! pod from a manifest directory or from a Kubernetes API server (an in-test HTTP server
 //! speaking the real paths with real Pod JSON; kube-rs is the client), and the stand-in Envoy
 //! proving the capture. Then DEL, and nothing may be left.
@@ -17,110 +18,18 @@ use std::{
 };
 
 use meshcap_tests::{
-    Netns, PROXY_UID, Placement, Proc,
-    agent::{Agent, Sandbox, cni, config, eventually, leftovers, run_plugin_raw, sidecar_pod},
-    dial, require_root, start_server, unique_name,
+    Netns, PROXY_UID, Placement,
+    agent::{
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
+        run_plugin_raw, sidecar_pod, write_manifest,
+    },
+    dial, require_root, unique_name,
 };
 use serde_json::{Value, json};
 
-const APP_UID: u32 = 1000;
-
-/// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
-/// 10.0.0.1/24, with a server on 10.0.0.1:80.
-struct Wired {
-    pod: Netns,
-    upstream: Netns,
-}
-
-impl Wired {
-    fn new() -> Self {
-        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
-        let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
-        pod.ip(&[
-            "link",
-            "add",
-            "eth0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            upstream.name(),
-        ])
-        .expect("veth pair");
-        for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
-            ns.ip(&["addr", "add", addr, "dev", "eth0"])
-                .expect("address");
-            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
-        }
-        Self { pod, upstream }
-    }
-
-    fn in_pod(&self, uid: u32) -> Placement<'_> {
-        Placement {
-            netns: &self.pod,
-            cgroup: None,
-            uid,
-            gid: uid,
-        }
-    }
-
-    /// Servers: the stand-in Envoy in the pod (uid 1337) and the upstream.
-    fn servers(&self) -> (Proc, Proc) {
-        let envoy = start_server(
-            self.in_pod(PROXY_UID),
-            "envoy",
-            &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
-        )
-        .expect("stand-in envoy");
-        let upstream = start_server(
-            Placement {
-                netns: &self.upstream,
-                cgroup: None,
-                uid: 0,
-                gid: 0,
-            },
-            "upstream",
-            &["tcp:10.0.0.1:80"],
-        )
-        .expect("upstream server");
-        (envoy, upstream)
-    }
-
-    /// Who answers the app's connection to 10.0.0.1:80, and the original destination Envoy saw.
-    fn app_dial(&self) -> (String, Option<String>) {
-        let report = dial(self.in_pod(APP_UID), "tcp:10.0.0.1:80", None)
-            .expect("dial")
-            .expect("something answers 10.0.0.1:80");
-        (report.server, report.original_dst.map(|a| a.to_string()))
-    }
-}
-
-fn write_manifest(dir: &Path, pod: &Value) {
-    let name = pod["metadata"]["name"].as_str().expect("name");
-    std::fs::write(dir.join(format!("{name}.json")), pod.to_string()).expect("manifest");
-}
-
-/// A throwaway manifest directory, removed on drop.
-struct ManifestDir(std::path::PathBuf);
-
-impl ManifestDir {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
-        std::fs::create_dir_all(&dir).expect("manifest dir");
-        Self(dir)
-    }
-}
-
-impl Drop for ManifestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn dir_agent(dir: &ManifestDir) -> Agent {
+fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
     Agent::start(
+        backend,
         &[
             "--pods",
             "dir",
@@ -182,22 +91,35 @@ fn capture_cycle(agent: &Agent, wired: &Wired, sandbox: &Sandbox, version: &str)
         leftovers(&wired.pod).expect("leftovers"),
         Vec::<String>::new()
     );
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF leftovers"),
+        Vec::<String>::new()
+    );
     let del_again = cni("DEL", sandbox, &conf).expect("second DEL");
     assert!(del_again.success, "DEL is idempotent: {del_again:?}");
 }
 
 #[test]
-fn dir_source_pod_is_captured_and_released() {
+fn dir_source_pod_is_captured_and_released_ebpf() {
+    dir_source_pod_is_captured_and_released(Backend::Ebpf);
+}
+
+#[test]
+fn dir_source_pod_is_captured_and_released_iptables() {
+    dir_source_pod_is_captured_and_released(Backend::Iptables);
+}
+
+fn dir_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
-    let agent = dir_agent(&dir);
+    let agent = dir_agent(backend, &dir);
     for (version, mode) in [
         ("1.0.0", "REDIRECT"),
         ("0.4.0", "TPROXY"),
         ("1.1.0", "REDIRECT"),
         ("0.3.1", "REDIRECT"),
     ] {
-        let wired = Wired::new();
+        let wired = Wired::new(&agent);
         let name = unique_name("web");
         write_manifest(
             &dir.0,
@@ -217,7 +139,10 @@ fn dir_source_pod_is_captured_and_released() {
         "{metrics}"
     );
     assert!(
-        metrics.contains(r#"meshcap_pods_captured{backend="iptables"} 0"#),
+        metrics.contains(&format!(
+            r#"meshcap_pods_captured{{backend="{}"}} 0"#,
+            backend.name()
+        )),
         "{metrics}"
     );
 }
@@ -354,10 +279,18 @@ fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool)
 }
 
 #[test]
-fn kube_source_pod_is_captured_and_released() {
+fn kube_source_pod_is_captured_and_released_ebpf() {
+    kube_source_pod_is_captured_and_released(Backend::Ebpf);
+}
+
+#[test]
+fn kube_source_pod_is_captured_and_released_iptables() {
+    kube_source_pod_is_captured_and_released(Backend::Iptables);
+}
+
+fn kube_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let api = FakeApiServer::start();
-    let wired = Wired::new();
     let listed = unique_name("listed");
     api.pods
         .lock()
@@ -366,10 +299,12 @@ fn kube_source_pod_is_captured_and_released() {
     let dir = ManifestDir::new();
     let kubeconfig = api.kubeconfig(&dir.0);
     let agent = Agent::start(
+        backend,
         &["--pods", "kube", "--node-name", "node-1"],
         &[("KUBECONFIG", kubeconfig.to_str().expect("utf-8"))],
     )
     .expect("agent");
+    let wired = Wired::new(&agent);
     eventually("the agent's pod watch syncs", || {
         agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
     })
@@ -387,7 +322,7 @@ fn kube_source_pod_is_captured_and_released() {
         .lock()
         .expect("pods")
         .push(sidecar_pod("shop", &late, &[]));
-    let wired = Wired::new();
+    let wired = Wired::new(&agent);
     capture_cycle(
         &agent,
         &wired,
@@ -397,7 +332,16 @@ fn kube_source_pod_is_captured_and_released() {
 }
 
 #[test]
-fn api_unreachable_fails_add_closed() {
+fn api_unreachable_fails_add_closed_ebpf() {
+    api_unreachable_fails_add_closed(Backend::Ebpf);
+}
+
+#[test]
+fn api_unreachable_fails_add_closed_iptables() {
+    api_unreachable_fails_add_closed(Backend::Iptables);
+}
+
+fn api_unreachable_fails_add_closed(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
     let dead = TcpListener::bind("127.0.0.1:0")
@@ -411,6 +355,7 @@ fn api_unreachable_fails_add_closed() {
     )
     .expect("kubeconfig");
     let mut agent = Agent::start(
+        backend,
         &["--pods", "kube", "--node-name", "node-1"],
         &[("KUBECONFIG", kubeconfig.to_str().expect("utf-8"))],
     )
@@ -430,6 +375,10 @@ fn api_unreachable_fails_add_closed() {
         add.msg()
     );
     assert_eq!(leftovers(&pod).expect("leftovers"), Vec::<String>::new());
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF leftovers"),
+        Vec::<String>::new()
+    );
     assert!(agent.is_running());
 }
 
@@ -447,10 +396,19 @@ fn raw_request(socket: &Path, bytes: &[u8]) -> Value {
 }
 
 #[test]
-fn bad_input_gets_clear_errors_and_the_agent_keeps_serving() {
+fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_ebpf() {
+    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Ebpf);
+}
+
+#[test]
+fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_iptables() {
+    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Iptables);
+}
+
+fn bad_input_gets_clear_errors_and_the_agent_keeps_serving(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
-    let mut agent = dir_agent(&dir);
+    let mut agent = dir_agent(backend, &dir);
     let pod = Netns::new("mc-e2e-bad").expect("netns");
     let sandbox = Sandbox::new("shop", "bad", &pod);
     let conf = config("1.0.0", &agent.socket, "10.0.0.2");
@@ -554,6 +512,10 @@ fn bad_input_gets_clear_errors_and_the_agent_keeps_serving() {
         out.msg()
     );
     assert_eq!(leftovers(&pod).expect("leftovers"), Vec::<String>::new());
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF leftovers"),
+        Vec::<String>::new()
+    );
     // A pod the source does not have.
     let ghost = Sandbox::new("shop", "ghost", &pod);
     let out = cni("ADD", &ghost, &conf).expect("plugin");
@@ -585,13 +547,37 @@ fn bad_input_gets_clear_errors_and_the_agent_keeps_serving() {
 }
 
 #[test]
-fn a_hundred_pods_in_parallel_leave_nothing_behind() {
+fn a_hundred_pods_in_parallel_leave_nothing_behind_ebpf() {
+    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Ebpf);
+}
+
+#[test]
+fn a_hundred_pods_in_parallel_leave_nothing_behind_iptables() {
+    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Iptables);
+}
+
+/// Pods ADDed at once: 100, or `MESHCAP_PARALLEL_PODS`. `cargo xtask integration` runs
+/// fewer: under QEMU's emulation a burst of 100 outlasts the plugin's 30 s agent timeout.
+fn parallel_pods() -> usize {
+    std::env::var("MESHCAP_PARALLEL_PODS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100)
+}
+
+fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
-    let agent = dir_agent(&dir);
-    let pods: Vec<(Netns, Sandbox)> = (0..100)
+    let agent = dir_agent(backend, &dir);
+    let count = parallel_pods();
+    let pods: Vec<(Netns, Sandbox)> = (0..count)
         .map(|i| {
             let netns = Netns::new("mc-e2e-many").expect("netns");
+            netns
+                .ip(&[
+                    "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+                ])
+                .expect("eth0");
             let name = format!("many-{i}");
             let mode = if i % 2 == 0 { "REDIRECT" } else { "TPROXY" };
             write_manifest(
@@ -620,14 +606,33 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind() {
         });
     };
     run_all("ADD");
-    for (netns, _) in &pods {
-        let rules = leftovers(netns).expect("rules");
-        assert!(
-            rules.iter().any(|l| l.contains("ISTIO_OUTPUT")),
-            "{}: {rules:?}",
-            netns.name()
-        );
+    match backend {
+        Backend::Iptables => {
+            for (netns, _) in &pods {
+                let rules = leftovers(netns).expect("rules");
+                assert!(
+                    rules.iter().any(|l| l.contains("ISTIO_OUTPUT")),
+                    "{}: {rules:?}",
+                    netns.name()
+                );
+            }
+        }
+        Backend::Ebpf => {
+            let held = agent.ebpf_leftovers().expect("eBPF state");
+            let pinned = held.iter().filter(|l| l.starts_with("pinned pod")).count();
+            assert_eq!(pinned, count, "{held:?}");
+            let entries = format!("{count} entries in MESHCAP_PODS");
+            assert!(held.contains(&entries), "{held:?}");
+        }
     }
+    let (_, metrics) = agent.http_get("/metrics").expect("metrics");
+    assert!(
+        metrics.contains(&format!(
+            r#"meshcap_pods_captured{{backend="{}"}} {count}"#,
+            backend.name()
+        )),
+        "{metrics}"
+    );
     run_all("DEL");
     for (netns, _) in &pods {
         assert_eq!(
@@ -637,13 +642,185 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind() {
             netns.name()
         );
     }
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF leftovers"),
+        Vec::<String>::new(),
+        "no pins or map entries left"
+    );
     let records = std::fs::read_dir(agent.state_dir().join("iptables"))
-        .expect("records")
-        .count();
+        .map(Iterator::count)
+        .unwrap_or(0);
     assert_eq!(records, 0, "no iptables records left");
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert!(
-        metrics.contains(r#"meshcap_pods_captured{backend="iptables"} 0"#),
+        metrics.contains(&format!(
+            r#"meshcap_pods_captured{{backend="{}"}} 0"#,
+            backend.name()
+        )),
         "{metrics}"
     );
+}
+
+/// Restart safety through the real agent binary (eBPF): SIGKILL the agent while pods are
+/// captured. During the gap every new connection still reaches the stand-in Envoy and a pod
+/// ADDed fails closed; a pod whose netns goes away during the gap is dropped by the restarted
+/// agent, which adopts the pins without attaching anything twice, keeps the live pod captured
+/// and captures the pod that failed before.
+#[test]
+fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
+    require_root();
+    let dir = ManifestDir::new();
+    let mut agent = dir_agent(Backend::Ebpf, &dir);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let live = Wired::new(&agent);
+    let _servers = live.servers();
+    let doomed = Netns::new("mc-e2e-doomed").expect("netns");
+    doomed
+        .ip(&[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+        ])
+        .expect("eth0");
+    let late = Netns::new("mc-e2e-late").expect("netns");
+    for name in ["live", "doomed", "late"] {
+        write_manifest(&dir.0, &sidecar_pod("shop", name, &[]));
+    }
+    let live_sandbox = Sandbox::new("shop", "live", &live.pod);
+    let doomed_sandbox = Sandbox::new("shop", "doomed", &doomed);
+    let late_sandbox = Sandbox::new("shop", "late", &late);
+    for sandbox in [&live_sandbox, &doomed_sandbox] {
+        let add = cni("ADD", sandbox, &conf).expect("ADD");
+        assert!(add.success, "{add:?}");
+    }
+    assert_eq!(
+        live.app_dial(),
+        ("envoy".into(), Some("10.0.0.1:80".into()))
+    );
+    let before = agent.ebpf_leftovers().expect("eBPF state");
+
+    agent.kill().expect("SIGKILL the agent");
+    // The gap: nothing serves the socket, yet capture holds for every new connection.
+    for _ in 0..20 {
+        assert_eq!(
+            live.app_dial(),
+            ("envoy".into(), Some("10.0.0.1:80".into())),
+            "a connection bypassed capture while the agent was down"
+        );
+    }
+    let add = cni("ADD", &late_sandbox, &conf).expect("ADD");
+    assert!(
+        !add.success,
+        "ADD without an agent must fail closed: {add:?}"
+    );
+    assert!(add.msg().contains("agent"), "{}", add.msg());
+    let doomed_cookie = doomed.cookie().expect("cookie");
+    drop(doomed);
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF state"),
+        before,
+        "the agent's death changed nothing"
+    );
+
+    agent.restart().expect("restart on the same bpffs dir");
+    let config = agent.ebpf_config().expect("eBPF");
+    let backend = meshcap_agent::backend::ebpf::EbpfBackend::open(config).expect("pins");
+    for (program, count) in backend.attachments().expect("BPF_PROG_QUERY") {
+        assert_eq!(count, 1, "{program} attached {count} times after a restart");
+    }
+    let pinned = backend.list().expect("pins");
+    assert_eq!(
+        pinned.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+        ["live"],
+        "the pod whose netns went (cookie {doomed_cookie}) is dropped: {pinned:?}"
+    );
+    assert!(
+        agent.log().contains("netns gone: entries and pins dropped"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        live.app_dial(),
+        ("envoy".into(), Some("10.0.0.1:80".into()))
+    );
+    let check = cni("CHECK", &live_sandbox, &conf).expect("CHECK");
+    assert!(check.success, "the live pod is still captured: {check:?}");
+    let add = cni("ADD", &late_sandbox, &conf).expect("ADD");
+    assert!(
+        add.success,
+        "kubelet's retry succeeds after the restart: {add:?}"
+    );
+
+    for sandbox in [&live_sandbox, &late_sandbox] {
+        assert!(cni("DEL", sandbox, &conf).expect("DEL").success);
+    }
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF leftovers"),
+        Vec::<String>::new()
+    );
+}
+
+/// The iptables backend reconciles too: a record whose netns went while the agent was down is
+/// dropped at start; the live pod's rules and record stay.
+#[test]
+fn restarted_iptables_agent_drops_records_of_gone_pods() {
+    require_root();
+    let dir = ManifestDir::new();
+    let mut agent = dir_agent(Backend::Iptables, &dir);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let live = Netns::new("mc-e2e-live").expect("netns");
+    let doomed = Netns::new("mc-e2e-doomed").expect("netns");
+    for name in ["live", "doomed"] {
+        write_manifest(&dir.0, &sidecar_pod("shop", name, &[]));
+    }
+    let live_sandbox = Sandbox::new("shop", "live", &live);
+    for sandbox in [&live_sandbox, &Sandbox::new("shop", "doomed", &doomed)] {
+        assert!(cni("ADD", sandbox, &conf).expect("ADD").success);
+    }
+    let records = |agent: &Agent| {
+        std::fs::read_dir(agent.state_dir().join("iptables"))
+            .map(Iterator::count)
+            .unwrap_or(0)
+    };
+    assert_eq!(records(&agent), 2);
+    agent.kill().expect("SIGKILL the agent");
+    drop(doomed);
+    agent.restart().expect("restart");
+    assert_eq!(records(&agent), 1, "the gone pod's record is dropped");
+    assert!(
+        cni("CHECK", &live_sandbox, &conf).expect("CHECK").success,
+        "the live pod stays captured"
+    );
+    assert!(cni("DEL", &live_sandbox, &conf).expect("DEL").success);
+    assert_eq!(records(&agent), 0);
+}
+
+/// aya-log: a record written by a kernel program reaches the agent's own log. The pod is
+/// captured but its proxy is not listening, so TC drops an inbound SYN (fail closed) and says
+/// so.
+#[test]
+fn kernel_log_records_reach_the_agents_log() {
+    require_root();
+    let dir = ManifestDir::new();
+    let agent = dir_agent(Backend::Ebpf, &dir);
+    let wired = Wired::new(&agent);
+    let name = unique_name("quiet");
+    write_manifest(&dir.0, &sidecar_pod("shop", &name, &[]));
+    let sandbox = Sandbox::new("shop", &name, &wired.pod);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "{add:?}");
+    let from_upstream = Placement {
+        netns: &wired.upstream,
+        cgroup: None,
+        uid: 0,
+        gid: 0,
+    };
+    let answer = dial(from_upstream, "tcp:10.0.0.2:8080", None).expect("dial");
+    assert_eq!(answer, None, "no proxy listens: the SYN is dropped");
+    eventually("the kernel's record reaches the agent's log", || {
+        agent
+            .log()
+            .contains("inbound TCP to port 8080 dropped: no proxy listener on port 15006")
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert!(cni("DEL", &sandbox, &conf).expect("DEL").success);
 }

@@ -1,5 +1,6 @@
-//! `cargo xtask demo`: builds meshcap and runs the standalone demo (tests/src/bin/meshcap-demo.rs)
-//! against a throwaway pod. Needs root: it loads BPF programs and creates a network namespace.
+//! `cargo xtask demo`: builds meshcap and runs the standalone demo (tests/src/bin/meshcap-demo.rs):
+//! the real agent and plugin against a throwaway pod, on both backends. Needs root: it loads BPF
+//! programs and creates network namespaces and cgroups.
 use std::process::Command;
 
 use crate::cmd::{self, root};
@@ -11,7 +12,11 @@ pub fn run() -> anyhow::Result<()> {
         "--quiet",
         "--package",
         "meshcap-tests",
+        "--package",
+        "meshcap-agent",
+        "--package",
+        "meshcap-cni",
         "--bins",
     ]))?;
-    cmd::run(&mut Command::new(root.join("target/debug/meshcap-demo")))
+    cmd::run(Command::new(root.join("target/debug/meshcap-demo")).current_dir(&root))
 }

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod cmd;
 mod demo;
 mod integration;
@@ -28,6 +29,12 @@ enum Task {
     Demo,
     /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
     Integration(integration::Args),
+    /// Setup, build in release, then benchmark no capture vs Istio's iptables vs eBPF (root).
+    Bench {
+        /// A smoke run: a few rounds of small loads, under 3 minutes.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -36,6 +43,7 @@ fn main() -> ExitCode {
         Task::Test => setup::run().and_then(|()| test::run()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
+        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

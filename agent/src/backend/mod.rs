@@ -130,6 +130,14 @@ pub trait CaptureBackend: Send + Sync {
     /// # Errors
     /// When its state cannot be read.
     fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
+
+    /// Reconciles the state a previous agent left with the live pods: drops every capture
+    /// whose network namespace no longer exists (its pod went while no agent ran), and
+    /// returns those pods. Live pods stay captured. Called once at start.
+    ///
+    /// # Errors
+    /// When the state cannot be read or an entry cannot be dropped.
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError>;
 }
 
 /// Which backend the agent uses.

@@ -110,6 +110,13 @@ pub fn meshcap_sockops(ctx: SockOpsContext) -> u32 {
             .is_ok()
         {
             let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
+        } else {
+            // The flow table is full: the proxy will not learn this connection's original
+            // destination.
+            aya_log_ebpf::warn!(
+                &ctx,
+                "captured connection not recorded (flow map full): SO_ORIGINAL_DST will fail"
+            );
         }
     } else if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
         // SAFETY: a plain read.

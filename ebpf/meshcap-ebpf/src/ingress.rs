@@ -215,7 +215,14 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {
             if !assign(ctx, &p, port) {
-                // Fail closed: the proxy is not listening (yet); the client retries.
+                // Fail closed: the proxy is not listening (yet); the client retries. Rare and
+                // worth knowing (a proxy down or not started): one record per dropped packet.
+                aya_log_ebpf::warn!(
+                    ctx,
+                    "inbound TCP to port {} dropped: no proxy listener on port {}",
+                    p.dport,
+                    port
+                );
                 return Some(TC_ACT_SHOT);
             }
             let flow = FlowKey {

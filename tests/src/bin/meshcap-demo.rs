@@ -1,88 +1,143 @@
-//! The standalone demo: a throwaway "pod" (network namespace + cgroup) whose app traffic is
-//! captured by meshcap's connect4 program and sent to a stand-in Envoy, while the proxy's own
-//! traffic goes straight out. Everything is removed when it ends.
-use aya::{
-    maps::{HashMap, LpmTrie, lpm_trie::Key},
-    programs::{CgroupAttachMode, CgroupSockAddr},
-};
-use meshcap_common::{CIDR_KEY_PREFIX_BITS, Cidr4Data, CidrKind, PodConfig, maps};
+//! The standalone demo (`cargo xtask demo`): the real `meshcap-agent` (pods from a manifest
+//! directory) and the real `meshcap-cni` binary, played as kubelet plays it, against a
+//! throwaway pod — on the eBPF backend, then on the iptables fallback. A stand-in Envoy in the
+//! pod tells which connections reached it and their original destination. Everything is
+//! removed when it ends, also on failure.
 use meshcap_tests::{
-    Netns, PROXY_UID, Placement, Report, TestCgroup, dial, require_root, start_server,
+    PROXY_UID, Placement, Report,
+    agent::{
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, leftovers, sidecar_pod,
+        write_manifest,
+    },
+    dial, require_root, start_server,
 };
 
-const APP_UID: u32 = 1000;
-const UPSTREAM: &str = "tcp:10.99.0.1:80";
+/// The pod's annotations: one excluded port and one excluded address.
+const EXCLUDED_PORT: &str = "9000";
+const EXCLUDED_IP: &str = "10.0.0.3";
 
 fn main() -> anyhow::Result<()> {
     require_root();
-    let pod = Netns::new("meshcap-demo")?;
-    pod.ip(&["addr", "add", "10.99.0.1/32", "dev", "lo"])?;
-    let cgroup = TestCgroup::new("meshcap-demo")?;
     println!(
-        "pod: network namespace {} , cgroup {}",
-        pod.name(),
-        cgroup.path().display()
+        "meshcap demo: a pod with an Istio sidecar, captured by meshcap-agent through meshcap-cni"
     );
-
-    let mut ebpf = meshcap_agent::bpf::open()?;
-    let connect4: &mut CgroupSockAddr = ebpf
-        .program_mut("meshcap_connect4")
-        .ok_or_else(|| anyhow::anyhow!("no meshcap_connect4 program"))?
-        .try_into()?;
-    connect4.load()?;
-    connect4.attach(cgroup.open()?, CgroupAttachMode::Single)?;
-    let mut pods: HashMap<_, u64, PodConfig> = HashMap::try_from(
-        ebpf.map_mut(maps::PODS)
-            .ok_or_else(|| anyhow::anyhow!("no pods map"))?,
-    )?;
-    pods.insert(
-        pod.cookie()?,
-        PodConfig {
-            pod_id: 1,
-            flags: 0,
-            proxy_uid: PROXY_UID,
-            proxy_gid: PROXY_UID,
-        },
-        0,
-    )?;
-    let mut cidrs: LpmTrie<_, Cidr4Data, u32> = LpmTrie::try_from(
-        ebpf.map_mut(maps::CIDRS4)
-            .ok_or_else(|| anyhow::anyhow!("no CIDR map"))?,
-    )?;
-    // includeOutboundIPRanges "*": a zero-length prefix in the pod's include list.
-    let everything = Cidr4Data::new(1, CidrKind::IncludeOutbound, 0);
-    cidrs.insert(&Key::new(CIDR_KEY_PREFIX_BITS, everything), 0, 0)?;
+    println!("  pod 10.0.0.2 (app uid {APP_UID}, stand-in Envoy uid {PROXY_UID} on 15001/15006)");
+    println!("  upstream 10.0.0.1 and {EXCLUDED_IP}, servers on :80 and :{EXCLUDED_PORT}");
     println!(
-        "meshcap: connect4 attached to the pod's cgroup, pod registered by its netns cookie\n"
+        "  annotations: excludeOutboundPorts={EXCLUDED_PORT}, excludeOutboundIPRanges={EXCLUDED_IP}/32"
     );
-
-    let at = |uid| Placement {
-        netns: &pod,
-        cgroup: Some(&cgroup),
-        uid,
-        gid: uid,
-    };
-    let _envoy = start_server(at(PROXY_UID), "envoy", &["tcp:0.0.0.0:15001"])?;
-    let _upstream = start_server(at(0), "upstream", &["tcp:10.99.0.1:80"])?;
-    println!(
-        "stand-in Envoy (uid {PROXY_UID}) listens on 15001; an upstream server on 10.99.0.1:80\n"
-    );
-
-    for (who, uid) in [
-        ("the app (uid 1000)", APP_UID),
-        ("the proxy (uid 1337)", PROXY_UID),
-    ] {
-        let answer = dial(at(uid), UPSTREAM, None)?;
-        println!("{who} dials {UPSTREAM} -> {}", describe(answer.as_ref()));
+    for backend in [Backend::Ebpf, Backend::Iptables] {
+        demo(backend)?;
     }
-    println!("\nthe app's connection was captured; the proxy's own went straight to the upstream.");
+    println!("\ndone: both backends made the same decisions; nothing was left behind.");
     Ok(())
 }
 
-fn describe(report: Option<&Report>) -> String {
-    match report {
-        None => "nothing answered".into(),
-        Some(r) if r.server == "envoy" => format!("CAPTURED by the proxy on :{}", r.listener),
-        Some(r) => format!("not captured: answered by {} at {}", r.server, r.local),
+fn demo(backend: Backend) -> anyhow::Result<()> {
+    println!("\n== backend: {} ==", backend.name());
+    let dir = ManifestDir::new();
+    let agent = Agent::start(
+        backend,
+        &["--pods", "dir", "--pod-dir", &dir.0.display().to_string()],
+        &[],
+    )?;
+    let wired = Wired::new(&agent);
+    wired
+        .upstream
+        .ip(&["addr", "add", &format!("{EXCLUDED_IP}/24"), "dev", "eth0"])?;
+    let _envoy = start_server(
+        wired.in_pod(PROXY_UID),
+        "envoy",
+        &["tcp:0.0.0.0:15001", "tcp:0.0.0.0:15006"],
+    )?;
+    let upstream_at = Placement {
+        netns: &wired.upstream,
+        cgroup: None,
+        uid: 0,
+        gid: 0,
+    };
+    let _upstream = start_server(
+        upstream_at,
+        "upstream",
+        &["tcp:0.0.0.0:80", &format!("tcp:0.0.0.0:{EXCLUDED_PORT}")],
+    )?;
+    write_manifest(
+        &dir.0,
+        &sidecar_pod(
+            "shop",
+            "web",
+            &[
+                (
+                    "traffic.sidecar.istio.io/excludeOutboundPorts",
+                    EXCLUDED_PORT,
+                ),
+                (
+                    "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+                    &format!("{EXCLUDED_IP}/32"),
+                ),
+            ],
+        ),
+    );
+    let sandbox = Sandbox::new("shop", "web", &wired.pod);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+
+    let add = cni("ADD", &sandbox, &conf)?;
+    anyhow::ensure!(add.success, "ADD failed: {}", add.msg());
+    row("CNI ADD shop/web", "ok: captured");
+
+    let show = |what: &str, uid: u32, target: &str| -> anyhow::Result<()> {
+        let answer = dial(wired.in_pod(uid), target, None)?;
+        row(what, &describe(answer.as_ref()));
+        Ok(())
+    };
+    show("app -> 10.0.0.1:80", APP_UID, "tcp:10.0.0.1:80")?;
+    show("proxy -> 10.0.0.1:80", PROXY_UID, "tcp:10.0.0.1:80")?;
+    show(
+        &format!("app -> 10.0.0.1:{EXCLUDED_PORT} (excluded port)"),
+        APP_UID,
+        &format!("tcp:10.0.0.1:{EXCLUDED_PORT}"),
+    )?;
+    show(
+        &format!("app -> {EXCLUDED_IP}:80 (excluded CIDR)"),
+        APP_UID,
+        &format!("tcp:{EXCLUDED_IP}:80"),
+    )?;
+    show(
+        "validation probe: proxy -> 127.0.0.6:15002",
+        PROXY_UID,
+        "tcp:127.0.0.6:15002",
+    )?;
+
+    let del = cni("DEL", &sandbox, &conf)?;
+    anyhow::ensure!(del.success, "DEL failed: {}", del.msg());
+    let mut left = leftovers(&wired.pod)?;
+    left.extend(agent.ebpf_leftovers()?);
+    row(
+        "CNI DEL shop/web",
+        &if left.is_empty() {
+            "ok: nothing left (rules, routes, map entries, pins)".to_owned()
+        } else {
+            format!("LEFT BEHIND: {left:?}")
+        },
+    );
+    show("app -> 10.0.0.1:80", APP_UID, "tcp:10.0.0.1:80")?;
+    anyhow::ensure!(left.is_empty(), "DEL left {left:?}");
+    Ok(())
+}
+
+fn row(what: &str, outcome: &str) {
+    println!("  {what:<44} {outcome}");
+}
+
+fn describe(answer: Option<&Report>) -> String {
+    match answer {
+        None => "no answer".into(),
+        Some(r) if r.server == "envoy" => format!(
+            "captured: Envoy :{} sees original destination {}",
+            r.listener,
+            r.original_dst
+                .map_or_else(|| "(none)".to_owned(), |a| a.to_string())
+        ),
+        Some(r) => format!("not captured: reached {} directly", r.local),
     }
 }

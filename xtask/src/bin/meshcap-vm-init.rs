@@ -88,6 +88,9 @@ fn run_tests() -> (u32, u32) {
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("RUST_BACKTRACE", "1")
             .env("MESHCAP_BIN_DIR", "/tests")
+            // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
+            // agent timeout (the host suite runs 100).
+            .env("MESHCAP_PARALLEL_PODS", "20")
             .current_dir("/tmp")
             .status();
         match status {

@@ -178,8 +178,13 @@ const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
 const MAX_PODS: usize = 1_024;
 
-/// Every map of the object (all pinned).
-const MAPS: [&str; 8] = [
+/// aya-log's ring buffer of kernel-side log records.
+const KERNEL_LOG_MAP: &str = "AYA_LOGS";
+
+/// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
+/// reads the records of the programs it adopted, which write to the buffer of their load).
+const MAPS: [&str; 9] = [
+    KERNEL_LOG_MAP,
     maps::PODS,
     maps::CIDRS4,
     maps::CIDRS6,
@@ -203,7 +208,11 @@ struct Tables {
 pub struct EbpfBackend {
     config: EbpfConfig,
     tables: Mutex<Tables>,
+    kernel_log: Mutex<Option<KernelLog>>,
 }
+
+/// aya-log's reader of the kernel-side records, writing them to `log` (bridged to `tracing`).
+type KernelLog = aya_log::EbpfLogger<&'static dyn log::Log>;
 
 impl std::fmt::Debug for EbpfBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -254,6 +263,11 @@ impl EbpfBackend {
             tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
         }
         install_shared_tc(&mut ebpf)?;
+        // Only taken here; drained by whoever calls `forward_kernel_logs` (the agent): a ring
+        // buffer has one reader.
+        let kernel_log = aya_log::EbpfLogger::init(&mut ebpf)
+            .map_err(|e| tracing::warn!(error = %e, "kernel-side log records unavailable"))
+            .ok();
         let tables = Tables {
             pods: take(&mut ebpf, maps::PODS)?,
             cidrs4: take(&mut ebpf, maps::CIDRS4)?,
@@ -264,7 +278,46 @@ impl EbpfBackend {
         Ok(Self {
             config,
             tables: Mutex::new(tables),
+            kernel_log: Mutex::new(kernel_log),
         })
+    }
+
+    /// Forwards the programs' log records (aya-log) to the agent's logs, as `log` records
+    /// with target `meshcap_ebpf::…` that reach `tracing`, from a dedicated thread that
+    /// sleeps in `poll(2)` on the ring buffer. Call once, in the agent only: a ring buffer has
+    /// one reader, so a second caller (or a tool opening the backend) gets `false`.
+    ///
+    /// # Errors
+    /// When the thread cannot be started.
+    pub fn forward_kernel_logs(&self) -> Result<bool, EbpfError> {
+        let Some(mut logger) = self
+            .kernel_log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        else {
+            return Ok(false);
+        };
+        std::thread::Builder::new()
+            .name("kernel-log".into())
+            .spawn(move || {
+                use std::os::fd::AsFd as _;
+                loop {
+                    let mut fds = [nix::poll::PollFd::new(
+                        logger.as_fd(),
+                        nix::poll::PollFlags::POLLIN,
+                    )];
+                    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::NONE) {
+                        Ok(_) | Err(nix::errno::Errno::EINTR) => logger.flush(),
+                        Err(err) => {
+                            tracing::warn!(error = %err, "kernel-side log records: poll failed");
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| EbpfError::io("starting the kernel-log thread", e))?;
+        Ok(true)
     }
 
     /// The configuration in use.
@@ -401,6 +454,7 @@ impl EbpfBackend {
             for (ifname, pin) in &tc {
                 podnet::detach_tc(ifname, pin);
             }
+            podnet::remove_tproxy_route();
         });
         if detached.is_err() {
             // The netns is gone, and its devices with it: only the pins are left.
@@ -469,6 +523,20 @@ impl EbpfBackend {
                     .map_err(|e| EbpfError::io(&format!("querying {name}"), e))
             })
             .collect()
+    }
+
+    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
+    /// of pod configurations, CIDR lists, port lists and interfaces.
+    #[must_use]
+    pub fn entry_counts(&self) -> Vec<(&'static str, usize)> {
+        let tables = self.lock();
+        vec![
+            (maps::PODS, tables.pods.keys().count()),
+            (maps::CIDRS4, tables.cidrs4.keys().count()),
+            (maps::CIDRS6, tables.cidrs6.keys().count()),
+            (maps::PORTS, tables.ports.keys().count()),
+            (maps::IFACES, tables.ifaces.keys().count()),
+        ]
     }
 
     /// Every pod captured, from the pins.
@@ -610,6 +678,7 @@ fn load_object(bpffs_dir: &Path) -> Result<Ebpf, EbpfError> {
     for name in MAPS {
         loader.map_pin_path(name, bpffs_dir.join("maps").join(name));
     }
+
     loader
         .load(crate::bpf::object())
         .map_err(|e| EbpfError::map("loading the eBPF object", e))
@@ -807,6 +876,26 @@ impl super::CaptureBackend for EbpfBackend {
 
     fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), super::BackendError> {
         Ok(Self::check(self, pod, policy)?)
+    }
+
+    fn prune_gone(&self) -> Result<Vec<PodRef>, super::BackendError> {
+        let live = netns::live_cookies();
+        let mut gone = Vec::new();
+        for pinned in Self::list(self)? {
+            if live.contains(&pinned.netns_cookie) {
+                continue;
+            }
+            let pod = PodRef {
+                namespace: pinned.namespace,
+                name: pinned.name,
+                container_id: pinned.container_id,
+                netns: PathBuf::new(),
+            };
+            Self::remove(self, &pod)?;
+            tracing::info!(pod = %pod, container = %pod.container_id, netns_cookie = pinned.netns_cookie, "netns gone: entries and pins dropped");
+            gone.push(pod);
+        }
+        Ok(gone)
     }
 
     fn list(&self) -> Result<Vec<super::CapturedPod>, super::BackendError> {

@@ -210,6 +210,17 @@ pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfE
         .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
 }
 
+/// Removes what [`install_tproxy_route`] installed (the rule and table 133, both families);
+/// absent ones are fine (the pod used neither TPROXY nor rerouted interfaces, or is gone).
+pub fn remove_tproxy_route() {
+    let mark = TPROXY_MARK.to_string();
+    let table = TPROXY_TABLE.to_string();
+    for family in ["-4", "-6"] {
+        while ip(&[family, "rule", "del", "fwmark", &mark, "lookup", &table]).is_ok() {}
+        let _ = ip(&[family, "route", "flush", "table", &table]);
+    }
+}
+
 /// Adds `::6` to `lo` (Envoy's IPv6 inbound passthrough source), as Istio does.
 ///
 /// # Errors

@@ -431,6 +431,21 @@ impl CaptureBackend for IptablesBackend {
         Ok(())
     }
 
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        let gone: Vec<PodRef> = self
+            .lock()
+            .values()
+            .filter(|record| !record.pod.netns.exists())
+            .map(|record| record.pod.clone())
+            .collect();
+        for pod in &gone {
+            // The rules lived in the netns and went with it: only the record is left.
+            self.forget(&pod.container_id);
+            info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
+        }
+        Ok(gone)
+    }
+
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
         let Some(record) = self.lock().get(&pod.container_id).cloned() else {

@@ -1,0 +1,101 @@
+//! meshcap's benchmark: the workloads and the runner behind `cargo xtask bench`.
+//!
+//! - `meshcap-bench run [--quick] [--out FILE]`: builds throwaway pods, one per capture mode,
+//!   runs interleaved rounds in them and prints Markdown tables (medians, ratios of medians);
+//! - `meshcap-bench proxy --listen ADDR [--cpu N]`: the stand-in proxy (see [`workload`]);
+//! - `meshcap-bench client --target ADDR [--cpu N] ...`: the app; prints one JSON line.
+//!
+//! A benchmark, not a test: it asserts nothing about speed.
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+
+mod run;
+mod setup;
+mod stats;
+mod workload;
+
+#[derive(Parser)]
+#[command(name = "meshcap-bench", about = "meshcap's benchmark (root)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Every benchmark, in throwaway pods; prints the tables of BENCHMARKS.md.
+    Run {
+        /// A smoke run (fewer rounds, smaller loads): minutes, not tens of minutes.
+        #[arg(long)]
+        quick: bool,
+        /// Also write the tables to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// The CPU client and proxy are both pinned to, in every mode.
+        #[arg(long, default_value_t = 1)]
+        cpu: usize,
+    },
+    /// The stand-in proxy: accepts, recovers the original destination, echoes.
+    Proxy {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        cpu: Option<usize>,
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+    },
+    /// The app: short connections, one persistent connection, bulk.
+    Client {
+        #[arg(long)]
+        target: std::net::SocketAddrV4,
+        #[arg(long)]
+        cpu: Option<usize>,
+        #[arg(long)]
+        short: usize,
+        #[arg(long, default_value_t = 0)]
+        warmup: usize,
+        #[arg(long, default_value_t = 0)]
+        pingpong: usize,
+        #[arg(long, default_value_t = 0)]
+        bulk: u64,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Run { quick, out, cpu } => run::run(quick, out.as_deref(), cpu),
+        Command::Proxy {
+            listen,
+            cpu,
+            threads,
+        } => {
+            if let Some(cpu) = cpu {
+                workload::pin_to(cpu)?;
+            }
+            workload::proxy(listen, threads)
+        }
+        Command::Client {
+            target,
+            cpu,
+            short,
+            warmup,
+            pingpong,
+            bulk,
+        } => {
+            if let Some(cpu) = cpu {
+                workload::pin_to(cpu)?;
+            }
+            let load = workload::Load {
+                short,
+                warmup,
+                pingpong,
+                bulk,
+            };
+            let measured = workload::client(target, load).context("client")?;
+            println!("{}", serde_json::to_string(&measured)?);
+            Ok(())
+        }
+    }
+}

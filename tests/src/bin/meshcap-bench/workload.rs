@@ -1,0 +1,262 @@
+//! The two ends of the data path: a stand-in proxy that recovers the original destination as
+//! Envoy does, and an app that measures short connections, one persistent connection and bulk
+//! throughput against it.
+//!
+//! Wire format: every message is [`MSG`] bytes. The first byte of a connection's first message
+//! says what it is: [`ECHO`] (the proxy echoes every message, with the original destination it
+//! recovered written into bytes 1..7 of its first answer) or [`BULK`] (the proxy discards
+//! everything until EOF, then answers with the byte count as 8 little-endian bytes).
+use std::{
+    io::{Read as _, Write as _},
+    mem::MaybeUninit,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream},
+    os::fd::{AsRawFd as _, RawFd},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, ensure};
+use serde::{Deserialize, Serialize};
+
+/// Bytes per request and per response.
+pub const MSG: usize = 64;
+const ECHO: u8 = b'E';
+const BULK: u8 = b'B';
+/// `SO_ORIGINAL_DST`, as Envoy asks for it at `SOL_IP`.
+const SO_ORIGINAL_DST: libc::c_int = 80;
+/// Bulk write size.
+const CHUNK: usize = 128 * 1024;
+
+/// Pins the calling process (all its threads to come) to one CPU.
+pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is checked against the set's capacity by the macro's implementation.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: pid 0 is the calling thread; `set` is a valid cpu_set_t of the size given.
+    let rc = unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &raw const set) };
+    ensure!(
+        rc == 0,
+        "pinning to CPU {cpu}: {}",
+        std::io::Error::last_os_error()
+    );
+    Ok(())
+}
+
+/// The stand-in proxy: `threads` threads accepting on one listener, each serving a connection
+/// to its end before accepting the next. Prints `ready` once listening; runs until killed.
+pub fn proxy(listen: SocketAddr, threads: usize) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
+    println!("ready");
+    std::io::stdout().flush()?;
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let listener = listener.try_clone()?;
+            Ok(thread::spawn(move || {
+                for stream in listener.incoming().flatten() {
+                    let _ = serve(stream);
+                }
+            }))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for handle in handles {
+        let _ = handle.join();
+    }
+    Ok(())
+}
+
+fn serve(mut stream: TcpStream) -> anyhow::Result<()> {
+    stream.set_nodelay(true)?;
+    // What Envoy does first on every accepted outbound connection.
+    let original = original_dst(stream.as_raw_fd());
+    let mut msg = [0u8; MSG];
+    stream.read_exact(&mut msg)?;
+    if msg[0] == BULK {
+        let mut buf = vec![0u8; CHUNK];
+        let mut total = MSG as u64;
+        loop {
+            let n = stream.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+        stream.write_all(&total.to_le_bytes())?;
+        return Ok(());
+    }
+    if let Some(addr) = original {
+        msg[1..5].copy_from_slice(&addr.ip().octets());
+        msg[5..7].copy_from_slice(&addr.port().to_be_bytes());
+    }
+    stream.write_all(&msg)?;
+    loop {
+        match stream.read_exact(&mut msg) {
+            Ok(()) => stream.write_all(&msg)?,
+            Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// `getsockopt(SOL_IP, SO_ORIGINAL_DST)` on an accepted socket.
+fn original_dst(fd: RawFd) -> Option<SocketAddrV4> {
+    let mut sin = MaybeUninit::<libc::sockaddr_in>::zeroed();
+    let mut len = libc::socklen_t::try_from(size_of::<libc::sockaddr_in>()).ok()?;
+    // SAFETY: `sin` has room for a sockaddr_in and `len` says so.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_IP,
+            SO_ORIGINAL_DST,
+            sin.as_mut_ptr().cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: the call succeeded, so the kernel wrote a sockaddr_in.
+    let sin = unsafe { sin.assume_init() };
+    Some(SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)),
+        u16::from_be(sin.sin_port),
+    ))
+}
+
+/// How much work one client run does.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct Load {
+    /// Short connections (after [`Load::warmup`] unmeasured ones).
+    pub short: usize,
+    /// Unmeasured short connections first.
+    pub warmup: usize,
+    /// Round trips on the persistent connection (0: skip).
+    pub pingpong: usize,
+    /// Bytes of bulk transfer (0: skip).
+    pub bulk: u64,
+}
+
+/// What one client run measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Measured {
+    /// Short connections per second (measured ones, back to back).
+    pub short_per_s: f64,
+    /// Short connection latency (connect, request, response, close), µs.
+    pub short_p50_us: f64,
+    /// 99th percentile of the above.
+    pub short_p99_us: f64,
+    /// Short connections whose proxy recovered exactly the destination the app dialed.
+    pub original_dst_ok: usize,
+    /// Short connections measured.
+    pub short: usize,
+    /// Persistent connection round trip, µs.
+    pub pingpong_p50_us: f64,
+    /// 99th percentile of the above.
+    pub pingpong_p99_us: f64,
+    /// Bulk throughput, Gbit/s.
+    pub bulk_gbit_s: f64,
+}
+
+/// Runs `load` against `target` and returns what it measured.
+pub fn client(target: SocketAddrV4, load: Load) -> anyhow::Result<Measured> {
+    for _ in 0..load.warmup {
+        short_connection(target)?;
+    }
+    let mut latencies = Vec::with_capacity(load.short);
+    let mut original_dst_ok = 0;
+    let start = Instant::now();
+    for _ in 0..load.short {
+        let begin = Instant::now();
+        let original = short_connection(target)?;
+        latencies.push(begin.elapsed());
+        if original == Some(target) {
+            original_dst_ok += 1;
+        }
+    }
+    let elapsed = start.elapsed();
+    let mut measured = Measured {
+        short_per_s: load.short as f64 / elapsed.as_secs_f64(),
+        short_p50_us: percentile_us(&mut latencies, 50.0),
+        short_p99_us: percentile_us(&mut latencies, 99.0),
+        original_dst_ok,
+        short: load.short,
+        ..Measured::default()
+    };
+    if load.pingpong > 0 {
+        let mut rtts = pingpong(target, load.pingpong)?;
+        measured.pingpong_p50_us = percentile_us(&mut rtts, 50.0);
+        measured.pingpong_p99_us = percentile_us(&mut rtts, 99.0);
+    }
+    if load.bulk > 0 {
+        measured.bulk_gbit_s = bulk(target, load.bulk)?;
+    }
+    Ok(measured)
+}
+
+/// Connect, one request/response, close. Returns the original destination the proxy saw.
+fn short_connection(target: SocketAddrV4) -> anyhow::Result<Option<SocketAddrV4>> {
+    let mut stream = TcpStream::connect(target).with_context(|| format!("connecting {target}"))?;
+    stream.set_nodelay(true)?;
+    let mut msg = [0u8; MSG];
+    msg[0] = ECHO;
+    stream.write_all(&msg)?;
+    stream.read_exact(&mut msg)?;
+    let ip = Ipv4Addr::new(msg[1], msg[2], msg[3], msg[4]);
+    let port = u16::from_be_bytes([msg[5], msg[6]]);
+    Ok((port != 0).then(|| SocketAddrV4::new(ip, port)))
+}
+
+fn pingpong(target: SocketAddrV4, rounds: usize) -> anyhow::Result<Vec<Duration>> {
+    let mut stream = TcpStream::connect(target)?;
+    stream.set_nodelay(true)?;
+    let mut msg = [0u8; MSG];
+    msg[0] = ECHO;
+    let mut rtts = Vec::with_capacity(rounds);
+    // The first exchange carries the connection set-up: not a steady-state round trip.
+    stream.write_all(&msg)?;
+    stream.read_exact(&mut msg)?;
+    for _ in 0..rounds {
+        let begin = Instant::now();
+        stream.write_all(&msg)?;
+        stream.read_exact(&mut msg)?;
+        rtts.push(begin.elapsed());
+    }
+    Ok(rtts)
+}
+
+fn bulk(target: SocketAddrV4, bytes: u64) -> anyhow::Result<f64> {
+    let mut stream = TcpStream::connect(target)?;
+    let mut header = [0u8; MSG];
+    header[0] = BULK;
+    let chunk = vec![0x5au8; CHUNK];
+    let start = Instant::now();
+    stream.write_all(&header)?;
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = usize::try_from((bytes - sent).min(CHUNK as u64))?;
+        stream.write_all(&chunk[..n])?;
+        sent += n as u64;
+    }
+    stream.shutdown(std::net::Shutdown::Write)?;
+    let mut ack = [0u8; 8];
+    stream.read_exact(&mut ack)?;
+    let elapsed = start.elapsed();
+    ensure!(
+        u64::from_le_bytes(ack) == bytes + MSG as u64,
+        "the proxy received {} bytes of {}",
+        u64::from_le_bytes(ack),
+        bytes + MSG as u64
+    );
+    Ok(bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9)
+}
+
+/// The `p`th percentile (nearest rank) in µs; sorts `samples`.
+fn percentile_us(samples: &mut [Duration], p: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    samples.sort_unstable();
+    let rank = ((p / 100.0) * samples.len() as f64).ceil() as usize;
+    let index = rank.clamp(1, samples.len()) - 1;
+    samples[index].as_secs_f64() * 1e6
+}

@@ -1,0 +1,35 @@
+//! `cargo xtask bench [--quick]`: builds meshcap in release and runs the benchmark runner
+//! (tests/src/bin/meshcap-bench), which prints the tables of BENCHMARKS.md and writes them to
+//! `target/bench/results.md`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
+use std::process::Command;
+
+use anyhow::Context as _;
+
+use crate::cmd::{self, root};
+
+pub fn run(quick: bool) -> anyhow::Result<()> {
+    let root = root();
+    cmd::run(Command::new("cargo").current_dir(&root).args([
+        "build",
+        "--release",
+        "--quiet",
+        "--package",
+        "meshcap-tests",
+        "--package",
+        "meshcap-cni",
+        "--package",
+        "meshcap-agent",
+        "--bins",
+    ]))?;
+    let out_dir = root.join("target/bench");
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut bench = Command::new(root.join("target/release/meshcap-bench"));
+    bench
+        .arg("run")
+        .arg("--out")
+        .arg(out_dir.join("results.md"));
+    if quick {
+        bench.arg("--quick");
+    }
+    cmd::run(&mut bench)
+}
