@@ -35,6 +35,8 @@ pub mod maps {
     /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
     /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
     pub const FLOWS: &str = "MESHCAP_FLOWS";
+    /// Program array, slot 0: the shared inbound TC program every pod's stub tail-calls.
+    pub const TC_PROG: &str = "MESHCAP_TC_PROG";
 }
 
 /// Program names in the object (and their pin names).
@@ -55,9 +57,13 @@ pub mod programs {
     pub const SOCKOPS: &str = "meshcap_sockops";
     /// `cgroup/getsockopt`.
     pub const GETSOCKOPT: &str = "meshcap_getsockopt";
-    /// TC ingress classifier (one loaded instance per pod).
+    /// TC ingress classifier: loaded once, in [`crate::maps::TC_PROG`]; reads the pod's netns
+    /// cookie from `skb->cb[0..2]`.
     pub const INGRESS: &str = "meshcap_ingress";
-    /// The global of [`INGRESS`] holding the pod's netns cookie.
+    /// TC ingress stub, one tiny instance per pod attached to its interfaces: puts the pod's
+    /// netns cookie in `skb->cb` and tail-calls [`INGRESS`].
+    pub const INGRESS_POD: &str = "meshcap_ingress_pod";
+    /// The global of [`INGRESS_POD`] holding the pod's netns cookie.
     pub const INGRESS_POD_GLOBAL: &str = "MESHCAP_TC_NETNS_COOKIE";
 }
 

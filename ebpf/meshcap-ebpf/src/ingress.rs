@@ -3,9 +3,11 @@
 //! (TPROXY-like: no NAT, the accepted socket's local address is what the client dialled);
 //! packets of existing connections keep reaching their own sockets.
 //!
-//! One instance of this program is loaded per pod, with the pod's netns cookie in
-//! [`MESHCAP_TC_NETNS_COOKIE`] (`bpf_get_netns_cookie` is not available to TC programs before
-//! Linux 6.15).
+//! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod gets a tiny stub,
+//! [`meshcap_ingress_pod`], with the pod's netns cookie in [`MESHCAP_TC_NETNS_COOKIE`]: it
+//! stores the cookie in `skb->cb` and tail-calls the classifier. (`bpf_get_netns_cookie` is
+//! not available to TC programs before Linux 6.15, and where it is, it answers for the skb's
+//! socket, which an inbound packet does not have yet.)
 use aya_ebpf::{
     bindings::{
         BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
@@ -13,7 +15,8 @@ use aya_ebpf::{
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2,
     },
     helpers::{bpf_sk_assign, bpf_sk_lookup_tcp, bpf_sk_release, bpf_skc_lookup_tcp},
-    macros::classifier,
+    macros::{classifier, map},
+    maps::ProgramArray,
     programs::TcContext,
 };
 use meshcap_common::{
@@ -23,9 +26,30 @@ use meshcap_common::{
 
 use crate::tables::{FLOWS, IFACES, Maps, pod};
 
-/// The pod this instance serves; set by the agent at load time.
+/// The pod a stub serves; set by the agent at load time.
 #[unsafe(no_mangle)]
 static MESHCAP_TC_NETNS_COOKIE: u64 = 0;
+
+/// Slot 0: the shared classifier, set by the agent when it opens the backend.
+#[map(name = "MESHCAP_TC_PROG")]
+static TC_PROG: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// The per-pod stub: the cookie into `skb->cb[0..2]`, then the shared classifier. Without it
+/// (the slot is empty only before the agent's first open) the packet passes.
+#[classifier]
+pub fn meshcap_ingress_pod(ctx: TcContext) -> i32 {
+    // SAFETY: a read of a constant the loader set.
+    let netns = unsafe { core::ptr::read_volatile(&raw const MESHCAP_TC_NETNS_COOKIE) };
+    // SAFETY: `cb` is the program's scratch space in the skb context; the tail call gets the
+    // same context.
+    unsafe {
+        let skb = ctx.skb.skb;
+        (*skb).cb[0] = netns as u32;
+        (*skb).cb[1] = (netns >> 32) as u32;
+        TC_PROG.tail_call(&ctx, 0);
+    }
+    TC_ACT_OK
+}
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -160,8 +184,9 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16) -> bool {
 
 #[inline(always)]
 fn ingress(ctx: &TcContext) -> Option<i32> {
-    // SAFETY: a read of a constant the loader set.
-    let netns = unsafe { core::ptr::read_volatile(&raw const MESHCAP_TC_NETNS_COOKIE) };
+    // SAFETY: context reads of what the stub wrote.
+    let netns =
+        unsafe { u64::from((*ctx.skb.skb).cb[0]) | (u64::from((*ctx.skb.skb).cb[1]) << 32) };
     let pod = pod(netns)?;
     let p = parse(ctx)?;
     // SAFETY: context read.

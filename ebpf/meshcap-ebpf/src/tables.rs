@@ -8,21 +8,31 @@ use meshcap_common::{
     PodConfig, PodTables, PortKey, PortKind,
 };
 
-#[map(name = "MESHCAP_PODS")]
-pub static PODS: HashMap<u64, PodConfig> = HashMap::with_max_entries(65_536, 0);
+/// `BPF_F_NO_PREALLOC`: elements are allocated on insert (only the agent writes these).
+const NO_PREALLOC: u32 = 1;
 
+/// Pods of one node: kubelet's `maxPods` is 110 by default; 1,024 leaves room for nodes
+/// configured far above it. The other per-pod maps are sized from it.
+const MAX_PODS: u32 = 1_024;
+
+/// Preallocated: small, and read on every connection.
+#[map(name = "MESHCAP_PODS")]
+pub static PODS: HashMap<u64, PodConfig> = HashMap::with_max_entries(MAX_PODS, 0);
+
+/// CIDR lists: 64 entries per pod on average (LPM tries always allocate on insert).
 #[map(name = "MESHCAP_CIDRS4")]
-pub static CIDRS4: LpmTrie<Cidr4Data, u32> = LpmTrie::with_max_entries(1_048_576, 0);
+pub static CIDRS4: LpmTrie<Cidr4Data, u32> = LpmTrie::with_max_entries(MAX_PODS * 64, 0);
 
 #[map(name = "MESHCAP_CIDRS6")]
-pub static CIDRS6: LpmTrie<Cidr6Data, u32> = LpmTrie::with_max_entries(1_048_576, 0);
+pub static CIDRS6: LpmTrie<Cidr6Data, u32> = LpmTrie::with_max_entries(MAX_PODS * 64, 0);
 
-/// Port lists are sparse: allocate on insert.
+/// Port lists: 64 entries per pod on average; sparse, so allocated on insert.
 #[map(name = "MESHCAP_PORTS")]
-pub static PORTS: HashMap<PortKey, u8> = HashMap::with_max_entries(1_048_576, 1);
+pub static PORTS: HashMap<PortKey, u8> = HashMap::with_max_entries(MAX_PODS * 64, NO_PREALLOC);
 
+/// Interface flags: 8 interfaces per pod on average.
 #[map(name = "MESHCAP_IFACES")]
-pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(65_536, 0);
+pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(MAX_PODS * 8, NO_PREALLOC);
 
 /// Written at connect/sendmsg, read by sockops and recvmsg. LRU: sockets that never connect
 /// age out.

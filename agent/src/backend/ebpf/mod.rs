@@ -28,8 +28,8 @@ use std::{
 
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
-    programs::{Program, ProgramError},
+    maps::{HashMap, LpmTrie, MapData, ProgramArray, lpm_trie::Key},
+    programs::{Program, ProgramError, SchedClassifier},
 };
 pub use encode::{Entries, encode};
 use meshcap_common::{
@@ -175,12 +175,15 @@ const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
     (programs::SENDMSG6, CgroupAttach::SendMsg6),
 ];
 
+/// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
+const MAX_PODS: usize = 1_024;
+
 /// aya-log's ring buffer of kernel-side log records.
 const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 8] = [
+const MAPS: [&str; 9] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::CIDRS4,
@@ -189,6 +192,7 @@ const MAPS: [&str; 8] = [
     maps::IFACES,
     maps::BY_COOKIE,
     maps::FLOWS,
+    maps::TC_PROG,
 ];
 
 struct Tables {
@@ -258,6 +262,7 @@ impl EbpfBackend {
                 .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
             tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
         }
+        install_shared_tc(&mut ebpf)?;
         // Only taken here; drained by whoever calls `forward_kernel_logs` (the agent): a ring
         // buffer has one reader.
         let kernel_log = aya_log::EbpfLogger::init(&mut ebpf)
@@ -392,12 +397,27 @@ impl EbpfBackend {
         let mut tables = self.lock();
         let old = tables.pods.get(&cookie, 0).ok();
         let pod_id = next_pod_id(&tables, old.map(|c| c.pod_id));
-        tables.write_lists(pod_id, &entries)?;
-        tables.write_ifaces(cookie, &net, &entries)?;
-        tables
-            .pods
-            .insert(cookie, PodConfig { pod_id, ..config }, 0)
-            .map_err(|e| EbpfError::map("writing the pod entry", e))?;
+        let written = tables
+            .write_lists(pod_id, &entries)
+            .and_then(|()| tables.write_ifaces(cookie, &net, &entries))
+            .and_then(|()| {
+                tables
+                    .pods
+                    .insert(cookie, PodConfig { pod_id, ..config }, 0)
+                    .map_err(|e| EbpfError::map("writing the pod entry", e))
+            });
+        if let Err(err) = written {
+            // A full map (E2BIG): nothing of this ADD stays; an update keeps its old entry.
+            tables.remove_lists(pod_id)?;
+            drop(tables);
+            if old.is_none() {
+                self.remove(pod)?;
+            }
+            return Err(EbpfError::pod(
+                pod,
+                format!("capture not applied (a node holds at most {MAX_PODS} pods): {err}"),
+            ));
+        }
         if let Some(old) = old {
             tables.remove_lists(old.pod_id)?;
         }
@@ -693,6 +713,28 @@ fn load_program(
         }
         _ => Err(err(ProgramError::UnexpectedProgramType)),
     }
+}
+
+/// Loads (verifies) the inbound classifier once and puts it in slot 0 of the pinned
+/// `MESHCAP_TC_PROG`, which every pod's stub tail-calls. A restarted agent replaces it
+/// atomically with its own instance.
+fn install_shared_tc(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+    let prog: &mut SchedClassifier = ebpf
+        .program_mut(programs::INGRESS)
+        .ok_or(EbpfError::Missing(programs::INGRESS))?
+        .try_into()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    prog.load()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+    let fd = prog
+        .fd()
+        .map_err(|e| EbpfError::program(programs::INGRESS, e))?
+        .try_clone()
+        .map_err(|e| EbpfError::io(programs::INGRESS, e))?;
+    let mut slots: ProgramArray<MapData> = take(ebpf, maps::TC_PROG)?;
+    slots
+        .set(0, &fd, 0)
+        .map_err(|e| EbpfError::map("setting the shared TC program", e))
 }
 
 fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>

@@ -108,11 +108,12 @@ fn parse_route6(text: &str) -> Vec<Route> {
         .collect()
 }
 
-/// Where the TC program's maps are pinned: the per-pod program instance must share them.
+/// Where the maps are pinned: the per-pod stub must share them (`MESHCAP_TC_PROG`).
 pub type MapPins = Vec<(&'static str, PathBuf)>;
 
-/// Loads a TC program instance for the pod `cookie` and attaches it on `ifname`'s ingress in
-/// the calling thread's netns. With TCX (Linux 6.6+) the link is pinned at `pin`; with
+/// Loads the pod's TC stub (its netns `cookie`, then a tail call to the shared classifier in
+/// the pinned `MESHCAP_TC_PROG`) and attaches it on `ifname`'s ingress in the calling thread's
+/// netns. With TCX (Linux 6.6+) the link is pinned at `pin`; with
 /// netlink TC the filter itself outlives the agent.
 ///
 /// # Errors
@@ -134,12 +135,12 @@ pub fn attach_tc(
         source: Box::new(e),
     })?;
     let prog: &mut SchedClassifier = ebpf
-        .program_mut(programs::INGRESS)
-        .ok_or_else(|| EbpfError::Missing(programs::INGRESS))?
+        .program_mut(programs::INGRESS_POD)
+        .ok_or_else(|| EbpfError::Missing(programs::INGRESS_POD))?
         .try_into()
-        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
     prog.load()
-        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
     let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
     if !tcx {
         // netlink TC needs the clsact qdisc; "exists" is fine.
@@ -147,10 +148,10 @@ pub fn attach_tc(
     }
     let id = prog
         .attach(ifname, TcAttachType::Ingress)
-        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
     let link = prog
         .take_link(id)
-        .map_err(|e| EbpfError::program(programs::INGRESS, e))?;
+        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
     if tcx {
         let link: FdLink = link.try_into().map_err(|e| EbpfError::Bpf {
             what: format!("TCX link on {ifname}"),
@@ -172,7 +173,7 @@ pub fn detach_tc(ifname: &str, pin: &Path) {
     if pin.exists() {
         let _ = super::unpin_link(pin);
     } else {
-        let _ = tc::qdisc_detach_program(ifname, TcAttachType::Ingress, programs::INGRESS);
+        let _ = tc::qdisc_detach_program(ifname, TcAttachType::Ingress, programs::INGRESS_POD);
     }
 }
 
