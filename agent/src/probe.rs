@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported, is_program_supported},
+    util::KernelVersion,
 };
 use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
@@ -97,6 +98,7 @@ const KNOWN_HELPERS: &[BpfHelper] = {
         H::BPF_FUNC_l3_csum_replace,
         H::BPF_FUNC_l4_csum_replace,
         H::BPF_FUNC_redirect,
+        H::BPF_FUNC_tail_call,
         H::BPF_FUNC_sk_lookup_tcp,
         H::BPF_FUNC_sk_lookup_udp,
         H::BPF_FUNC_skc_lookup_tcp,
@@ -182,6 +184,15 @@ pub fn run() -> ProbeReport {
             is_helper_supported(kind, *helper).map_err(|e| e.to_string()),
         );
     }
+    // Pods' inbound TC programs are attached as pinned TCX bpf_links. Older kernels would
+    // take aya's netlink path, which the backend does not pin or check yet: `cargo xtask
+    // integration` on 6.1 shows its own CHECK failing there, so those kernels get iptables.
+    report.push(
+        "TCX attachment (Linux 6.6+) for the pods' inbound programs".into(),
+        KernelVersion::current()
+            .map(|current| current >= KernelVersion::new(6, 6, 0))
+            .map_err(|e| e.to_string()),
+    );
     let trial = bpf::open()
         .map_err(|e| e.to_string())
         .and_then(|mut ebpf| bpf::load_all(&mut ebpf).map_err(|e| e.to_string()));
