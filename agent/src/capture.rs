@@ -23,6 +23,7 @@ use crate::{
     pods::{PodSource, PodSourceError, Retry},
     policy::{
         self, CidrSet, Family, IpRanges, PortSelection, RedirectPolicy, SelectConfig, Selection,
+        SkipReason,
     },
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
@@ -303,12 +304,7 @@ impl Capture {
 
     async fn add(&self, pod: PodAttachment) -> Result<Response, Failure> {
         let policy = match self.select(&pod).await? {
-            Selection::Skip { reason } => {
-                return Ok(Response::ok(
-                    Outcome::Skipped,
-                    format!("not captured: {reason}"),
-                ));
-            }
+            Selection::Skip { reason } => return Ok(skipped(&reason)),
             Selection::Capture { policy } => policy,
         };
         let target = pod_ref(&pod);
@@ -339,12 +335,7 @@ impl Capture {
 
     async fn check(&self, pod: PodAttachment) -> Result<Response, Failure> {
         let policy = match self.select(&pod).await? {
-            Selection::Skip { reason } => {
-                return Ok(Response::ok(
-                    Outcome::Skipped,
-                    format!("not captured: {reason}"),
-                ));
-            }
+            Selection::Skip { reason } => return Ok(skipped(&reason)),
             Selection::Capture { policy } => policy,
         };
         let target = pod_ref(&pod);
@@ -412,6 +403,11 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
         container_id: pod.container_id.clone(),
         netns: PathBuf::from(&pod.netns),
     }
+}
+
+/// The answer for a pod Istio's CNI plugin would leave alone (ADD and CHECK alike).
+fn skipped(reason: &SkipReason) -> Response {
+    Response::ok(Outcome::Skipped, format!("not captured: {reason}"))
 }
 
 /// A policy in one line, for logs and status.
