@@ -23,8 +23,11 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     ]))?;
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut bench = Command::new(root.join("target/release/meshcap-bench"));
+    let release = root.join("target/release");
+    let mut bench = Command::new(release.join("meshcap-bench"));
     bench
+        // The agent and plugin the bench drives: this release build.
+        .env("MESHCAP_BIN_DIR", &release)
         .arg("run")
         .arg("--out")
         .arg(out_dir.join("results.md"));
