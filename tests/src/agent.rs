@@ -89,6 +89,25 @@ impl Backend {
     }
 }
 
+/// One test per backend for each scenario function `name(backend: Backend)`: a module `name`
+/// holding the tests `ebpf` and `iptables` (`cargo test name::ebpf`).
+#[macro_export]
+macro_rules! test_on_both_backends {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn ebpf() {
+                super::$name($crate::agent::Backend::Ebpf);
+            }
+
+            #[test]
+            fn iptables() {
+                super::$name($crate::agent::Backend::Iptables);
+            }
+        }
+    )+};
+}
+
 /// A running agent with throwaway socket, state, cgroup and bpffs directories. On drop it is
 /// stopped (SIGTERM, by pid) and everything it left is removed: the agent itself never
 /// uninstalls (captured pods must outlive it), so the eBPF pins and links are removed here.

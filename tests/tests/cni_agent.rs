@@ -27,6 +27,14 @@ use meshcap_tests::{
 };
 use serde_json::{Value, json};
 
+meshcap_tests::test_on_both_backends!(
+    dir_source_pod_is_captured_and_released,
+    kube_source_pod_is_captured_and_released,
+    api_unreachable_fails_add_closed,
+    bad_input_gets_clear_errors_and_the_agent_keeps_serving,
+    a_hundred_pods_in_parallel_leave_nothing_behind,
+);
+
 fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
     Agent::start(
         backend,
@@ -97,16 +105,6 @@ fn capture_cycle(agent: &Agent, wired: &Wired, sandbox: &Sandbox, version: &str)
     );
     let del_again = cni("DEL", sandbox, &conf).expect("second DEL");
     assert!(del_again.success, "DEL is idempotent: {del_again:?}");
-}
-
-#[test]
-fn dir_source_pod_is_captured_and_released_ebpf() {
-    dir_source_pod_is_captured_and_released(Backend::Ebpf);
-}
-
-#[test]
-fn dir_source_pod_is_captured_and_released_iptables() {
-    dir_source_pod_is_captured_and_released(Backend::Iptables);
 }
 
 fn dir_source_pod_is_captured_and_released(backend: Backend) {
@@ -278,16 +276,6 @@ fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool)
     let _ = reader.read_to_end(&mut rest);
 }
 
-#[test]
-fn kube_source_pod_is_captured_and_released_ebpf() {
-    kube_source_pod_is_captured_and_released(Backend::Ebpf);
-}
-
-#[test]
-fn kube_source_pod_is_captured_and_released_iptables() {
-    kube_source_pod_is_captured_and_released(Backend::Iptables);
-}
-
 fn kube_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let api = FakeApiServer::start();
@@ -329,16 +317,6 @@ fn kube_source_pod_is_captured_and_released(backend: Backend) {
         &Sandbox::new("shop", &late, &wired.pod),
         "1.1.0",
     );
-}
-
-#[test]
-fn api_unreachable_fails_add_closed_ebpf() {
-    api_unreachable_fails_add_closed(Backend::Ebpf);
-}
-
-#[test]
-fn api_unreachable_fails_add_closed_iptables() {
-    api_unreachable_fails_add_closed(Backend::Iptables);
 }
 
 fn api_unreachable_fails_add_closed(backend: Backend) {
@@ -393,16 +371,6 @@ fn raw_request(socket: &Path, bytes: &[u8]) -> Value {
         meshcap_cni::protocol::read_frame(&mut stream, meshcap_cni::protocol::MAX_RESPONSE_BYTES)
             .expect("an answer");
     serde_json::from_slice(&body).expect("JSON answer")
-}
-
-#[test]
-fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_ebpf() {
-    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Ebpf);
-}
-
-#[test]
-fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_iptables() {
-    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Iptables);
 }
 
 fn bad_input_gets_clear_errors_and_the_agent_keeps_serving(backend: Backend) {
@@ -544,16 +512,6 @@ fn bad_input_gets_clear_errors_and_the_agent_keeps_serving(backend: Backend) {
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert!(metrics.contains(r#"reason="invalid_pod""#), "{metrics}");
     assert!(metrics.contains(r#"reason="forbidden""#), "{metrics}");
-}
-
-#[test]
-fn a_hundred_pods_in_parallel_leave_nothing_behind_ebpf() {
-    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Ebpf);
-}
-
-#[test]
-fn a_hundred_pods_in_parallel_leave_nothing_behind_iptables() {
-    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Iptables);
 }
 
 /// Pods ADDed at once: 100, or `MESHCAP_PARALLEL_PODS`. `cargo xtask integration` runs
