@@ -10,6 +10,7 @@ mod demo;
 mod integration;
 mod setup;
 mod test;
+mod userland;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "meshcap developer tasks")]
