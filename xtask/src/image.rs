@@ -32,6 +32,8 @@ pub const PLUGIN_PATH: &str = "usr/local/bin/meshcap-cni";
 /// The command the DaemonSet runs, split as Entrypoint and Cmd.
 const ENTRYPOINT: &str = "/usr/local/bin/meshcap-agent";
 const CMD: &str = "run";
+const DESCRIPTION: &str =
+    "meshcap node agent: Istio sidecar traffic capture with eBPF (or Istio's iptables rules)";
 const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 pub const MEDIA_INDEX: &str = "application/vnd.oci.image.index.v1+json";
@@ -144,7 +146,7 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
 
     let labels = json!({
         "org.opencontainers.image.title": "meshcap",
-        "org.opencontainers.image.description": env!("CARGO_PKG_DESCRIPTION"),
+        "org.opencontainers.image.description": DESCRIPTION,
         "org.opencontainers.image.version": VERSION,
         "org.opencontainers.image.source": env!("CARGO_PKG_REPOSITORY"),
         "org.opencontainers.image.licenses": env!("CARGO_PKG_LICENSE"),

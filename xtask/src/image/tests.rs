@@ -213,6 +213,12 @@ fn the_archive_is_an_oci_image_that_runs_the_daemonsets_command() {
         labels["org.opencontainers.image.source"],
         env!("CARGO_PKG_REPOSITORY")
     );
+    assert!(
+        labels["org.opencontainers.image.source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("https://")),
+        "{labels}"
+    );
 
     // Every blob is referenced (no leftovers) and each layer matches its diff_id.
     let mut referenced = BTreeSet::from([
