@@ -60,14 +60,14 @@ pub struct Entry {
 /// The userland, in this order: data files, tools, iptables extensions, then the shared
 /// libraries (ELF interpreter included) of the tools, the extensions and `also_link_for`.
 /// Tools and files the host lacks are left out; a library `ldd` names must exist.
-pub fn entries(also_link_for: &[&Path]) -> anyhow::Result<Vec<Entry>> {
+pub fn entries(also_link_for: &[PathBuf]) -> anyhow::Result<Vec<Entry>> {
     let mut entries = Vec::new();
     for file in HOST_FILES {
         if Path::new(file).is_file() {
             entries.push(entry(file, PathBuf::from(file), 0o644));
         }
     }
-    let mut elfs: Vec<PathBuf> = also_link_for.iter().map(|p| p.to_path_buf()).collect();
+    let mut elfs = also_link_for.to_vec();
     for tool in HOST_TOOLS {
         if let Some(path) = which(tool) {
             entries.push(entry(&format!("{TOOLS_DIR}/{tool}"), path.clone(), 0o755));
