@@ -1,6 +1,7 @@
 //! `cargo xtask image`: the DaemonSet's container image as an OCI image archive
-//! (`target/image/meshcap-<version>.oci.tar`, the `oci-archive` format of skopeo, podman,
-//! containerd's `ctr images import` and crane), written in Rust without a container engine.
+//! (`target/image/meshcap-<version>.oci.tar`: an OCI image layout in a tar, the `oci-archive`
+//! of skopeo and podman, what containerd's `ctr images import` takes, and once unpacked a
+//! layout `crane push` takes), written in Rust without a container engine.
 //!
 //! Two gzip'd layers: the host userland the agent runs (`ip`, the iptables family, their
 //! libraries and extensions, data files; [`crate::userland`]), then the release binaries. The
