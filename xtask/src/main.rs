@@ -34,6 +34,9 @@ enum Task {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
+        /// Only the pod set-up section (CNI ADD/DEL latency, agent memory).
+        #[arg(long)]
+        setup_only: bool,
     },
 }
 
@@ -43,7 +46,9 @@ fn main() -> ExitCode {
         Task::Test => setup::run().and_then(|()| test::run()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
-        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
+        Task::Bench { quick, setup_only } => {
+            setup::run().and_then(|()| bench::run(quick, setup_only))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
