@@ -325,10 +325,11 @@ async fn request(
     flags: u16,
 ) -> Result<Vec<RouteNetlinkMessage>, rtnetlink::Error> {
     let mut request = NetlinkMessage::from(message);
-    let ack = if flags & NLM_F_DUMP == 0 {
-        NLM_F_ACK
-    } else {
+    // (NLM_F_DUMP is two bits, one of which is NLM_F_EXCL's.)
+    let ack = if flags & NLM_F_DUMP == NLM_F_DUMP {
         0
+    } else {
+        NLM_F_ACK
     };
     request.header.flags = NLM_F_REQUEST | ack | flags;
     let mut responses = handle.request(request)?;
