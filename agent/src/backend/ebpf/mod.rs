@@ -457,17 +457,21 @@ impl EbpfBackend {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(());
         };
-        {
+        // Whether the pod may have the TPROXY policy route (TPROXY mode or a rerouted
+        // interface): removing it forks `ip`, so only then (or when nothing says).
+        let route = {
             let mut tables = self.lock();
-            if let Ok(config) = tables.pods.get(&cookie, 0) {
+            let config = tables.pods.get(&cookie, 0).ok();
+            if let Some(config) = config {
                 tables
                     .pods
                     .remove(&cookie)
                     .map_err(|e| EbpfError::map("removing the pod entry", e))?;
                 tables.remove_lists(config.pod_id)?;
             }
-            tables.remove_ifaces(cookie)?;
-        }
+            let rerouted = tables.remove_ifaces(cookie)?;
+            config.is_none_or(|c| c.has(meshcap_common::flags::TPROXY)) || rerouted
+        };
         let dir = self.pod_dir(cookie);
         let tc: Vec<(String, PathBuf)> = list_dir(&dir)
             .into_iter()
@@ -477,7 +481,9 @@ impl EbpfBackend {
             for (ifname, pin) in &tc {
                 podnet::detach_tc(ifname, pin);
             }
-            podnet::remove_tproxy_route();
+            if route {
+                podnet::remove_tproxy_route();
+            }
         });
         if detached.is_err() {
             // The netns is gone, and its devices with it: only the pins are left.
@@ -884,17 +890,24 @@ impl Tables {
         Ok(())
     }
 
-    fn remove_ifaces(&mut self, cookie: u64) -> Result<(), EbpfError> {
+    /// Removes the interface entries of the pod with netns `cookie`; whether one of them
+    /// was rerouted.
+    fn remove_ifaces(&mut self, cookie: u64) -> Result<bool, EbpfError> {
         let keys: Vec<IfaceKey> = self
             .ifaces
             .keys()
             .flatten()
             .filter(|k| k.netns == cookie)
             .collect();
+        let mut rerouted = false;
         for key in keys {
+            rerouted |= self
+                .ifaces
+                .get(&key, 0)
+                .is_ok_and(|f| f & meshcap_common::iface_flags::REROUTE != 0);
             let _ = self.ifaces.remove(&key);
         }
-        Ok(())
+        Ok(rerouted)
     }
 }
 
