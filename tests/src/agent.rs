@@ -576,6 +576,14 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
             .filter(|l| l.contains("lookup 133"))
             .map(str::to_owned),
     );
+    // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).
+    let qdiscs = crate::run("tc", &["-n", netns.name(), "qdisc", "show"])?;
+    out.extend(
+        qdiscs
+            .lines()
+            .filter(|l| l.contains("clsact"))
+            .map(str::to_owned),
+    );
     Ok(out)
 }
 
