@@ -149,6 +149,19 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         .check(&r, &policy)
         .expect_err("check must notice the missing filter");
     assert!(err.to_string().contains("eth0"), "{err}");
+    // ADD repairs it: the stale record is dropped and the stub attached afresh.
+    second.get().add(&r, &policy).expect("add repairs");
+    second
+        .get()
+        .check(&r, &policy)
+        .expect("check after the repair");
+    assert_eq!(
+        ingress_filters(&pod, "eth0")
+            .iter()
+            .filter(|l| l.contains("meshcap_tc_stub"))
+            .count(),
+        1
+    );
 
     second.get().remove(&r).expect("remove");
     second.get().remove(&r).expect("remove again (idempotent)");

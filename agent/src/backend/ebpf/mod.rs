@@ -396,20 +396,31 @@ impl EbpfBackend {
             if ipv6 {
                 podnet::add_passthrough6()?;
             }
-            // Interfaces with a record are attached already (by this agent or the one before
-            // it): never twice.
-            let todo: Vec<&(u32, String)> = net
-                .interfaces
-                .iter()
-                .filter(|(_, name)| !exclude_interfaces.contains(name))
-                .filter(|(_, name)| !dir.join(format!("tc-{name}")).exists())
-                .collect();
+            // An interface whose record the kernel confirms is attached already (by this agent
+            // or the one before it): never twice. A record the kernel contradicts (the filter
+            // deleted behind meshcap's back, the TCX link's interface replaced) is dropped and
+            // the stub attached afresh.
+            let mut todo = Vec::new();
+            for (ifindex, name) in &net.interfaces {
+                if exclude_interfaces.contains(name) {
+                    continue;
+                }
+                let record = dir.join(format!("tc-{name}"));
+                if record.exists() {
+                    let Err(stale) = podnet::verify_tc(name, &record) else {
+                        continue;
+                    };
+                    tracing::warn!(pod = %pod, interface = %name, reason = %stale, "re-attaching the inbound TC stub");
+                    podnet::detach_tc(name, &record);
+                }
+                todo.push((*ifindex, name));
+            }
             if !todo.is_empty() {
                 // One stub per pod, shared by its interfaces.
                 let stub = stub::load(net.cookie, &self.tc_prog)?;
                 for (ifindex, name) in todo {
                     let record = dir.join(format!("tc-{name}"));
-                    podnet::attach_tc(mode, stub.as_fd(), *ifindex, name, &record)?;
+                    podnet::attach_tc(mode, stub.as_fd(), ifindex, name, &record)?;
                 }
             }
             Ok(net)
