@@ -6,13 +6,18 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::BorrowedFd,
     path::Path,
-    process::Command,
 };
 
 use aya::util::KernelVersion;
-use meshcap_common::{TPROXY_MARK, TPROXY_TABLE};
 
 use super::{EbpfError, stub, sys, tcnl};
+use crate::{
+    backend::iptables::route,
+    policy::{
+        Family, INBOUND_PASSTHROUGH_V6, IpPrefix, PolicyRoutes, TPROXY_MARK, TPROXY_ROUTE_TABLE,
+        TproxyRoute,
+    },
+};
 
 /// A route of the pod's main table: destination prefix and device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -247,26 +252,13 @@ pub fn verify_tc(ifname: &str, record: &Path) -> Result<(), String> {
 /// the app's replies to the original client source reach the proxy's transparent socket.
 /// Rerouted interfaces need only the route (`fwmark_accept` false): their packets are marked
 /// by the TC program, and the proxy's sockets must not inherit that mark or their replies
-/// would be routed back to `lo`.
+/// would be routed back to `lo`. Over rtnetlink, as the iptables backend installs it (no `ip`
+/// fork per rule).
 ///
 /// # Errors
-/// When `ip` fails.
+/// When the kernel refuses.
 pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfError> {
-    let mark = TPROXY_MARK.to_string();
-    let table = TPROXY_TABLE.to_string();
-    let mut families = vec!["-4"];
-    if ipv6 {
-        families.push("-6");
-    }
-    for family in families {
-        let rules = ip(&[family, "rule", "show"])?;
-        if !rules.contains(&format!("fwmark {:#x} lookup {table}", TPROXY_MARK)) {
-            ip(&[family, "rule", "add", "fwmark", &mark, "lookup", &table])?;
-        }
-        ip(&[
-            family, "route", "replace", "local", "default", "dev", "lo", "table", &table,
-        ])?;
-    }
+    route::update(&PolicyRoutes::default(), &tproxy_routes(ipv6)).map_err(route_error)?;
     if !fwmark_accept {
         return Ok(());
     }
@@ -277,37 +269,42 @@ pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfE
 /// Removes what [`install_tproxy_route`] installed (the rule and table 133, both families);
 /// absent ones are fine (the pod used neither TPROXY nor rerouted interfaces, or is gone).
 pub fn remove_tproxy_route() {
-    let mark = TPROXY_MARK.to_string();
-    let table = TPROXY_TABLE.to_string();
-    for family in ["-4", "-6"] {
-        while ip(&[family, "rule", "del", "fwmark", &mark, "lookup", &table]).is_ok() {}
-        let _ = ip(&[family, "route", "flush", "table", &table]);
+    if let Err(err) = route::update(&tproxy_routes(true), &PolicyRoutes::default()) {
+        tracing::warn!(error = %route_error(err), "removing the TPROXY policy route");
     }
 }
 
 /// Adds `::6` to `lo` (Envoy's IPv6 inbound passthrough source), as Istio does.
 ///
 /// # Errors
-/// When `ip` fails.
+/// When the kernel refuses.
 pub fn add_passthrough6() -> Result<(), EbpfError> {
-    ip(&["-6", "addr", "replace", "::6/128", "dev", "lo"]).map(drop)
+    let routes = PolicyRoutes {
+        tproxy: None,
+        loopback_addresses: IpPrefix::new(IpAddr::V6(INBOUND_PASSTHROUGH_V6), 128)
+            .into_iter()
+            .collect(),
+    };
+    route::update(&PolicyRoutes::default(), &routes).map_err(route_error)
 }
 
-/// Runs `ip` in the calling thread's netns (a forked child inherits the thread's namespaces).
-fn ip(args: &[&str]) -> Result<String, EbpfError> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| EbpfError::io("running ip", e))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(EbpfError::Command(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
+fn tproxy_routes(ipv6: bool) -> PolicyRoutes {
+    let mut families = vec![Family::V4];
+    if ipv6 {
+        families.push(Family::V6);
     }
+    PolicyRoutes {
+        tproxy: Some(TproxyRoute {
+            mark: TPROXY_MARK,
+            table: TPROXY_ROUTE_TABLE,
+            families,
+        }),
+        loopback_addresses: Vec::new(),
+    }
+}
+
+fn route_error(err: route::RouteError) -> EbpfError {
+    EbpfError::Command(format!("{}: {}", err.what, err.reason))
 }
 
 #[cfg(test)]
