@@ -12,7 +12,11 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig};
+use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, TcAttach};
+
+/// The agent's (hidden) setting forcing how pods' inbound stubs attach: `netlink` tests the
+/// netlink TC path on a TCX kernel.
+pub const TC_ATTACH_ENV: &str = "MESHCAP_TC_ATTACH";
 use serde_json::{Value, json};
 
 use crate::{
@@ -237,6 +241,15 @@ impl Agent {
         Some(EbpfConfig {
             cgroup_root: self.cgroup_root.clone()?,
             bpffs_dir: self.bpffs_dir.clone()?,
+            tc_attach: if self
+                .env
+                .iter()
+                .any(|(k, v)| k == TC_ATTACH_ENV && v == "netlink")
+            {
+                TcAttach::Netlink
+            } else {
+                TcAttach::for_kernel()
+            },
         })
     }
 
@@ -580,6 +593,14 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
         rules
             .lines()
             .filter(|l| l.contains("lookup 133"))
+            .map(str::to_owned),
+    );
+    // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).
+    let qdiscs = crate::run("tc", &["-n", netns.name(), "qdisc", "show"])?;
+    out.extend(
+        qdiscs
+            .lines()
+            .filter(|l| l.contains("clsact"))
             .map(str::to_owned),
     );
     Ok(out)

@@ -20,8 +20,8 @@ use std::{
 use meshcap_tests::{
     Held, Netns, PROXY_UID, Placement,
     agent::{
-        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
-        run_plugin_raw, sidecar_pod, write_manifest,
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, TC_ATTACH_ENV, Wired, cni, config,
+        eventually, leftovers, run_plugin_raw, sidecar_pod, write_manifest,
     },
     dial, require_root, unique_name,
 };
@@ -36,6 +36,10 @@ meshcap_tests::test_on_both_backends!(
 );
 
 fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
+    dir_agent_with(backend, dir, &[])
+}
+
+fn dir_agent_with(backend: Backend, dir: &ManifestDir, env: &[(&str, &str)]) -> Agent {
     Agent::start(
         backend,
         &[
@@ -44,7 +48,7 @@ fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
             "--pod-dir",
             dir.0.to_str().expect("utf-8 path"),
         ],
-        &[],
+        env,
     )
     .expect("agent")
 }
@@ -107,17 +111,32 @@ fn capture_cycle(agent: &Agent, wired: &Wired, sandbox: &Sandbox, version: &str)
     assert!(del_again.success, "DEL is idempotent: {del_again:?}");
 }
 
+/// The eBPF agent with pods' inbound stubs as netlink TC filters (kernels without TCX),
+/// forced on this kernel: CHECK verifies them, DEL leaves no qdisc or filter behind.
+#[test]
+fn dir_source_pod_is_captured_and_released_ebpf_netlink_tc() {
+    require_root();
+    let dir = ManifestDir::new();
+    let agent = dir_agent_with(Backend::Ebpf, &dir, &[(TC_ATTACH_ENV, "netlink")]);
+    capture_cycles(&agent, &dir, Backend::Ebpf);
+}
+
 fn dir_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
     let agent = dir_agent(backend, &dir);
+    capture_cycles(&agent, &dir, backend);
+}
+
+/// [`capture_cycle`] in every CNI version, REDIRECT and TPROXY.
+fn capture_cycles(agent: &Agent, dir: &ManifestDir, backend: Backend) {
     for (version, mode) in [
         ("1.0.0", "REDIRECT"),
         ("0.4.0", "TPROXY"),
         ("1.1.0", "REDIRECT"),
         ("0.3.1", "REDIRECT"),
     ] {
-        let wired = Wired::new(&agent);
+        let wired = Wired::new(agent);
         let name = unique_name("web");
         write_manifest(
             &dir.0,
@@ -128,7 +147,7 @@ fn dir_source_pod_is_captured_and_released(backend: Backend) {
             ),
         );
         let sandbox = Sandbox::new("shop", &name, &wired.pod);
-        capture_cycle(&agent, &wired, &sandbox, version);
+        capture_cycle(agent, &wired, &sandbox, version);
     }
     let (code, metrics) = agent.http_get("/metrics").expect("metrics");
     assert_eq!(code, 200);

@@ -39,6 +39,9 @@ enum Task {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
+        /// Only the pod set-up section (CNI ADD/DEL latency, agent memory).
+        #[arg(long)]
+        setup_only: bool,
     },
 }
 
@@ -49,7 +52,9 @@ fn main() -> ExitCode {
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
-        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
+        Task::Bench { quick, setup_only } => {
+            setup::run().and_then(|()| bench::run(quick, setup_only))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

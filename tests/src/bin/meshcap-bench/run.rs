@@ -89,19 +89,21 @@ impl Plan {
     }
 }
 
-/// Runs every benchmark and prints (and optionally writes) the tables.
-pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
+/// Runs every benchmark (or only the pod set-up) and prints (and optionally writes) the tables.
+pub fn run(quick: bool, out: Option<&Path>, cpu: usize, setup_only: bool) -> anyhow::Result<()> {
     require_root();
     let started = Instant::now();
     let plan = Plan::new(quick);
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(quick, cpu);
-    eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
-    let node = Node::new()?;
-    report.push_str(&data_path(&plan, &exe, cpu, &node)?);
-    eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
-    report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
-    report.push_str(&footprint(&plan, &exe, &node)?);
+    if !setup_only {
+        eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
+        let node = Node::new()?;
+        report.push_str(&data_path(&plan, &exe, cpu, &node)?);
+        eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
+        report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
+        report.push_str(&footprint(&plan, &exe, &node)?);
+    }
     eprintln!(
         "meshcap-bench: pod set-up, {} pods per backend",
         plan.setup_pods
