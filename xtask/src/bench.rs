@@ -7,7 +7,7 @@ use anyhow::Context as _;
 
 use crate::cmd::{self, root};
 
-pub fn run(quick: bool) -> anyhow::Result<()> {
+pub fn run(quick: bool, only: &[String], profile: bool) -> anyhow::Result<()> {
     let root = root();
     cmd::run(Command::new("cargo").current_dir(&root).args([
         "build",
@@ -30,6 +30,12 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
         .arg(out_dir.join("results.md"));
     if quick {
         bench.arg("--quick");
+    }
+    for section in only {
+        bench.arg("--only").arg(section);
+    }
+    if profile {
+        bench.arg("--profile");
     }
     cmd::run(&mut bench)
 }

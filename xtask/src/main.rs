@@ -34,6 +34,12 @@ enum Task {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
+        /// Only this section (repeatable): data-path, policy-scale, footprint, pod-setup.
+        #[arg(long)]
+        only: Vec<String>,
+        /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -43,7 +49,11 @@ fn main() -> ExitCode {
         Task::Test => setup::run().and_then(|()| test::run()),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
-        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
+        Task::Bench {
+            quick,
+            only,
+            profile,
+        } => setup::run().and_then(|()| bench::run(quick, &only, profile)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,6 +11,7 @@ use std::{net::SocketAddr, path::PathBuf};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod profile;
 mod run;
 mod setup;
 mod stats;
@@ -36,6 +37,13 @@ enum Command {
         /// The CPU client and proxy are both pinned to, in every mode.
         #[arg(long, default_value_t = 1)]
         cpu: usize,
+        /// Only these sections (repeatable); all of them by default.
+        #[arg(long, value_enum)]
+        only: Vec<run::Section>,
+        /// Also report the eBPF programs' kernel statistics (run count, run time) over the
+        /// eBPF pod's data-path runs. Statistics slow every BPF program down a little.
+        #[arg(long)]
+        profile: bool,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -65,7 +73,21 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Run { quick, out, cpu } => run::run(quick, out.as_deref(), cpu),
+        Command::Run {
+            quick,
+            out,
+            cpu,
+            only,
+            profile,
+        } => run::run(
+            &run::Options {
+                quick,
+                cpu,
+                only,
+                profile,
+            },
+            out.as_deref(),
+        ),
         Command::Proxy {
             listen,
             cpu,

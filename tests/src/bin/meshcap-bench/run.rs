@@ -20,6 +20,7 @@ use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
 use crate::{
+    profile::Profiler,
     setup::{self, Agent},
     stats::{Samples, Table, count, human},
     workload::{Load, Measured},
@@ -89,25 +90,63 @@ impl Plan {
     }
 }
 
-/// Runs every benchmark and prints (and optionally writes) the tables.
-pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
+/// A section of the report (`--only`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// No capture vs iptables vs eBPF: short connections, ping-pong, bulk.
+    DataPath,
+    /// Short connections with growing exclude lists.
+    PolicyScale,
+    /// Map memory and the plugin's size and start time.
+    Footprint,
+    /// ADD/DEL of many pods, agent memory.
+    PodSetup,
+}
+
+/// What `meshcap-bench run` was asked for.
+pub struct Options {
+    pub quick: bool,
+    pub cpu: usize,
+    /// Sections to run; empty: all.
+    pub only: Vec<Section>,
+    /// Per-program kernel statistics of the eBPF data path.
+    pub profile: bool,
+}
+
+impl Options {
+    fn wants(&self, section: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
+}
+
+/// Runs the benchmarks asked for and prints (and optionally writes) the tables.
+pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     require_root();
     let started = Instant::now();
-    let plan = Plan::new(quick);
+    let plan = Plan::new(opts.quick);
+    let cpu = opts.cpu;
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
-    let mut report = machine(quick, cpu);
-    eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
+    let mut report = machine(opts, cpu);
     let bin_dir = exe.parent().unwrap_or(Path::new("."));
     let node = Node::new(bin_dir)?;
-    report.push_str(&data_path(&plan, &exe, cpu, &node)?);
-    eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
-    report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
-    report.push_str(&footprint(&plan, &exe, &node)?);
-    eprintln!(
-        "meshcap-bench: pod set-up, {} pods per backend",
-        plan.setup_pods
-    );
-    report.push_str(&pod_setup(&plan, &exe)?);
+    if opts.wants(Section::DataPath) {
+        eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
+        report.push_str(&data_path(&plan, &exe, cpu, &node, opts.profile)?);
+    }
+    if opts.wants(Section::PolicyScale) {
+        eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
+        report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
+    }
+    if opts.wants(Section::Footprint) {
+        report.push_str(&footprint(&plan, &exe, &node)?);
+    }
+    if opts.wants(Section::PodSetup) {
+        eprintln!(
+            "meshcap-bench: pod set-up, {} pods per backend",
+            plan.setup_pods
+        );
+        report.push_str(&pod_setup(&plan, &exe)?);
+    }
     let _ = writeln!(
         report,
         "\nThis run took {:.0} s.",
@@ -120,7 +159,7 @@ pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn machine(quick: bool, cpu: usize) -> String {
+fn machine(opts: &Options, cpu: usize) -> String {
     let read = |path: &str| fs::read_to_string(path).unwrap_or_default();
     let cpuinfo = read("/proc/cpuinfo");
     let model = cpuinfo
@@ -143,11 +182,18 @@ fn machine(quick: bool, cpu: usize) -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default();
-    let command = if quick {
-        "cargo xtask bench --quick"
-    } else {
-        "cargo xtask bench"
-    };
+    let mut command = String::from("cargo xtask bench");
+    if opts.quick {
+        command.push_str(" --quick");
+    }
+    for section in &opts.only {
+        if let Some(value) = clap::ValueEnum::to_possible_value(section) {
+            let _ = write!(command, " --only {}", value.get_name());
+        }
+    }
+    if opts.profile {
+        command.push_str(" --profile");
+    }
     format!(
         "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \
          `{command}`\n- Client and proxy are both pinned to CPU {cpu} (sched_setaffinity), in \
@@ -438,12 +484,20 @@ fn interleave(
     exe: &Path,
     cpu: usize,
     load: Load,
+    mut profile: Option<(usize, &mut Profiler)>,
 ) -> anyhow::Result<Vec<Vec<Measured>>> {
     let mut results = vec![Vec::new(); pods.len()];
     for round in 0..rounds {
         for k in 0..pods.len() {
             let i = (round + k) % pods.len();
-            results[i].push(pods[i].measure(exe, cpu, load)?);
+            match &mut profile {
+                Some((profiled, profiler)) if *profiled == i => {
+                    let before = profiler.snapshot();
+                    results[i].push(pods[i].measure(exe, cpu, load)?);
+                    profiler.add_since(&before);
+                }
+                _ => results[i].push(pods[i].measure(exe, cpu, load)?),
+            }
         }
         eprintln!("  round {}/{rounds} done", round + 1);
     }
@@ -454,13 +508,31 @@ fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
     Samples(runs.iter().map(metric).collect())
 }
 
-fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+fn data_path(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    node: &Node,
+    profile: bool,
+) -> anyhow::Result<String> {
     let modes = node.modes();
     let pods: Vec<Pod> = modes
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
-    let results = interleave(&pods, plan.rounds, exe, cpu, plan.load)?;
+    let mut profiler = match (&node.ebpf, profile) {
+        (Ok(agent), true) => Some(Profiler::new(agent.pid())?),
+        _ => None,
+    };
+    let profiled = modes.iter().position(|&m| m == Mode::Ebpf);
+    let results = interleave(
+        &pods,
+        plan.rounds,
+        exe,
+        cpu,
+        plan.load,
+        profiled.zip(profiler.as_mut()),
+    )?;
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -515,6 +587,9 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result
     }
     out.pop();
     out.push_str(".\n");
+    if let Some(profiler) = &profiler {
+        out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
+    }
     Ok(out)
 }
 
@@ -533,7 +608,7 @@ fn policy_scale(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Res
             pods.push(pod);
         }
     }
-    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load)?;
+    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load, None)?;
     let floor = column(&results[0], |m| m.short_per_s);
     let mut out = format!(
         "\n## Policy scale\n\nShort connections with `excludeOutboundIPRanges` of N /24s (none \
