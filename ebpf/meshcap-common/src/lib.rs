@@ -29,12 +29,16 @@ pub mod maps {
     pub const PORTS: &str = "MESHCAP_PORTS";
     /// Interface flags in a pod ([`crate::IfaceKey`] → `u32`).
     pub const IFACES: &str = "MESHCAP_IFACES";
-    /// Original destination of a redirected socket by socket cookie (`u64` →
-    /// [`crate::OrigDst`]), from connect/sendmsg until sockops moves it to [`FLOWS`].
-    pub const BY_COOKIE: &str = "MESHCAP_BY_COOKIE";
+    /// Original destination of a redirected socket, in the socket's own storage (socket
+    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for sockops and recvmsg.
+    pub const DIALED: &str = "MESHCAP_DIALED";
     /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
-    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
+    /// [`crate::OrigDst`]): the hand-off from the client end (or TC, inbound) to the accepted
+    /// end, for the length of a handshake.
     pub const FLOWS: &str = "MESHCAP_FLOWS";
+    /// Original destination on the proxy's accepted socket (socket storage,
+    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
+    pub const ACCEPTED: &str = "MESHCAP_ACCEPTED";
     /// Program array, slot 0: the shared inbound TC program every pod's stub tail-calls.
     pub const TC_PROG: &str = "MESHCAP_TC_PROG";
 }

@@ -183,15 +183,16 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 9] = [
+const MAPS: [&str; 10] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::CIDRS4,
     maps::CIDRS6,
     maps::PORTS,
     maps::IFACES,
-    maps::BY_COOKIE,
+    maps::DIALED,
     maps::FLOWS,
+    maps::ACCEPTED,
     maps::TC_PROG,
 ];
 
