@@ -131,6 +131,15 @@ pub mod flags {
     pub const EXCLUDED_ROUTES: u32 = 1 << 5;
     /// `INVALID_DROP`.
     pub const INVALID_DROP: u32 = 1 << 6;
+    /// `includeOutboundIPRanges: *`: every address is included, no lookup needed (the
+    /// zero-length prefixes are in the list all the same).
+    pub const INCLUDE_ALL: u32 = 1 << 7;
+    /// The `excludeOutboundIPRanges` list is empty: no lookup needed.
+    pub const NO_EXCLUDE_CIDRS: u32 = 1 << 8;
+    /// The `excludeOutboundPorts` list is empty: no lookup needed.
+    pub const NO_EXCLUDE_PORTS: u32 = 1 << 9;
+    /// The `includeOutboundPorts` list is empty: no lookup needed.
+    pub const NO_INCLUDE_PORTS: u32 = 1 << 10;
 }
 
 /// Bits of the [`maps::IFACES`] value.
