@@ -2,13 +2,23 @@
 //! time) of the eBPF agent's programs, summed over the eBPF pod's data-path runs. Off by
 //! default: while statistics are on, every BPF program on the machine pays two clock reads per
 //! run, which the other modes do not.
-use std::{collections::BTreeMap, fmt::Write as _, fs, os::fd::OwnedFd};
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    fs,
+    os::fd::OwnedFd,
+    sync::atomic::{AtomicBool, Ordering},
+    thread,
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use aya::{
+    maps::{HashMap, Map, MapData, MapInfo},
     programs::loaded_programs,
     sys::{Stats, enable_stats},
 };
+use meshcap_common::{FlowKey, OrigDst, maps};
 
 use crate::stats::human;
 
@@ -20,6 +30,8 @@ pub struct Profiler {
     _stats: OwnedFd,
     agent: u32,
     total: Counters,
+    /// The most `MESHCAP_FLOWS` entries seen at once.
+    flows_peak: usize,
 }
 
 impl Profiler {
@@ -30,17 +42,54 @@ impl Profiler {
             _stats: stats,
             agent,
             total: Counters::new(),
+            flows_peak: 0,
         })
     }
 
-    /// The counters now.
-    pub fn snapshot(&self) -> Counters {
+    /// Runs `f` while a thread counts `MESHCAP_FLOWS` entries every millisecond, and keeps
+    /// the peak.
+    pub fn sampling_flows<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let flows = self.flows_map();
+        let done = AtomicBool::new(false);
+        let (out, peak) = thread::scope(|scope| {
+            let sampler = scope.spawn(|| {
+                let mut peak = 0;
+                while let Some(map) = &flows
+                    && !done.load(Ordering::Relaxed)
+                {
+                    peak = peak.max(map.keys().flatten().count());
+                    thread::sleep(Duration::from_millis(1));
+                }
+                peak
+            });
+            let out = f();
+            done.store(true, Ordering::Relaxed);
+            (out, sampler.join().unwrap_or(0))
+        });
+        self.flows_peak = self.flows_peak.max(peak);
+        out
+    }
+
+    /// The agent's `MESHCAP_FLOWS`, found through its programs.
+    fn flows_map(&self) -> Option<HashMap<MapData, FlowKey, OrigDst>> {
+        let id = self.programs().iter().find_map(|info| {
+            info.map_ids().ok().flatten()?.into_iter().find(|id| {
+                MapInfo::from_id(*id)
+                    .ok()
+                    .is_some_and(|m| m.name_as_str().is_some_and(|n| maps::FLOWS.starts_with(n)))
+            })
+        })?;
+        let data = MapData::from_id(id).ok()?;
+        HashMap::try_from(Map::LruHashMap(data)).ok()
+    }
+
+    /// The agent's programs: those using a map the agent holds, or a map of such a program
+    /// (the agent does not keep every map open).
+    fn programs(&self) -> Vec<aya::programs::ProgramInfo> {
         let mut maps = map_ids(self.agent);
         let programs: Vec<_> = loaded_programs().flatten().collect();
         let uses =
             |info: &aya::programs::ProgramInfo| info.map_ids().ok().flatten().unwrap_or_default();
-        // The agent does not keep every map open (the connection-tracking ones): take in the
-        // maps of the programs found so far, then look again.
         for _ in 0..2 {
             for info in &programs {
                 let ids = uses(info);
@@ -49,11 +98,16 @@ impl Profiler {
                 }
             }
         }
+        programs
+            .into_iter()
+            .filter(|info| uses(info).iter().any(|id| maps.contains(id)))
+            .collect()
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> Counters {
         let mut out = Counters::new();
-        for info in &programs {
-            if !uses(info).iter().any(|id| maps.contains(id)) {
-                continue;
-            }
+        for info in self.programs() {
             let name = info.name_as_str().unwrap_or("?").to_owned();
             let entry = out.entry(name).or_default();
             entry.0 += info.run_count();
@@ -98,6 +152,11 @@ impl Profiler {
             );
         }
         let _ = writeln!(out, "| all | | | | {} |", human(sum));
+        let _ = writeln!(
+            out,
+            "\nMost `MESHCAP_FLOWS` entries seen at once (sampled every millisecond): {}.",
+            self.flows_peak
+        );
         out
     }
 }

@@ -9,13 +9,14 @@ use std::{
     fmt::Write as _,
     fs,
     net::{Ipv4Addr, SocketAddrV4},
+    os::fd::{AsFd as _, AsRawFd as _},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Instant,
 };
 
 use anyhow::{Context as _, bail, ensure};
-use aya::maps::MapInfo;
+use aya::maps::MapData;
 use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
 
@@ -283,49 +284,37 @@ impl Node {
         }
     }
 
-    /// The kernel's memory accounting of every map the eBPF agent holds.
+    /// The kernel's memory accounting of every map the eBPF agent pins (opened from the pins,
+    /// read from this process's fdinfo).
     fn map_memory(&self) -> Vec<(String, u64, u64)> {
         let Ok(agent) = &self.ebpf else {
             return Vec::new();
         };
-        fdinfo_maps(agent.pid())
+        let dir = agent.bpffs().join("maps");
+        let mut names: Vec<String> = fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
             .into_iter()
-            .map(|(id, max, memlock)| {
-                let name = MapInfo::from_id(id)
-                    .ok()
-                    .and_then(|i| i.name_as_str().map(str::to_owned))
-                    .unwrap_or_else(|| format!("id {id}"));
-                (name, max, memlock)
+            .filter_map(|name| {
+                let map = MapData::from_pin(dir.join(&name)).ok()?;
+                let fd = map.fd().as_fd().as_raw_fd();
+                let text = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+                let field = |key: &str| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix(key))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                };
+                Some((name, field("max_entries:")?, field("memlock:")?))
             })
             .collect()
     }
-}
-
-/// `(map id, max_entries, memlock bytes)` of every BPF map fd this process holds, from
-/// /proc/<pid>/fdinfo (no bpftool needed).
-fn fdinfo_maps(pid: u32) -> Vec<(u32, u64, u64)> {
-    let mut out = Vec::new();
-    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Ok(text) = fs::read_to_string(entry.path()) else {
-            continue;
-        };
-        let field = |key: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
-        if let (Some(id), Some(max), Some(memlock)) =
-            (field("map_id:"), field("max_entries:"), field("memlock:"))
-            && let Ok(id) = u32::try_from(id)
-            && !out.iter().any(|(i, _, _)| *i == id)
-        {
-            out.push((id, max, memlock));
-        }
-    }
-    out
 }
 
 /// One throwaway pod. Fields drop in order: the proxy first, then the cgroup, then the netns.
@@ -493,7 +482,8 @@ fn interleave(
             match &mut profile {
                 Some((profiled, profiler)) if *profiled == i => {
                     let before = profiler.snapshot();
-                    results[i].push(pods[i].measure(exe, cpu, load)?);
+                    let measured = profiler.sampling_flows(|| pods[i].measure(exe, cpu, load))?;
+                    results[i].push(measured);
                     profiler.add_since(&before);
                 }
                 _ => results[i].push(pods[i].measure(exe, cpu, load)?),
@@ -662,7 +652,7 @@ fn footprint(plan: &Plan, exe: &Path, node: &Node) -> anyhow::Result<String> {
     let total: u64 = maps.iter().map(|m| m.2).sum();
     let _ = writeln!(
         out,
-        "BPF maps (kernel memlock accounting, /proc/<pid>/fdinfo): {} KiB in total.\n\n| map | \
+        "BPF maps the eBPF agent pins (kernel memlock accounting, from fdinfo): {} KiB in total.\n\n| map | \
          max entries | memlock KiB |\n|---|---|---|",
         total / 1024
     );

@@ -172,6 +172,11 @@ impl Agent {
         config("1.1.0", &self.socket, "10.0.0.2").to_string()
     }
 
+    /// The agent's bpffs directory (maps pinned under `maps/`).
+    pub fn bpffs(&self) -> &Path {
+        &self.bpffs
+    }
+
     /// The agent's pid.
     pub fn pid(&self) -> u32 {
         self.child.id()
