@@ -49,9 +49,15 @@ struct Cli {
 enum Command {
     /// Load every embedded kernel program (the verifier checks each) and report.
     Verify,
-    /// Remove meshcap's plugin entry and binary from this node's CNI set-up (a real uninstall:
-    /// restarts and upgrades never do this). Reads the same MESHCAP_* settings as `run`.
-    Uninstall,
+    /// A real uninstall (restarts and upgrades never do this): remove meshcap's plugin entry
+    /// and binary from this node's CNI set-up, then detach and unpin the eBPF programs of every
+    /// layout version, except those still capturing a live pod (it then fails, naming them:
+    /// restart those pods and run it again). Reads the same MESHCAP_* settings as `run`.
+    Uninstall {
+        /// The eBPF layout directory; other versions beside it (`…/v<N>`) are removed too.
+        #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
+        bpffs_dir: PathBuf,
+    },
     /// Run the node agent: serve the CNI plugin, capture pods.
     Run(Box<RunArgs>),
     /// Show what a running agent captures, with which backend and why.
@@ -176,7 +182,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify => verify(),
-        Command::Uninstall => uninstall(),
+        Command::Uninstall { bpffs_dir } => uninstall(&bpffs_dir),
         Command::Run(args) => run(*args),
         Command::Status { socket, json } => status(&socket, json),
         Command::Policy {
@@ -213,7 +219,7 @@ fn verify() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn uninstall() -> anyhow::Result<()> {
+fn uninstall(bpffs_dir: &std::path::Path) -> anyhow::Result<()> {
     let config = settings::install_config(
         |name| std::env::var(name).ok(),
         settings::PLUGIN_SOURCE.into(),
@@ -224,6 +230,39 @@ fn uninstall() -> anyhow::Result<()> {
         config.cni_conf_dir.display(),
         config.cni_bin_dir.display()
     );
+    let mut kept = Vec::new();
+    for dir in ebpf::layout::versions(bpffs_dir) {
+        if !dir.exists() {
+            continue;
+        }
+        let live = ebpf::layout::live_pods(&dir);
+        if live.is_empty() {
+            ebpf::layout::remove(&dir)?;
+            println!(
+                "detached meshcap's eBPF programs and removed {}",
+                dir.display()
+            );
+        } else {
+            let pods: Vec<String> = live
+                .iter()
+                .map(|p| format!("{}/{}", p.namespace, p.name))
+                .collect();
+            kept.push(format!(
+                "{} still captures {} pod(s): {}",
+                dir.display(),
+                pods.len(),
+                pods.join(", ")
+            ));
+        }
+    }
+    if !kept.is_empty() {
+        bail!(
+            "meshcap's eBPF programs stay attached, so those pods keep their capture: {}; \
+             restart them (the CNI set-up now installed handles the new ones) and run \
+             `meshcap-agent uninstall` again",
+            kept.join("; ")
+        );
+    }
     Ok(())
 }
 

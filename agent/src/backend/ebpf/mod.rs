@@ -18,6 +18,7 @@
 //! TC filter, which outlives its creator.
 mod bpffs;
 mod encode;
+pub mod layout;
 mod podnet;
 mod stub;
 mod sys;
@@ -561,16 +562,7 @@ impl EbpfBackend {
     /// # Errors
     /// When the cgroup cannot be queried.
     pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, EbpfError> {
-        let cgroup = fs::File::open(&self.config.cgroup_root)
-            .map_err(|e| EbpfError::io("opening the cgroup root", e))?;
-        CGROUP_PROGRAMS
-            .iter()
-            .map(|(name, attach)| {
-                sys::prog_count(&cgroup, *attach)
-                    .map(|n| (*name, n))
-                    .map_err(|e| EbpfError::io(&format!("querying {name}"), e))
-            })
-            .collect()
+        cgroup_attachments(&self.config.cgroup_root)
     }
 
     /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
@@ -592,30 +584,7 @@ impl EbpfBackend {
     /// # Errors
     /// When the pin directory cannot be read.
     pub fn list(&self) -> Result<Vec<PinnedPod>, EbpfError> {
-        let pods_dir = self.config.bpffs_dir.join("pods");
-        let mut out = Vec::new();
-        for cookie_name in list_dir(&pods_dir) {
-            let Ok(cookie) = cookie_name.parse::<u64>() else {
-                continue;
-            };
-            let names = list_dir(&pods_dir.join(&cookie_name));
-            let Some((namespace, name, container_id)) =
-                names.iter().find_map(|n| parse_meta_name(n))
-            else {
-                continue;
-            };
-            out.push(PinnedPod {
-                namespace,
-                name,
-                container_id,
-                netns_cookie: cookie,
-                interfaces: names
-                    .iter()
-                    .filter_map(|n| n.strip_prefix("tc-").map(str::to_owned))
-                    .collect(),
-            });
-        }
-        Ok(out)
+        Ok(pinned_pods(&self.config.bpffs_dir))
     }
 
     /// Detaches every node-wide program and removes every pin (maps included): the node is
@@ -626,14 +595,7 @@ impl EbpfBackend {
     pub fn uninstall(self) -> Result<(), EbpfError> {
         let dir = self.config.bpffs_dir.clone();
         drop(self);
-        remove_tree(&dir);
-        if dir.exists() {
-            return Err(EbpfError::io(
-                &format!("removing {}", dir.display()),
-                io::Error::other("still present"),
-            ));
-        }
-        Ok(())
+        layout::remove(&dir)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Tables> {
@@ -681,6 +643,52 @@ fn list_dir(dir: &Path) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// How many programs of each node-wide hook are attached to `cgroup_root`, whoever attached
+/// them.
+///
+/// # Errors
+/// When the cgroup cannot be queried.
+pub fn cgroup_attachments(cgroup_root: &Path) -> Result<Vec<(&'static str, u32)>, EbpfError> {
+    let cgroup =
+        fs::File::open(cgroup_root).map_err(|e| EbpfError::io("opening the cgroup root", e))?;
+    CGROUP_PROGRAMS
+        .iter()
+        .map(|(name, attach)| {
+            sys::prog_count(&cgroup, *attach)
+                .map(|n| (*name, n))
+                .map_err(|e| EbpfError::io(&format!("querying {name}"), e))
+        })
+        .collect()
+}
+
+/// Every pod pinned under the layout directory `bpffs_dir` (only its `pods/` names are read,
+/// so this works for any layout version).
+fn pinned_pods(bpffs_dir: &Path) -> Vec<PinnedPod> {
+    let pods_dir = bpffs_dir.join("pods");
+    let mut out = Vec::new();
+    for cookie_name in list_dir(&pods_dir) {
+        let Ok(cookie) = cookie_name.parse::<u64>() else {
+            continue;
+        };
+        let names = list_dir(&pods_dir.join(&cookie_name));
+        let Some((namespace, name, container_id)) = names.iter().find_map(|n| parse_meta_name(n))
+        else {
+            continue;
+        };
+        out.push(PinnedPod {
+            namespace,
+            name,
+            container_id,
+            netns_cookie: cookie,
+            interfaces: names
+                .iter()
+                .filter_map(|n| n.strip_prefix("tc-").map(str::to_owned))
+                .collect(),
+        });
+    }
+    out
 }
 
 /// Removes a bpffs tree: pins are files (links are detached first), the rest directories.

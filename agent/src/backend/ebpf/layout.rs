@@ -1,0 +1,85 @@
+//! A pin layout as a whole, for a real uninstall: which layout directories a node holds, which
+//! pods still depend on one, and removing one. Only pin names are read, never maps, so this
+//! works for a layout of any version, also one this agent's object could not open.
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
+
+use super::{EbpfError, PinnedPod, list_dir, pinned_pods, remove_tree};
+
+/// The layout directories `configured` stands for: itself and, when it is a versioned
+/// directory (`…/v<N>`, as the default `/sys/fs/bpf/meshcap/v2` is), every other version
+/// beside it. An unversioned directory (tests use unique ones) stands only for itself.
+#[must_use]
+pub fn versions(configured: &Path) -> Vec<PathBuf> {
+    let mut dirs = vec![configured.to_owned()];
+    let versioned = |name: &str| {
+        name.strip_prefix('v')
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let (Some(name), Some(parent)) = (
+        configured.file_name().and_then(|n| n.to_str()),
+        configured.parent(),
+    ) else {
+        return dirs;
+    };
+    if !versioned(name) {
+        return dirs;
+    }
+    let mut siblings: Vec<String> = list_dir(parent)
+        .into_iter()
+        .filter(|n| n != name && versioned(n))
+        .collect();
+    siblings.sort();
+    dirs.extend(siblings.into_iter().map(|n| parent.join(n)));
+    dirs
+}
+
+/// Pods pinned under `dir` whose network namespace is still alive: the programs pinned there
+/// still capture them, so removing the layout would let their traffic bypass the sidecar.
+#[must_use]
+pub fn live_pods(dir: &Path) -> Vec<PinnedPod> {
+    let live = crate::netns::live_cookies();
+    pinned_pods(dir)
+        .into_iter()
+        .filter(|pod| live.contains(&pod.netns_cookie))
+        .collect()
+}
+
+/// Detaches everything pinned under `dir` (the node-wide links, pods' TC links and stubs) and
+/// removes it, maps included.
+///
+/// # Errors
+/// When something under `dir` cannot be removed.
+pub fn remove(dir: &Path) -> Result<(), EbpfError> {
+    remove_tree(dir);
+    if dir.exists() {
+        return Err(EbpfError::io(
+            &format!("removing {}", dir.display()),
+            io::Error::other("still present"),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versioned_directories_bring_their_siblings() {
+        let root = std::env::temp_dir().join(format!("meshcap-layout-{}", std::process::id()));
+        for dir in ["v1", "v2", "v10", "other", "vx"] {
+            std::fs::create_dir_all(root.join(dir)).unwrap();
+        }
+        let found = versions(&root.join("v2"));
+        let alone = versions(&root.join("other"));
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(
+            found,
+            vec![root.join("v2"), root.join("v1"), root.join("v10")]
+        );
+        assert_eq!(alone, vec![root.join("other")]);
+    }
+}

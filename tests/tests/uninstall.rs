@@ -1,0 +1,125 @@
+//! `meshcap-agent uninstall`, the real one (restarts and upgrades never run it): the plugin
+//! leaves the CNI set-up at once, but the eBPF programs stay attached for as long as a pod they
+//! captured is alive, so that no pod's traffic bypasses its sidecar; once those pods are gone a
+//! second run detaches and unpins everything.
+use std::{fs, path::Path, process::Command};
+
+use meshcap_agent::backend::ebpf;
+use meshcap_tests::{
+    agent::{
+        Agent, Backend, ManifestDir, Sandbox, Wired, binaries, cni, config, eventually,
+        sidecar_pod, write_manifest,
+    },
+    require_root, unique_name,
+};
+use serde_json::{Value, json};
+
+fn uninstall(conf_dir: &Path, bin_dir: &Path, bpffs_dir: &Path) -> (bool, String) {
+    let out = Command::new(binaries().join("meshcap-agent"))
+        .arg("uninstall")
+        .arg("--bpffs-dir")
+        .arg(bpffs_dir)
+        .env("MESHCAP_CNI_CONF_DIR", conf_dir)
+        .env("MESHCAP_CNI_BIN_DIR", bin_dir)
+        .output()
+        .expect("running meshcap-agent uninstall");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+fn meshcap_entries(conflist: &Path) -> usize {
+    let conf: Value =
+        serde_json::from_slice(&fs::read(conflist).expect("conflist")).expect("JSON conflist");
+    conf["plugins"]
+        .as_array()
+        .expect("plugins")
+        .iter()
+        .filter(|p| p["type"] == "meshcap-cni")
+        .count()
+}
+
+#[test]
+fn uninstall_keeps_the_programs_while_a_captured_pod_lives_then_removes_everything() {
+    require_root();
+    let pods = ManifestDir::new();
+    let cni_root = ManifestDir(std::env::temp_dir().join(unique_name("meshcap-uninstall")));
+    let (conf_dir, bin_dir) = (cni_root.0.join("net.d"), cni_root.0.join("bin"));
+    for dir in [&conf_dir, &bin_dir] {
+        fs::create_dir_all(dir).expect("CNI dirs");
+    }
+    let primary = conf_dir.join("10-flannel.conflist");
+    fs::write(
+        &primary,
+        json!({"cniVersion": "1.0.0", "name": "cbr0", "plugins": [{"type": "flannel"}]})
+            .to_string(),
+    )
+    .expect("primary conflist");
+    let mut agent = Agent::start(
+        Backend::Ebpf,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_INSTALL_CNI", "true"),
+            ("MESHCAP_CNI_CONF_DIR", conf_dir.to_str().expect("utf-8")),
+            ("MESHCAP_CNI_BIN_DIR", bin_dir.to_str().expect("utf-8")),
+        ],
+    )
+    .expect("agent");
+    eventually("the plugin chained into the primary conflist", || {
+        meshcap_entries(&primary) == 1
+    })
+    .expect("installed");
+    let ebpf_config = agent.ebpf_config().expect("eBPF agent");
+
+    let wired = Wired::new(&agent);
+    let servers = wired.servers();
+    let name = unique_name("web");
+    write_manifest(&pods.0, &sidecar_pod("shop", &name, &[]));
+    let sandbox = Sandbox::new("shop", &name, &wired.pod);
+    let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}");
+    assert_eq!(wired.app_dial().0, "envoy", "captured");
+    // The DaemonSet is gone (the agent with it); the pod lives on.
+    agent.kill().expect("kill the agent");
+
+    let (ok, out) = uninstall(&conf_dir, &bin_dir, &ebpf_config.bpffs_dir);
+    assert!(!ok, "a live captured pod keeps the programs: {out}");
+    assert!(
+        out.contains(&format!("shop/{name}")),
+        "names the pod: {out}"
+    );
+    assert_eq!(meshcap_entries(&primary), 0, "the plugin entry is gone");
+    assert!(
+        !bin_dir.join("meshcap-cni").exists(),
+        "the plugin binary is gone"
+    );
+    assert!(ebpf_config.bpffs_dir.exists(), "the pins stay");
+    assert_eq!(
+        wired.app_dial().0,
+        "envoy",
+        "the live pod is still captured"
+    );
+
+    // The pod is restarted elsewhere: its netns goes.
+    drop(servers);
+    drop(wired);
+    let (ok, out) = uninstall(&conf_dir, &bin_dir, &ebpf_config.bpffs_dir);
+    assert!(ok, "nothing captured is left: {out}");
+    assert!(!ebpf_config.bpffs_dir.exists(), "every pin removed: {out}");
+    let attached: Vec<_> = ebpf::cgroup_attachments(&ebpf_config.cgroup_root)
+        .expect("query the cgroup")
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert_eq!(attached, Vec::new(), "every program detached");
+}
