@@ -1,11 +1,16 @@
 //! PID 1 of `cargo xtask integration`'s VMs: mounts what the tests need (proc, sysfs, devtmpfs,
-//! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs each test binary
-//! of `/tests.list`, prints one result line and powers the VM off. Built static.
+//! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs the test binaries
+//! of `/tests.list` (`/jobs` of them at a time; every output line prefixed with the binary's
+//! name), prints one line per binary and one result line, and powers the VM off.
 use std::{
     ffi::CString,
     fs,
-    os::fd::AsRawFd as _,
-    process::{Command, ExitStatus},
+    io::{BufRead as _, BufReader, Read},
+    os::{fd::AsRawFd as _, unix::process::ExitStatusExt as _},
+    process::{Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
 };
 
 use nix::mount::{MsFlags, mount};
@@ -78,31 +83,106 @@ fn load_module(path: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Runs every listed binary, `/jobs` at a time; returns (passed, failed) binaries.
 fn run_tests() -> (u32, u32) {
-    let (mut passed, mut failed) = (0, 0);
     let list = fs::read_to_string("/tests.list").unwrap_or_default();
-    for name in list.lines().filter(|l| !l.is_empty()) {
-        println!("meshcap-vm: running {name}");
-        let status: Result<ExitStatus, _> = Command::new(format!("/tests/{name}"))
-            .arg("--test-threads=1")
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("RUST_BACKTRACE", "1")
-            .env("MESHCAP_BIN_DIR", "/tests")
-            // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
-            // agent timeout (the host suite runs 100).
-            .env("MESHCAP_PARALLEL_PODS", "20")
-            .current_dir("/tmp")
-            .status();
-        match status {
-            Ok(status) if status.success() => {
-                println!("meshcap-vm: {name}: ok");
-                passed += 1;
-            }
-            other => {
-                println!("meshcap-vm: {name}: FAILED ({other:?})");
-                failed += 1;
-            }
-        }
+    let queue: Vec<String> = list
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let jobs = fs::read_to_string("/jobs")
+        .ok()
+        .and_then(|j| j.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let queue = Arc::new(Mutex::new(queue.into_iter()));
+    let tally = Arc::new(Mutex::new((0, 0)));
+    let workers: Vec<_> = (0..jobs)
+        .map(|_| {
+            let (queue, tally) = (Arc::clone(&queue), Arc::clone(&tally));
+            thread::spawn(move || {
+                loop {
+                    let next = queue.lock().map(|mut q| q.next()).ok().flatten();
+                    let Some(name) = next else { break };
+                    let ok = run_one(&name);
+                    if let Ok(mut t) = tally.lock() {
+                        if ok { t.0 += 1 } else { t.1 += 1 }
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        let _ = worker.join();
     }
-    (passed, failed)
+    tally.lock().map(|t| *t).unwrap_or((0, 1))
+}
+
+/// Runs one test binary, its output prefixed `name| `; prints `meshcap-vm: done NAME: ...`.
+fn run_one(name: &str) -> bool {
+    println!("meshcap-vm: running {name}");
+    let started = Instant::now();
+    let child = Command::new(format!("/tests/{name}"))
+        .arg("--test-threads=1")
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("RUST_BACKTRACE", "1")
+        .env("MESHCAP_BIN_DIR", "/tests")
+        // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
+        // agent timeout (the host suite runs 100).
+        .env("MESHCAP_PARALLEL_PODS", "20")
+        .current_dir("/tmp")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let status: Result<ExitStatus, String> = match child {
+        Ok(mut child) => {
+            let pipes: Vec<Box<dyn Read + Send>> = [
+                child
+                    .stdout
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                child
+                    .stderr
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let copiers: Vec<_> = pipes
+                .into_iter()
+                .map(|pipe| {
+                    let name = name.to_owned();
+                    thread::spawn(move || {
+                        for line in BufReader::new(pipe).lines() {
+                            let Ok(line) = line else { break };
+                            println!("{name}| {line}");
+                        }
+                    })
+                })
+                .collect();
+            let status = child.wait().map_err(|e| e.to_string());
+            // A process the test leaked may hold the pipes open: wait a little, not forever.
+            let until = Instant::now() + Duration::from_secs(5);
+            while copiers.iter().any(|c| !c.is_finished()) && Instant::now() < until {
+                thread::sleep(Duration::from_millis(50));
+            }
+            status
+        }
+        Err(err) => Err(format!("cannot start: {err}")),
+    };
+    let secs = started.elapsed().as_secs();
+    let (ok, how) = match status {
+        Ok(s) if s.success() => (true, "ok".to_owned()),
+        Ok(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => (false, format!("FAILED (exit code {code})")),
+            (None, Some(signal)) => (false, format!("FAILED (killed by signal {signal})")),
+            _ => (false, format!("FAILED ({s})")),
+        },
+        Err(err) => (false, format!("FAILED ({err})")),
+    };
+    println!("meshcap-vm: done {name}: {how} in {secs}s");
+    ok
 }
