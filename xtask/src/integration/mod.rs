@@ -40,6 +40,7 @@ pub struct Args {
 /// Host tools the harness and the iptables backend run, copied with their libraries.
 const HOST_TOOLS: &[&str] = &[
     "ip",
+    "tc",
     "iptables",
     "iptables-save",
     "iptables-restore",
