@@ -37,6 +37,22 @@ pub struct Args {
     timeout: u64,
 }
 
+impl Args {
+    /// The defaults of `cargo xtask integration --kernel <each of kernels>`.
+    pub fn for_kernels(kernels: &[&str]) -> Self {
+        #[derive(clap::Parser)]
+        struct Standalone {
+            #[command(flatten)]
+            args: Args,
+        }
+        let mut argv = vec!["integration"];
+        for kernel in kernels {
+            argv.extend(["--kernel", kernel]);
+        }
+        <Standalone as clap::Parser>::parse_from(argv).args
+    }
+}
+
 /// Host tools the harness and the iptables backend run, copied with their libraries.
 const HOST_TOOLS: &[&str] = &[
     "ip",
