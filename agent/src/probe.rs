@@ -8,12 +8,11 @@ use std::collections::BTreeSet;
 use aya::{
     programs::ProgramType,
     sys::{BpfHelper, is_helper_supported, is_program_supported},
-    util::KernelVersion,
 };
 use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
 
-use crate::bpf;
+use crate::{backend::ebpf, bpf};
 
 /// One probed feature.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,21 +183,20 @@ pub fn run() -> ProbeReport {
             is_helper_supported(kind, *helper).map_err(|e| e.to_string()),
         );
     }
-    // Pods' inbound TC programs are attached as pinned TCX bpf_links. Older kernels would
-    // take aya's netlink path, which the backend does not pin or check yet: `cargo xtask
-    // integration` on 6.1 shows its own CHECK failing there, so those kernels get iptables.
+    // The pods' stubs are not in the object (the agent assembles them): their one helper.
+    // Where they attach does not matter here: TCX links on 6.6+, netlink TC filters before.
     report.push(
-        "TCX attachment (Linux 6.6+) for the pods' inbound programs".into(),
-        KernelVersion::current()
-            .map(|current| current >= KernelVersion::new(6, 6, 0))
+        "helper BPF_FUNC_tail_call in the pods' TC stubs".into(),
+        is_helper_supported(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_tail_call)
             .map_err(|e| e.to_string()),
     );
-    let trial = bpf::open()
-        .map_err(|e| e.to_string())
-        .and_then(|mut ebpf| bpf::load_all(&mut ebpf).map_err(|e| e.to_string()));
+    let trial = bpf::open().map_err(|e| e.to_string()).and_then(|mut ebpf| {
+        bpf::load_all(&mut ebpf).map_err(|e| e.to_string())?;
+        ebpf::trial_load_stub(&ebpf).map_err(|e| e.to_string())
+    });
     report.push(
-        "trial load of every embedded program (with its attach type)".into(),
-        trial.map(|_| true),
+        "trial load of every embedded program (with its attach type) and a pod's TC stub".into(),
+        trial.map(|()| true),
     );
     report
 }

@@ -7,24 +7,10 @@ use std::{collections::BTreeMap, net::IpAddr};
 use k8s_openapi::api::core::v1::Pod;
 use meshcap_agent::policy::{
     self, CtState, Direction, Packet, Protocol, RedirectPolicy, RuleEvaluator, SelectConfig,
-    Selection,
+    Selection, keys,
 };
 use proptest::{collection::vec, prelude::*, sample::select};
 use serde_json::json;
-
-const KEYS: [&str; 11] = [
-    "sidecar.istio.io/interceptionMode",
-    "traffic.sidecar.istio.io/includeOutboundIPRanges",
-    "traffic.sidecar.istio.io/excludeOutboundIPRanges",
-    "traffic.sidecar.istio.io/includeInboundPorts",
-    "traffic.sidecar.istio.io/excludeInboundPorts",
-    "traffic.sidecar.istio.io/includeOutboundPorts",
-    "traffic.sidecar.istio.io/excludeOutboundPorts",
-    "traffic.sidecar.istio.io/excludeInterfaces",
-    "istio.io/reroute-virtual-interfaces",
-    "traffic.sidecar.istio.io/kubevirtInterfaces",
-    "sidecar.istio.io/inject",
-];
 
 const CIDRS: [&str; 12] = [
     "10.0.0.0/8",
@@ -126,7 +112,7 @@ fn value_for(key: &'static str) -> BoxedStrategy<String> {
 }
 
 fn annotations() -> impl Strategy<Value = BTreeMap<String, String>> {
-    vec((select(&KEYS[..]), any::<u32>()), 0..8).prop_flat_map(|picked| {
+    vec((select(&keys::POLICY_ANNOTATIONS[..]), any::<u32>()), 0..8).prop_flat_map(|picked| {
         let strategies: Vec<_> = picked
             .into_iter()
             .map(|(key, _)| value_for(key).prop_map(move |v| (key.to_owned(), v)))

@@ -490,7 +490,7 @@ pub fn parse_cni_args(raw: &str) -> Result<BTreeMap<String, String>, CniError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use serde_json::json;
 
     use super::*;
@@ -645,7 +645,8 @@ mod tests {
         );
     }
 
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    /// A CNI environment made of `vars` only, for [`Invocation::from_env`].
+    pub(crate) fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let vars: BTreeMap<String, String> = vars
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

@@ -251,19 +251,10 @@ fn ask(conf: &NetConf, op: Op) -> Result<String, CniError> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use serde_json::json;
 
     use super::*;
-
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let vars: BTreeMap<String, String> = vars
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        move |k| vars.get(k).cloned()
-    }
+    use crate::cni::tests::env;
 
     fn add_env(ns: &str, name: &str) -> Vec<(&'static str, String)> {
         vec![

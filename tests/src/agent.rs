@@ -12,7 +12,11 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig};
+use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, TcAttach};
+
+/// The agent's (hidden) setting forcing how pods' inbound stubs attach: `netlink` tests the
+/// netlink TC path on a TCX kernel.
+pub const TC_ATTACH_ENV: &str = "MESHCAP_TC_ATTACH";
 use serde_json::{Value, json};
 
 use crate::{
@@ -87,6 +91,25 @@ impl Backend {
             Self::Iptables => "iptables",
         }
     }
+}
+
+/// One test per backend for each scenario function `name(backend: Backend)`: a module `name`
+/// holding the tests `ebpf` and `iptables` (`cargo test name::ebpf`).
+#[macro_export]
+macro_rules! test_on_both_backends {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn ebpf() {
+                super::$name($crate::agent::Backend::Ebpf);
+            }
+
+            #[test]
+            fn iptables() {
+                super::$name($crate::agent::Backend::Iptables);
+            }
+        }
+    )+};
 }
 
 /// A running agent with throwaway socket, state, cgroup and bpffs directories. On drop it is
@@ -218,6 +241,15 @@ impl Agent {
         Some(EbpfConfig {
             cgroup_root: self.cgroup_root.clone()?,
             bpffs_dir: self.bpffs_dir.clone()?,
+            tc_attach: if self
+                .env
+                .iter()
+                .any(|(k, v)| k == TC_ATTACH_ENV && v == "netlink")
+            {
+                TcAttach::Netlink
+            } else {
+                TcAttach::for_kernel()
+            },
         })
     }
 
@@ -561,6 +593,14 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
         rules
             .lines()
             .filter(|l| l.contains("lookup 133"))
+            .map(str::to_owned),
+    );
+    // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).
+    let qdiscs = crate::run("tc", &["-n", netns.name(), "qdisc", "show"])?;
+    out.extend(
+        qdiscs
+            .lines()
+            .filter(|l| l.contains("clsact"))
             .map(str::to_owned),
     );
     Ok(out)

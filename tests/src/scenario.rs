@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail};
 use meshcap_agent::{
     backend::{
         CaptureBackend as _, PodRef,
-        ebpf::{EbpfBackend, EbpfConfig},
+        ebpf::{EbpfBackend, EbpfConfig, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
@@ -50,6 +50,15 @@ impl EbpfUnderTest {
         Self::at(cgroup, &Self::unique_dir())
     }
 
+    /// As [`Self::new`], with pods' inbound stubs attached as `tc_attach` says (netlink TC
+    /// can be forced on a TCX kernel).
+    ///
+    /// # Errors
+    /// When the kernel refuses.
+    pub fn with_tc_attach(cgroup: &TestCgroup, tc_attach: TcAttach) -> anyhow::Result<Self> {
+        Self::at_with(cgroup, &Self::unique_dir(), tc_attach)
+    }
+
     /// A fresh pin directory name for this process.
     #[must_use]
     pub fn unique_dir() -> PathBuf {
@@ -63,9 +72,22 @@ impl EbpfUnderTest {
     /// # Errors
     /// When the kernel refuses.
     pub fn at(cgroup: &TestCgroup, dir: &std::path::Path) -> anyhow::Result<Self> {
+        Self::at_with(cgroup, dir, TcAttach::for_kernel())
+    }
+
+    /// As [`Self::at`], with pods' inbound stubs attached as `tc_attach` says.
+    ///
+    /// # Errors
+    /// When the kernel refuses.
+    pub fn at_with(
+        cgroup: &TestCgroup,
+        dir: &std::path::Path,
+        tc_attach: TcAttach,
+    ) -> anyhow::Result<Self> {
         let backend = EbpfBackend::open(EbpfConfig {
             cgroup_root: cgroup.path().to_owned(),
             bpffs_dir: dir.to_owned(),
+            tc_attach,
         })?;
         Ok(Self {
             backend: Some(backend),

@@ -1,7 +1,10 @@
 //! The eBPF backend's life cycle on the real kernel: pins survive the agent, a restart adopts
 //! them without attaching twice, removal releases the pod, and two pods with identical
-//! loopback 4-tuples keep their own original destinations.
-use meshcap_agent::backend::PodRef;
+//! loopback 4-tuples keep their own original destinations. The inbound stubs' netlink TC path
+//! (kernels without TCX) is forced here, on a TCX kernel, to test it too.
+use std::process::Command;
+
+use meshcap_agent::backend::{PodRef, ebpf::TcAttach};
 use meshcap_tests::{
     dial, require_root,
     scenario::{EbpfUnderTest, default_policy},
@@ -27,6 +30,160 @@ fn captured(node: &Node, pod: &Pod) -> bool {
         .expect("dial")
         .expect("an answer");
     report.server == "envoy"
+}
+
+/// A client on the node dials the pod's app port: captured inbound, the TC stub's work.
+fn captured_inbound(node: &Node, pod: &Pod) -> bool {
+    let report = dial(node.client(), &format!("tcp:{}:8080", pod.v4()), None)
+        .expect("dial")
+        .expect("an answer");
+    report.server == "envoy" && report.listener == 15006
+}
+
+/// `tc <args>` inside the pod's netns.
+fn tc(pod: &Pod, args: &[&str]) -> String {
+    let path = pod.netns.path();
+    let name = path.file_name().expect("netns name").to_string_lossy();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &name, "tc"])
+        .args(args)
+        .output()
+        .expect("running tc");
+    assert!(
+        out.status.success(),
+        "tc {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The filters on an interface's ingress, one line each (`tc` prints each priority's
+/// classifier on a line of its own, without a handle: left out).
+fn ingress_filters(pod: &Pod, dev: &str) -> Vec<String> {
+    tc(pod, &["filter", "show", "dev", dev, "ingress"])
+        .lines()
+        .filter(|l| l.contains("handle"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    let policy = default_policy("web", pod.ips(false));
+    let r = pod_ref(&pod);
+    // eth1 already has a clsact qdisc with another tool's filter (a classic BPF program that
+    // never matches, so classification goes on to meshcap's): both must stay.
+    tc(&pod, &["qdisc", "add", "dev", "eth1", "clsact"]);
+    tc(
+        &pod,
+        &[
+            "filter",
+            "add",
+            "dev",
+            "eth1",
+            "ingress",
+            "pref",
+            "10",
+            "handle",
+            "7",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 0",
+        ],
+    );
+
+    let first = EbpfUnderTest::with_tc_attach(&node.cgroup, TcAttach::Netlink).expect("backend");
+    first.get().add(&r, &policy).expect("add");
+    first
+        .get()
+        .add(&r, &policy)
+        .expect("add again (idempotent)");
+    first.get().check(&r, &policy).expect("check");
+    for dev in ["eth0", "eth1"] {
+        let ours: Vec<_> = ingress_filters(&pod, dev)
+            .into_iter()
+            .filter(|l| l.contains("meshcap_tc_stub"))
+            .collect();
+        assert_eq!(ours.len(), 1, "{dev}: {ours:?}");
+        assert!(
+            ours[0].contains("pref 49153") && ours[0].contains("direct-action"),
+            "{dev}: {ours:?}"
+        );
+    }
+    assert!(captured_inbound(&node, &pod), "inbound must be captured");
+
+    // The agent goes away: the filters stay, and a restarted one adopts them.
+    let dir = first.leave();
+    assert!(
+        captured_inbound(&node, &pod),
+        "capture must outlive the agent"
+    );
+    let second =
+        EbpfUnderTest::at_with(&node.cgroup, &dir, TcAttach::Netlink).expect("restarted backend");
+    second.get().add(&r, &policy).expect("add after restart");
+    second
+        .get()
+        .check(&r, &policy)
+        .expect("check after restart");
+    for dev in ["eth0", "eth1"] {
+        let ours = ingress_filters(&pod, dev)
+            .iter()
+            .filter(|l| l.contains("meshcap_tc_stub"))
+            .count();
+        assert_eq!(ours, 1, "{dev}: attached {ours} times after a restart");
+    }
+
+    // CHECK looks at the kernel, not only at the pins.
+    tc(
+        &pod,
+        &[
+            "filter", "del", "dev", "eth0", "ingress", "pref", "49153", "handle", "1", "bpf",
+        ],
+    );
+    let err = second
+        .get()
+        .check(&r, &policy)
+        .expect_err("check must notice the missing filter");
+    assert!(err.to_string().contains("eth0"), "{err}");
+    // ADD repairs it: the stale record is dropped and the stub attached afresh.
+    second.get().add(&r, &policy).expect("add repairs");
+    second
+        .get()
+        .check(&r, &policy)
+        .expect("check after the repair");
+    assert_eq!(
+        ingress_filters(&pod, "eth0")
+            .iter()
+            .filter(|l| l.contains("meshcap_tc_stub"))
+            .count(),
+        1
+    );
+
+    second.get().remove(&r).expect("remove");
+    second.get().remove(&r).expect("remove again (idempotent)");
+    assert!(
+        !captured_inbound(&node, &pod),
+        "a removed pod is not captured"
+    );
+    assert!(second.get().list().expect("list").is_empty());
+    assert!(
+        !dir.join("pods").exists()
+            || std::fs::read_dir(dir.join("pods")).expect("pods").count() == 0,
+        "the pod's pins are gone"
+    );
+    // meshcap's qdisc went with its filter; the shared one stays with the other filter.
+    assert_eq!(ingress_filters(&pod, "eth0"), Vec::<String>::new());
+    assert!(
+        !tc(&pod, &["qdisc", "show", "dev", "eth0"]).contains("clsact"),
+        "meshcap's own clsact qdisc is removed"
+    );
+    let left = ingress_filters(&pod, "eth1");
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].contains("handle 0x7"), "{left:?}");
 }
 
 #[test]

@@ -20,14 +20,26 @@ use std::{
 use meshcap_tests::{
     Held, Netns, PROXY_UID, Placement,
     agent::{
-        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
-        run_plugin_raw, sidecar_pod, write_manifest,
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, TC_ATTACH_ENV, Wired, cni, config,
+        eventually, leftovers, run_plugin_raw, sidecar_pod, write_manifest,
     },
     dial, require_root, unique_name,
 };
 use serde_json::{Value, json};
 
+meshcap_tests::test_on_both_backends!(
+    dir_source_pod_is_captured_and_released,
+    kube_source_pod_is_captured_and_released,
+    api_unreachable_fails_add_closed,
+    bad_input_gets_clear_errors_and_the_agent_keeps_serving,
+    a_hundred_pods_in_parallel_leave_nothing_behind,
+);
+
 fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
+    dir_agent_with(backend, dir, &[])
+}
+
+fn dir_agent_with(backend: Backend, dir: &ManifestDir, env: &[(&str, &str)]) -> Agent {
     Agent::start(
         backend,
         &[
@@ -36,7 +48,7 @@ fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
             "--pod-dir",
             dir.0.to_str().expect("utf-8 path"),
         ],
-        &[],
+        env,
     )
     .expect("agent")
 }
@@ -99,27 +111,32 @@ fn capture_cycle(agent: &Agent, wired: &Wired, sandbox: &Sandbox, version: &str)
     assert!(del_again.success, "DEL is idempotent: {del_again:?}");
 }
 
+/// The eBPF agent with pods' inbound stubs as netlink TC filters (kernels without TCX),
+/// forced on this kernel: CHECK verifies them, DEL leaves no qdisc or filter behind.
 #[test]
-fn dir_source_pod_is_captured_and_released_ebpf() {
-    dir_source_pod_is_captured_and_released(Backend::Ebpf);
-}
-
-#[test]
-fn dir_source_pod_is_captured_and_released_iptables() {
-    dir_source_pod_is_captured_and_released(Backend::Iptables);
+fn dir_source_pod_is_captured_and_released_ebpf_netlink_tc() {
+    require_root();
+    let dir = ManifestDir::new();
+    let agent = dir_agent_with(Backend::Ebpf, &dir, &[(TC_ATTACH_ENV, "netlink")]);
+    capture_cycles(&agent, &dir, Backend::Ebpf);
 }
 
 fn dir_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
     let agent = dir_agent(backend, &dir);
+    capture_cycles(&agent, &dir, backend);
+}
+
+/// [`capture_cycle`] in every CNI version, REDIRECT and TPROXY.
+fn capture_cycles(agent: &Agent, dir: &ManifestDir, backend: Backend) {
     for (version, mode) in [
         ("1.0.0", "REDIRECT"),
         ("0.4.0", "TPROXY"),
         ("1.1.0", "REDIRECT"),
         ("0.3.1", "REDIRECT"),
     ] {
-        let wired = Wired::new(&agent);
+        let wired = Wired::new(agent);
         let name = unique_name("web");
         write_manifest(
             &dir.0,
@@ -130,7 +147,7 @@ fn dir_source_pod_is_captured_and_released(backend: Backend) {
             ),
         );
         let sandbox = Sandbox::new("shop", &name, &wired.pod);
-        capture_cycle(&agent, &wired, &sandbox, version);
+        capture_cycle(agent, &wired, &sandbox, version);
     }
     let (code, metrics) = agent.http_get("/metrics").expect("metrics");
     assert_eq!(code, 200);
@@ -278,16 +295,6 @@ fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool)
     let _ = reader.read_to_end(&mut rest);
 }
 
-#[test]
-fn kube_source_pod_is_captured_and_released_ebpf() {
-    kube_source_pod_is_captured_and_released(Backend::Ebpf);
-}
-
-#[test]
-fn kube_source_pod_is_captured_and_released_iptables() {
-    kube_source_pod_is_captured_and_released(Backend::Iptables);
-}
-
 fn kube_source_pod_is_captured_and_released(backend: Backend) {
     require_root();
     let api = FakeApiServer::start();
@@ -329,16 +336,6 @@ fn kube_source_pod_is_captured_and_released(backend: Backend) {
         &Sandbox::new("shop", &late, &wired.pod),
         "1.1.0",
     );
-}
-
-#[test]
-fn api_unreachable_fails_add_closed_ebpf() {
-    api_unreachable_fails_add_closed(Backend::Ebpf);
-}
-
-#[test]
-fn api_unreachable_fails_add_closed_iptables() {
-    api_unreachable_fails_add_closed(Backend::Iptables);
 }
 
 fn api_unreachable_fails_add_closed(backend: Backend) {
@@ -393,16 +390,6 @@ fn raw_request(socket: &Path, bytes: &[u8]) -> Value {
         meshcap_cni::protocol::read_frame(&mut stream, meshcap_cni::protocol::MAX_RESPONSE_BYTES)
             .expect("an answer");
     serde_json::from_slice(&body).expect("JSON answer")
-}
-
-#[test]
-fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_ebpf() {
-    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Ebpf);
-}
-
-#[test]
-fn bad_input_gets_clear_errors_and_the_agent_keeps_serving_iptables() {
-    bad_input_gets_clear_errors_and_the_agent_keeps_serving(Backend::Iptables);
 }
 
 fn bad_input_gets_clear_errors_and_the_agent_keeps_serving(backend: Backend) {
@@ -544,16 +531,6 @@ fn bad_input_gets_clear_errors_and_the_agent_keeps_serving(backend: Backend) {
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert!(metrics.contains(r#"reason="invalid_pod""#), "{metrics}");
     assert!(metrics.contains(r#"reason="forbidden""#), "{metrics}");
-}
-
-#[test]
-fn a_hundred_pods_in_parallel_leave_nothing_behind_ebpf() {
-    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Ebpf);
-}
-
-#[test]
-fn a_hundred_pods_in_parallel_leave_nothing_behind_iptables() {
-    a_hundred_pods_in_parallel_leave_nothing_behind(Backend::Iptables);
 }
 
 /// Pods ADDed at once: 100, or `MESHCAP_PARALLEL_PODS`. `cargo xtask integration` runs

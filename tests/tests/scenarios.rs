@@ -4,7 +4,10 @@
 use std::net::IpAddr;
 
 use meshcap_agent::{
-    backend::{PodRef, ebpf::unpin_link},
+    backend::{
+        PodRef,
+        ebpf::{TcAttach, unpin_link},
+    },
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{
@@ -482,6 +485,21 @@ fn ebpf_backend_makes_istios_decisions() {
     let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
     let mut cases = table();
     cases.extend(ebpf_only());
+    run_table(&backend, &mut node, &cases);
+}
+
+/// The inbound rows with the pods' stubs attached as netlink TC filters, as on kernels
+/// without TCX (forced here, on a TCX kernel).
+#[test]
+fn ebpf_backend_with_netlink_tc_makes_istios_inbound_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend =
+        EbpfUnderTest::with_tc_attach(&node.cgroup, TcAttach::Netlink).expect("eBPF backend");
+    let mut cases = table();
+    cases.extend(ebpf_only());
+    cases.retain(|c| matches!(c.from, meshcap_tests::scenario::Who::Node));
+    assert!(cases.len() >= 10, "the inbound rows: {}", cases.len());
     run_table(&backend, &mut node, &cases);
 }
 

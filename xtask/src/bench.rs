@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick]`: builds meshcap in release and runs the benchmark runner
+//! `cargo xtask bench [--quick] [--setup-only]`: builds meshcap in release and runs the benchmark runner
 //! (tests/src/bin/meshcap-bench), which prints the tables of BENCHMARKS.md and writes them to
 //! `target/bench/results.md`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
 use std::process::Command;
@@ -7,7 +7,7 @@ use anyhow::Context as _;
 
 use crate::cmd::{self, root};
 
-pub fn run(quick: bool) -> anyhow::Result<()> {
+pub fn run(quick: bool, setup_only: bool) -> anyhow::Result<()> {
     let root = root();
     cmd::run(Command::new("cargo").current_dir(&root).args([
         "build",
@@ -23,13 +23,19 @@ pub fn run(quick: bool) -> anyhow::Result<()> {
     ]))?;
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let mut bench = Command::new(root.join("target/release/meshcap-bench"));
+    let release = root.join("target/release");
+    let mut bench = Command::new(release.join("meshcap-bench"));
     bench
+        // The agent and plugin the bench drives: this release build.
+        .env("MESHCAP_BIN_DIR", &release)
         .arg("run")
         .arg("--out")
         .arg(out_dir.join("results.md"));
     if quick {
         bench.arg("--quick");
+    }
+    if setup_only {
+        bench.arg("--setup-only");
     }
     cmd::run(&mut bench)
 }

@@ -7,9 +7,11 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cmd;
 mod demo;
+mod image;
 mod integration;
 mod setup;
 mod test;
+mod userland;
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "meshcap developer tasks")]
@@ -34,11 +36,17 @@ enum Task {
     Demo,
     /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
     Integration(integration::Args),
+    /// Setup, build in release, then write the DaemonSet's container image as an OCI archive
+    /// (target/image/meshcap-<version>.oci.tar) for skopeo, crane, podman or ctr to push.
+    Image(image::Args),
     /// Setup, build in release, then benchmark no capture vs Istio's iptables vs eBPF (root).
     Bench {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
+        /// Only the pod set-up section (CNI ADD/DEL latency, agent memory).
+        #[arg(long)]
+        setup_only: bool,
     },
 }
 
@@ -48,7 +56,10 @@ fn main() -> ExitCode {
         Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
-        Task::Bench { quick } => setup::run().and_then(|()| bench::run(quick)),
+        Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
+        Task::Bench { quick, setup_only } => {
+            setup::run().and_then(|()| bench::run(quick, setup_only))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

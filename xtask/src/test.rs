@@ -8,8 +8,8 @@ use crate::{
 
 /// Kernels `cargo xtask test` boots in QEMU after the host suite: 6.1, the oldest and the most
 /// different from the hosts' kernel (netlink TC, no TCX, an older verifier). Both kernels
-/// (`cargo xtask integration`) would take about 25 minutes of emulation on these 2-core
-/// machines, too much of CI's budget; one takes about 12.
+/// (`cargo xtask integration`) would take about 20 minutes of emulation on these 2-core
+/// machines, too much of CI's budget; one takes about 10.
 pub const CI_KERNELS: &[&str] = &["6.1"];
 
 pub fn run(host_only: bool) -> anyhow::Result<()> {

@@ -3,24 +3,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use meshcap_agent::policy::{self, RuleEvaluator, SelectConfig, Selection, annotations};
-
-const KEYS: [&str; 11] = [
-    "sidecar.istio.io/interceptionMode",
-    "traffic.sidecar.istio.io/includeOutboundIPRanges",
-    "traffic.sidecar.istio.io/excludeOutboundIPRanges",
-    "traffic.sidecar.istio.io/includeInboundPorts",
-    "traffic.sidecar.istio.io/excludeInboundPorts",
-    "traffic.sidecar.istio.io/includeOutboundPorts",
-    "traffic.sidecar.istio.io/excludeOutboundPorts",
-    "traffic.sidecar.istio.io/excludeInterfaces",
-    "istio.io/reroute-virtual-interfaces",
-    "traffic.sidecar.istio.io/kubevirtInterfaces",
-    "sidecar.istio.io/inject",
-];
+use meshcap_agent::policy::{self, RuleEvaluator, SelectConfig, Selection, annotations, keys};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(text) = std::str::from_utf8(data) else { return };
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
     let _ = annotations::parse_go_bool(text);
     let _ = annotations::parse_port_list(text);
     let _ = annotations::parse_cidr_list(text);
@@ -32,7 +20,10 @@ fuzz_target!(|data: &[u8]| {
     let mut map = serde_json::Map::new();
     map.insert("sidecar.istio.io/status".into(), "{}".into());
     for (index, line) in text.lines().enumerate() {
-        map.insert(KEYS[index % KEYS.len()].into(), line.into());
+        map.insert(
+            keys::POLICY_ANNOTATIONS[index % keys::POLICY_ANNOTATIONS.len()].into(),
+            line.into(),
+        );
     }
     let manifest = serde_json::json!({
         "metadata": {"name": "fuzz", "namespace": "default", "annotations": map},
@@ -40,7 +31,8 @@ fuzz_target!(|data: &[u8]| {
     });
     let pod = policy::parse_pod_manifest(&manifest.to_string()).expect("a pod");
     let ips = ["10.0.0.2".parse().unwrap(), "fd00::2".parse().unwrap()];
-    if let Ok(Selection::Capture { policy }) = policy::select(&pod, &ips, &SelectConfig::default()) {
+    if let Ok(Selection::Capture { policy }) = policy::select(&pod, &ips, &SelectConfig::default())
+    {
         let rules = policy.render();
         RuleEvaluator::new(&rules).expect("rendered rules parse");
     }

@@ -64,6 +64,21 @@ pub mod keys {
     pub const REROUTE_VIRTUAL_INTERFACES: &str = "istio.io/reroute-virtual-interfaces";
     /// Deprecated name of [`REROUTE_VIRTUAL_INTERFACES`], read only when that one is absent.
     pub const KUBEVIRT_INTERFACES: &str = "traffic.sidecar.istio.io/kubevirtInterfaces";
+    /// Every pod annotation that shapes the capture (beside [`STATUS`], which only marks the
+    /// pod as injected): what generated and fuzzed inputs draw from.
+    pub const POLICY_ANNOTATIONS: [&str; 11] = [
+        INTERCEPTION_MODE,
+        INCLUDE_OUTBOUND_IP_RANGES,
+        EXCLUDE_OUTBOUND_IP_RANGES,
+        INCLUDE_INBOUND_PORTS,
+        EXCLUDE_INBOUND_PORTS,
+        INCLUDE_OUTBOUND_PORTS,
+        EXCLUDE_OUTBOUND_PORTS,
+        EXCLUDE_INTERFACES,
+        REROUTE_VIRTUAL_INTERFACES,
+        KUBEVIRT_INTERFACES,
+        INJECT,
+    ];
     /// The sidecar container's name.
     pub const PROXY_CONTAINER: &str = "istio-proxy";
     /// The init container of the non-CNI install; its presence means CNI leaves the pod alone.

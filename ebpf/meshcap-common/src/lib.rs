@@ -60,11 +60,6 @@ pub mod programs {
     /// TC ingress classifier: loaded once, in [`crate::maps::TC_PROG`]; reads the pod's netns
     /// cookie from `skb->cb[0..2]`.
     pub const INGRESS: &str = "meshcap_ingress";
-    /// TC ingress stub, one tiny instance per pod attached to its interfaces: puts the pod's
-    /// netns cookie in `skb->cb` and tail-calls [`INGRESS`].
-    pub const INGRESS_POD: &str = "meshcap_ingress_pod";
-    /// The global of [`INGRESS_POD`] holding the pod's netns cookie.
-    pub const INGRESS_POD_GLOBAL: &str = "MESHCAP_TC_NETNS_COOKIE";
 }
 
 /// Envoy's outbound listener.

@@ -3,9 +3,9 @@
 //! (TPROXY-like: no NAT, the accepted socket's local address is what the client dialled);
 //! packets of existing connections keep reaching their own sockets.
 //!
-//! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod gets a tiny stub,
-//! [`meshcap_ingress_pod`], with the pod's netns cookie in [`MESHCAP_TC_NETNS_COOKIE`]: it
-//! stores the cookie in `skb->cb` and tail-calls the classifier. (`bpf_get_netns_cookie` is
+//! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod's interfaces get a
+//! tiny stub the agent assembles itself (agent/src/backend/ebpf/stub.rs): it stores the pod's
+//! netns cookie in `skb->cb[0..2]` and tail-calls the classifier. (`bpf_get_netns_cookie` is
 //! not available to TC programs before Linux 6.15, and where it is, it answers for the skb's
 //! socket, which an inbound packet does not have yet.)
 use aya_ebpf::{
@@ -26,30 +26,11 @@ use meshcap_common::{
 
 use crate::tables::{FLOWS, IFACES, Maps, pod};
 
-/// The pod a stub serves; set by the agent at load time.
-#[unsafe(no_mangle)]
-static MESHCAP_TC_NETNS_COOKIE: u64 = 0;
-
-/// Slot 0: the shared classifier, set by the agent when it opens the backend.
+/// Slot 0: the shared classifier, set by the agent when it opens the backend; the pods'
+/// stubs tail-call it (they are not in this object, so the map is declared here, where the
+/// agent pins it with the others).
 #[map(name = "MESHCAP_TC_PROG")]
 static TC_PROG: ProgramArray = ProgramArray::with_max_entries(1, 0);
-
-/// The per-pod stub: the cookie into `skb->cb[0..2]`, then the shared classifier. Without it
-/// (the slot is empty only before the agent's first open) the packet passes.
-#[classifier]
-pub fn meshcap_ingress_pod(ctx: TcContext) -> i32 {
-    // SAFETY: a read of a constant the loader set.
-    let netns = unsafe { core::ptr::read_volatile(&raw const MESHCAP_TC_NETNS_COOKIE) };
-    // SAFETY: `cb` is the program's scratch space in the skb context; the tail call gets the
-    // same context.
-    unsafe {
-        let skb = ctx.skb.skb;
-        (*skb).cb[0] = netns as u32;
-        (*skb).cb[1] = (netns >> 32) as u32;
-        TC_PROG.tail_call(&ctx, 0);
-    }
-    TC_ACT_OK
-}
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;

@@ -6,7 +6,6 @@
 //! host tools the harness calls (`ip`, the iptables family, with their shared libraries), boot
 //! it (KVM when usable, else TCG) and read the init's single result line.
 use std::{
-    collections::BTreeSet,
     fs,
     path::{Path, PathBuf},
     process::Command,
@@ -52,41 +51,6 @@ impl Args {
         <Standalone as clap::Parser>::parse_from(argv).args
     }
 }
-
-/// Host tools the harness and the iptables backend run, copied with their libraries.
-const HOST_TOOLS: &[&str] = &[
-    "ip",
-    "tc",
-    "iptables",
-    "iptables-save",
-    "iptables-restore",
-    "ip6tables",
-    "ip6tables-save",
-    "ip6tables-restore",
-    "iptables-legacy",
-    "iptables-legacy-save",
-    "iptables-legacy-restore",
-    "ip6tables-legacy",
-    "ip6tables-legacy-save",
-    "ip6tables-legacy-restore",
-    "iptables-nft",
-    "iptables-nft-save",
-    "iptables-nft-restore",
-    "ip6tables-nft",
-    "ip6tables-nft-save",
-    "ip6tables-nft-restore",
-];
-
-/// Plain data files those tools read; the CA bundle is what rustls (kube-rs) insists on
-/// loading even for the tests' plain-HTTP API server.
-const HOST_FILES: &[&str] = &[
-    "/etc/protocols",
-    "/etc/services",
-    "/etc/ssl/certs/ca-certificates.crt",
-];
-
-/// The iptables extensions (`libxt_owner.so`, ...), loaded at run time.
-const XTABLES_DIR: &str = "/usr/lib/x86_64-linux-gnu/xtables";
 
 /// Runs the suite on every kernel asked for; fails when any kernel fails.
 pub fn run(args: &Args) -> anyhow::Result<()> {
@@ -229,33 +193,11 @@ fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyh
     archive.symlink("var/run", "../run");
     archive.file("etc/passwd", 0o644, b"root:x:0:0:root:/:/bin/sh\n");
     archive.file("etc/group", 0o644, b"root:x:0:\n");
-    for file in HOST_FILES {
-        if let Ok(bytes) = fs::read(file) {
-            archive.file(file, 0o644, &bytes);
-        }
-    }
     let mut elfs: Vec<PathBuf> = binaries.tests.iter().map(|(_, exe)| exe.clone()).collect();
     elfs.extend(binaries.helpers.iter().cloned());
     elfs.push(binaries.init.clone());
-    for tool in HOST_TOOLS {
-        if let Some(path) = which(tool) {
-            archive.file(&format!("usr/sbin/{tool}"), 0o755, &read(&path)?);
-            elfs.push(path);
-        }
-    }
-    if let Ok(entries) = fs::read_dir(XTABLES_DIR) {
-        for entry in entries.filter_map(Result::ok) {
-            let path = entry.path();
-            archive.file(&path.to_string_lossy(), 0o644, &read(&path)?);
-            elfs.push(path);
-        }
-    }
-    let mut libraries = BTreeSet::new();
-    for elf in &elfs {
-        libraries.extend(shared_libraries(elf)?);
-    }
-    for library in libraries {
-        archive.file(&library, 0o755, &read(Path::new(&library))?);
+    for entry in crate::userland::entries(&elfs)? {
+        archive.file(&entry.path, entry.mode, &read(&entry.source)?);
     }
     Ok(())
 }
@@ -282,34 +224,4 @@ fn stripped(path: &Path) -> anyhow::Result<Vec<u8>> {
     let bytes = read(&out)?;
     let _ = fs::remove_file(&out);
     Ok(bytes)
-}
-
-fn which(tool: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/usr/bin", "/sbin", "/bin"]
-        .iter()
-        .map(|dir| Path::new(dir).join(tool))
-        .find(|p| p.is_file())
-}
-
-/// The shared libraries (and the ELF interpreter) `elf` loads, as `ldd` resolves them.
-fn shared_libraries(elf: &Path) -> anyhow::Result<Vec<String>> {
-    let out = Command::new("ldd")
-        .arg(elf)
-        .output()
-        .context("running ldd")?;
-    // Static or not an ELF: nothing to add.
-    if !out.status.success() {
-        return Ok(Vec::new());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|line| {
-            let line = line.trim();
-            let path = match line.split_once("=>") {
-                Some((_, right)) => right.split_whitespace().next()?,
-                None => line.split_whitespace().next()?,
-            };
-            path.starts_with('/').then(|| path.to_owned())
-        })
-        .collect())
 }

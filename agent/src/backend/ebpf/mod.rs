@@ -8,20 +8,25 @@
 //! maps/<MAP>                                   every map, adopted as is when present
 //! links/<program>                              the node-wide cgroup links (bpf_link pins)
 //! pods/<cookie>/pod@<namespace>@<name>@<id>/    which pod a netns cookie belongs to
-//! pods/<cookie>/tc-<ifname>                    the pod's TCX links
+//! pods/<cookie>/tc-<ifname>                    the pod's TCX link (Linux 6.6+), or
+//! pods/<cookie>/tc-<ifname>/filter@<pref>@<handle>@<own|shared>-qdisc
+//!                                              its netlink TC filter: the pinned stub
 //! ```
 //!
 //! A restarted agent opens the pinned maps and links and attaches nothing twice; killing it
-//! (even with SIGKILL) detaches nothing, because every attachment is a pinned bpf_link.
+//! (even with SIGKILL) detaches nothing: every attachment is a pinned bpf_link or a netlink
+//! TC filter, which outlives its creator.
 mod bpffs;
 mod encode;
 mod podnet;
+mod stub;
 mod sys;
+mod tcnl;
 
 use std::{
     fs, io,
     net::IpAddr,
-    os::fd::AsFd as _,
+    os::fd::{AsFd as _, OwnedFd},
     path::{Path, PathBuf},
     sync::Mutex,
 };
@@ -35,7 +40,7 @@ pub use encode::{Entries, encode};
 use meshcap_common::{
     CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey, maps, programs,
 };
-pub use podnet::PodNet;
+pub use podnet::{PodNet, TcAttach};
 use sys::CgroupAttach;
 
 use super::PodRef;
@@ -98,6 +103,12 @@ pub enum EbpfError {
     /// The pod's netns could not be entered.
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    /// The kernel refused a pod's TC stub.
+    #[error("loading the pod's TC stub: {0}")]
+    Stub(#[from] sys::LoadError),
+    /// A netlink TC request failed.
+    #[error(transparent)]
+    Tc(#[from] tcnl::TcError),
     /// A pod-level failure.
     #[error("{pod}: {message}")]
     Pod {
@@ -143,6 +154,8 @@ pub struct EbpfConfig {
     pub cgroup_root: PathBuf,
     /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v1`).
     pub bpffs_dir: PathBuf,
+    /// How pods' inbound stubs attach: [`TcAttach::for_kernel`] but in tests.
+    pub tc_attach: TcAttach,
 }
 
 /// The default pin directory; the version changes whenever a map layout does.
@@ -158,6 +171,7 @@ impl EbpfConfig {
             cgroup_root: crate::cgroup::cgroup2_mount()
                 .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
+            tc_attach: TcAttach::for_kernel(),
         })
     }
 }
@@ -207,6 +221,8 @@ struct Tables {
 /// work runs on dedicated threads.
 pub struct EbpfBackend {
     config: EbpfConfig,
+    /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
+    tc_prog: OwnedFd,
     tables: Mutex<Tables>,
     kernel_log: Mutex<Option<KernelLog>>,
 }
@@ -263,6 +279,9 @@ impl EbpfBackend {
             tracing::info!(program = name, cgroup = %config.cgroup_root.display(), "attached");
         }
         install_shared_tc(&mut ebpf)?;
+        let tc_prog_pin = config.bpffs_dir.join("maps").join(maps::TC_PROG);
+        let tc_prog = sys::obj_get(&tc_prog_pin)
+            .map_err(|e| EbpfError::io(&format!("opening {}", tc_prog_pin.display()), e))?;
         // Only taken here; drained by whoever calls `forward_kernel_logs` (the agent): a ring
         // buffer has one reader.
         let kernel_log = aya_log::EbpfLogger::init(&mut ebpf)
@@ -277,6 +296,7 @@ impl EbpfBackend {
         };
         Ok(Self {
             config,
+            tc_prog,
             tables: Mutex::new(tables),
             kernel_log: Mutex::new(kernel_log),
         })
@@ -358,42 +378,56 @@ impl EbpfBackend {
         exclude_interfaces: &[String],
         reroute_interfaces: &[String],
     ) -> Result<(), EbpfError> {
-        let net = netns::run_in(&pod.netns, podnet::inspect)??;
-        entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
-        let cookie = net.cookie;
-        let pod_dir = self.pod_dir(cookie);
-        mkdir(&pod_dir.join(meta_name(pod)))?;
-
-        // The netns side first: routes, then TC. The pod entry comes last, so a pod is
-        // captured in full or not at all.
-        let config = entries.config;
-        let ipv6 = config.has(meshcap_common::flags::IPV6);
-        let tproxy = config.has(meshcap_common::flags::TPROXY);
+        // One visit to the netns: learn it, then routes, then TC. The pod entry comes last,
+        // so a pod is captured in full or not at all.
+        let ipv6 = entries.config.has(meshcap_common::flags::IPV6);
+        let tproxy = entries.config.has(meshcap_common::flags::TPROXY);
         let reroute = !reroute_interfaces.is_empty();
-        let pins = self.map_pins();
-        let tc_ifaces: Vec<String> = net
-            .interfaces
-            .iter()
-            .map(|(_, name)| name.clone())
-            .filter(|name| !exclude_interfaces.contains(name))
-            .collect();
-        let dir = pod_dir.clone();
-        netns::run_in(&pod.netns, || -> Result<(), EbpfError> {
+        let pods_dir = self.config.bpffs_dir.join("pods");
+        let meta = meta_name(pod);
+        let mode = self.config.tc_attach;
+        let net = netns::run_in(&pod.netns, || -> Result<PodNet, EbpfError> {
+            let net = podnet::inspect()?;
+            let dir = pods_dir.join(net.cookie.to_string());
+            mkdir(&dir.join(&meta))?;
             if tproxy || reroute {
                 podnet::install_tproxy_route(ipv6, tproxy)?;
             }
             if ipv6 {
                 podnet::add_passthrough6()?;
             }
-            for ifname in &tc_ifaces {
-                let pin = dir.join(format!("tc-{ifname}"));
-                if pin.exists() {
+            // An interface whose record the kernel confirms is attached already (by this agent
+            // or the one before it): never twice. A record the kernel contradicts (the filter
+            // deleted behind meshcap's back, the TCX link's interface replaced) is dropped and
+            // the stub attached afresh.
+            let mut todo = Vec::new();
+            for (ifindex, name) in &net.interfaces {
+                if exclude_interfaces.contains(name) {
                     continue;
                 }
-                podnet::attach_tc(crate::bpf::object(), &pins, cookie, ifname, &pin)?;
+                let record = dir.join(format!("tc-{name}"));
+                if record.exists() {
+                    let Err(stale) = podnet::verify_tc(name, &record) else {
+                        continue;
+                    };
+                    tracing::warn!(pod = %pod, interface = %name, reason = %stale, "re-attaching the inbound TC stub");
+                    podnet::detach_tc(name, &record);
+                }
+                todo.push((*ifindex, name));
             }
-            Ok(())
+            if !todo.is_empty() {
+                // One stub per pod, shared by its interfaces.
+                let stub = stub::load(net.cookie, &self.tc_prog)?;
+                for (ifindex, name) in todo {
+                    let record = dir.join(format!("tc-{name}"));
+                    podnet::attach_tc(mode, stub.as_fd(), ifindex, name, &record)?;
+                }
+            }
+            Ok(net)
         })??;
+        entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
+        let config = entries.config;
+        let cookie = net.cookie;
         let mut tables = self.lock();
         let old = tables.pods.get(&cookie, 0).ok();
         let pod_id = next_pod_id(&tables, old.map(|c| c.pod_id));
@@ -434,17 +468,21 @@ impl EbpfBackend {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(());
         };
-        {
+        // Whether the pod may have the TPROXY policy route (TPROXY mode or a rerouted
+        // interface): removing it forks `ip`, so only then (or when nothing says).
+        let route = {
             let mut tables = self.lock();
-            if let Ok(config) = tables.pods.get(&cookie, 0) {
+            let config = tables.pods.get(&cookie, 0).ok();
+            if let Some(config) = config {
                 tables
                     .pods
                     .remove(&cookie)
                     .map_err(|e| EbpfError::map("removing the pod entry", e))?;
                 tables.remove_lists(config.pod_id)?;
             }
-            tables.remove_ifaces(cookie)?;
-        }
+            let rerouted = tables.remove_ifaces(cookie)?;
+            config.is_none_or(|c| c.has(meshcap_common::flags::TPROXY)) || rerouted
+        };
         let dir = self.pod_dir(cookie);
         let tc: Vec<(String, PathBuf)> = list_dir(&dir)
             .into_iter()
@@ -454,7 +492,9 @@ impl EbpfBackend {
             for (ifname, pin) in &tc {
                 podnet::detach_tc(ifname, pin);
             }
-            podnet::remove_tproxy_route();
+            if route {
+                podnet::remove_tproxy_route();
+            }
         });
         if detached.is_err() {
             // The netns is gone, and its devices with it: only the pins are left.
@@ -498,13 +538,20 @@ impl EbpfBackend {
                 )
             })?;
         }
-        if !list_dir(&self.pod_dir(cookie))
-            .iter()
-            .any(|n| n.starts_with("tc-"))
-        {
+        let dir = self.pod_dir(cookie);
+        let records: Vec<(String, PathBuf)> = list_dir(&dir)
+            .into_iter()
+            .filter_map(|name| Some((name.strip_prefix("tc-")?.to_owned(), dir.join(&name))))
+            .collect();
+        if records.is_empty() {
             return Err(EbpfError::pod(pod, "no inbound TC program attached"));
         }
-        Ok(())
+        netns::run_in(&pod.netns, || {
+            records
+                .iter()
+                .try_for_each(|(ifname, record)| podnet::verify_tc(ifname, record))
+        })?
+        .map_err(|message| EbpfError::pod(pod, message))
     }
 
     /// How many programs of each node-wide hook are attached to the cgroup root (1 each when
@@ -596,12 +643,6 @@ impl EbpfBackend {
 
     fn pod_dir(&self, cookie: u64) -> PathBuf {
         self.config.bpffs_dir.join("pods").join(cookie.to_string())
-    }
-
-    fn map_pins(&self) -> podnet::MapPins {
-        MAPS.iter()
-            .map(|name| (*name, self.config.bpffs_dir.join("maps").join(name)))
-            .collect()
     }
 
     /// The pod's cookie: from its netns while it exists, else from the pins.
@@ -713,6 +754,19 @@ fn load_program(
         }
         _ => Err(err(ProgramError::UnexpectedProgramType)),
     }
+}
+
+/// Loads a pod's TC stub against `ebpf`'s (unpinned) `MESHCAP_TC_PROG`, and drops it: the
+/// probe's trial load of what the agent assembles itself.
+///
+/// # Errors
+/// When the object has no such map or the kernel refuses the stub.
+pub fn trial_load_stub(ebpf: &Ebpf) -> Result<(), EbpfError> {
+    let Some(aya::maps::Map::ProgramArray(slots)) = ebpf.map(maps::TC_PROG) else {
+        return Err(EbpfError::Missing(maps::TC_PROG));
+    };
+    stub::load(0, slots.fd().as_fd())?;
+    Ok(())
 }
 
 /// Loads (verifies) the inbound classifier once and puts it in slot 0 of the pinned
@@ -847,17 +901,24 @@ impl Tables {
         Ok(())
     }
 
-    fn remove_ifaces(&mut self, cookie: u64) -> Result<(), EbpfError> {
+    /// Removes the interface entries of the pod with netns `cookie`; whether one of them
+    /// was rerouted.
+    fn remove_ifaces(&mut self, cookie: u64) -> Result<bool, EbpfError> {
         let keys: Vec<IfaceKey> = self
             .ifaces
             .keys()
             .flatten()
             .filter(|k| k.netns == cookie)
             .collect();
+        let mut rerouted = false;
         for key in keys {
+            rerouted |= self
+                .ifaces
+                .get(&key, 0)
+                .is_ok_and(|f| f & meshcap_common::iface_flags::REROUTE != 0);
             let _ = self.ifaces.remove(&key);
         }
-        Ok(())
+        Ok(rerouted)
     }
 }
 

@@ -4,18 +4,20 @@
 use std::{
     fs,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    path::{Path, PathBuf},
-    process::Command,
+    os::fd::BorrowedFd,
+    path::Path,
 };
 
-use aya::{
-    EbpfLoader,
-    programs::{SchedClassifier, TcAttachType, links::FdLink, tc},
-    util::KernelVersion,
-};
-use meshcap_common::{TPROXY_MARK, TPROXY_TABLE, programs};
+use aya::util::KernelVersion;
 
-use super::EbpfError;
+use super::{EbpfError, stub, sys, tcnl};
+use crate::{
+    backend::iptables::route,
+    policy::{
+        Family, INBOUND_PASSTHROUGH_V6, IpPrefix, PolicyRoutes, TPROXY_MARK, TPROXY_ROUTE_TABLE,
+        TproxyRoute,
+    },
+};
 
 /// A route of the pod's main table: destination prefix and device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -108,72 +110,139 @@ fn parse_route6(text: &str) -> Vec<Route> {
         .collect()
 }
 
-/// Where the maps are pinned: the per-pod stub must share them (`MESHCAP_TC_PROG`).
-pub type MapPins = Vec<(&'static str, PathBuf)>;
-
-/// Loads the pod's TC stub (its netns `cookie`, then a tail call to the shared classifier in
-/// the pinned `MESHCAP_TC_PROG`) and attaches it on `ifname`'s ingress in the calling thread's
-/// netns. With TCX (Linux 6.6+) the link is pinned at `pin`; with
-/// netlink TC the filter itself outlives the agent.
-///
-/// # Errors
-/// When the program cannot be loaded or attached.
-pub fn attach_tc(
-    object: &[u8],
-    maps: &MapPins,
-    cookie: u64,
-    ifname: &str,
-    pin: &Path,
-) -> Result<(), EbpfError> {
-    let mut loader = EbpfLoader::new();
-    for (name, path) in maps {
-        loader.map_pin_path(name, path.as_path());
-    }
-    loader.override_global(programs::INGRESS_POD_GLOBAL, &cookie, true);
-    let mut ebpf = loader.load(object).map_err(|e| EbpfError::Bpf {
-        what: format!("loading the TC program for {ifname}"),
-        source: Box::new(e),
-    })?;
-    let prog: &mut SchedClassifier = ebpf
-        .program_mut(programs::INGRESS_POD)
-        .ok_or_else(|| EbpfError::Missing(programs::INGRESS_POD))?
-        .try_into()
-        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
-    prog.load()
-        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
-    let tcx = KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0));
-    if !tcx {
-        // netlink TC needs the clsact qdisc; "exists" is fine.
-        let _ = tc::qdisc_add_clsact(ifname);
-    }
-    let id = prog
-        .attach(ifname, TcAttachType::Ingress)
-        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
-    let link = prog
-        .take_link(id)
-        .map_err(|e| EbpfError::program(programs::INGRESS_POD, e))?;
-    if tcx {
-        let link: FdLink = link.try_into().map_err(|e| EbpfError::Bpf {
-            what: format!("TCX link on {ifname}"),
-            source: Box::new(e),
-        })?;
-        link.pin(pin).map_err(|e| EbpfError::Bpf {
-            what: format!("pinning the TC link of {ifname} at {}", pin.display()),
-            source: Box::new(e),
-        })?;
-    } else {
-        // A netlink filter stays attached after its link handle is gone.
-        std::mem::forget(link);
-    }
-    Ok(())
+/// How pods' inbound stubs are attached to their interfaces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttach {
+    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`.
+    Tcx,
+    /// A `cls_bpf` direct-action filter on the `clsact` qdisc, over netlink (every kernel
+    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`.
+    Netlink,
 }
 
-/// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns).
-pub fn detach_tc(ifname: &str, pin: &Path) {
-    if pin.exists() {
-        let _ = super::unpin_link(pin);
+impl TcAttach {
+    /// TCX where the kernel has it (6.6+), netlink TC otherwise.
+    #[must_use]
+    pub fn for_kernel() -> Self {
+        if KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
+            Self::Tcx
+        } else {
+            Self::Netlink
+        }
+    }
+}
+
+/// Attaches the pod's `stub` on the ingress of interface `ifindex` (`ifname`) in the calling
+/// thread's netns, and records it at `record`: the pinned TCX link, or, for netlink TC, a
+/// directory holding the stub pinned under a name that says where its filter is
+/// ([`tcnl::Filter::pin_name`]). Nothing is left attached without its record.
+///
+/// # Errors
+/// When the kernel refuses the attachment or the pin.
+pub fn attach_tc(
+    mode: TcAttach,
+    stub: BorrowedFd<'_>,
+    ifindex: u32,
+    ifname: &str,
+    record: &Path,
+) -> Result<(), EbpfError> {
+    match mode {
+        TcAttach::Tcx => {
+            let link = sys::tcx_ingress_link_create(stub, ifindex)
+                .map_err(|e| EbpfError::io(&format!("attaching TCX ingress on {ifname}"), e))?;
+            // Unpinned, the link goes with its fd: nothing stays attached.
+            sys::obj_pin(&link, record).map_err(|e| {
+                EbpfError::io(
+                    &format!("pinning the TC link of {ifname} at {}", record.display()),
+                    e,
+                )
+            })
+        }
+        TcAttach::Netlink => {
+            let filter = tcnl::attach(ifindex, ifname, stub, stub::NAME)?;
+            let pinned = fs::create_dir(record)
+                .and_then(|()| sys::obj_pin(stub, &record.join(filter.pin_name())));
+            if let Err(e) = pinned {
+                let _ = fs::remove_dir(record);
+                let _ = tcnl::detach(ifindex, ifname, sys::prog_id(stub).unwrap_or(0), filter);
+                return Err(EbpfError::io(
+                    &format!(
+                        "recording the TC filter of {ifname} at {}",
+                        record.display()
+                    ),
+                    e,
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// A netlink-TC record: the filter's place and its program's id.
+fn read_netlink_record(record: &Path) -> Result<(tcnl::Filter, u32), String> {
+    let entries = super::list_dir(record);
+    let (name, filter) = entries
+        .iter()
+        .find_map(|n| Some((n, tcnl::Filter::parse(n)?)))
+        .ok_or_else(|| format!("{} records no TC filter", record.display()))?;
+    let prog = sys::obj_get(&record.join(name))
+        .map_err(|e| format!("opening {}: {e}", record.join(name).display()))?;
+    let id = sys::prog_id(&prog).map_err(|e| format!("{}: {e}", record.join(name).display()))?;
+    Ok((filter, id))
+}
+
+/// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns) and removes
+/// its record. For netlink TC only meshcap's filter goes, and the clsact qdisc only when
+/// meshcap added it and nothing else uses it.
+pub fn detach_tc(ifname: &str, record: &Path) {
+    if record.is_dir() {
+        if let (Ok((filter, id)), Ok(ifindex)) = (
+            read_netlink_record(record),
+            nix::net::if_::if_nametoindex(ifname),
+        ) && let Err(err) = tcnl::detach(ifindex, ifname, id, filter)
+        {
+            tracing::warn!(interface = ifname, error = %err, "detaching the TC filter");
+        }
+        super::remove_tree(record);
     } else {
-        let _ = tc::qdisc_detach_program(ifname, TcAttachType::Ingress, programs::INGRESS_POD);
+        let _ = super::unpin_link(record);
+    }
+}
+
+/// Whether what `record` says is attached on `ifname` (the calling thread's netns) really
+/// is: the TCX link is alive on this interface, or meshcap's filter is there with the
+/// recorded program.
+///
+/// # Errors
+/// What is missing, in words.
+pub fn verify_tc(ifname: &str, record: &Path) -> Result<(), String> {
+    let ifindex =
+        nix::net::if_::if_nametoindex(ifname).map_err(|e| format!("interface {ifname}: {e}"))?;
+    if record.is_dir() {
+        let (filter, id) = read_netlink_record(record)?;
+        match tcnl::find(ifindex, ifname, filter).map_err(|e| e.to_string())? {
+            Some(found) if found == id => Ok(()),
+            Some(found) => Err(format!(
+                "the TC filter on {ifname} (pref {}) runs program {found}, not meshcap's {id}",
+                filter.priority
+            )),
+            None => Err(format!(
+                "no meshcap TC filter on {ifname} ingress (pref {}, handle {:#x})",
+                filter.priority, filter.handle
+            )),
+        }
+    } else {
+        let link =
+            sys::obj_get(record).map_err(|e| format!("opening {}: {e}", record.display()))?;
+        let info = sys::tcx_link_info(&link).map_err(|e| format!("{}: {e}", record.display()))?;
+        if info.ifindex == ifindex {
+            Ok(())
+        } else {
+            Err(format!(
+                "the TCX link of {ifname} is attached to interface {} (0: none), not {ifindex}",
+                info.ifindex
+            ))
+        }
     }
 }
 
@@ -183,26 +252,13 @@ pub fn detach_tc(ifname: &str, pin: &Path) {
 /// the app's replies to the original client source reach the proxy's transparent socket.
 /// Rerouted interfaces need only the route (`fwmark_accept` false): their packets are marked
 /// by the TC program, and the proxy's sockets must not inherit that mark or their replies
-/// would be routed back to `lo`.
+/// would be routed back to `lo`. Over rtnetlink, as the iptables backend installs it (no `ip`
+/// fork per rule).
 ///
 /// # Errors
-/// When `ip` fails.
+/// When the kernel refuses.
 pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfError> {
-    let mark = TPROXY_MARK.to_string();
-    let table = TPROXY_TABLE.to_string();
-    let mut families = vec!["-4"];
-    if ipv6 {
-        families.push("-6");
-    }
-    for family in families {
-        let rules = ip(&[family, "rule", "show"])?;
-        if !rules.contains(&format!("fwmark {:#x} lookup {table}", TPROXY_MARK)) {
-            ip(&[family, "rule", "add", "fwmark", &mark, "lookup", &table])?;
-        }
-        ip(&[
-            family, "route", "replace", "local", "default", "dev", "lo", "table", &table,
-        ])?;
-    }
+    route::update(&PolicyRoutes::default(), &tproxy_routes(ipv6)).map_err(route_error)?;
     if !fwmark_accept {
         return Ok(());
     }
@@ -213,37 +269,42 @@ pub fn install_tproxy_route(ipv6: bool, fwmark_accept: bool) -> Result<(), EbpfE
 /// Removes what [`install_tproxy_route`] installed (the rule and table 133, both families);
 /// absent ones are fine (the pod used neither TPROXY nor rerouted interfaces, or is gone).
 pub fn remove_tproxy_route() {
-    let mark = TPROXY_MARK.to_string();
-    let table = TPROXY_TABLE.to_string();
-    for family in ["-4", "-6"] {
-        while ip(&[family, "rule", "del", "fwmark", &mark, "lookup", &table]).is_ok() {}
-        let _ = ip(&[family, "route", "flush", "table", &table]);
+    if let Err(err) = route::update(&tproxy_routes(true), &PolicyRoutes::default()) {
+        tracing::warn!(error = %route_error(err), "removing the TPROXY policy route");
     }
 }
 
 /// Adds `::6` to `lo` (Envoy's IPv6 inbound passthrough source), as Istio does.
 ///
 /// # Errors
-/// When `ip` fails.
+/// When the kernel refuses.
 pub fn add_passthrough6() -> Result<(), EbpfError> {
-    ip(&["-6", "addr", "replace", "::6/128", "dev", "lo"]).map(drop)
+    let routes = PolicyRoutes {
+        tproxy: None,
+        loopback_addresses: IpPrefix::new(IpAddr::V6(INBOUND_PASSTHROUGH_V6), 128)
+            .into_iter()
+            .collect(),
+    };
+    route::update(&PolicyRoutes::default(), &routes).map_err(route_error)
 }
 
-/// Runs `ip` in the calling thread's netns (a forked child inherits the thread's namespaces).
-fn ip(args: &[&str]) -> Result<String, EbpfError> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| EbpfError::io("running ip", e))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(EbpfError::Command(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
+fn tproxy_routes(ipv6: bool) -> PolicyRoutes {
+    let mut families = vec![Family::V4];
+    if ipv6 {
+        families.push(Family::V6);
     }
+    PolicyRoutes {
+        tproxy: Some(TproxyRoute {
+            mark: TPROXY_MARK,
+            table: TPROXY_ROUTE_TABLE,
+            families,
+        }),
+        loopback_addresses: Vec::new(),
+    }
+}
+
+fn route_error(err: route::RouteError) -> EbpfError {
+    EbpfError::Command(format!("{}: {}", err.what, err.reason))
 }
 
 #[cfg(test)]

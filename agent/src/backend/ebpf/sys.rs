@@ -1,9 +1,12 @@
-//! The two `bpf()` commands aya 0.14 does not expose for every link type: `BPF_LINK_CREATE`
-//! (aya cannot turn a `CgroupSockopt` link into a pinnable `FdLink`) and `BPF_OBJ_PIN` /
-//! `BPF_OBJ_GET` on a raw fd. With them every node-wide cgroup attachment is a bpf_link pinned
-//! in bpffs: it survives the agent (even SIGKILL), and is detached only by unlinking its pin.
+//! The `bpf()` commands meshcap issues itself: `BPF_LINK_CREATE` (aya cannot turn a
+//! `CgroupSockopt` link into a pinnable `FdLink`), `BPF_OBJ_PIN` / `BPF_OBJ_GET` on a raw fd,
+//! and `BPF_PROG_LOAD` of the per-pod TC stub (a handful of instructions built by the agent,
+//! see [`super::stub`]: loading it through aya would re-parse the whole object per pod). With
+//! them every attachment is a bpf_link pinned in bpffs (or a netlink TC filter, which outlives
+//! the agent by itself): it survives the agent (even SIGKILL), and is detached only by
+//! unlinking its pin (or deleting the filter).
 use std::{
-    ffi::CString,
+    ffi::{CStr, CString},
     io,
     os::{
         fd::{AsFd, AsRawFd as _, FromRawFd as _, OwnedFd},
@@ -12,9 +15,18 @@ use std::{
     path::Path,
 };
 
+const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
+
+/// `BPF_PROG_TYPE_SCHED_CLS`.
+const PROG_TYPE_SCHED_CLS: u32 = 3;
+/// `BPF_TCX_INGRESS`.
+const TCX_INGRESS: u32 = 46;
+/// `BPF_F_AFTER`: with no relative program, after every other one (aya's default order).
+const F_AFTER: u32 = 1 << 4;
 
 /// `enum bpf_attach_type` values meshcap attaches to a cgroup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,7 +59,9 @@ struct Attr {
 }
 
 fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
-    // SAFETY: `attr` is a valid, fully initialised `union bpf_attr` prefix of the size passed.
+    // SAFETY: `attr` is a valid, fully initialised `union bpf_attr` prefix of the size passed;
+    // the pointers it holds (paths, instructions, license, log and info buffers) are borrowed
+    // by the caller for the whole call, with the lengths written beside them.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -87,6 +101,123 @@ pub fn link_create(
     attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(fd_u32(cgroup.as_fd())?) << 32);
     attr.words[1] = u64::from(attach as u32);
     fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
+}
+
+/// `BPF_LINK_CREATE` with `BPF_TCX_INGRESS` (Linux 6.6): attaches the classifier `prog` to
+/// the ingress of interface `ifindex` in the calling thread's netns, after every program
+/// already there.
+///
+/// # Errors
+/// The kernel's refusal (`EINVAL` without TCX).
+pub fn tcx_ingress_link_create(prog: impl AsFd, ifindex: u32) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    // prog_fd, target_ifindex; attach_type, flags; tcx.relative_fd (0: none), pad;
+    // tcx.expected_revision (0: any).
+    attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(ifindex) << 32);
+    attr.words[1] = u64::from(TCX_INGRESS) | (u64::from(F_AFTER) << 32);
+    fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
+}
+
+/// The size of the verifier log asked for when a load fails (the stub's is a few lines).
+const LOG_SIZE: usize = 64 * 1024;
+
+/// A program the kernel refused.
+#[derive(Debug, thiserror::Error)]
+#[error("{source}; verifier log: {log}")]
+pub struct LoadError {
+    /// The kernel's errno.
+    #[source]
+    pub source: io::Error,
+    /// What the verifier said (empty when it said nothing).
+    pub log: String,
+}
+
+/// `BPF_PROG_LOAD` of a `BPF_PROG_TYPE_SCHED_CLS` program from raw instructions (8 bytes
+/// each, in the kernel's encoding). A refusal is retried once with the verifier log on, so
+/// the error says why; the first attempt has none (logging slows the verifier).
+///
+/// # Errors
+/// The kernel's refusal, with the verifier log.
+pub fn prog_load_sched_cls(
+    name: &str,
+    insns: &[[u8; 8]],
+    license: &CStr,
+) -> Result<OwnedFd, LoadError> {
+    let load = |log: Option<&mut Vec<u8>>| -> io::Result<OwnedFd> {
+        let insn_cnt =
+            u32::try_from(insns.len()).map_err(|_| io::Error::other("too many instructions"))?;
+        let mut attr = Attr::default();
+        // prog_type, insn_cnt; insns; license; log_level, log_size; log_buf; kern_version,
+        // prog_flags; prog_name[16].
+        attr.words[0] = u64::from(PROG_TYPE_SCHED_CLS) | (u64::from(insn_cnt) << 32);
+        attr.words[1] = insns.as_ptr() as u64;
+        attr.words[2] = license.as_ptr() as u64;
+        if let Some(log) = log {
+            let size = u32::try_from(log.len()).unwrap_or(u32::MAX);
+            attr.words[3] = 1 | (u64::from(size) << 32);
+            attr.words[4] = log.as_mut_ptr() as u64;
+        }
+        let mut prog_name = [0u8; 16];
+        for (dst, src) in prog_name.iter_mut().zip(name.bytes().take(15)) {
+            *dst = src;
+        }
+        attr.words[6] = u64::from_ne_bytes(prog_name[..8].try_into().unwrap_or_default());
+        attr.words[7] = u64::from_ne_bytes(prog_name[8..].try_into().unwrap_or_default());
+        fd_from(bpf(BPF_PROG_LOAD, &mut attr)?)
+    };
+    load(None).or_else(|_| {
+        let mut log = vec![0u8; LOG_SIZE];
+        load(Some(&mut log)).map_err(|source| LoadError {
+            source,
+            log: String::from_utf8_lossy(log.split(|b| *b == 0).next().unwrap_or_default())
+                .trim()
+                .to_owned(),
+        })
+    })
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on a program: its id.
+///
+/// # Errors
+/// The kernel's refusal (`EINVAL` for an fd that is not a program).
+pub fn prog_id(prog: impl AsFd) -> io::Result<u32> {
+    // struct bpf_prog_info: type (u32), id (u32), tag, ...; the kernel fills what fits.
+    let mut info = [0u32; 2];
+    get_info(prog.as_fd(), &mut info)?;
+    Ok(info[1])
+}
+
+/// A TCX link as the kernel describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcxLinkInfo {
+    /// The attached program.
+    pub prog_id: u32,
+    /// The interface, 0 once it is gone (the link is then defunct).
+    pub ifindex: u32,
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on a TCX link: its program and interface.
+///
+/// # Errors
+/// The kernel's refusal (`EINVAL` for an fd that is not a link).
+pub fn tcx_link_info(link: impl AsFd) -> io::Result<TcxLinkInfo> {
+    // struct bpf_link_info: type, id, prog_id (u32 each), then the 8-aligned union, whose
+    // `tcx` member is ifindex, attach_type.
+    let mut info = [0u32; 6];
+    get_info(link.as_fd(), &mut info)?;
+    Ok(TcxLinkInfo {
+        prog_id: info[2],
+        ifindex: info[4],
+    })
+}
+
+fn get_info(fd: std::os::fd::BorrowedFd<'_>, info: &mut [u32]) -> io::Result<()> {
+    let mut attr = Attr::default();
+    // bpf_fd, info_len; info (pointer).
+    let len = u32::try_from(size_of_val(info)).map_err(|_| io::Error::other("info too large"))?;
+    attr.words[0] = u64::from(fd_u32(fd)?) | (u64::from(len) << 32);
+    attr.words[1] = info.as_mut_ptr() as u64;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
 }
 
 fn fd_u32(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<u32> {
@@ -142,4 +273,48 @@ pub fn link_detach(link: impl AsFd) -> io::Result<()> {
     let mut attr = Attr::default();
     attr.words[0] = u64::from(fd_u32(link.as_fd())?);
     bpf(BPF_LINK_DETACH, &mut attr).map(drop)
+}
+
+/// What the stub's kernel test needs besides the above: a program array, an update of it,
+/// and `BPF_PROG_TEST_RUN`.
+#[cfg(test)]
+pub mod testing {
+    use std::{
+        io,
+        os::fd::{AsFd, OwnedFd},
+    };
+
+    use super::{Attr, bpf, fd_from, fd_u32};
+
+    /// `BPF_MAP_CREATE` of a one-slot `BPF_MAP_TYPE_PROG_ARRAY`.
+    pub fn prog_array() -> io::Result<OwnedFd> {
+        let mut attr = Attr::default();
+        // map_type (3), key_size (4); value_size (4), max_entries (1).
+        attr.words[0] = 3 | (4 << 32);
+        attr.words[1] = 4 | (1 << 32);
+        fd_from(bpf(0, &mut attr)?)
+    }
+
+    /// `BPF_MAP_UPDATE_ELEM`: `map[slot] = prog`.
+    pub fn set(map: impl AsFd, slot: u32, prog: impl AsFd) -> io::Result<()> {
+        let value = fd_u32(prog.as_fd())?;
+        let mut attr = Attr::default();
+        // map_fd, pad; key (pointer); value (pointer); flags.
+        attr.words[0] = u64::from(fd_u32(map.as_fd())?);
+        attr.words[1] = std::ptr::from_ref(&slot) as u64;
+        attr.words[2] = std::ptr::from_ref(&value) as u64;
+        bpf(2, &mut attr).map(drop)
+    }
+
+    /// `BPF_PROG_TEST_RUN` of a classifier on one zeroed Ethernet frame: its return value.
+    pub fn run(prog: impl AsFd) -> io::Result<u32> {
+        let packet = [0u8; 64];
+        let mut attr = Attr::default();
+        // prog_fd, retval (out); data_size_in, data_size_out; data_in (pointer).
+        attr.words[0] = u64::from(fd_u32(prog.as_fd())?);
+        attr.words[1] = packet.len() as u64;
+        attr.words[2] = packet.as_ptr() as u64;
+        bpf(10, &mut attr)?;
+        Ok((attr.words[0] >> 32) as u32)
+    }
 }

@@ -18,7 +18,7 @@
 //!   A failure part-way rolls back what this call applied.
 //! - **TPROXY**: the policy route over netlink (see [`route`]).
 mod restore;
-mod route;
+pub(crate) mod route;
 
 use std::{
     collections::HashMap,

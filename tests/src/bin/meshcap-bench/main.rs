@@ -36,6 +36,9 @@ enum Command {
         /// The CPU client and proxy are both pinned to, in every mode.
         #[arg(long, default_value_t = 1)]
         cpu: usize,
+        /// Only the pod set-up (CNI ADD/DEL latency, agent memory) section.
+        #[arg(long)]
+        setup_only: bool,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -65,7 +68,12 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
-        Command::Run { quick, out, cpu } => run::run(quick, out.as_deref(), cpu),
+        Command::Run {
+            quick,
+            out,
+            cpu,
+            setup_only,
+        } => run::run(quick, out.as_deref(), cpu, setup_only),
         Command::Proxy {
             listen,
             cpu,

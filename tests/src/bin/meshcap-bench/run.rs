@@ -17,7 +17,7 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use aya::maps::MapInfo;
 use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
-use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, require_root};
+use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend, require_root};
 
 use crate::{
     setup::{self, Agent},
@@ -89,25 +89,26 @@ impl Plan {
     }
 }
 
-/// Runs every benchmark and prints (and optionally writes) the tables.
-pub fn run(quick: bool, out: Option<&Path>, cpu: usize) -> anyhow::Result<()> {
+/// Runs every benchmark (or only the pod set-up) and prints (and optionally writes) the tables.
+pub fn run(quick: bool, out: Option<&Path>, cpu: usize, setup_only: bool) -> anyhow::Result<()> {
     require_root();
     let started = Instant::now();
     let plan = Plan::new(quick);
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(quick, cpu);
-    eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
-    let bin_dir = exe.parent().unwrap_or(Path::new("."));
-    let node = Node::new(bin_dir)?;
-    report.push_str(&data_path(&plan, &exe, cpu, &node)?);
-    eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
-    report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
-    report.push_str(&footprint(&plan, &exe, &node)?);
+    if !setup_only {
+        eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
+        let node = Node::new()?;
+        report.push_str(&data_path(&plan, &exe, cpu, &node)?);
+        eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
+        report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
+        report.push_str(&footprint(&plan, &exe, &node)?);
+    }
     eprintln!(
         "meshcap-bench: pod set-up, {} pods per backend",
         plan.setup_pods
     );
-    report.push_str(&pod_setup(&plan, &exe)?);
+    report.push_str(&pod_setup(&plan)?);
     let _ = writeln!(
         report,
         "\nThis run took {:.0} s.",
@@ -192,12 +193,12 @@ struct Node {
 }
 
 impl Node {
-    fn new(bin_dir: &Path) -> anyhow::Result<Self> {
+    fn new() -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
         let plain = TestCgroup::new("mcb-plain")?;
-        let iptables = Agent::start(bin_dir, "iptables", plain.path())
+        let iptables = Agent::start(Backend::Iptables, plain.path())
             .context("starting meshcap-agent --backend iptables")?;
-        let ebpf = Agent::start(bin_dir, "ebpf", root.path()).map_err(|e| format!("{e:#}"));
+        let ebpf = Agent::start(Backend::Ebpf, root.path()).map_err(|e| format!("{e:#}"));
         Ok(Self {
             iptables,
             ebpf,
@@ -638,16 +639,15 @@ fn footprint(plan: &Plan, exe: &Path, node: &Node) -> anyhow::Result<String> {
 /// Latency of ADD and DEL is reported over this many pods (and over all of them).
 const SETUP_LATENCY_PODS: usize = 200;
 
-fn pod_setup(plan: &Plan, exe: &Path) -> anyhow::Result<String> {
-    let bin_dir = exe.parent().unwrap_or(Path::new("."));
+fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
     let pods = setup::sandboxes(plan.setup_pods)?;
     let mut rss_at = vec![100, plan.setup_pods];
     rss_at.dedup();
-    let results: Vec<_> = ["iptables", "ebpf"]
+    let results: Vec<_> = [Backend::Iptables, Backend::Ebpf]
         .into_iter()
         .map(|backend| {
-            eprintln!("  {backend}");
-            setup::run(bin_dir, backend, &pods, &rss_at)
+            eprintln!("  {}", backend.name());
+            setup::run(backend, &pods, &rss_at)
         })
         .collect();
     drop(pods);
@@ -666,7 +666,7 @@ fn pod_setup(plan: &Plan, exe: &Path) -> anyhow::Result<String> {
     );
     for r in &results {
         if let Some(why) = &r.unavailable {
-            let _ = writeln!(out, "| {} | n/a: {why} | | | | |", r.backend);
+            let _ = writeln!(out, "| {} | n/a: {why} | | | | |", r.backend.name());
             continue;
         }
         let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
@@ -675,7 +675,7 @@ fn pod_setup(plan: &Plan, exe: &Path) -> anyhow::Result<String> {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} |",
-            r.backend,
+            r.backend.name(),
             human(add50),
             human(add99),
             human(del50),
@@ -694,7 +694,7 @@ fn pod_setup(plan: &Plan, exe: &Path) -> anyhow::Result<String> {
     out.push_str(&"---|".repeat(rss_at.len()));
     out.push('\n');
     for r in &results {
-        let _ = write!(out, "| {} |", r.backend);
+        let _ = write!(out, "| {} |", r.backend.name());
         for (_, kib) in &r.rss_kib {
             let _ = write!(out, " {:.1} MiB |", *kib as f64 / 1024.0);
         }

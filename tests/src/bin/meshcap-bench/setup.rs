@@ -4,25 +4,24 @@
 use std::{
     fs,
     io::Write as _,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
+    process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail, ensure};
+use anyhow::{Context as _, ensure};
 use meshcap_tests::{
     Netns, TestCgroup,
-    agent::{config, sidecar_pod},
-    unique_name,
+    agent::{self, Backend, ManifestDir, Sandbox, config, sidecar_pod},
 };
 
 use crate::stats::Samples;
 
 /// What one backend's run measured.
 pub struct SetupResult {
-    /// `iptables` or `ebpf`.
-    pub backend: &'static str,
+    /// The backend measured.
+    pub backend: Backend,
     /// Why the backend could not be measured.
     pub unavailable: Option<String>,
     /// ADD start-to-exit, ms, in pod order.
@@ -66,73 +65,46 @@ pub fn sandboxes(n: usize) -> anyhow::Result<Vec<Netns>> {
         .collect()
 }
 
-/// A running agent and its throwaway directories, stopped (SIGTERM, by pid) on drop; the
-/// bpffs directory goes with it, which detaches everything it attached.
+/// A running agent ([`meshcap_tests::agent::Agent`]: throwaway socket, state and bpffs
+/// directories, all removed when it drops) learning pods from a manifest directory.
 pub struct Agent {
-    child: Child,
-    dir: PathBuf,
-    bpffs: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
-    plugin: PathBuf,
+    agent: agent::Agent,
+    pods: ManifestDir,
 }
 
 impl Agent {
     /// Starts `meshcap-agent run --pods dir --backend <backend>`, attaching (eBPF) to
-    /// `cgroup_root`, and waits for its socket.
+    /// `cgroup_root`, and waits until it is ready. The binaries come from `MESHCAP_BIN_DIR`
+    /// (`cargo xtask bench` sets it to the release build).
     ///
     /// # Errors
     /// When it exits first (e.g. the backend is not available), with its last log line.
-    pub fn start(bin_dir: &Path, backend: &str, cgroup_root: &Path) -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(unique_name("mcb-agent"));
-        fs::create_dir_all(dir.join("pods"))?;
-        let bpffs = Path::new("/sys/fs/bpf").join(unique_name("mcb"));
-        let socket = dir.join("agent.sock");
-        let log = dir.join("agent.log");
-        let http = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-        let child = Command::new(bin_dir.join("meshcap-agent"))
-            .arg("run")
-            .args(["--pods", "dir", "--pod-dir"])
-            .arg(dir.join("pods"))
-            .args(["--backend", backend, "--socket"])
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--cgroup-root")
-            .arg(cgroup_root)
-            .arg("--bpffs-dir")
-            .arg(&bpffs)
-            .args(["--http-listen", &http.to_string()])
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(fs::File::create(&log)?)
-            .stderr(fs::File::create(&log)?.try_clone()?)
-            .spawn()
-            .context("starting meshcap-agent")?;
-        let mut agent = Self {
-            child,
-            dir,
-            bpffs,
-            socket,
-            log,
-            plugin: bin_dir.join("meshcap-cni"),
-        };
-        for _ in 0..400 {
-            if let Some(status) = agent.child.try_wait()? {
-                let log = fs::read_to_string(&agent.log).unwrap_or_default();
-                let last = strip_ansi(log.lines().last().unwrap_or(""));
-                // Drop the timestamp and level: keep the agent's message.
-                let last = last
-                    .split_once("meshcap_agent: ")
-                    .map_or(last.trim(), |(_, msg)| msg.trim());
-                bail!("the agent exited ({status}): {last}");
-            }
-            if agent.socket.exists() {
-                return Ok(agent);
-            }
-            thread::sleep(Duration::from_millis(25));
-        }
-        bail!("the agent did not open its socket within 10 s")
+    pub fn start(backend: Backend, cgroup_root: &Path) -> anyhow::Result<Self> {
+        let pods = ManifestDir::new();
+        let pod_dir = pods.0.to_str().context("pod directory path")?;
+        // Warnings only: an info line per ADD is not what is being measured.
+        let agent = agent::Agent::start_in(
+            backend,
+            &["--pods", "dir", "--pod-dir", pod_dir],
+            &[("RUST_LOG", "warn")],
+            Some(cgroup_root),
+        )
+        .map_err(|err| {
+            let err = format!("{err:#}");
+            let last = err
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("");
+            let last = strip_ansi(last);
+            // Drop the timestamp and level: keep the agent's message.
+            let last = last
+                .split_once("meshcap_agent: ")
+                .map_or(last.trim(), |(_, msg)| msg.trim())
+                .to_owned();
+            anyhow::anyhow!("the agent did not start: {last}")
+        })?;
+        Ok(Self { agent, pods })
     }
 
     /// Captures a default injected pod named `name` (with `excludes` as
@@ -150,12 +122,12 @@ impl Agent {
         // The manifest is in the directory only while its ADD looks it up: the directory
         // source reads every file on a lookup, a cost the Kubernetes source (a watch cache)
         // does not have.
-        let manifest = self.dir.join("pods").join(format!("{name}.json"));
+        let manifest = self.pods.0.join(format!("{name}.json"));
         fs::write(
             &manifest,
             sidecar_pod("bench", name, annotations).to_string(),
         )?;
-        let took = cni(&self.plugin, "ADD", netns, name, self.conf().as_bytes());
+        let took = self.cni("ADD", netns, name);
         fs::remove_file(&manifest)?;
         took
     }
@@ -165,47 +137,36 @@ impl Agent {
     /// # Errors
     /// When the DEL fails.
     pub fn del(&self, netns: &Netns, name: &str) -> anyhow::Result<f64> {
-        cni(&self.plugin, "DEL", netns, name, self.conf().as_bytes())
+        self.cni("DEL", netns, name)
     }
 
-    fn conf(&self) -> String {
-        config("1.1.0", &self.socket, "10.0.0.2").to_string()
+    /// Runs `meshcap-cni` as kubelet does and returns its wall time (spawn to exit), ms.
+    fn cni(&self, command: &str, netns: &Netns, name: &str) -> anyhow::Result<f64> {
+        let conf = config("1.1.0", &self.agent.socket, "10.0.0.2");
+        let sandbox = Sandbox::new("bench", name, netns);
+        let start = Instant::now();
+        let out = agent::cni(command, &sandbox, &conf)?;
+        let took = start.elapsed().as_secs_f64() * 1e3;
+        ensure!(
+            out.success,
+            "meshcap-cni {command} of bench/{name}: {}",
+            out.msg()
+        );
+        Ok(took)
     }
 
     /// The agent's pid.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.agent.pid()
     }
 
     fn rss_kib(&self) -> u64 {
-        fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+        fs::read_to_string(format!("/proc/{}/status", self.pid()))
             .unwrap_or_default()
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
             .unwrap_or(0)
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Ok(pid) = i32::try_from(self.child.id()) {
-            // Our own child, by its pid.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
-        for _ in 0..100 {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                break;
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = fs::remove_dir_all(&self.dir);
-        let _ = fs::remove_dir_all(&self.bpffs);
     }
 }
 
@@ -227,49 +188,9 @@ fn strip_ansi(line: &str) -> String {
     out
 }
 
-/// Runs `meshcap-cni` as kubelet does and returns its wall time (spawn to exit), ms.
-fn cni(
-    plugin: &Path,
-    command: &str,
-    netns: &Netns,
-    name: &str,
-    conf: &[u8],
-) -> anyhow::Result<f64> {
-    let start = Instant::now();
-    let mut child = Command::new(plugin)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", format!("sandbox-{name}"))
-        .env("CNI_NETNS", netns.path())
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", "/opt/cni/bin")
-        .env(
-            "CNI_ARGS",
-            format!(
-                "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME={name};\
-                 K8S_POD_INFRA_CONTAINER_ID=sandbox-{name}"
-            ),
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting meshcap-cni")?;
-    child.stdin.take().context("stdin")?.write_all(conf)?;
-    let out = child.wait_with_output()?;
-    let took = start.elapsed().as_secs_f64() * 1e3;
-    ensure!(
-        out.status.success(),
-        "meshcap-cni {command} of bench/{name}: {}",
-        String::from_utf8_lossy(&out.stdout).trim()
-    );
-    Ok(took)
-}
-
 /// ADD every sandbox's pod, then DEL them all, through a running agent with `backend`; the
 /// agent's RSS idle and after each count in `rss_at`.
-pub fn run(bin_dir: &Path, backend: &'static str, pods: &[Netns], rss_at: &[usize]) -> SetupResult {
+pub fn run(backend: Backend, pods: &[Netns], rss_at: &[usize]) -> SetupResult {
     let mut result = SetupResult {
         backend,
         unavailable: None,
@@ -277,20 +198,15 @@ pub fn run(bin_dir: &Path, backend: &'static str, pods: &[Netns], rss_at: &[usiz
         del_ms: Vec::new(),
         rss_kib: Vec::new(),
     };
-    if let Err(err) = measure(bin_dir, pods, rss_at, &mut result) {
+    if let Err(err) = measure(pods, rss_at, &mut result) {
         result.unavailable = Some(format!("{err:#}"));
     }
     result
 }
 
-fn measure(
-    bin_dir: &Path,
-    pods: &[Netns],
-    rss_at: &[usize],
-    result: &mut SetupResult,
-) -> anyhow::Result<()> {
+fn measure(pods: &[Netns], rss_at: &[usize], result: &mut SetupResult) -> anyhow::Result<()> {
     let cgroup = TestCgroup::new("mcb-agent")?;
-    let agent = Agent::start(bin_dir, result.backend, cgroup.path())?;
+    let agent = Agent::start(result.backend, cgroup.path())?;
     // Let start-up settle (program loads, first allocations) before calling it idle.
     thread::sleep(Duration::from_millis(500));
     result.rss_kib.push((0, agent.rss_kib()));

@@ -1,0 +1,216 @@
+//! The per-pod TC stub, assembled here: it stores the pod's netns cookie in `skb->cb[0..2]`
+//! and tail-calls the shared inbound classifier (slot 0 of the pinned `MESHCAP_TC_PROG`),
+//! which reads the cookie back (`bpf_get_netns_cookie` is not available to TC programs
+//! before Linux 6.15, and where it is, it answers for the skb's socket, which an inbound
+//! packet does not have yet).
+//!
+//! Ten instructions with the cookie as an immediate: loading them raw takes the kernel tens
+//! of microseconds, where aya's loader re-parsed the whole embedded object (every program,
+//! its BTF and relocations) for each pod just to set one global.
+//!
+//! ```text
+//! r2 = cookie & 0xffffffff        ; cb[0] = low half
+//! *(u32 *)(r1 + cb[0]) = r2
+//! r2 = cookie >> 32               ; cb[1] = high half
+//! *(u32 *)(r1 + cb[1]) = r2
+//! r2 = MESHCAP_TC_PROG ll         ; ld_imm64 with BPF_PSEUDO_MAP_FD
+//! r3 = 0
+//! call bpf_tail_call              ; does not return when slot 0 holds the classifier
+//! r0 = TC_ACT_OK                  ; slot 0 empty (only before the agent's first open): pass
+//! exit
+//! ```
+use std::os::fd::{AsFd, AsRawFd as _, OwnedFd};
+
+use super::sys;
+
+/// The stub's name in the kernel (`bpftool prog`, `tc filter show`); at most 15 bytes.
+pub const NAME: &str = "meshcap_tc_stub";
+
+/// `offsetof(struct __sk_buff, cb[0])`.
+const SKB_CB: i16 = 48;
+/// `TC_ACT_OK`.
+const TC_ACT_OK: i32 = 0;
+/// `BPF_FUNC_tail_call`.
+const FUNC_TAIL_CALL: i32 = 12;
+/// `BPF_PSEUDO_MAP_FD`: the immediate of a `ld_imm64` is a map fd of the loading process.
+const PSEUDO_MAP_FD: u8 = 1;
+
+// Instruction classes, sizes, modes and operations (linux/bpf_common.h, linux/bpf.h).
+const BPF_LD: u8 = 0x00;
+const BPF_STX: u8 = 0x03;
+const BPF_JMP: u8 = 0x05;
+const BPF_ALU64: u8 = 0x07;
+const BPF_W: u8 = 0x00;
+const BPF_DW: u8 = 0x18;
+const BPF_IMM: u8 = 0x00;
+const BPF_MEM: u8 = 0x60;
+const BPF_MOV: u8 = 0xb0;
+const BPF_K: u8 = 0x00;
+const BPF_CALL: u8 = 0x80;
+const BPF_EXIT: u8 = 0x90;
+
+const R0: u8 = 0;
+const R1: u8 = 1;
+const R2: u8 = 2;
+const R3: u8 = 3;
+
+/// One `struct bpf_insn`: opcode, registers (two nibbles), 16-bit offset, 32-bit immediate.
+type Insn = [u8; 8];
+
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
+    // The register nibbles are a C bitfield: dst_reg first, i.e. the low nibble on
+    // little-endian hosts and the high one on big-endian hosts.
+    let regs = if cfg!(target_endian = "little") {
+        (src << 4) | (dst & 0x0f)
+    } else {
+        (dst << 4) | (src & 0x0f)
+    };
+    let [o0, o1] = off.to_ne_bytes();
+    let [i0, i1, i2, i3] = imm.to_ne_bytes();
+    [code, regs, o0, o1, i0, i1, i2, i3]
+}
+
+/// `dst = imm` (64-bit move; the immediate is sign-extended, which a 32-bit store ignores).
+fn mov_imm(dst: u8, imm: i32) -> Insn {
+    insn(BPF_ALU64 | BPF_MOV | BPF_K, dst, 0, 0, imm)
+}
+
+/// `*(u32 *)(dst + off) = src`.
+fn store_w(dst: u8, off: i16, src: u8) -> Insn {
+    insn(BPF_STX | BPF_MEM | BPF_W, dst, src, off, 0)
+}
+
+/// `dst = map` (the two-slot `ld_imm64` with a map fd, replaced by the map by the kernel).
+fn ld_map_fd(dst: u8, fd: i32) -> [Insn; 2] {
+    [
+        insn(BPF_LD | BPF_DW | BPF_IMM, dst, PSEUDO_MAP_FD, 0, fd),
+        insn(0, 0, 0, 0, 0),
+    ]
+}
+
+/// The stub's instructions for the pod with netns `cookie`, tail-calling through the program
+/// array `prog_array` (an fd of this process).
+fn program(cookie: u64, prog_array: i32) -> Vec<Insn> {
+    let [lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3] = cookie.to_le_bytes();
+    let low = i32::from_le_bytes([lo0, lo1, lo2, lo3]);
+    let high = i32::from_le_bytes([hi0, hi1, hi2, hi3]);
+    let mut insns = vec![
+        mov_imm(R2, low),
+        store_w(R1, SKB_CB, R2),
+        mov_imm(R2, high),
+        store_w(R1, SKB_CB + 4, R2),
+    ];
+    insns.extend(ld_map_fd(R2, prog_array));
+    insns.extend([
+        mov_imm(R3, 0),
+        insn(BPF_JMP | BPF_CALL, 0, 0, 0, FUNC_TAIL_CALL),
+        mov_imm(R0, TC_ACT_OK),
+        insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+    ]);
+    insns
+}
+
+/// Loads the stub of the pod with netns `cookie` (a `BPF_PROG_TYPE_SCHED_CLS` program,
+/// direct-action) tail-calling through `prog_array` (the pinned `MESHCAP_TC_PROG`).
+///
+/// # Errors
+/// The kernel's refusal, with the verifier log.
+pub fn load(cookie: u64, prog_array: impl AsFd) -> Result<OwnedFd, sys::LoadError> {
+    let insns = program(cookie, prog_array.as_fd().as_raw_fd());
+    // The classifier it tail-calls is GPL (it calls GPL-only helpers): so is the caller.
+    sys::prog_load_sched_cls(NAME, &insns, c"GPL")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(insns: &[Insn]) -> Vec<u8> {
+        insns.iter().flatten().copied().collect()
+    }
+
+    /// The exact encoding, next to what LLVM emitted for the stub when it was an aya-ebpf
+    /// program (`call 0xc`, `r3 = 0x0`, `r0 = 0x0`, `exit`, and a map `ld_imm64` into r2).
+    #[test]
+    #[cfg(target_endian = "little")]
+    fn encodes_like_llvm() {
+        let insns = program(0x1122_3344_5566_7788, 7);
+        assert_eq!(insns.len(), 10);
+        assert_eq!(
+            bytes(&insns),
+            [
+                [0xb7, 0x02, 0, 0, 0x88, 0x77, 0x66, 0x55], // r2 = 0x55667788
+                [0x63, 0x21, 48, 0, 0, 0, 0, 0],            // *(u32 *)(r1 + 48) = r2
+                [0xb7, 0x02, 0, 0, 0x44, 0x33, 0x22, 0x11], // r2 = 0x11223344
+                [0x63, 0x21, 52, 0, 0, 0, 0, 0],            // *(u32 *)(r1 + 52) = r2
+                [0x18, 0x12, 0, 0, 7, 0, 0, 0],             // r2 = map fd 7 ll
+                [0, 0, 0, 0, 0, 0, 0, 0],
+                [0xb7, 0x03, 0, 0, 0, 0, 0, 0], // r3 = 0
+                [0x85, 0, 0, 0, 0x0c, 0, 0, 0], // call bpf_tail_call
+                [0xb7, 0, 0, 0, 0, 0, 0, 0],    // r0 = TC_ACT_OK
+                [0x95, 0, 0, 0, 0, 0, 0, 0],    // exit
+            ]
+            .concat()
+        );
+    }
+
+    /// A cookie with the top bit of either half set still stores those exact 32 bits (the
+    /// sign extension of `mov` only touches the register's upper half).
+    #[test]
+    fn halves_are_the_cookie() {
+        for cookie in [0, 1, u64::MAX, 0x8000_0000_8000_0000, 0x0000_0001_ffff_ffff] {
+            let insns = program(cookie, 3);
+            let imm = |i: &Insn| u32::from_ne_bytes([i[4], i[5], i[6], i[7]]);
+            let low = u64::from(imm(&insns[0]));
+            let high = u64::from(imm(&insns[2]));
+            assert_eq!(low | (high << 32), cookie);
+        }
+    }
+
+    /// On the real kernel: the stub hands the cookie to whatever slot 0 holds (here, programs
+    /// returning `cb[0]` or `cb[1]`), and passes the packet when the slot is empty.
+    #[test]
+    fn tail_calls_slot_0_with_the_cookie_in_cb() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test loads BPF programs into the kernel: run it as root"
+        );
+        let cookie = 0x8765_4321_0fed_cba9_u64;
+        let slots = sys::testing::prog_array().expect("creating a program array");
+        let stub = load(cookie, &slots).expect("loading the stub");
+        assert_eq!(
+            sys::testing::run(&stub).expect("running the stub"),
+            0,
+            "empty slot: TC_ACT_OK"
+        );
+        for (half, expected) in [(0, cookie & 0xffff_ffff), (1, cookie >> 32)] {
+            // r0 = *(u32 *)(r1 + cb[half]); exit
+            let reader = [
+                insn(0x61, R0, R1, SKB_CB + 4 * half, 0),
+                insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+            ];
+            let reader =
+                sys::prog_load_sched_cls("meshcap_test_cb", &reader, c"GPL").expect("reader");
+            sys::testing::set(&slots, 0, &reader).expect("filling slot 0");
+            assert_eq!(
+                u64::from(sys::testing::run(&stub).expect("running the stub")),
+                expected,
+                "cb[{half}]"
+            );
+        }
+    }
+
+    /// A refusal carries the verifier's reason.
+    #[test]
+    fn a_refusal_has_the_verifier_log() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test loads BPF programs into the kernel: run it as root"
+        );
+        // exit without setting r0.
+        let bad = [insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0)];
+        let err = sys::prog_load_sched_cls("meshcap_test_bad", &bad, c"GPL")
+            .expect_err("the verifier must refuse an unset r0");
+        assert!(err.log.contains("R0 !read_ok"), "{err}");
+    }
+}
