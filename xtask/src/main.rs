@@ -25,8 +25,8 @@ enum Task {
     /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker).
     Setup,
     /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
-    /// the real-kernel ones (root), then the end-to-end tests in QEMU on Debian's 6.1 kernel.
-    /// What CI runs.
+    /// the real-kernel ones (root), then the end-to-end tests in QEMU on Debian's 6.1 and 6.12
+    /// kernels. What CI runs.
     Test {
         /// Stop after the host suite (no QEMU phase).
         #[arg(long)]
