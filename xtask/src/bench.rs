@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--setup-only]`: builds meshcap in release and runs the benchmark runner
+//! `cargo xtask bench [--quick] [--only SECTION] [--profile]`: builds meshcap in release and runs the benchmark runner
 //! (tests/src/bin/meshcap-bench), which prints the tables of BENCHMARKS.md and writes them to
 //! `target/bench/results.md`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
 use std::process::Command;
@@ -7,7 +7,7 @@ use anyhow::Context as _;
 
 use crate::cmd::{self, root};
 
-pub fn run(quick: bool, setup_only: bool) -> anyhow::Result<()> {
+pub fn run(quick: bool, only: &[String], profile: bool) -> anyhow::Result<()> {
     let root = root();
     cmd::run(Command::new("cargo").current_dir(&root).args([
         "build",
@@ -34,8 +34,11 @@ pub fn run(quick: bool, setup_only: bool) -> anyhow::Result<()> {
     if quick {
         bench.arg("--quick");
     }
-    if setup_only {
-        bench.arg("--setup-only");
+    for section in only {
+        bench.arg("--only").arg(section);
+    }
+    if profile {
+        bench.arg("--profile");
     }
     cmd::run(&mut bench)
 }

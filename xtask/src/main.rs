@@ -44,9 +44,12 @@ enum Task {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
-        /// Only the pod set-up section (CNI ADD/DEL latency, agent memory).
+        /// Only this section (repeatable): data-path, policy-scale, footprint, pod-setup.
         #[arg(long)]
-        setup_only: bool,
+        only: Vec<String>,
+        /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -57,9 +60,11 @@ fn main() -> ExitCode {
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
-        Task::Bench { quick, setup_only } => {
-            setup::run().and_then(|()| bench::run(quick, setup_only))
-        }
+        Task::Bench {
+            quick,
+            only,
+            profile,
+        } => setup::run().and_then(|()| bench::run(quick, &only, profile)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -111,7 +111,8 @@ pub fn is_loopback(addr: &Addr) -> bool {
 }
 
 /// The decision for an outbound connection, rule by rule as Istio's `OUTPUT` / `ISTIO_OUTPUT`
-/// (nat) chains order them. "`-o lo`" is "the destination is local": loopback, or one of the
+/// (nat) chains order them. Lists the pod's flags say are empty (or, for the include list,
+/// `*`) are not looked up: in the kernel every lookup is a map access on every connect. "`-o lo`" is "the destination is local": loopback, or one of the
 /// pod's own addresses ([`CidrKind::Local`]).
 #[inline(always)]
 #[must_use]
@@ -127,7 +128,7 @@ pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Ve
         return Verdict::Pass;
     }
     // -p tcp/udp --dport <excludeOutboundPorts> -j RETURN
-    if t.has_port(PortKind::ExcludeOutbound, c.dst_port) {
+    if !pod.has(flags::NO_EXCLUDE_PORTS) && t.has_port(PortKind::ExcludeOutbound, c.dst_port) {
         return Verdict::Pass;
     }
     // -o lo -s 127.0.0.6/32 -j RETURN
@@ -183,7 +184,7 @@ pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Ve
         return Verdict::Pass;
     }
     // -d <excludeOutboundIPRanges> -j RETURN
-    if t.lookup(CidrKind::ExcludeOutbound, &c.dst).is_some() {
+    if !pod.has(flags::NO_EXCLUDE_CIDRS) && t.lookup(CidrKind::ExcludeOutbound, &c.dst).is_some() {
         return Verdict::Pass;
     }
     // ISTIO_REDIRECT is -p tcp: UDP falls through every jump to it.
@@ -191,11 +192,11 @@ pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Ve
         return Verdict::Pass;
     }
     // -p tcp --dport <includeOutboundPorts> -j ISTIO_REDIRECT
-    if t.has_port(PortKind::IncludeOutbound, c.dst_port) {
+    if !pod.has(flags::NO_INCLUDE_PORTS) && t.has_port(PortKind::IncludeOutbound, c.dst_port) {
         return Verdict::Redirect(PROXY_OUTBOUND_PORT);
     }
     // -d <includeOutboundIPRanges> (or everything for `*`) -j ISTIO_REDIRECT
-    if t.lookup(CidrKind::IncludeOutbound, &c.dst).is_some() {
+    if pod.has(flags::INCLUDE_ALL) || t.lookup(CidrKind::IncludeOutbound, &c.dst).is_some() {
         return Verdict::Redirect(PROXY_OUTBOUND_PORT);
     }
     Verdict::Pass

@@ -29,12 +29,16 @@ pub mod maps {
     pub const PORTS: &str = "MESHCAP_PORTS";
     /// Interface flags in a pod ([`crate::IfaceKey`] → `u32`).
     pub const IFACES: &str = "MESHCAP_IFACES";
-    /// Original destination of a redirected socket by socket cookie (`u64` →
-    /// [`crate::OrigDst`]), from connect/sendmsg until sockops moves it to [`FLOWS`].
-    pub const BY_COOKIE: &str = "MESHCAP_BY_COOKIE";
+    /// Original destination of a redirected socket, in the socket's own storage (socket
+    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for sockops and recvmsg.
+    pub const DIALED: &str = "MESHCAP_DIALED";
     /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
-    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
+    /// [`crate::OrigDst`]): the hand-off from the client end (or TC, inbound) to the accepted
+    /// end, for the length of a handshake.
     pub const FLOWS: &str = "MESHCAP_FLOWS";
+    /// Original destination on the proxy's accepted socket (socket storage,
+    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
+    pub const ACCEPTED: &str = "MESHCAP_ACCEPTED";
     /// Program array, slot 0: the shared inbound TC program every pod's stub tail-calls.
     pub const TC_PROG: &str = "MESHCAP_TC_PROG";
 }
@@ -122,6 +126,15 @@ pub mod flags {
     pub const EXCLUDED_ROUTES: u32 = 1 << 5;
     /// `INVALID_DROP`.
     pub const INVALID_DROP: u32 = 1 << 6;
+    /// `includeOutboundIPRanges: *`: every address is included, no lookup needed (the
+    /// zero-length prefixes are in the list all the same).
+    pub const INCLUDE_ALL: u32 = 1 << 7;
+    /// The `excludeOutboundIPRanges` list is empty: no lookup needed.
+    pub const NO_EXCLUDE_CIDRS: u32 = 1 << 8;
+    /// The `excludeOutboundPorts` list is empty: no lookup needed.
+    pub const NO_EXCLUDE_PORTS: u32 = 1 << 9;
+    /// The `includeOutboundPorts` list is empty: no lookup needed.
+    pub const NO_INCLUDE_PORTS: u32 = 1 << 10;
 }
 
 /// Bits of the [`maps::IFACES`] value.

@@ -1,27 +1,28 @@
 //! The original destination, from the client socket to the proxy's accepted socket.
 //!
 //! connect (or the TC program, inbound) knows what was dialled; the proxy asks on another
-//! socket. `sockops` moves the connect-time record (by socket cookie) to the connection's
-//! 4-tuple qualified by its netns when the client end is established, and removes it when
-//! either end closes; `cgroup/getsockopt` answers `SO_ORIGINAL_DST` on the accepting end from it.
+//! socket. connect keeps it in the client socket's storage ([`DIALED`]); when the client end is
+//! established, `sockops` puts it under the connection's netns-qualified 4-tuple in [`FLOWS`];
+//! when the accepted end is established (right after, on loopback), `sockops` takes it from
+//! there into the accepted socket's storage ([`ACCEPTED`]), where `cgroup/getsockopt` answers
+//! `SO_ORIGINAL_DST` from. Socket storage goes with its socket, so nothing waits for a close:
+//! sockops asks for no state callbacks, and runs only the kernel's default callbacks.
 use core::ptr::read_volatile;
 
 use aya_ebpf::{
     bindings::{
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
-        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, bpf_sock_ops,
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, bpf_sock_ops,
     },
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    helpers::bpf_get_netns_cookie,
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
 use meshcap_common::{AF_INET, AF_INET6, FlowKey, SO_ORIGINAL_DST};
 
-use crate::tables::{BY_COOKIE, FLOWS};
+use crate::tables::{ACCEPTED, DIALED, FLOWS, sk_get, sk_put};
 
 const SOL_IP: i32 = 0;
 const SOL_IPV6: i32 = 41;
-const TCP_CLOSE: u32 = 7;
 /// `sizeof(struct sockaddr_in)`.
 const SOCKADDR_IN_LEN: usize = 16;
 /// `sizeof(struct sockaddr_in6)`.
@@ -85,50 +86,68 @@ const fn flow(netns: u64, family: u32, client: End, server: End) -> FlowKey {
 pub fn meshcap_sockops(ctx: SockOpsContext) -> u32 {
     let ops = ctx.ops;
     let op = ctx.op();
-    if op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
-        && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB
-        && op != BPF_SOCK_OPS_STATE_CB
-    {
-        return 1;
+    if op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+        client_established(&ctx, ops);
+    } else if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
+        accepted(&ctx, ops);
     }
+    1
+}
+
+/// The client end of a connection meshcap redirected: its original destination, from the
+/// socket's storage, under the 4-tuple. Other sockets stop at the storage lookup.
+#[inline(always)]
+fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
+    // SAFETY: context read; the kernel gives established callbacks a full socket.
+    let sk = unsafe { (*ops).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return;
+    }
+    // SAFETY: `sk` is the context's socket.
+    let Some(orig) = (unsafe { sk_get(&DIALED, sk) }) else {
+        return;
+    };
     let family = ctx.family();
     let Some((local, remote)) = ends(ops, family) else {
-        return 1;
+        return;
     };
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
-    if op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
-        // SAFETY: the helper takes the program's own context.
-        let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
-        // SAFETY: a plain read.
-        let Some(orig) = (unsafe { BY_COOKIE.get(cookie) }).copied() else {
-            return 1;
-        };
-        let _ = BY_COOKIE.remove(cookie);
-        if FLOWS
-            .insert(flow(netns, family, local, remote), orig, 0)
-            .is_ok()
-        {
-            let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
-        } else {
-            // The flow table is full: the proxy will not learn this connection's original
-            // destination.
-            aya_log_ebpf::warn!(
-                &ctx,
-                "captured connection not recorded (flow map full): SO_ORIGINAL_DST will fail"
-            );
-        }
-    } else if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
-        // SAFETY: a plain read.
-        if unsafe { FLOWS.get(flow(netns, family, remote, local)) }.is_some() {
-            let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
-        }
-    } else if ctx.arg(1) == TCP_CLOSE {
-        // Only sockets that asked for state callbacks get here: one of the two is ours.
-        let _ = FLOWS.remove(flow(netns, family, local, remote));
-        let _ = FLOWS.remove(flow(netns, family, remote, local));
+    if FLOWS
+        .insert(flow(netns, family, local, remote), orig, 0)
+        .is_err()
+    {
+        // Not expected (LRU): the proxy will not learn this connection's original destination.
+        aya_log_ebpf::warn!(
+            ctx,
+            "captured connection not recorded (flow map): SO_ORIGINAL_DST will fail"
+        );
     }
-    1
+}
+
+/// An accepted socket: when meshcap captured its connection, the original destination moves
+/// from [`FLOWS`] into the socket's storage.
+#[inline(always)]
+fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
+    // SAFETY: context read (as in `client_established`).
+    let sk = unsafe { (*ops).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return;
+    }
+    let family = ctx.family();
+    let Some((local, remote)) = ends(ops, family) else {
+        return;
+    };
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let key = flow(netns, family, remote, local);
+    // SAFETY: a plain read.
+    let Some(orig) = (unsafe { FLOWS.get(key) }).copied() else {
+        return;
+    };
+    let _ = FLOWS.remove(key);
+    // SAFETY: `sk` is the context's socket.
+    unsafe { sk_put(&ACCEPTED, sk, orig) };
 }
 
 /// Answers `getsockopt(SOL_IP, SO_ORIGINAL_DST)` and `getsockopt(SOL_IPV6,
@@ -147,53 +166,8 @@ pub fn meshcap_getsockopt(ctx: SockoptContext) -> i32 {
     if sk.is_null() {
         return 1;
     }
-    // SAFETY: reads of the socket's fields, one volatile load each: the verifier refuses
-    // arithmetic on socket pointers, which LLVM would otherwise share between branches.
-    let (family, local, remote) = unsafe {
-        let family = read_volatile(&raw const (*sk).family);
-        #[expect(clippy::cast_possible_truncation, reason = "ports fit in 16 bits")]
-        let local_port = read_volatile(&raw const (*sk).src_port) as u16;
-        let remote_port = u16::from_be(read_volatile(&raw const (*sk).dst_port));
-        if family == u32::from(AF_INET) {
-            (
-                family,
-                (
-                    [read_volatile(&raw const (*sk).src_ip4), 0, 0, 0],
-                    local_port,
-                ),
-                (
-                    [read_volatile(&raw const (*sk).dst_ip4), 0, 0, 0],
-                    remote_port,
-                ),
-            )
-        } else {
-            (
-                family,
-                (
-                    [
-                        read_volatile(&raw const (*sk).src_ip6[0]),
-                        read_volatile(&raw const (*sk).src_ip6[1]),
-                        read_volatile(&raw const (*sk).src_ip6[2]),
-                        read_volatile(&raw const (*sk).src_ip6[3]),
-                    ],
-                    local_port,
-                ),
-                (
-                    [
-                        read_volatile(&raw const (*sk).dst_ip6[0]),
-                        read_volatile(&raw const (*sk).dst_ip6[1]),
-                        read_volatile(&raw const (*sk).dst_ip6[2]),
-                        read_volatile(&raw const (*sk).dst_ip6[3]),
-                    ],
-                    remote_port,
-                ),
-            )
-        }
-    };
-    // SAFETY: the helper takes the program's own context.
-    let netns = unsafe { bpf_get_netns_cookie(so.cast()) };
-    // SAFETY: a plain read.
-    let Some(orig) = (unsafe { FLOWS.get(flow(netns, family, remote, local)) }).copied() else {
+    // SAFETY: `sk` is the context's socket.
+    let Some(orig) = (unsafe { sk_get(&ACCEPTED, sk) }) else {
         return 1;
     };
     // SAFETY: `optval..optval_end` is the kernel's copy of the caller's buffer; every write is

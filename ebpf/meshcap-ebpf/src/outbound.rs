@@ -1,16 +1,16 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered by socket cookie.
+//! exists (no NAT, no conntrack), and the original is remembered in the socket's storage.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use meshcap_common::{Addr, DNS_PROXY_PORT, OrigDst, Outbound, Proto, Verdict, decide_outbound};
 
-use crate::tables::{BY_COOKIE, Maps, pod};
+use crate::tables::{DIALED, Maps, pod, sk_get, sk_put};
 
 /// Keep the call going (0 would fail it with EPERM).
 const ALLOW: i32 = 1;
@@ -177,10 +177,14 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
     let Verdict::Redirect(port) = decide_outbound(&pod, &conn, &Maps { pod_id: pod.pod_id }) else {
         return;
     };
-    // SAFETY: the helper takes the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // A full map only costs the original destination of this one socket (LRU).
-    let _ = BY_COOKIE.insert(cookie, OrigDst::new(dst, dst_port), 0);
+    // SAFETY: context read, then the context's socket.
+    unsafe {
+        sk_put(
+            &DIALED,
+            (*sa).__bindgen_anon_1.sk,
+            OrigDst::new(dst, dst_port),
+        )
+    };
     set_user_addr(sa, family, matches!(dst, Addr::V4(_)), port);
 }
 
@@ -200,10 +204,8 @@ fn restore_source(ctx: &SockAddrContext, family: Family) {
     if port != DNS_PROXY_PORT || !from_proxy {
         return;
     }
-    // SAFETY: the helper takes the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    // SAFETY: a plain read.
-    let Some(orig) = (unsafe { BY_COOKIE.get(cookie) }).copied() else {
+    // SAFETY: context read, then the context's socket.
+    let Some(orig) = (unsafe { sk_get(&DIALED, (*sa).__bindgen_anon_1.sk) }) else {
         return;
     };
     // SAFETY: context writes, word by word.

@@ -1,6 +1,11 @@
 //! The maps, and the decision's view of them for one pod.
+use core::ffi::c_void;
+
 use aya_ebpf::{
-    macros::map,
+    bindings::{BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
+    btf_maps::SkStorage,
+    helpers::generated::bpf_sk_storage_get,
+    macros::{btf_map, map},
     maps::{HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
 };
 use meshcap_common::{
@@ -34,14 +39,63 @@ pub static PORTS: HashMap<PortKey, u8> = HashMap::with_max_entries(MAX_PODS * 64
 #[map(name = "MESHCAP_IFACES")]
 pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(MAX_PODS * 8, NO_PREALLOC);
 
-/// Written at connect/sendmsg, read by sockops and recvmsg. LRU: sockets that never connect
-/// age out.
-#[map(name = "MESHCAP_BY_COOKIE")]
-pub static BY_COOKIE: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(262_144, 0);
+/// The original destination of a socket meshcap redirected, on that socket: written at
+/// connect/sendmsg, read by sockops (TCP) and recvmsg (UDP DNS). Socket storage: no key to
+/// compute, no table to fill, freed with the socket.
+#[btf_map(name = "MESHCAP_DIALED")]
+pub static DIALED: SkStorage<OrigDst> = SkStorage::new();
 
-/// Deleted when either end closes; LRU as a backstop.
+/// The original destination on the proxy's accepted socket, from sockops: what
+/// `getsockopt(SO_ORIGINAL_DST)` answers.
+#[btf_map(name = "MESHCAP_ACCEPTED")]
+pub static ACCEPTED: SkStorage<OrigDst> = SkStorage::new();
+
+/// The hand-off between the two ends of a captured connection (see [`crate::flows`]): written
+/// when the client end is established (or inbound, when TC assigns the SYN), taken when the
+/// accepted end is. An entry lives for a handshake, so the table holds the handshakes in
+/// flight on the node; LRU, so that entries of connections that never complete (a SYN flood
+/// on an inbound port) give way to new ones.
 #[map(name = "MESHCAP_FLOWS")]
-pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(262_144, 0);
+pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(16_384, 0);
+
+/// `sk`'s value in the socket storage `map`, created when `create`.
+///
+/// # Safety
+/// `sk` must be a socket pointer the program's context handed out (the verifier checks).
+#[inline(always)]
+unsafe fn storage(map: &SkStorage<OrigDst>, sk: *mut bpf_sock, create: bool) -> *mut OrigDst {
+    let flags = if create {
+        u64::from(BPF_SK_STORAGE_GET_F_CREATE)
+    } else {
+        0
+    };
+    let map = core::ptr::from_ref(map).cast_mut().cast::<c_void>();
+    // SAFETY: `map` is a socket storage map; `sk` is the context's socket (caller).
+    unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), flags) }.cast()
+}
+
+/// `sk`'s value in the socket storage `map`, if it has one.
+///
+/// # Safety
+/// As [`storage`].
+#[inline(always)]
+pub unsafe fn sk_get(map: &SkStorage<OrigDst>, sk: *mut bpf_sock) -> Option<OrigDst> {
+    // SAFETY: caller; a non-null result points to this socket's value.
+    unsafe { storage(map, sk, false).as_ref() }.copied()
+}
+
+/// Sets `sk`'s value in the socket storage `map`. Without memory for it, only this socket's
+/// original destination is lost.
+///
+/// # Safety
+/// As [`storage`].
+#[inline(always)]
+pub unsafe fn sk_put(map: &SkStorage<OrigDst>, sk: *mut bpf_sock, value: OrigDst) {
+    // SAFETY: caller; a non-null result points to this socket's value.
+    if let Some(slot) = unsafe { storage(map, sk, true).as_mut() } {
+        *slot = value;
+    }
+}
 
 /// The pod config of a netns, if the agent captures it.
 #[inline(always)]

@@ -130,6 +130,19 @@ pub fn encode(policy: &RedirectPolicy) -> Entries {
         let len = if ip.is_ipv4() { 32 } else { 128 };
         cidrs.push((CidrKind::Local, *ip, len, 1));
     }
+    // What lets a connect skip lookups: lists known empty, and `*`.
+    if policy.include_outbound_ip_ranges == IpRanges::All {
+        f |= flags::INCLUDE_ALL;
+    }
+    if !cidrs.iter().any(|c| c.0 == CidrKind::ExcludeOutbound) {
+        f |= flags::NO_EXCLUDE_CIDRS;
+    }
+    if !ports.iter().any(|p| p.0 == PortKind::ExcludeOutbound) {
+        f |= flags::NO_EXCLUDE_PORTS;
+    }
+    if !ports.iter().any(|p| p.0 == PortKind::IncludeOutbound) {
+        f |= flags::NO_INCLUDE_PORTS;
+    }
     Entries {
         config: PodConfig {
             pod_id: 0,

@@ -398,3 +398,41 @@ fn inbound_default_and_lists() {
     };
     assert_eq!(dec(&pod, &t, junk), Verdict::Drop);
 }
+
+/// The flags that skip lookups (set by the agent from the lists it writes) decide as the
+/// lookups do, for the basic pod (`*` include, no exclude ranges, no include ports).
+#[test]
+fn skip_flags_decide_as_lookups() {
+    let (pod, t) = basic();
+    let skipping = PodConfig {
+        flags: pod.flags | flags::INCLUDE_ALL | flags::NO_EXCLUDE_CIDRS | flags::NO_INCLUDE_PORTS,
+        ..pod
+    };
+    let dsts = [
+        v4("10.1.2.3"),
+        v4("127.0.0.1"),
+        v4("127.0.0.6"),
+        v4("10.0.0.2"),
+        v6("::1"),
+        v6("2001:db8::1"),
+    ];
+    for dst in dsts {
+        for port in [53, 80, 15001, 15006, 15008, 15020] {
+            for uid in [APP, PROXY] {
+                for c in [tcp(dst, port, uid, uid), udp(dst, port, uid)] {
+                    assert_eq!(out(&pod, &t, c), out(&skipping, &t, c), "{c:?}");
+                }
+            }
+        }
+    }
+    // An empty exclude-port list, skipped.
+    let mut t = t;
+    t.ports.retain(|p| p.0 != PortKind::ExcludeOutbound);
+    let no_exclude = PodConfig {
+        flags: skipping.flags | flags::NO_EXCLUDE_PORTS,
+        ..pod
+    };
+    let c = tcp(v4("10.1.2.3"), 15020, APP, APP);
+    assert_eq!(out(&pod, &t, c), OUT);
+    assert_eq!(out(&no_exclude, &t, c), OUT);
+}

@@ -11,6 +11,7 @@ use std::{net::SocketAddr, path::PathBuf};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod profile;
 mod run;
 mod setup;
 mod stats;
@@ -36,9 +37,13 @@ enum Command {
         /// The CPU client and proxy are both pinned to, in every mode.
         #[arg(long, default_value_t = 1)]
         cpu: usize,
-        /// Only the pod set-up (CNI ADD/DEL latency, agent memory) section.
+        /// Only these sections (repeatable); all of them by default.
+        #[arg(long, value_enum)]
+        only: Vec<run::Section>,
+        /// Also report the eBPF programs' kernel statistics (run count, run time) over the
+        /// eBPF pod's data-path runs. Statistics slow every BPF program down a little.
         #[arg(long)]
-        setup_only: bool,
+        profile: bool,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -72,8 +77,17 @@ fn main() -> anyhow::Result<()> {
             quick,
             out,
             cpu,
-            setup_only,
-        } => run::run(quick, out.as_deref(), cpu, setup_only),
+            only,
+            profile,
+        } => run::run(
+            &run::Options {
+                quick,
+                cpu,
+                only,
+                profile,
+            },
+            out.as_deref(),
+        ),
         Command::Proxy {
             listen,
             cpu,

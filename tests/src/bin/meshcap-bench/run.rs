@@ -9,17 +9,19 @@ use std::{
     fmt::Write as _,
     fs,
     net::{Ipv4Addr, SocketAddrV4},
+    os::fd::{AsFd as _, AsRawFd as _},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::Instant,
 };
 
 use anyhow::{Context as _, bail, ensure};
-use aya::maps::MapInfo;
+use aya::maps::MapData;
 use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend, require_root};
 
 use crate::{
+    profile::Profiler,
     setup::{self, Agent},
     stats::{Samples, Table, count, human},
     workload::{Load, Measured},
@@ -89,26 +91,69 @@ impl Plan {
     }
 }
 
-/// Runs every benchmark (or only the pod set-up) and prints (and optionally writes) the tables.
-pub fn run(quick: bool, out: Option<&Path>, cpu: usize, setup_only: bool) -> anyhow::Result<()> {
+/// A section of the report (`--only`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Section {
+    /// No capture vs iptables vs eBPF: short connections, ping-pong, bulk.
+    DataPath,
+    /// Short connections with growing exclude lists.
+    PolicyScale,
+    /// Map memory and the plugin's size and start time.
+    Footprint,
+    /// ADD/DEL of many pods, agent memory.
+    PodSetup,
+}
+
+/// What `meshcap-bench run` was asked for.
+pub struct Options {
+    pub quick: bool,
+    pub cpu: usize,
+    /// Sections to run; empty: all.
+    pub only: Vec<Section>,
+    /// Per-program kernel statistics of the eBPF data path.
+    pub profile: bool,
+}
+
+impl Options {
+    fn wants(&self, section: Section) -> bool {
+        self.only.is_empty() || self.only.contains(&section)
+    }
+}
+
+/// Runs the benchmarks asked for and prints (and optionally writes) the tables.
+pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     require_root();
     let started = Instant::now();
-    let plan = Plan::new(quick);
+    let plan = Plan::new(opts.quick);
+    let cpu = opts.cpu;
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
-    let mut report = machine(quick, cpu);
-    if !setup_only {
+    let mut report = machine(opts, cpu);
+    let node = if [Section::DataPath, Section::PolicyScale, Section::Footprint]
+        .into_iter()
+        .any(|section| opts.wants(section))
+    {
+        Some(Node::new()?)
+    } else {
+        None
+    };
+    if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::DataPath)) {
         eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
-        let node = Node::new()?;
-        report.push_str(&data_path(&plan, &exe, cpu, &node)?);
-        eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
-        report.push_str(&policy_scale(&plan, &exe, cpu, &node)?);
-        report.push_str(&footprint(&plan, &exe, &node)?);
+        report.push_str(&data_path(&plan, &exe, cpu, node, opts.profile)?);
     }
-    eprintln!(
-        "meshcap-bench: pod set-up, {} pods per backend",
-        plan.setup_pods
-    );
-    report.push_str(&pod_setup(&plan)?);
+    if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::PolicyScale)) {
+        eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
+        report.push_str(&policy_scale(&plan, &exe, cpu, node)?);
+    }
+    if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::Footprint)) {
+        report.push_str(&footprint(&plan, &exe, node)?);
+    }
+    if opts.wants(Section::PodSetup) {
+        eprintln!(
+            "meshcap-bench: pod set-up, {} pods per backend",
+            plan.setup_pods
+        );
+        report.push_str(&pod_setup(&plan)?);
+    }
     let _ = writeln!(
         report,
         "\nThis run took {:.0} s.",
@@ -121,7 +166,7 @@ pub fn run(quick: bool, out: Option<&Path>, cpu: usize, setup_only: bool) -> any
     Ok(())
 }
 
-fn machine(quick: bool, cpu: usize) -> String {
+fn machine(opts: &Options, cpu: usize) -> String {
     let read = |path: &str| fs::read_to_string(path).unwrap_or_default();
     let cpuinfo = read("/proc/cpuinfo");
     let model = cpuinfo
@@ -144,11 +189,18 @@ fn machine(quick: bool, cpu: usize) -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
         .unwrap_or_default();
-    let command = if quick {
-        "cargo xtask bench --quick"
-    } else {
-        "cargo xtask bench"
-    };
+    let mut command = String::from("cargo xtask bench");
+    if opts.quick {
+        command.push_str(" --quick");
+    }
+    for section in &opts.only {
+        if let Some(value) = clap::ValueEnum::to_possible_value(section) {
+            let _ = write!(command, " --only {}", value.get_name());
+        }
+    }
+    if opts.profile {
+        command.push_str(" --profile");
+    }
     format!(
         "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \
          `{command}`\n- Client and proxy are both pinned to CPU {cpu} (sched_setaffinity), in \
@@ -238,49 +290,37 @@ impl Node {
         }
     }
 
-    /// The kernel's memory accounting of every map the eBPF agent holds.
+    /// The kernel's memory accounting of every map the eBPF agent pins (opened from the pins,
+    /// read from this process's fdinfo).
     fn map_memory(&self) -> Vec<(String, u64, u64)> {
-        let Ok(agent) = &self.ebpf else {
+        let Some(bpffs) = self.ebpf.as_ref().ok().and_then(Agent::bpffs) else {
             return Vec::new();
         };
-        fdinfo_maps(agent.pid())
+        let dir = bpffs.join("maps");
+        let mut names: Vec<String> = fs::read_dir(&dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
             .into_iter()
-            .map(|(id, max, memlock)| {
-                let name = MapInfo::from_id(id)
-                    .ok()
-                    .and_then(|i| i.name_as_str().map(str::to_owned))
-                    .unwrap_or_else(|| format!("id {id}"));
-                (name, max, memlock)
+            .filter_map(|name| {
+                let map = MapData::from_pin(dir.join(&name)).ok()?;
+                let fd = map.fd().as_fd().as_raw_fd();
+                let text = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+                let field = |key: &str| {
+                    text.lines()
+                        .find_map(|l| l.strip_prefix(key))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                };
+                Some((name, field("max_entries:")?, field("memlock:")?))
             })
             .collect()
     }
-}
-
-/// `(map id, max_entries, memlock bytes)` of every BPF map fd this process holds, from
-/// /proc/<pid>/fdinfo (no bpftool needed).
-fn fdinfo_maps(pid: u32) -> Vec<(u32, u64, u64)> {
-    let mut out = Vec::new();
-    let Ok(dir) = fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Ok(text) = fs::read_to_string(entry.path()) else {
-            continue;
-        };
-        let field = |key: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(key))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
-        if let (Some(id), Some(max), Some(memlock)) =
-            (field("map_id:"), field("max_entries:"), field("memlock:"))
-            && let Ok(id) = u32::try_from(id)
-            && !out.iter().any(|(i, _, _)| *i == id)
-        {
-            out.push((id, max, memlock));
-        }
-    }
-    out
 }
 
 /// One throwaway pod. Fields drop in order: the proxy first, then the cgroup, then the netns.
@@ -439,12 +479,21 @@ fn interleave(
     exe: &Path,
     cpu: usize,
     load: Load,
+    mut profile: Option<(usize, &mut Profiler)>,
 ) -> anyhow::Result<Vec<Vec<Measured>>> {
     let mut results = vec![Vec::new(); pods.len()];
     for round in 0..rounds {
         for k in 0..pods.len() {
             let i = (round + k) % pods.len();
-            results[i].push(pods[i].measure(exe, cpu, load)?);
+            match &mut profile {
+                Some((profiled, profiler)) if *profiled == i => {
+                    let before = profiler.snapshot();
+                    let measured = profiler.sampling_flows(|| pods[i].measure(exe, cpu, load))?;
+                    results[i].push(measured);
+                    profiler.add_since(&before);
+                }
+                _ => results[i].push(pods[i].measure(exe, cpu, load)?),
+            }
         }
         eprintln!("  round {}/{rounds} done", round + 1);
     }
@@ -455,13 +504,31 @@ fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
     Samples(runs.iter().map(metric).collect())
 }
 
-fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+fn data_path(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    node: &Node,
+    profile: bool,
+) -> anyhow::Result<String> {
     let modes = node.modes();
     let pods: Vec<Pod> = modes
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
-    let results = interleave(&pods, plan.rounds, exe, cpu, plan.load)?;
+    let mut profiler = match (&node.ebpf, profile) {
+        (Ok(agent), true) => Some(Profiler::new(agent.pid())?),
+        _ => None,
+    };
+    let profiled = modes.iter().position(|&m| m == Mode::Ebpf);
+    let results = interleave(
+        &pods,
+        plan.rounds,
+        exe,
+        cpu,
+        plan.load,
+        profiled.zip(profiler.as_mut()),
+    )?;
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -516,6 +583,9 @@ fn data_path(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result
     }
     out.pop();
     out.push_str(".\n");
+    if let Some(profiler) = &profiler {
+        out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
+    }
     Ok(out)
 }
 
@@ -534,7 +604,7 @@ fn policy_scale(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Res
             pods.push(pod);
         }
     }
-    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load)?;
+    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load, None)?;
     let floor = column(&results[0], |m| m.short_per_s);
     let mut out = format!(
         "\n## Policy scale\n\nShort connections with `excludeOutboundIPRanges` of N /24s (none \
@@ -588,7 +658,7 @@ fn footprint(plan: &Plan, exe: &Path, node: &Node) -> anyhow::Result<String> {
     let total: u64 = maps.iter().map(|m| m.2).sum();
     let _ = writeln!(
         out,
-        "BPF maps (kernel memlock accounting, /proc/<pid>/fdinfo): {} KiB in total.\n\n| map | \
+        "BPF maps the eBPF agent pins (kernel memlock accounting, from fdinfo): {} KiB in total.\n\n| map | \
          max entries | memlock KiB |\n|---|---|---|",
         total / 1024
     );

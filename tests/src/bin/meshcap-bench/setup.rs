@@ -4,7 +4,7 @@
 use std::{
     fs,
     io::Write as _,
-    path::Path,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     thread,
     time::{Duration, Instant},
@@ -153,6 +153,11 @@ impl Agent {
             out.msg()
         );
         Ok(took)
+    }
+
+    /// The eBPF agent's bpffs directory (maps pinned under `maps/`); `None` for iptables.
+    pub fn bpffs(&self) -> Option<PathBuf> {
+        self.agent.ebpf_config().map(|config| config.bpffs_dir)
     }
 
     /// The agent's pid.
