@@ -24,9 +24,14 @@ struct Cli {
 enum Task {
     /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker).
     Setup,
-    /// Setup, then format check, clippy (host crates and the eBPF crate), and every test,
-    /// including the real-kernel ones (root). What CI runs.
-    Test,
+    /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
+    /// the real-kernel ones (root), then the end-to-end tests in QEMU on Debian's 6.1 and 6.12
+    /// kernels. What CI runs.
+    Test {
+        /// Stop after the host suite (no QEMU phase).
+        #[arg(long)]
+        host_only: bool,
+    },
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
     /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
@@ -51,7 +56,7 @@ enum Task {
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
         Task::Setup => setup::run(),
-        Task::Test => setup::run().and_then(|()| test::run()),
+        Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),

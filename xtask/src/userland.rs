@@ -14,6 +14,8 @@ use anyhow::Context as _;
 /// Host tools the harness and the iptables backend run, copied with their libraries.
 const HOST_TOOLS: &[&str] = &[
     "ip",
+    // The tests inspect and set up netlink TC attachments with it (`ip netns exec NS tc`).
+    "tc",
     "iptables",
     "iptables-save",
     "iptables-restore",

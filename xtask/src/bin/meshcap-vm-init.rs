@@ -1,11 +1,18 @@
 //! PID 1 of `cargo xtask integration`'s VMs: mounts what the tests need (proc, sysfs, devtmpfs,
-//! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs each test binary
-//! of `/tests.list`, prints one result line and powers the VM off. Built static.
+//! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs every test of the
+//! binaries in `/tests.list` (one process per test, `/jobs` at a time, every output line
+//! prefixed with the binary's name), prints one line per binary and one result line, and
+//! powers the VM off.
 use std::{
+    collections::BTreeMap,
     ffi::CString,
     fs,
-    os::fd::AsRawFd as _,
-    process::{Command, ExitStatus},
+    io::{BufRead as _, BufReader, Read},
+    os::{fd::AsRawFd as _, unix::process::ExitStatusExt as _},
+    process::{Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
 };
 
 use nix::mount::{MsFlags, mount};
@@ -78,31 +85,172 @@ fn load_module(path: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// One binary's progress: tests left, tests failed, seconds spent, first failure.
+#[derive(Default)]
+struct Progress {
+    left: usize,
+    failed: usize,
+    seconds: u64,
+    failure: Option<String>,
+}
+
+/// Runs every test of every listed binary, one process per test, `/jobs` processes at a time
+/// (so the VM's CPUs stay busy until the end, whatever the binaries' sizes); prints
+/// `meshcap-vm: done NAME: ...` when a binary's last test ends. Returns (passed, failed)
+/// binaries.
 fn run_tests() -> (u32, u32) {
-    let (mut passed, mut failed) = (0, 0);
     let list = fs::read_to_string("/tests.list").unwrap_or_default();
-    for name in list.lines().filter(|l| !l.is_empty()) {
-        println!("meshcap-vm: running {name}");
-        let status: Result<ExitStatus, _> = Command::new(format!("/tests/{name}"))
-            .arg("--test-threads=1")
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .env("RUST_BACKTRACE", "1")
-            .env("MESHCAP_BIN_DIR", "/tests")
-            // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
-            // agent timeout (the host suite runs 100).
-            .env("MESHCAP_PARALLEL_PODS", "20")
-            .current_dir("/tmp")
-            .status();
-        match status {
-            Ok(status) if status.success() => {
-                println!("meshcap-vm: {name}: ok");
-                passed += 1;
+    let mut queue = Vec::new();
+    let mut progress = BTreeMap::new();
+    for binary in list.lines().filter(|l| !l.is_empty()) {
+        println!("meshcap-vm: running {binary}");
+        let entry: &mut Progress = progress.entry(binary.to_owned()).or_default();
+        match list_tests(binary) {
+            Ok(tests) => {
+                entry.left = tests.len();
+                if tests.is_empty() {
+                    println!("meshcap-vm: done {binary}: ok in 0s");
+                }
+                queue.extend(tests.into_iter().map(|t| (binary.to_owned(), Some(t))));
             }
-            other => {
-                println!("meshcap-vm: {name}: FAILED ({other:?})");
-                failed += 1;
+            Err(err) => {
+                // Run it whole: its own output says what is wrong.
+                println!("meshcap-vm: {binary}: cannot list its tests ({err})");
+                entry.left = 1;
+                queue.push((binary.to_owned(), None));
             }
         }
     }
-    (passed, failed)
+    let jobs = fs::read_to_string("/jobs")
+        .ok()
+        .and_then(|j| j.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let queue = Arc::new(Mutex::new(queue.into_iter()));
+    let progress = Arc::new(Mutex::new(progress));
+    let workers: Vec<_> = (0..jobs)
+        .map(|_| {
+            let (queue, progress) = (Arc::clone(&queue), Arc::clone(&progress));
+            thread::spawn(move || {
+                loop {
+                    let next = queue.lock().map(|mut q| q.next()).ok().flatten();
+                    let Some((binary, test)) = next else { break };
+                    let started = Instant::now();
+                    let outcome = run_one(&binary, test.as_deref());
+                    let Ok(mut all) = progress.lock() else { break };
+                    let Some(p) = all.get_mut(&binary) else {
+                        continue;
+                    };
+                    p.left -= 1;
+                    p.seconds += started.elapsed().as_secs();
+                    if let Err(how) = outcome {
+                        p.failed += 1;
+                        p.failure.get_or_insert(how);
+                    }
+                    if p.left == 0 {
+                        let verdict = match &p.failure {
+                            None => "ok".to_owned(),
+                            Some(how) => format!("FAILED ({how}; {} test(s))", p.failed),
+                        };
+                        println!("meshcap-vm: done {binary}: {verdict} in {}s", p.seconds);
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        let _ = worker.join();
+    }
+    progress.lock().map_or((0, 1), |all| {
+        let failed = all.values().filter(|p| p.failed > 0 || p.left > 0).count();
+        let passed = all.len() - failed;
+        (
+            u32::try_from(passed).unwrap_or(u32::MAX),
+            u32::try_from(failed).unwrap_or(u32::MAX),
+        )
+    })
+}
+
+/// The tests of a binary (`--list --format terse`: `name: test` lines).
+fn list_tests(binary: &str) -> Result<Vec<String>, String> {
+    let out = Command::new(format!("/tests/{binary}"))
+        .args(["--list", "--format", "terse"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("{}", out.status));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test"))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Runs one test of `binary` (all of them when `test` is `None`), its output prefixed
+/// `binary| `. `Err` says how it failed.
+fn run_one(binary: &str, test: Option<&str>) -> Result<(), String> {
+    let mut cmd = Command::new(format!("/tests/{binary}"));
+    if let Some(test) = test {
+        cmd.args(["--exact", test]);
+    }
+    let child = cmd
+        .arg("--test-threads=1")
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("RUST_BACKTRACE", "1")
+        .env("MESHCAP_BIN_DIR", "/tests")
+        // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
+        // agent timeout (the host suite runs 100).
+        .env("MESHCAP_PARALLEL_PODS", "20")
+        .current_dir("/tmp")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let status: Result<ExitStatus, String> = match child {
+        Ok(mut child) => {
+            let pipes: Vec<Box<dyn Read + Send>> = [
+                child
+                    .stdout
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+                child
+                    .stderr
+                    .take()
+                    .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let copiers: Vec<_> = pipes
+                .into_iter()
+                .map(|pipe| {
+                    let name = binary.to_owned();
+                    thread::spawn(move || {
+                        for line in BufReader::new(pipe).lines() {
+                            let Ok(line) = line else { break };
+                            println!("{name}| {line}");
+                        }
+                    })
+                })
+                .collect();
+            let status = child.wait().map_err(|e| e.to_string());
+            // A process the test leaked may hold the pipes open: wait a little, not forever.
+            let until = Instant::now() + Duration::from_secs(5);
+            while copiers.iter().any(|c| !c.is_finished()) && Instant::now() < until {
+                thread::sleep(Duration::from_millis(50));
+            }
+            status
+        }
+        Err(err) => Err(format!("cannot start: {err}")),
+    };
+    match status {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(match (s.code(), s.signal()) {
+            (Some(code), _) => format!("exit code {code}"),
+            (None, Some(signal)) => format!("killed by signal {signal}"),
+            _ => s.to_string(),
+        }),
+        Err(err) => Err(err),
+    }
 }

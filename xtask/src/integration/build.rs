@@ -1,5 +1,8 @@
-//! The end-to-end test binaries, built static for the host's gnu target (no musl target can be
-//! installed here): they run in a VM whose only userland is what the initramfs carries.
+//! The binaries the VM runs, built exactly as `cargo xtask test` builds them (same commands,
+//! profile, features and target dir), so after `cargo xtask test` this costs seconds instead of
+//! a second full build of the workspace. They are ordinary dynamically linked executables: the
+//! initramfs carries their ELF interpreter and shared libraries (glibc, libgcc_s), as it does for
+//! `ip` and iptables.
 use std::{
     io::BufRead as _,
     path::{Path, PathBuf},
@@ -9,43 +12,52 @@ use std::{
 use anyhow::{Context as _, ensure};
 use serde_json::Value;
 
-/// The target the VM runs; set explicitly so the static flag reaches only its artifacts (build
-/// scripts and proc macros stay dynamic, and aya-build's eBPF build is untouched).
-pub const TARGET: &str = "x86_64-unknown-linux-gnu";
+/// Binaries the harness starts from `MESHCAP_BIN_DIR` or beside the test executables.
+const HELPERS: &[&str] = &[
+    "meshcap-agent",
+    "meshcap-cni",
+    "meshcap-standin",
+    "meshcap-dial",
+];
 
 /// What the VM runs.
 pub struct Binaries {
     /// Test executables of `tests/tests/*.rs`, by test name.
     pub tests: Vec<(String, PathBuf)>,
-    /// The harness's helper binaries (stand-in Envoy, dial client), found beside the tests.
+    /// The agent, the plugin and the harness's helpers (stand-in Envoy, dial client).
     pub helpers: Vec<PathBuf>,
     /// The VM's init.
     pub init: PathBuf,
 }
 
-/// `cargo build --tests --bins` of meshcap-tests, the agent and plugin binaries the tests
-/// start, and the VM init, static.
-pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
+/// Builds (or finds up to date) the test executables of meshcap-tests, the binaries they start
+/// and the VM init.
+pub fn build(workspace: &Path) -> anyhow::Result<Binaries> {
     let (mut tests, mut helpers, mut init) = (Vec::new(), Vec::new(), None);
-    let suites = [
-        "--package",
-        "meshcap-tests",
-        "--tests",
-        "--bins",
-        "--package",
-        "xtask",
-        "--bin",
-        "meshcap-vm-init",
+    // `cargo xtask test`'s own test command (which also builds the agent's and the harness's
+    // binaries for their packages' integration tests), then the two binaries it does not build.
+    let commands: [&[&str]; 2] = [
+        &[
+            "test",
+            "--workspace",
+            "--exclude",
+            "meshcap-ebpf",
+            "--no-run",
+        ],
+        &[
+            "build",
+            "-p",
+            "meshcap-cni",
+            "-p",
+            "xtask",
+            "--bin",
+            "meshcap-cni",
+            "--bin",
+            "meshcap-vm-init",
+        ],
     ];
-    let daemons = [
-        "--package",
-        "meshcap-agent",
-        "--package",
-        "meshcap-cni",
-        "--bins",
-    ];
-    for args in [&suites[..], &daemons[..]] {
-        for artifact in cargo_build(workspace, target_dir, args)? {
+    for args in commands {
+        for artifact in cargo(workspace, args)? {
             let Artifact {
                 package,
                 name,
@@ -53,11 +65,15 @@ pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
                 test,
                 exe,
             } = artifact;
-            if name == "meshcap-vm-init" && !test {
+            if test {
+                if kind == "test" && package.contains("#meshcap-tests@") {
+                    tests.push((name, exe));
+                }
+            } else if name == "meshcap-vm-init" {
                 init = Some(exe);
-            } else if kind == "test" && package.contains("#meshcap-tests@") {
-                tests.push((name, exe));
-            } else if kind == "bin" && !test && name != "xtask" {
+            } else if HELPERS.contains(&name.as_str())
+                && !helpers.iter().any(|h: &PathBuf| h.ends_with(&name))
+            {
                 helpers.push(exe);
             }
         }
@@ -66,6 +82,12 @@ pub fn build(workspace: &Path, target_dir: &Path) -> anyhow::Result<Binaries> {
         !tests.is_empty(),
         "no test binaries were built (tests/tests/*.rs)"
     );
+    for helper in HELPERS {
+        ensure!(
+            helpers.iter().any(|h| h.ends_with(helper)),
+            "{helper} was not built"
+        );
+    }
     tests.sort();
     Ok(Binaries {
         tests,
@@ -83,30 +105,15 @@ struct Artifact {
     exe: PathBuf,
 }
 
-fn cargo_build(
-    workspace: &Path,
-    target_dir: &Path,
-    args: &[&str],
-) -> anyhow::Result<Vec<Artifact>> {
+fn cargo(workspace: &Path, args: &[&str]) -> anyhow::Result<Vec<Artifact>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut child = Command::new(cargo)
         .current_dir(workspace)
-        .arg("build")
         .args(args)
-        .args([
-            "--message-format=json-render-diagnostics",
-            "--target",
-            TARGET,
-        ])
-        .arg("--target-dir")
-        .arg(target_dir)
-        .env(
-            "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS",
-            "-C target-feature=+crt-static",
-        )
+        .arg("--message-format=json-render-diagnostics")
         .stdout(Stdio::piped())
         .spawn()
-        .context("running cargo build")?;
+        .context("running cargo")?;
     let stdout = child.stdout.take().context("cargo's stdout")?;
     let mut artifacts = Vec::new();
     for line in std::io::BufReader::new(stdout).lines() {
@@ -126,10 +133,6 @@ fn cargo_build(
             exe,
         });
     }
-    ensure!(
-        child.wait()?.success(),
-        "cargo build {} failed",
-        args.join(" ")
-    );
+    ensure!(child.wait()?.success(), "cargo {} failed", args.join(" "));
     Ok(artifacts)
 }

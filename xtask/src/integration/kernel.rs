@@ -50,8 +50,26 @@ pub struct Kernel {
     pub modules: Vec<PathBuf>,
 }
 
-/// The newest `linux-image-<series>…-cloud-amd64-unsigned` package apt knows.
+/// The newest `linux-image-<series>…-cloud-amd64-unsigned` package apt knows; a machine whose
+/// package lists are missing or stale gets one `apt-get update` first.
 fn package_for(series: &str) -> anyhow::Result<String> {
+    if let Some(package) = newest_package(series)? {
+        return Ok(package);
+    }
+    eprintln!("integration: apt knows no {series} cloud kernel; apt-get update");
+    let status = Command::new("apt-get")
+        .args(["update", "-qq"])
+        .status()
+        .context("running apt-get update")?;
+    ensure!(status.success(), "apt-get update failed");
+    newest_package(series)?.with_context(|| {
+        format!(
+            "apt knows no linux-image-{series}*-cloud-amd64-unsigned, even after apt-get update"
+        )
+    })
+}
+
+fn newest_package(series: &str) -> anyhow::Result<Option<String>> {
     let out = Command::new("apt-cache")
         .args([
             "search",
@@ -72,9 +90,34 @@ fn package_for(series: &str) -> anyhow::Result<String> {
         })
         .collect();
     matching.sort_by_key(|name| version_key(name));
-    matching.last().map(|s| (*s).to_owned()).with_context(|| {
-        format!("apt knows no linux-image-{series}*-cloud-amd64-unsigned; run apt-get update")
-    })
+    Ok(matching.last().map(|s| (*s).to_owned()))
+}
+
+/// The SHA-256 apt's (signed) package index gives for `package`.
+fn expected_sha256(package: &str) -> anyhow::Result<String> {
+    let out = Command::new("apt-cache")
+        .args(["show", "--no-all-versions", package])
+        .output()
+        .context("running apt-cache show")?;
+    ensure!(out.status.success(), "apt-cache show {package} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("SHA256:"))
+        .map(|h| h.trim().to_owned())
+        .with_context(|| format!("apt-cache show {package}: no SHA256"))
+}
+
+fn sha256(path: &Path) -> anyhow::Result<String> {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .context("running sha256sum")?;
+    ensure!(out.status.success(), "sha256sum {} failed", path.display());
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned())
 }
 
 /// Orders `linux-image-6.1.0-9-…` before `linux-image-6.1.0-56-…` (numbers compared as numbers).
@@ -101,9 +144,17 @@ pub fn fetch(series: &str, cache: &Path) -> anyhow::Result<Kernel> {
                     .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".deb"))
             }))
     };
+    let want = expected_sha256(&package)?;
     let deb = match cached(&debs)? {
-        Some(deb) => deb,
-        None => {
+        Some(deb) if sha256(&deb)? == want => deb,
+        stale => {
+            if let Some(stale) = stale {
+                eprintln!(
+                    "integration: {} does not match apt's SHA-256; fetching it again",
+                    stale.display()
+                );
+                fs::remove_file(&stale)?;
+            }
             eprintln!("integration: apt-get download {package}");
             let status = Command::new("apt-get")
                 .args(["download", &package])
@@ -111,10 +162,19 @@ pub fn fetch(series: &str, cache: &Path) -> anyhow::Result<Kernel> {
                 .status()
                 .context("running apt-get download")?;
             ensure!(status.success(), "apt-get download {package} failed");
-            cached(&debs)?.with_context(|| format!("{package}: downloaded .deb not found"))?
+            let deb =
+                cached(&debs)?.with_context(|| format!("{package}: downloaded .deb not found"))?;
+            ensure!(
+                sha256(&deb)? == want,
+                "{}: SHA-256 differs from apt's index ({want})",
+                deb.display()
+            );
+            deb
         }
     };
-    let root = cache.join("unpacked").join(&package);
+    // Keyed by the .deb's name, which carries the Debian revision the package name lacks.
+    let stem = deb.file_stem().unwrap_or_default();
+    let root = cache.join("unpacked").join(stem);
     if !root.join("boot").is_dir() {
         let tmp = root.with_extension("tmp");
         let _ = fs::remove_dir_all(&tmp);

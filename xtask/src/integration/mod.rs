@@ -2,14 +2,14 @@
 //! QEMU on Debian's cloud kernels, so older verifiers, netlink TC and TCX are all covered.
 //!
 //! Per kernel: fetch its package (`apt-get download`, cached), build an initramfs in Rust
-//! (newc cpio) holding a small init, the static test binaries, the modules they need and the
+//! (newc cpio) holding a small init, the test binaries, the modules they need and the
 //! host tools the harness calls (`ip`, the iptables family, with their shared libraries), boot
 //! it (KVM when usable, else TCG) and read the init's single result line.
 use std::{
     fs,
     path::{Path, PathBuf},
     process::Command,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
@@ -28,9 +28,28 @@ pub struct Args {
     /// Where kernel packages and build products are kept between runs.
     #[arg(long, default_value = "target/integration")]
     cache_dir: PathBuf,
+    /// Test binaries run at once inside the VM (each with one test thread).
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
     /// Upper bound for one kernel's boot and test run, in seconds.
     #[arg(long, default_value_t = 1200)]
     timeout: u64,
+}
+
+impl Args {
+    /// The defaults of `cargo xtask integration --kernel <each of kernels>`.
+    pub fn for_kernels(kernels: &[&str]) -> Self {
+        #[derive(clap::Parser)]
+        struct Standalone {
+            #[command(flatten)]
+            args: Args,
+        }
+        let mut argv = vec!["integration"];
+        for kernel in kernels {
+            argv.extend(["--kernel", kernel]);
+        }
+        <Standalone as clap::Parser>::parse_from(argv).args
+    }
 }
 
 /// Runs the suite on every kernel asked for; fails when any kernel fails.
@@ -44,11 +63,13 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .to_path_buf();
     let cache = workspace.join(&args.cache_dir);
     fs::create_dir_all(&cache)?;
+    let started = Instant::now();
+    eprintln!("integration: building the test binaries (as `cargo xtask test` does)");
+    let binaries = build::build(&workspace)?;
     eprintln!(
-        "integration: building the test binaries (static, {})",
-        build::TARGET
+        "integration: binaries ready in {:.0}s",
+        started.elapsed().as_secs_f64()
     );
-    let binaries = build::build(&workspace, &cache.join("build"))?;
 
     let mut failures = Vec::new();
     let mut summary = Vec::new();
@@ -57,9 +78,18 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
             Ok((release, outcome)) => {
                 let verdict = if outcome.passed { "ok" } else { "FAILED" };
                 summary.push(format!(
-                    "{series} ({release}): {verdict}: {} in {:.0?}",
-                    outcome.result, outcome.elapsed
+                    "{series} ({release}): {verdict} in {:.0}s: {}",
+                    outcome.elapsed.as_secs_f64(),
+                    outcome.result,
                 ));
+                let durations: String = outcome
+                    .report
+                    .binaries
+                    .iter()
+                    .filter_map(|(name, b)| Some(format!("{name} {}\n", b.seconds?)))
+                    .collect();
+                let _ = fs::write(cache.join(format!("durations-{series}.txt")), durations);
+                summary.extend(outcome.report.lines().iter().map(|l| format!("    {l}")));
                 if !outcome.passed {
                     failures.push(series.clone());
                 }
@@ -89,6 +119,11 @@ fn run_kernel(
     let kernel = kernel::fetch(series, cache)?;
     let mut archive = cpio::Archive::default();
     add_userland(&mut archive, binaries)?;
+    archive.file(
+        "tests.list",
+        0o644,
+        test_order(binaries, cache, series).as_bytes(),
+    );
     let mut list = String::new();
     for (i, module) in kernel.modules.iter().enumerate() {
         let name = module
@@ -102,6 +137,7 @@ fn run_kernel(
         list.push('\n');
     }
     archive.file("modules.list", 0o644, list.as_bytes());
+    archive.file("jobs", 0o644, format!("{}\n", args.jobs).as_bytes());
     archive.file(
         "kernel.txt",
         0o644,
@@ -120,17 +156,30 @@ fn run_kernel(
     Ok((kernel.release, outcome))
 }
 
+/// The test binaries, longest first by this kernel's last run (new ones first of all), so the
+/// VM's parallel jobs finish close together.
+fn test_order(binaries: &build::Binaries, cache: &Path, series: &str) -> String {
+    let last =
+        fs::read_to_string(cache.join(format!("durations-{series}.txt"))).unwrap_or_default();
+    let seconds = |name: &str| {
+        last.lines()
+            .filter_map(|l| l.split_once(' '))
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, s)| s.parse::<u64>().ok())
+            .unwrap_or(u64::MAX)
+    };
+    let mut names: Vec<&str> = binaries.tests.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_by_key(|n| std::cmp::Reverse(seconds(n)));
+    names.iter().map(|n| format!("{n}\n")).collect()
+}
+
 /// Everything but the kernel's modules: init, tests, helpers, host tools and their libraries.
 fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyhow::Result<()> {
     archive.char_device("dev/console", 5, 1);
     archive.file("init", 0o755, &stripped(&binaries.init)?);
-    let mut list = String::new();
     for (name, exe) in &binaries.tests {
         archive.file(&format!("tests/{name}"), 0o755, &stripped(exe)?);
-        list.push_str(name);
-        list.push('\n');
     }
-    archive.file("tests.list", 0o644, list.as_bytes());
     for helper in &binaries.helpers {
         let name = helper
             .file_name()
@@ -144,7 +193,10 @@ fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyh
     archive.symlink("var/run", "../run");
     archive.file("etc/passwd", 0o644, b"root:x:0:0:root:/:/bin/sh\n");
     archive.file("etc/group", 0o644, b"root:x:0:\n");
-    for entry in crate::userland::entries(&[])? {
+    let mut elfs: Vec<PathBuf> = binaries.tests.iter().map(|(_, exe)| exe.clone()).collect();
+    elfs.extend(binaries.helpers.iter().cloned());
+    elfs.push(binaries.init.clone());
+    for entry in crate::userland::entries(&elfs)? {
         archive.file(&entry.path, entry.mode, &read(&entry.source)?);
     }
     Ok(())
