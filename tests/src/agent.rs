@@ -405,18 +405,19 @@ impl Drop for Agent {
         if thread::panicking() {
             eprintln!("meshcap-agent's log:\n{}", self.log());
         }
-        if let Some(config) = self.ebpf_config()
-            && config.bpffs_dir.exists()
-        {
+        if let Some(config) = self.ebpf_config() {
             let parent = config.bpffs_dir.parent().map(PathBuf::from);
-            match EbpfBackend::open(config) {
-                Ok(backend) => {
-                    if let Err(err) = backend.uninstall() {
-                        eprintln!("cleanup: {err}");
+            if config.bpffs_dir.exists() {
+                match EbpfBackend::open(config) {
+                    Ok(backend) => {
+                        if let Err(err) = backend.uninstall() {
+                            eprintln!("cleanup: {err}");
+                        }
                     }
+                    Err(err) => eprintln!("cleanup: {err}"),
                 }
-                Err(err) => eprintln!("cleanup: {err}"),
             }
+            // The unique parent goes too, also when the test removed the layout itself.
             if let Some(parent) = parent {
                 let _ = std::fs::remove_dir(parent);
             }
