@@ -15,37 +15,6 @@ use serde_json::Value;
 
 use super::*;
 
-/// `target/debug` holding `meshcap-agent` and `meshcap-cni` (built unless `MESHCAP_BIN_DIR`
-/// names a directory that has them, as `cargo xtask test` does).
-fn debug_binaries() -> PathBuf {
-    if let Some(dir) = std::env::var_os("MESHCAP_BIN_DIR") {
-        return PathBuf::from(dir);
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let mut dir = exe.parent().expect("target directory").to_owned();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .current_dir(cmd::root())
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "meshcap-agent",
-            "-p",
-            "meshcap-cni",
-        ])
-        .status()
-        .expect("running cargo build");
-    assert!(
-        status.success(),
-        "cargo build -p meshcap-agent -p meshcap-cni failed"
-    );
-    dir
-}
-
 /// `path` without debug info, in `dir` (the debug agent is ten times larger with it).
 fn stripped(path: &Path, dir: &Path) -> PathBuf {
     let out = dir.join(path.file_name().expect("a file name"));
@@ -161,7 +130,7 @@ fn the_archive_is_an_oci_image_that_runs_the_daemonsets_command() {
         nix::unistd::geteuid().is_root(),
         "this test unpacks the image and runs it with chroot and in a network namespace: run it as root"
     );
-    let bin = debug_binaries();
+    let bin = meshcap_tests::agent::binaries();
     let work = tempfile::tempdir().expect("a temporary directory");
     let agent = stripped(&bin.join("meshcap-agent"), work.path());
     let plugin = stripped(&bin.join("meshcap-cni"), work.path());
