@@ -155,7 +155,7 @@ pub struct EbpfConfig {
     pub cgroup_root: PathBuf,
     /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v2`).
     pub bpffs_dir: PathBuf,
-    /// How pods' inbound stubs attach: [`TcAttach::for_kernel`] but in tests.
+    /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
 }
 
@@ -172,7 +172,7 @@ impl EbpfConfig {
             cgroup_root: crate::cgroup::cgroup2_mount()
                 .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
-            tc_attach: TcAttach::for_kernel(),
+            tc_attach: TcAttach::default(),
         })
     }
 }

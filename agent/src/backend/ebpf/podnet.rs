@@ -8,8 +8,6 @@ use std::{
     path::Path,
 };
 
-use aya::util::KernelVersion;
-
 use super::{EbpfError, stub, sys, tcnl};
 use crate::{
     backend::iptables::route,
@@ -111,25 +109,17 @@ fn parse_route6(text: &str) -> Vec<Route> {
 }
 
 /// How pods' inbound stubs are attached to their interfaces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum TcAttach {
-    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`.
+    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`. Creating and
+    /// releasing one each wait for an RCU grace period in the kernel (6–12 ms apiece), so it
+    /// is only used when asked for.
     Tcx,
     /// A `cls_bpf` direct-action filter on the `clsact` qdisc, over netlink (every kernel
-    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`.
+    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`: the default,
+    /// on every kernel (docs/ebpf.md says why).
+    #[default]
     Netlink,
-}
-
-impl TcAttach {
-    /// TCX where the kernel has it (6.6+), netlink TC otherwise.
-    #[must_use]
-    pub fn for_kernel() -> Self {
-        if KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
-            Self::Tcx
-        } else {
-            Self::Netlink
-        }
-    }
 }
 
 /// Attaches the pod's `stub` on the ingress of interface `ifindex` (`ifname`) in the calling
