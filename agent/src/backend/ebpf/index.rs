@@ -84,9 +84,15 @@ impl Index {
         self.cookies.insert(meta, cookie);
     }
 
-    /// Forgets the pod pinned as `meta`.
-    pub fn forget_cookie(&mut self, meta: &str) {
-        self.cookies.remove(meta);
+    /// Forgets every pod pinned under netns `cookie` (a DEL finds the pod by its netns when
+    /// its pins name another container).
+    pub fn forget_cookie(&mut self, cookie: u64) {
+        self.cookies.retain(|_, c| *c != cookie);
+    }
+
+    /// How many pods are pinned.
+    pub fn pods(&self) -> usize {
+        self.cookies.len()
     }
 }
 
@@ -130,8 +136,11 @@ mod tests {
         assert!(index.take_ifaces(7).is_empty());
         assert_eq!(index.take_ifaces(8).len(), 1);
         index.set_cookie("pod@a@b@c".into(), 7);
+        index.set_cookie("pod@a@b@d".into(), 9);
         assert_eq!(index.cookie("pod@a@b@c"), Some(7));
-        index.forget_cookie("pod@a@b@c");
+        assert_eq!(index.pods(), 2);
+        index.forget_cookie(7);
         assert_eq!(index.cookie("pod@a@b@c"), None);
+        assert_eq!(index.pods(), 1);
     }
 }

@@ -502,7 +502,7 @@ impl EbpfBackend {
                 tables.remove_lists(config.pod_id);
             }
             let rerouted = tables.remove_ifaces(cookie);
-            tables.index.forget_cookie(&meta_name(pod));
+            tables.index.forget_cookie(cookie);
             config.is_none_or(|c| c.has(meshcap_common::flags::TPROXY)) || rerouted
         };
         let dir = self.pod_dir(cookie);
@@ -980,6 +980,10 @@ impl super::CaptureBackend for EbpfBackend {
             gone.push(pod);
         }
         Ok(gone)
+    }
+
+    fn captured_count(&self) -> Result<usize, super::BackendError> {
+        Ok(self.lock().index.pods())
     }
 
     fn list(&self) -> Result<Vec<super::CapturedPod>, super::BackendError> {
