@@ -395,7 +395,7 @@ impl EbpfBackend {
         let mode = self.config.tc_attach;
         let known = self.lock().index.cookie(&meta).is_some();
         let inside = netns::run_in(&pod.netns, || -> Result<PodNet, EbpfError> {
-            let net = podnet::inspect()?;
+            let net = podnet::inspect(!exclude_interfaces.is_empty())?;
             let dir = pods_dir.join(net.cookie.to_string());
             mkdir(&dir.join(&meta))?;
             if tproxy || reroute {

@@ -37,36 +37,47 @@ pub struct PodNet {
     pub interfaces: Vec<(u32, String)>,
     /// Every address on every interface.
     pub addresses: Vec<IpAddr>,
-    /// The main routing table (IPv4 and IPv6).
+    /// The main routing table (IPv4 and IPv6), when asked for.
     pub routes: Vec<Route>,
 }
 
-/// Reads the calling thread's netns (call inside [`crate::netns::run_in`]).
+/// Reads the calling thread's netns (call inside [`crate::netns::run_in`]): its cookie, its
+/// interfaces and addresses (one `getifaddrs`: its link entries carry the interface indexes),
+/// and, when `with_routes` (only `excludeInterfaces` needs them), its routes.
 ///
 /// # Errors
 /// When the kernel refuses the queries.
-pub fn inspect() -> Result<PodNet, EbpfError> {
+pub fn inspect(with_routes: bool) -> Result<PodNet, EbpfError> {
     let cookie = crate::netns::current_cookie().map_err(|e| EbpfError::io("netns cookie", e))?;
-    let interfaces = nix::net::if_::if_nameindex()
-        .map_err(|e| EbpfError::io("listing interfaces", e.into()))?
-        .iter()
-        .map(|i| (i.index(), i.name().to_string_lossy().into_owned()))
-        .filter(|(_, name)| name != "lo")
-        .collect();
-    let addresses = nix::ifaddrs::getifaddrs()
-        .map_err(|e| EbpfError::io("listing addresses", e.into()))?
-        .filter_map(|a| a.address)
-        .filter_map(|s| {
-            s.as_sockaddr_in()
-                .map(|v4| IpAddr::V4(v4.ip()))
-                .or_else(|| s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
-        })
-        .collect();
-    // /proc/thread-self: /proc/self/net would show the thread group leader's netns.
-    let v4 = fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
-    let v6 = fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap_or_default();
-    let mut routes = parse_route4(&v4);
-    routes.extend(parse_route6(&v6));
+    let mut interfaces = Vec::new();
+    let mut addresses = Vec::new();
+    for entry in nix::ifaddrs::getifaddrs()
+        .map_err(|e| EbpfError::io("listing interfaces and addresses", e.into()))?
+    {
+        let Some(address) = entry.address else {
+            continue;
+        };
+        if let Some(link) = address.as_link_addr() {
+            let index = u32::try_from(link.ifindex()).unwrap_or(0);
+            if entry.interface_name != "lo" && index != 0 {
+                interfaces.push((index, entry.interface_name));
+            }
+        } else if let Some(v4) = address.as_sockaddr_in() {
+            addresses.push(IpAddr::V4(v4.ip()));
+        } else if let Some(v6) = address.as_sockaddr_in6() {
+            addresses.push(IpAddr::V6(v6.ip()));
+        }
+    }
+    interfaces.sort_unstable();
+    interfaces.dedup();
+    let mut routes = Vec::new();
+    if with_routes {
+        // /proc/thread-self: /proc/self/net would show the thread group leader's netns.
+        let v4 = fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
+        let v6 = fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap_or_default();
+        routes = parse_route4(&v4);
+        routes.extend(parse_route6(&v6));
+    }
     Ok(PodNet {
         cookie,
         interfaces,
