@@ -408,6 +408,7 @@ impl EbpfBackend {
             // or the one before it): never twice. A record the kernel contradicts (the filter
             // deleted behind meshcap's back, the TCX link's interface replaced) is dropped and
             // the stub attached afresh.
+            let mut tc = tcnl::Session::default();
             let mut todo = Vec::new();
             for (ifindex, name) in &net.interfaces {
                 if exclude_interfaces.contains(name) {
@@ -415,11 +416,11 @@ impl EbpfBackend {
                 }
                 let record = dir.join(format!("tc-{name}"));
                 if record.exists() {
-                    let Err(stale) = podnet::verify_tc(name, &record) else {
+                    let Err(stale) = podnet::verify_tc(&mut tc, name, &record) else {
                         continue;
                     };
                     tracing::warn!(pod = %pod, interface = %name, reason = %stale, "re-attaching the inbound TC stub");
-                    podnet::detach_tc(name, &record);
+                    podnet::detach_tc(&mut tc, name, &record);
                 }
                 todo.push((*ifindex, name));
             }
@@ -428,7 +429,7 @@ impl EbpfBackend {
                 let stub = stub::load(net.cookie, &self.tc_prog)?;
                 for (ifindex, name) in todo {
                     let record = dir.join(format!("tc-{name}"));
-                    podnet::attach_tc(mode, stub.as_fd(), ifindex, name, &record)?;
+                    podnet::attach_tc(&mut tc, mode, stub.as_fd(), ifindex, name, &record)?;
                 }
             }
             Ok(net)
@@ -511,8 +512,9 @@ impl EbpfBackend {
             .filter_map(|name| Some((name.strip_prefix("tc-")?.to_owned(), dir.join(&name))))
             .collect();
         let detached = netns::run_in(&pod.netns, || {
+            let mut session = tcnl::Session::default();
             for (ifname, pin) in &tc {
-                podnet::detach_tc(ifname, pin);
+                podnet::detach_tc(&mut session, ifname, pin);
             }
             if route {
                 podnet::remove_tproxy_route();
@@ -569,9 +571,10 @@ impl EbpfBackend {
             return Err(EbpfError::pod(pod, "no inbound TC program attached"));
         }
         netns::run_in(&pod.netns, || {
+            let mut tc = tcnl::Session::default();
             records
                 .iter()
-                .try_for_each(|(ifname, record)| podnet::verify_tc(ifname, record))
+                .try_for_each(|(ifname, record)| podnet::verify_tc(&mut tc, ifname, record))
         })?
         .map_err(|message| EbpfError::pod(pod, message))
     }

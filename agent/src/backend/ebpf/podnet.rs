@@ -136,11 +136,13 @@ pub enum TcAttach {
 /// Attaches the pod's `stub` on the ingress of interface `ifindex` (`ifname`) in the calling
 /// thread's netns, and records it at `record`: the pinned TCX link, or, for netlink TC, a
 /// directory holding the stub pinned under a name that says where its filter is
-/// ([`tcnl::Filter::pin_name`]). Nothing is left attached without its record.
+/// ([`tcnl::Filter::pin_name`]). Nothing is left attached without its record. `tc` is the
+/// visit's netlink session.
 ///
 /// # Errors
 /// When the kernel refuses the attachment or the pin.
 pub fn attach_tc(
+    tc: &mut tcnl::Session,
     mode: TcAttach,
     stub: BorrowedFd<'_>,
     ifindex: u32,
@@ -160,12 +162,12 @@ pub fn attach_tc(
             })
         }
         TcAttach::Netlink => {
-            let filter = tcnl::attach(ifindex, ifname, stub, stub::NAME)?;
+            let filter = tc.attach(ifindex, ifname, stub, stub::NAME)?;
             let pinned = fs::create_dir(record)
                 .and_then(|()| sys::obj_pin(stub, &record.join(filter.pin_name())));
             if let Err(e) = pinned {
                 let _ = fs::remove_dir(record);
-                let _ = tcnl::detach(ifindex, ifname, sys::prog_id(stub).unwrap_or(0), filter);
+                let _ = tc.detach(ifindex, ifname, sys::prog_id(stub).unwrap_or(0), filter);
                 return Err(EbpfError::io(
                     &format!(
                         "recording the TC filter of {ifname} at {}",
@@ -195,12 +197,12 @@ fn read_netlink_record(record: &Path) -> Result<(tcnl::Filter, u32), String> {
 /// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns) and removes
 /// its record. For netlink TC only meshcap's filter goes, and the clsact qdisc only when
 /// meshcap added it and nothing else uses it.
-pub fn detach_tc(ifname: &str, record: &Path) {
+pub fn detach_tc(tc: &mut tcnl::Session, ifname: &str, record: &Path) {
     if record.is_dir() {
         if let (Ok((filter, id)), Ok(ifindex)) = (
             read_netlink_record(record),
             nix::net::if_::if_nametoindex(ifname),
-        ) && let Err(err) = tcnl::detach(ifindex, ifname, id, filter)
+        ) && let Err(err) = tc.detach(ifindex, ifname, id, filter)
         {
             tracing::warn!(interface = ifname, error = %err, "detaching the TC filter");
         }
@@ -216,12 +218,15 @@ pub fn detach_tc(ifname: &str, record: &Path) {
 ///
 /// # Errors
 /// What is missing, in words.
-pub fn verify_tc(ifname: &str, record: &Path) -> Result<(), String> {
+pub fn verify_tc(tc: &mut tcnl::Session, ifname: &str, record: &Path) -> Result<(), String> {
     let ifindex =
         nix::net::if_::if_nametoindex(ifname).map_err(|e| format!("interface {ifname}: {e}"))?;
     if record.is_dir() {
         let (filter, id) = read_netlink_record(record)?;
-        match tcnl::find(ifindex, ifname, filter).map_err(|e| e.to_string())? {
+        match tc
+            .find(ifindex, ifname, filter)
+            .map_err(|e| e.to_string())?
+        {
             Some(found) if found == id => Ok(()),
             Some(found) => Err(format!(
                 "the TC filter on {ifname} (pref {}) runs program {found}, not meshcap's {id}",
