@@ -8,14 +8,16 @@
 //! maps/<MAP>                                   every map, adopted as is when present
 //! links/<program>                              the node-wide cgroup links (bpf_link pins)
 //! pods/<cookie>/pod@<namespace>@<name>@<id>/    which pod a netns cookie belongs to
-//! pods/<cookie>/tc-<ifname>                    the pod's TCX link (Linux 6.6+), or
 //! pods/<cookie>/tc-<ifname>/filter@<pref>@<handle>@<own|shared>-qdisc
-//!                                              its netlink TC filter: the pinned stub
+//!                                              its netlink TC filter (the default): the
+//!                                              pinned stub, or, with TCX (Linux 6.6+):
+//! pods/<cookie>/tc-<ifname>                    the pod's TCX link
 //! ```
 //!
-//! A restarted agent opens the pinned maps and links and attaches nothing twice; killing it
-//! (even with SIGKILL) detaches nothing: every attachment is a pinned bpf_link or a netlink
-//! TC filter, which outlives its creator.
+//! The maps' per-pod entries are indexed in memory (`index.rs`), rebuilt from the pinned maps
+//! and pins when the backend opens. A restarted agent opens the pinned maps and links and
+//! attaches nothing twice; killing it (even with SIGKILL) detaches nothing: every attachment
+//! is a pinned bpf_link or a netlink TC filter, which outlives its creator.
 mod bpffs;
 mod encode;
 mod index;
@@ -439,8 +441,8 @@ impl EbpfBackend {
             Ok(Err(err)) => {
                 // Nothing half-applied: a pod this agent did not capture yet loses what this
                 // ADD attached (an update keeps its capture as it was).
-                if !known {
-                    self.remove(pod)?;
+                if !known && let Err(undo) = self.remove(pod) {
+                    tracing::warn!(pod = %pod, error = %undo, "undoing a failed ADD");
                 }
                 return Err(err);
             }
