@@ -192,6 +192,69 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
     assert!(left[0].contains("handle 0x7"), "{left:?}");
 }
 
+/// Nothing half-applied: when the stub cannot be attached to one interface (another tool
+/// holds meshcap's filter priority there with another protocol, which the kernel refuses to
+/// share), the ADD fails naming it and leaves nothing: no filter or qdisc on the other
+/// interface, no pins, no capture. Once the way is clear, the next ADD captures.
+#[test]
+fn a_failed_add_leaves_nothing_behind() {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    let policy = default_policy("web", pod.ips(false));
+    let r = pod_ref(&pod);
+    tc(&pod, &["qdisc", "add", "dev", "eth1", "clsact"]);
+    let blocker = [
+        "dev",
+        "eth1",
+        "ingress",
+        "pref",
+        "49153",
+        "protocol",
+        "ip",
+        "handle",
+        "7",
+        "bpf",
+        "bytecode",
+        "1,6 0 0 0",
+    ];
+    tc(&pod, &[&["filter", "add"][..], &blocker[..]].concat());
+
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("backend");
+    let err = backend
+        .get()
+        .add(&r, &policy)
+        .expect_err("the stub cannot go on eth1");
+    assert!(err.to_string().contains("eth1"), "{err}");
+    assert_eq!(ingress_filters(&pod, "eth0"), Vec::<String>::new());
+    assert!(
+        !tc(&pod, &["qdisc", "show", "dev", "eth0"]).contains("clsact"),
+        "the qdisc meshcap added on eth0 is gone again"
+    );
+    assert!(backend.get().list().expect("list").is_empty());
+    let pods = backend.get().config().bpffs_dir.join("pods");
+    assert_eq!(
+        std::fs::read_dir(&pods).expect("pods").count(),
+        0,
+        "no pins of the pod are left"
+    );
+    assert!(backend.get().check(&r, &policy).is_err());
+    assert!(!captured(&node, &pod), "a failed ADD captures nothing");
+
+    tc(
+        &pod,
+        &[&["filter", "del"][..], &blocker[..blocker.len() - 2]].concat(),
+    );
+    backend
+        .get()
+        .add(&r, &policy)
+        .expect("add once the way is clear");
+    backend.get().check(&r, &policy).expect("check");
+    assert!(captured(&node, &pod) && captured_inbound(&node, &pod));
+    backend.get().remove(&r).expect("remove");
+}
+
 /// A pod captured with TCX links (where the kernel has TCX), then an agent restarted with the
 /// default (netlink TC): it adopts the TCX records as they are (no second attachment, no
 /// filter), CHECKs and DELs them.
