@@ -633,10 +633,13 @@ fn every_program_is_needed() {
                 };
                 if entry.path().is_dir() {
                     // A netlink TC filter (the default): its clsact qdisc goes with it.
-                    let netns = format!("--net={}", pod.netns.display());
+                    let netns = pod.netns.file_name().ok_or_else(|| {
+                        anyhow::anyhow!("netns {} has no name", pod.netns.display())
+                    })?;
+                    let netns = netns.to_string_lossy();
                     meshcap_tests::run(
-                        "nsenter",
-                        &[&netns, "tc", "qdisc", "del", "dev", ifname, "clsact"],
+                        "tc",
+                        &["-n", &netns, "qdisc", "del", "dev", ifname, "clsact"],
                     )?;
                 } else {
                     unpin_link(&entry.path())?;
