@@ -139,8 +139,8 @@ impl Capture {
     }
 
     fn update_captured_gauge(&self) {
-        if let Ok(pods) = self.backend.list() {
-            self.metrics.set_captured(self.backend.name(), pods.len());
+        if let Ok(count) = self.backend.captured_count() {
+            self.metrics.set_captured(self.backend.name(), count);
         }
     }
 

@@ -141,8 +141,9 @@ struct RunArgs {
     /// directory, never a reinterpreted old pin).
     #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
     bpffs_dir: PathBuf,
-    /// How pods' inbound programs attach (default: TCX on Linux 6.6+, netlink TC before).
-    /// Forcing netlink on a TCX kernel is how its path is tested there.
+    /// How pods' inbound programs attach (default: netlink TC on every kernel; TCX, Linux
+    /// 6.6+, when asked for: it costs two RCU grace periods per pod). Tests force TCX to keep
+    /// that path covered.
     #[arg(long, env = "MESHCAP_TC_ATTACH", value_enum, hide = true)]
     tc_attach: Option<ebpf::TcAttach>,
     /// Install `meshcap-cni` into the CNI bin dir and chain it into the runtime's conflist,
@@ -354,7 +355,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             None => meshcap_agent::cgroup::cgroup2_mount().context("finding the cgroup2 mount")?,
         },
         bpffs_dir: args.bpffs_dir.clone(),
-        tc_attach: args.tc_attach.unwrap_or_else(ebpf::TcAttach::for_kernel),
+        tc_attach: args.tc_attach.unwrap_or_default(),
     };
     let choice = args.backend;
     let (backend, reason, probe) =

@@ -78,8 +78,14 @@ pub fn run_in<T: Send>(path: &Path, f: impl FnOnce() -> T + Send) -> Result<T, N
 /// # Errors
 /// When the kernel does not support `SO_NETNS_COOKIE`.
 pub fn current_cookie() -> io::Result<u64> {
-    let socket = std::net::UdpSocket::bind("127.0.0.1:0")
-        .or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+    // Any socket answers for the netns it was created in: no address, no bind.
+    let socket = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(io::Error::from)?;
     let mut cookie: u64 = 0;
     let mut len = libc::socklen_t::try_from(size_of::<u64>()).unwrap_or(8);
     // SAFETY: `cookie` and `len` are valid for writes and sized for the option.

@@ -14,9 +14,19 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, TcAttach};
 
-/// The agent's (hidden) setting forcing how pods' inbound stubs attach: `netlink` tests the
-/// netlink TC path on a TCX kernel.
+/// The agent's (hidden) setting forcing how pods' inbound stubs attach: `tcx` tests the TCX
+/// path (the default is netlink TC on every kernel).
 pub const TC_ATTACH_ENV: &str = "MESHCAP_TC_ATTACH";
+
+/// The [`TC_ATTACH_ENV`] setting forcing TCX where the kernel has it
+/// ([`crate::scenario::tcx_where_supported`]).
+#[must_use]
+pub fn tcx_env() -> (&'static str, &'static str) {
+    match crate::scenario::tcx_where_supported() {
+        TcAttach::Tcx => (TC_ATTACH_ENV, "tcx"),
+        TcAttach::Netlink => (TC_ATTACH_ENV, "netlink"),
+    }
+}
 use serde_json::{Value, json};
 
 use crate::{
@@ -244,11 +254,11 @@ impl Agent {
             tc_attach: if self
                 .env
                 .iter()
-                .any(|(k, v)| k == TC_ATTACH_ENV && v == "netlink")
+                .any(|(k, v)| k == TC_ATTACH_ENV && v == "tcx")
             {
-                TcAttach::Netlink
+                TcAttach::Tcx
             } else {
-                TcAttach::for_kernel()
+                TcAttach::default()
             },
         })
     }

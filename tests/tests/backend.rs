@@ -1,13 +1,15 @@
 //! The eBPF backend's life cycle on the real kernel: pins survive the agent, a restart adopts
 //! them without attaching twice, removal releases the pod, and two pods with identical
-//! loopback 4-tuples keep their own original destinations. The inbound stubs' netlink TC path
-//! (kernels without TCX) is forced here, on a TCX kernel, to test it too.
+//! loopback 4-tuples keep their own original destinations. The inbound stubs attach as
+//! netlink TC filters by default (every kernel); pods captured with TCX links (asked for, or
+//! by an agent before netlink TC became the default) must still be adopted, checked and
+//! released by a default agent.
 use std::process::Command;
 
 use meshcap_agent::backend::{PodRef, ebpf::TcAttach};
 use meshcap_tests::{
     dial, require_root,
-    scenario::{EbpfUnderTest, default_policy},
+    scenario::{EbpfUnderTest, default_policy, tcx_where_supported},
     world::{Node, PROXY, Pod},
 };
 
@@ -96,7 +98,12 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         ],
     );
 
-    let first = EbpfUnderTest::with_tc_attach(&node.cgroup, TcAttach::Netlink).expect("backend");
+    let first = EbpfUnderTest::new(&node.cgroup).expect("backend");
+    assert_eq!(
+        first.get().config().tc_attach,
+        TcAttach::Netlink,
+        "the default"
+    );
     first.get().add(&r, &policy).expect("add");
     first
         .get()
@@ -122,8 +129,7 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         captured_inbound(&node, &pod),
         "capture must outlive the agent"
     );
-    let second =
-        EbpfUnderTest::at_with(&node.cgroup, &dir, TcAttach::Netlink).expect("restarted backend");
+    let second = EbpfUnderTest::at(&node.cgroup, &dir).expect("restarted backend");
     second.get().add(&r, &policy).expect("add after restart");
     second
         .get()
@@ -186,16 +192,83 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
     assert!(left[0].contains("handle 0x7"), "{left:?}");
 }
 
+/// Nothing half-applied: when the stub cannot be attached to one interface (another tool
+/// holds meshcap's filter priority there with another protocol, which the kernel refuses to
+/// share), the ADD fails naming it and leaves nothing: no filter or qdisc on the other
+/// interface, no pins, no capture. Once the way is clear, the next ADD captures.
 #[test]
-fn pins_survive_the_agent_and_a_restart_adopts_them() {
+fn a_failed_add_leaves_nothing_behind() {
     require_root();
     let mut node = Node::new().expect("node");
     let mut pod = node.add_pod(false).expect("pod");
     pod.start_servers(&node, PROXY, false).expect("servers");
     let policy = default_policy("web", pod.ips(false));
     let r = pod_ref(&pod);
+    tc(&pod, &["qdisc", "add", "dev", "eth1", "clsact"]);
+    let blocker = [
+        "dev",
+        "eth1",
+        "ingress",
+        "pref",
+        "49153",
+        "protocol",
+        "ip",
+        "handle",
+        "7",
+        "bpf",
+        "bytecode",
+        "1,6 0 0 0",
+    ];
+    tc(&pod, &[&["filter", "add"][..], &blocker[..]].concat());
 
-    let first = EbpfUnderTest::new(&node.cgroup).expect("backend");
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("backend");
+    let err = backend
+        .get()
+        .add(&r, &policy)
+        .expect_err("the stub cannot go on eth1");
+    assert!(err.to_string().contains("eth1"), "{err}");
+    assert_eq!(ingress_filters(&pod, "eth0"), Vec::<String>::new());
+    assert!(
+        !tc(&pod, &["qdisc", "show", "dev", "eth0"]).contains("clsact"),
+        "the qdisc meshcap added on eth0 is gone again"
+    );
+    assert!(backend.get().list().expect("list").is_empty());
+    let pods = backend.get().config().bpffs_dir.join("pods");
+    assert_eq!(
+        std::fs::read_dir(&pods).expect("pods").count(),
+        0,
+        "no pins of the pod are left"
+    );
+    assert!(backend.get().check(&r, &policy).is_err());
+    assert!(!captured(&node, &pod), "a failed ADD captures nothing");
+
+    tc(
+        &pod,
+        &[&["filter", "del"][..], &blocker[..blocker.len() - 2]].concat(),
+    );
+    backend
+        .get()
+        .add(&r, &policy)
+        .expect("add once the way is clear");
+    backend.get().check(&r, &policy).expect("check");
+    assert!(captured(&node, &pod) && captured_inbound(&node, &pod));
+    backend.get().remove(&r).expect("remove");
+}
+
+/// A pod captured with TCX links (where the kernel has TCX), then an agent restarted with the
+/// default (netlink TC): it adopts the TCX records as they are (no second attachment, no
+/// filter), CHECKs and DELs them.
+#[test]
+fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    let policy = default_policy("web", pod.ips(false));
+    let r = pod_ref(&pod);
+    let tcx = tcx_where_supported();
+
+    let first = EbpfUnderTest::with_tc_attach(&node.cgroup, tcx).expect("backend");
     first.get().add(&r, &policy).expect("add");
     first
         .get()
@@ -207,6 +280,7 @@ fn pins_survive_the_agent_and_a_restart_adopts_them() {
     assert!(captured(&node, &pod), "capture must outlive the agent");
 
     let second = EbpfUnderTest::at(&node.cgroup, &dir).expect("restarted backend");
+    assert_eq!(second.get().config().tc_attach, TcAttach::Netlink);
     for (program, count) in second.get().attachments().expect("query") {
         assert_eq!(count, 1, "{program} attached {count} times after a restart");
     }
@@ -214,14 +288,38 @@ fn pins_survive_the_agent_and_a_restart_adopts_them() {
         .get()
         .check(&r, &policy)
         .expect("check after restart");
+    second.get().add(&r, &policy).expect("add after restart");
+    second
+        .get()
+        .check(&r, &policy)
+        .expect("check after the second add");
     let listed = second.get().list().expect("list");
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].name, r.name);
     assert_eq!(listed[0].interfaces.len(), 2, "{listed:?}");
+    if tcx == TcAttach::Tcx {
+        let pod_dir = dir.join("pods").join(listed[0].netns_cookie.to_string());
+        for dev in ["eth0", "eth1"] {
+            assert!(
+                pod_dir.join(format!("tc-{dev}")).is_file(),
+                "{dev}: the TCX link's pin is kept, not replaced"
+            );
+            assert!(
+                !ingress_filters(&pod, dev)
+                    .iter()
+                    .any(|l| l.contains("meshcap_tc_stub")),
+                "{dev}: a TCX pod got a netlink filter too"
+            );
+        }
+    }
 
     second.get().remove(&r).expect("remove");
     second.get().remove(&r).expect("remove again (idempotent)");
     assert!(!captured(&node, &pod), "a removed pod is not captured");
+    assert!(
+        !captured_inbound(&node, &pod),
+        "a removed pod's inbound is not captured"
+    );
     assert!(second.get().list().expect("list").is_empty());
     assert!(second.get().check(&r, &policy).is_err());
 }

@@ -20,8 +20,8 @@ use std::{
 use meshcap_tests::{
     Held, Netns, PROXY_UID, Placement,
     agent::{
-        APP_UID, Agent, Backend, ManifestDir, Sandbox, TC_ATTACH_ENV, Wired, cni, config,
-        eventually, leftovers, run_plugin_raw, sidecar_pod, write_manifest,
+        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
+        run_plugin_raw, sidecar_pod, tcx_env, write_manifest,
     },
     dial, require_root, unique_name,
 };
@@ -111,13 +111,13 @@ fn capture_cycle(agent: &Agent, wired: &Wired, sandbox: &Sandbox, version: &str)
     assert!(del_again.success, "DEL is idempotent: {del_again:?}");
 }
 
-/// The eBPF agent with pods' inbound stubs as netlink TC filters (kernels without TCX),
-/// forced on this kernel: CHECK verifies them, DEL leaves no qdisc or filter behind.
+/// The eBPF agent with pods' inbound stubs as TCX links (asked for; the default is netlink
+/// TC), where the kernel has TCX: CHECK verifies them, DEL leaves no link behind.
 #[test]
-fn dir_source_pod_is_captured_and_released_ebpf_netlink_tc() {
+fn dir_source_pod_is_captured_and_released_ebpf_tcx() {
     require_root();
     let dir = ManifestDir::new();
-    let agent = dir_agent_with(Backend::Ebpf, &dir, &[(TC_ATTACH_ENV, "netlink")]);
+    let agent = dir_agent_with(Backend::Ebpf, &dir, &[tcx_env()]);
     capture_cycles(&agent, &dir, Backend::Ebpf);
 }
 

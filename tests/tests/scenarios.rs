@@ -4,10 +4,7 @@
 use std::net::IpAddr;
 
 use meshcap_agent::{
-    backend::{
-        PodRef,
-        ebpf::{TcAttach, unpin_link},
-    },
+    backend::{PodRef, ebpf::unpin_link},
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{
@@ -16,7 +13,7 @@ use meshcap_tests::{
     require_root,
     scenario::{
         Backend, Case, EbpfUnderTest, Expect::*, IptablesUnderTest, To::*, Who::*, case, cidrs,
-        default_policy, run_case, run_table,
+        default_policy, run_case, run_table, tcx_where_supported,
     },
     world::Node,
 };
@@ -488,14 +485,14 @@ fn ebpf_backend_makes_istios_decisions() {
     run_table(&backend, &mut node, &cases);
 }
 
-/// The inbound rows with the pods' stubs attached as netlink TC filters, as on kernels
-/// without TCX (forced here, on a TCX kernel).
+/// The inbound rows with the pods' stubs attached as TCX links (asked for; the default is
+/// netlink TC), where the kernel has TCX.
 #[test]
-fn ebpf_backend_with_netlink_tc_makes_istios_inbound_decisions() {
+fn ebpf_backend_with_tcx_makes_istios_inbound_decisions() {
     require_root();
     let mut node = Node::new().expect("node netns");
     let backend =
-        EbpfUnderTest::with_tc_attach(&node.cgroup, TcAttach::Netlink).expect("eBPF backend");
+        EbpfUnderTest::with_tc_attach(&node.cgroup, tcx_where_supported()).expect("eBPF backend");
     let mut cases = table();
     cases.extend(ebpf_only());
     cases.retain(|c| matches!(c.from, meshcap_tests::scenario::Who::Node));
@@ -630,7 +627,21 @@ fn every_program_is_needed() {
                 .join("pods")
                 .join(cookie.to_string());
             for entry in std::fs::read_dir(dir)?.flatten() {
-                if entry.file_name().to_string_lossy().starts_with("tc-") {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(ifname) = name.strip_prefix("tc-") else {
+                    continue;
+                };
+                if entry.path().is_dir() {
+                    // A netlink TC filter (the default): its clsact qdisc goes with it.
+                    let netns = pod.netns.file_name().ok_or_else(|| {
+                        anyhow::anyhow!("netns {} has no name", pod.netns.display())
+                    })?;
+                    let netns = netns.to_string_lossy();
+                    meshcap_tests::run(
+                        "tc",
+                        &["-n", &netns, "qdisc", "del", "dev", ifname, "clsact"],
+                    )?;
+                } else {
                     unpin_link(&entry.path())?;
                 }
             }

@@ -131,6 +131,16 @@ pub trait CaptureBackend: Send + Sync {
     /// When its state cannot be read.
     fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
 
+    /// How many pods this backend captures (the metrics' gauge, updated after every ADD and
+    /// DEL): what [`Self::list`] would count, without building the list where the backend
+    /// keeps the number.
+    ///
+    /// # Errors
+    /// When its state cannot be read.
+    fn captured_count(&self) -> Result<usize, BackendError> {
+        self.list().map(|pods| pods.len())
+    }
+
     /// Reconciles the state a previous agent left with the live pods: drops every capture
     /// whose network namespace no longer exists (its pod went while no agent ran), and
     /// returns those pods. Live pods stay captured. Called once at start.

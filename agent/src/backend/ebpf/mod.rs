@@ -8,16 +8,19 @@
 //! maps/<MAP>                                   every map, adopted as is when present
 //! links/<program>                              the node-wide cgroup links (bpf_link pins)
 //! pods/<cookie>/pod@<namespace>@<name>@<id>/    which pod a netns cookie belongs to
-//! pods/<cookie>/tc-<ifname>                    the pod's TCX link (Linux 6.6+), or
 //! pods/<cookie>/tc-<ifname>/filter@<pref>@<handle>@<own|shared>-qdisc
-//!                                              its netlink TC filter: the pinned stub
+//!                                              its netlink TC filter (the default): the
+//!                                              pinned stub, or, with TCX (Linux 6.6+):
+//! pods/<cookie>/tc-<ifname>                    the pod's TCX link
 //! ```
 //!
-//! A restarted agent opens the pinned maps and links and attaches nothing twice; killing it
-//! (even with SIGKILL) detaches nothing: every attachment is a pinned bpf_link or a netlink
-//! TC filter, which outlives its creator.
+//! The maps' per-pod entries are indexed in memory (`index.rs`), rebuilt from the pinned maps
+//! and pins when the backend opens. A restarted agent opens the pinned maps and links and
+//! attaches nothing twice; killing it (even with SIGKILL) detaches nothing: every attachment
+//! is a pinned bpf_link or a netlink TC filter, which outlives its creator.
 mod bpffs;
 mod encode;
+mod index;
 pub mod layout;
 mod podnet;
 mod stub;
@@ -155,7 +158,7 @@ pub struct EbpfConfig {
     pub cgroup_root: PathBuf,
     /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v2`).
     pub bpffs_dir: PathBuf,
-    /// How pods' inbound stubs attach: [`TcAttach::for_kernel`] but in tests.
+    /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
 }
 
@@ -172,7 +175,7 @@ impl EbpfConfig {
             cgroup_root: crate::cgroup::cgroup2_mount()
                 .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
-            tc_attach: TcAttach::for_kernel(),
+            tc_attach: TcAttach::default(),
         })
     }
 }
@@ -217,6 +220,8 @@ struct Tables {
     cidrs6: LpmTrie<MapData, Cidr6Data, u32>,
     ports: HashMap<MapData, PortKey, u8>,
     ifaces: HashMap<MapData, IfaceKey, u32>,
+    /// What those maps hold per pod (this process is their only writer once open).
+    index: index::Index,
 }
 
 /// The eBPF capture backend. Cheap to call concurrently: map updates are serialised, netns
@@ -289,13 +294,15 @@ impl EbpfBackend {
         let kernel_log = aya_log::EbpfLogger::init(&mut ebpf)
             .map_err(|e| tracing::warn!(error = %e, "kernel-side log records unavailable"))
             .ok();
-        let tables = Tables {
+        let mut tables = Tables {
             pods: take(&mut ebpf, maps::PODS)?,
             cidrs4: take(&mut ebpf, maps::CIDRS4)?,
             cidrs6: take(&mut ebpf, maps::CIDRS6)?,
             ports: take(&mut ebpf, maps::PORTS)?,
             ifaces: take(&mut ebpf, maps::IFACES)?,
+            index: index::Index::default(),
         };
+        tables.rebuild_index(&config.bpffs_dir);
         Ok(Self {
             config,
             tc_prog,
@@ -388,8 +395,9 @@ impl EbpfBackend {
         let pods_dir = self.config.bpffs_dir.join("pods");
         let meta = meta_name(pod);
         let mode = self.config.tc_attach;
-        let net = netns::run_in(&pod.netns, || -> Result<PodNet, EbpfError> {
-            let net = podnet::inspect()?;
+        let known = self.lock().index.cookie(&meta).is_some();
+        let inside = netns::run_in(&pod.netns, || -> Result<PodNet, EbpfError> {
+            let net = podnet::inspect(!exclude_interfaces.is_empty())?;
             let dir = pods_dir.join(net.cookie.to_string());
             mkdir(&dir.join(&meta))?;
             if tproxy || reroute {
@@ -402,6 +410,7 @@ impl EbpfBackend {
             // or the one before it): never twice. A record the kernel contradicts (the filter
             // deleted behind meshcap's back, the TCX link's interface replaced) is dropped and
             // the stub attached afresh.
+            let mut tc = tcnl::Session::default();
             let mut todo = Vec::new();
             for (ifindex, name) in &net.interfaces {
                 if exclude_interfaces.contains(name) {
@@ -409,11 +418,11 @@ impl EbpfBackend {
                 }
                 let record = dir.join(format!("tc-{name}"));
                 if record.exists() {
-                    let Err(stale) = podnet::verify_tc(name, &record) else {
+                    let Err(stale) = podnet::verify_tc(&mut tc, name, &record) else {
                         continue;
                     };
                     tracing::warn!(pod = %pod, interface = %name, reason = %stale, "re-attaching the inbound TC stub");
-                    podnet::detach_tc(name, &record);
+                    podnet::detach_tc(&mut tc, name, &record);
                 }
                 todo.push((*ifindex, name));
             }
@@ -422,17 +431,30 @@ impl EbpfBackend {
                 let stub = stub::load(net.cookie, &self.tc_prog)?;
                 for (ifindex, name) in todo {
                     let record = dir.join(format!("tc-{name}"));
-                    podnet::attach_tc(mode, stub.as_fd(), ifindex, name, &record)?;
+                    podnet::attach_tc(&mut tc, mode, stub.as_fd(), ifindex, name, &record)?;
                 }
             }
             Ok(net)
-        })??;
+        });
+        let net = match inside {
+            Ok(Ok(net)) => net,
+            Ok(Err(err)) => {
+                // Nothing half-applied: a pod this agent did not capture yet loses what this
+                // ADD attached (an update keeps its capture as it was).
+                if !known && let Err(undo) = self.remove(pod) {
+                    tracing::warn!(pod = %pod, error = %undo, "undoing a failed ADD");
+                }
+                return Err(err);
+            }
+            Err(err) => return Err(err.into()),
+        };
         entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
         let config = entries.config;
         let cookie = net.cookie;
         let mut tables = self.lock();
+        tables.index.set_cookie(meta, cookie);
         let old = tables.pods.get(&cookie, 0).ok();
-        let pod_id = next_pod_id(&tables, old.map(|c| c.pod_id));
+        let pod_id = tables.index.allocate();
         let written = tables
             .write_lists(pod_id, &entries)
             .and_then(|()| tables.write_ifaces(cookie, &net, &entries))
@@ -444,7 +466,7 @@ impl EbpfBackend {
             });
         if let Err(err) = written {
             // A full map (E2BIG): nothing of this ADD stays; an update keeps its old entry.
-            tables.remove_lists(pod_id)?;
+            tables.remove_lists(pod_id);
             drop(tables);
             if old.is_none() {
                 self.remove(pod)?;
@@ -455,7 +477,7 @@ impl EbpfBackend {
             ));
         }
         if let Some(old) = old {
-            tables.remove_lists(old.pod_id)?;
+            tables.remove_lists(old.pod_id);
         }
         tracing::info!(pod = %pod, netns_cookie = cookie, pod_id, "captured");
         Ok(())
@@ -480,9 +502,10 @@ impl EbpfBackend {
                     .pods
                     .remove(&cookie)
                     .map_err(|e| EbpfError::map("removing the pod entry", e))?;
-                tables.remove_lists(config.pod_id)?;
+                tables.remove_lists(config.pod_id);
             }
-            let rerouted = tables.remove_ifaces(cookie)?;
+            let rerouted = tables.remove_ifaces(cookie);
+            tables.index.forget_cookie(cookie);
             config.is_none_or(|c| c.has(meshcap_common::flags::TPROXY)) || rerouted
         };
         let dir = self.pod_dir(cookie);
@@ -491,8 +514,9 @@ impl EbpfBackend {
             .filter_map(|name| Some((name.strip_prefix("tc-")?.to_owned(), dir.join(&name))))
             .collect();
         let detached = netns::run_in(&pod.netns, || {
+            let mut session = tcnl::Session::default();
             for (ifname, pin) in &tc {
-                podnet::detach_tc(ifname, pin);
+                podnet::detach_tc(&mut session, ifname, pin);
             }
             if route {
                 podnet::remove_tproxy_route();
@@ -549,9 +573,10 @@ impl EbpfBackend {
             return Err(EbpfError::pod(pod, "no inbound TC program attached"));
         }
         netns::run_in(&pod.netns, || {
+            let mut tc = tcnl::Session::default();
             records
                 .iter()
-                .try_for_each(|(ifname, record)| podnet::verify_tc(ifname, record))
+                .try_for_each(|(ifname, record)| podnet::verify_tc(&mut tc, ifname, record))
         })?
         .map_err(|message| EbpfError::pod(pod, message))
     }
@@ -608,14 +633,12 @@ impl EbpfBackend {
         self.config.bpffs_dir.join("pods").join(cookie.to_string())
     }
 
-    /// The pod's cookie: from its netns while it exists, else from the pins.
+    /// The pod's cookie: as the pins record it (indexed), else from its netns while it
+    /// exists.
     fn find_cookie(&self, pod: &PodRef) -> Option<u64> {
-        let meta = meta_name(pod);
-        let pods_dir = self.config.bpffs_dir.join("pods");
-        list_dir(&pods_dir)
-            .into_iter()
-            .find(|c| pods_dir.join(c).join(&meta).exists())
-            .and_then(|c| c.parse().ok())
+        self.lock()
+            .index
+            .cookie(&meta_name(pod))
             .or_else(|| netns::cookie_of(&pod.netns).ok())
     }
 }
@@ -808,84 +831,88 @@ where
     T::try_from(map).map_err(|e| EbpfError::map(&format!("map {name}"), e))
 }
 
-/// A fresh pod id: every update gets a new one, so the old lists stay intact until the pod
-/// entry points at the new ones (no connection sees a half-written policy).
-fn next_pod_id(tables: &Tables, old: Option<u32>) -> u32 {
-    let used: Vec<u32> = tables
-        .pods
-        .iter()
-        .flatten()
-        .map(|(_, c)| c.pod_id)
-        .collect();
-    let mut id = old.unwrap_or(0).wrapping_add(1).max(1);
-    while used.contains(&id) {
-        id = id.wrapping_add(1).max(1);
-    }
-    id
-}
-
 impl Tables {
+    /// Indexes what the maps and pins hold (an agent's restart, or the first open): one walk
+    /// of each map, once.
+    fn rebuild_index(&mut self, bpffs_dir: &Path) {
+        for (_, config) in self.pods.iter().flatten() {
+            self.index.use_id(config.pod_id);
+        }
+        for key in self.ports.keys().flatten() {
+            self.index.lists_mut(key.pod_id).ports.push(key);
+        }
+        for key in self.cidrs4.keys().flatten() {
+            let id = u32::from_be_bytes(key.data().pod);
+            self.index.lists_mut(id).cidrs4.push(key);
+        }
+        for key in self.cidrs6.keys().flatten() {
+            let id = u32::from_be_bytes(key.data().pod);
+            self.index.lists_mut(id).cidrs6.push(key);
+        }
+        for (key, flags) in self.ifaces.iter().flatten() {
+            self.index.add_iface(key.netns, key, flags);
+        }
+        for pinned in pinned_pods(bpffs_dir) {
+            let pod = PodRef {
+                namespace: pinned.namespace,
+                name: pinned.name,
+                container_id: pinned.container_id,
+                netns: PathBuf::new(),
+            };
+            self.index.set_cookie(meta_name(&pod), pinned.netns_cookie);
+        }
+    }
+
+    /// Writes `entries`' lists under `pod_id`, recording every key written (also when a
+    /// later one fails, so that [`Self::remove_lists`] takes them all back).
     fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), EbpfError> {
         for (kind, port) in &entries.ports {
+            let key = PortKey::new(pod_id, *kind, *port);
             self.ports
-                .insert(PortKey::new(pod_id, *kind, *port), 1, 0)
+                .insert(key, 1, 0)
                 .map_err(|e| EbpfError::map("writing a port list", e))?;
+            self.index.lists_mut(pod_id).ports.push(key);
         }
         for (kind, addr, len, value) in &entries.cidrs {
             let prefix = CIDR_KEY_PREFIX_BITS + u32::from(*len);
             match addr {
-                IpAddr::V4(a) => self.cidrs4.insert(
-                    &Key::new(
+                IpAddr::V4(a) => {
+                    let key = Key::new(
                         prefix,
                         Cidr4Data::new(pod_id, *kind, u32::from_ne_bytes(a.octets())),
-                    ),
-                    *value,
-                    0,
-                ),
-                IpAddr::V6(a) => self.cidrs6.insert(
-                    &Key::new(
+                    );
+                    self.cidrs4
+                        .insert(&key, *value, 0)
+                        .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
+                    self.index.lists_mut(pod_id).cidrs4.push(key);
+                }
+                IpAddr::V6(a) => {
+                    let key = Key::new(
                         prefix,
                         Cidr6Data::new(pod_id, *kind, meshcap_common::Addr::v6(a.octets()).words()),
-                    ),
-                    *value,
-                    0,
-                ),
+                    );
+                    self.cidrs6
+                        .insert(&key, *value, 0)
+                        .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
+                    self.index.lists_mut(pod_id).cidrs6.push(key);
+                }
             }
-            .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
         }
         Ok(())
     }
 
-    fn remove_lists(&mut self, pod_id: u32) -> Result<(), EbpfError> {
-        let ports: Vec<PortKey> = self
-            .ports
-            .keys()
-            .flatten()
-            .filter(|k| k.pod_id == pod_id)
-            .collect();
-        for key in ports {
-            let _ = self.ports.remove(&key);
+    /// Removes the lists written under `pod_id` and frees the id.
+    fn remove_lists(&mut self, pod_id: u32) {
+        let lists = self.index.release(pod_id);
+        for key in &lists.ports {
+            let _ = self.ports.remove(key);
         }
-        let pod = pod_id.to_be_bytes();
-        let v4: Vec<Key<Cidr4Data>> = self
-            .cidrs4
-            .keys()
-            .flatten()
-            .filter(|k| k.data().pod == pod)
-            .collect();
-        for key in v4 {
-            let _ = self.cidrs4.remove(&key);
+        for key in &lists.cidrs4 {
+            let _ = self.cidrs4.remove(key);
         }
-        let v6: Vec<Key<Cidr6Data>> = self
-            .cidrs6
-            .keys()
-            .flatten()
-            .filter(|k| k.data().pod == pod)
-            .collect();
-        for key in v6 {
-            let _ = self.cidrs6.remove(&key);
+        for key in &lists.cidrs6 {
+            let _ = self.cidrs6.remove(key);
         }
-        Ok(())
     }
 
     fn write_ifaces(
@@ -894,7 +921,7 @@ impl Tables {
         net: &PodNet,
         entries: &Entries,
     ) -> Result<(), EbpfError> {
-        self.remove_ifaces(cookie)?;
+        self.remove_ifaces(cookie);
         for (ifindex, name) in &net.interfaces {
             if let Some((_, flags)) = entries.ifaces.iter().find(|(n, _)| n == name) {
                 let key = IfaceKey {
@@ -905,6 +932,7 @@ impl Tables {
                 self.ifaces
                     .insert(key, *flags, 0)
                     .map_err(|e| EbpfError::map("writing interface flags", e))?;
+                self.index.add_iface(cookie, key, *flags);
             }
         }
         Ok(())
@@ -912,22 +940,13 @@ impl Tables {
 
     /// Removes the interface entries of the pod with netns `cookie`; whether one of them
     /// was rerouted.
-    fn remove_ifaces(&mut self, cookie: u64) -> Result<bool, EbpfError> {
-        let keys: Vec<IfaceKey> = self
-            .ifaces
-            .keys()
-            .flatten()
-            .filter(|k| k.netns == cookie)
-            .collect();
+    fn remove_ifaces(&mut self, cookie: u64) -> bool {
         let mut rerouted = false;
-        for key in keys {
-            rerouted |= self
-                .ifaces
-                .get(&key, 0)
-                .is_ok_and(|f| f & meshcap_common::iface_flags::REROUTE != 0);
+        for (key, flags) in self.index.take_ifaces(cookie) {
+            rerouted |= flags & meshcap_common::iface_flags::REROUTE != 0;
             let _ = self.ifaces.remove(&key);
         }
-        Ok(rerouted)
+        rerouted
     }
 }
 
@@ -966,6 +985,10 @@ impl super::CaptureBackend for EbpfBackend {
             gone.push(pod);
         }
         Ok(gone)
+    }
+
+    fn captured_count(&self) -> Result<usize, super::BackendError> {
+        Ok(self.lock().index.pods())
     }
 
     fn list(&self) -> Result<Vec<super::CapturedPod>, super::BackendError> {

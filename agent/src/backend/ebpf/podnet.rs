@@ -8,8 +8,6 @@ use std::{
     path::Path,
 };
 
-use aya::util::KernelVersion;
-
 use super::{EbpfError, stub, sys, tcnl};
 use crate::{
     backend::iptables::route,
@@ -39,36 +37,47 @@ pub struct PodNet {
     pub interfaces: Vec<(u32, String)>,
     /// Every address on every interface.
     pub addresses: Vec<IpAddr>,
-    /// The main routing table (IPv4 and IPv6).
+    /// The main routing table (IPv4 and IPv6), when asked for.
     pub routes: Vec<Route>,
 }
 
-/// Reads the calling thread's netns (call inside [`crate::netns::run_in`]).
+/// Reads the calling thread's netns (call inside [`crate::netns::run_in`]): its cookie, its
+/// interfaces and addresses (one `getifaddrs`: its link entries carry the interface indexes),
+/// and, when `with_routes` (only `excludeInterfaces` needs them), its routes.
 ///
 /// # Errors
 /// When the kernel refuses the queries.
-pub fn inspect() -> Result<PodNet, EbpfError> {
+pub fn inspect(with_routes: bool) -> Result<PodNet, EbpfError> {
     let cookie = crate::netns::current_cookie().map_err(|e| EbpfError::io("netns cookie", e))?;
-    let interfaces = nix::net::if_::if_nameindex()
-        .map_err(|e| EbpfError::io("listing interfaces", e.into()))?
-        .iter()
-        .map(|i| (i.index(), i.name().to_string_lossy().into_owned()))
-        .filter(|(_, name)| name != "lo")
-        .collect();
-    let addresses = nix::ifaddrs::getifaddrs()
-        .map_err(|e| EbpfError::io("listing addresses", e.into()))?
-        .filter_map(|a| a.address)
-        .filter_map(|s| {
-            s.as_sockaddr_in()
-                .map(|v4| IpAddr::V4(v4.ip()))
-                .or_else(|| s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
-        })
-        .collect();
-    // /proc/thread-self: /proc/self/net would show the thread group leader's netns.
-    let v4 = fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
-    let v6 = fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap_or_default();
-    let mut routes = parse_route4(&v4);
-    routes.extend(parse_route6(&v6));
+    let mut interfaces = Vec::new();
+    let mut addresses = Vec::new();
+    for entry in nix::ifaddrs::getifaddrs()
+        .map_err(|e| EbpfError::io("listing interfaces and addresses", e.into()))?
+    {
+        let Some(address) = entry.address else {
+            continue;
+        };
+        if let Some(link) = address.as_link_addr() {
+            let index = u32::try_from(link.ifindex()).unwrap_or(0);
+            if entry.interface_name != "lo" && index != 0 {
+                interfaces.push((index, entry.interface_name));
+            }
+        } else if let Some(v4) = address.as_sockaddr_in() {
+            addresses.push(IpAddr::V4(v4.ip()));
+        } else if let Some(v6) = address.as_sockaddr_in6() {
+            addresses.push(IpAddr::V6(v6.ip()));
+        }
+    }
+    interfaces.sort_unstable();
+    interfaces.dedup();
+    let mut routes = Vec::new();
+    if with_routes {
+        // /proc/thread-self: /proc/self/net would show the thread group leader's netns.
+        let v4 = fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
+        let v6 = fs::read_to_string("/proc/thread-self/net/ipv6_route").unwrap_or_default();
+        routes = parse_route4(&v4);
+        routes.extend(parse_route6(&v6));
+    }
     Ok(PodNet {
         cookie,
         interfaces,
@@ -111,35 +120,29 @@ fn parse_route6(text: &str) -> Vec<Route> {
 }
 
 /// How pods' inbound stubs are attached to their interfaces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum TcAttach {
-    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`.
+    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`. Creating and
+    /// releasing one each wait for an RCU grace period in the kernel (6–12 ms apiece), so it
+    /// is only used when asked for.
     Tcx,
     /// A `cls_bpf` direct-action filter on the `clsact` qdisc, over netlink (every kernel
-    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`.
+    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`: the default,
+    /// on every kernel (docs/ebpf.md says why).
+    #[default]
     Netlink,
-}
-
-impl TcAttach {
-    /// TCX where the kernel has it (6.6+), netlink TC otherwise.
-    #[must_use]
-    pub fn for_kernel() -> Self {
-        if KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)) {
-            Self::Tcx
-        } else {
-            Self::Netlink
-        }
-    }
 }
 
 /// Attaches the pod's `stub` on the ingress of interface `ifindex` (`ifname`) in the calling
 /// thread's netns, and records it at `record`: the pinned TCX link, or, for netlink TC, a
 /// directory holding the stub pinned under a name that says where its filter is
-/// ([`tcnl::Filter::pin_name`]). Nothing is left attached without its record.
+/// ([`tcnl::Filter::pin_name`]). Nothing is left attached without its record. `tc` is the
+/// visit's netlink session.
 ///
 /// # Errors
 /// When the kernel refuses the attachment or the pin.
 pub fn attach_tc(
+    tc: &mut tcnl::Session,
     mode: TcAttach,
     stub: BorrowedFd<'_>,
     ifindex: u32,
@@ -159,12 +162,12 @@ pub fn attach_tc(
             })
         }
         TcAttach::Netlink => {
-            let filter = tcnl::attach(ifindex, ifname, stub, stub::NAME)?;
+            let filter = tc.attach(ifindex, ifname, stub, stub::NAME)?;
             let pinned = fs::create_dir(record)
                 .and_then(|()| sys::obj_pin(stub, &record.join(filter.pin_name())));
             if let Err(e) = pinned {
                 let _ = fs::remove_dir(record);
-                let _ = tcnl::detach(ifindex, ifname, sys::prog_id(stub).unwrap_or(0), filter);
+                let _ = tc.detach(ifindex, ifname, sys::prog_id(stub).unwrap_or(0), filter);
                 return Err(EbpfError::io(
                     &format!(
                         "recording the TC filter of {ifname} at {}",
@@ -194,12 +197,12 @@ fn read_netlink_record(record: &Path) -> Result<(tcnl::Filter, u32), String> {
 /// Detaches what [`attach_tc`] attached on `ifname` (the calling thread's netns) and removes
 /// its record. For netlink TC only meshcap's filter goes, and the clsact qdisc only when
 /// meshcap added it and nothing else uses it.
-pub fn detach_tc(ifname: &str, record: &Path) {
+pub fn detach_tc(tc: &mut tcnl::Session, ifname: &str, record: &Path) {
     if record.is_dir() {
         if let (Ok((filter, id)), Ok(ifindex)) = (
             read_netlink_record(record),
             nix::net::if_::if_nametoindex(ifname),
-        ) && let Err(err) = tcnl::detach(ifindex, ifname, id, filter)
+        ) && let Err(err) = tc.detach(ifindex, ifname, id, filter)
         {
             tracing::warn!(interface = ifname, error = %err, "detaching the TC filter");
         }
@@ -215,12 +218,15 @@ pub fn detach_tc(ifname: &str, record: &Path) {
 ///
 /// # Errors
 /// What is missing, in words.
-pub fn verify_tc(ifname: &str, record: &Path) -> Result<(), String> {
+pub fn verify_tc(tc: &mut tcnl::Session, ifname: &str, record: &Path) -> Result<(), String> {
     let ifindex =
         nix::net::if_::if_nametoindex(ifname).map_err(|e| format!("interface {ifname}: {e}"))?;
     if record.is_dir() {
         let (filter, id) = read_netlink_record(record)?;
-        match tcnl::find(ifindex, ifname, filter).map_err(|e| e.to_string())? {
+        match tc
+            .find(ifindex, ifname, filter)
+            .map_err(|e| e.to_string())?
+        {
             Some(found) if found == id => Ok(()),
             Some(found) => Err(format!(
                 "the TC filter on {ifname} (pref {}) runs program {found}, not meshcap's {id}",

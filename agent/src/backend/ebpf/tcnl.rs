@@ -134,15 +134,91 @@ impl Filter {
     }
 }
 
-/// Attaches `prog` (a direct-action classifier) on the ingress of interface `ifindex`:
-/// adds the clsact qdisc when there is none, then creates meshcap's filter, or replaces its
-/// program (atomically) when a previous run left one without a record.
-///
-/// # Errors
-/// When the kernel refuses, e.g. because another qdisc than clsact holds the ingress handle.
-pub fn attach(ifindex: u32, ifname: &str, prog: impl AsFd, name: &str) -> Result<Filter, TcError> {
+/// One netlink socket, on a private single-threaded runtime, for every TC request of one
+/// visit to a pod's netns (opened on first use, in the netns of the thread that first uses
+/// it; this is a blocking call on a netns thread, never on the agent's runtime). A pod's
+/// interfaces share it instead of paying a runtime and a socket per request.
+#[derive(Default)]
+pub struct Session {
+    open: Option<(tokio::runtime::Runtime, Handle, tokio::task::JoinHandle<()>)>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some((_, _, connection)) = &self.open {
+            connection.abort();
+        }
+    }
+}
+
+impl Session {
+    /// Runs `f` with the session's netlink handle.
+    fn run<T>(&mut self, f: impl AsyncFnOnce(Handle) -> Result<T, TcError>) -> Result<T, TcError> {
+        let (runtime, handle, _) = match &mut self.open {
+            Some(open) => open,
+            None => self.open.insert(open()?),
+        };
+        runtime.block_on(f(handle.clone()))
+    }
+
+    /// Attaches `prog` (a direct-action classifier) on the ingress of interface `ifindex`:
+    /// adds the clsact qdisc when there is none, then creates meshcap's filter, or replaces
+    /// its program (atomically) when a previous run left one without a record.
+    ///
+    /// # Errors
+    /// When the kernel refuses, e.g. because another qdisc than clsact holds the ingress
+    /// handle.
+    pub fn attach(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        prog: impl AsFd,
+        name: &str,
+    ) -> Result<Filter, TcError> {
+        attach(self, ifindex, ifname, prog, name)
+    }
+
+    /// The program id of the `bpf` filter at `filter`'s place on the ingress of `ifindex`,
+    /// if there is one.
+    ///
+    /// # Errors
+    /// When the filters cannot be listed.
+    pub fn find(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        filter: Filter,
+    ) -> Result<Option<u32>, TcError> {
+        find(self, ifindex, ifname, filter)
+    }
+
+    /// Deletes meshcap's filter from the ingress of `ifindex` when it runs `prog_id` (a
+    /// filter at that place with another program is not meshcap's record: left alone), then
+    /// the clsact qdisc when meshcap added it and no filter is left on it. Absent ones are
+    /// fine.
+    ///
+    /// # Errors
+    /// When the kernel refuses.
+    pub fn detach(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        prog_id: u32,
+        filter: Filter,
+    ) -> Result<(), TcError> {
+        detach(self, ifindex, ifname, prog_id, filter)
+    }
+}
+
+fn attach(
+    tc: &mut Session,
+    ifindex: u32,
+    ifname: &str,
+    prog: impl AsFd,
+    name: &str,
+) -> Result<Filter, TcError> {
     let prog_fd = u32::try_from(prog.as_fd().as_raw_fd()).unwrap_or_default();
-    with_handle(async |mut handle| {
+    tc.run(async |mut handle| {
         let qdisc = TcMessage::from_parts(
             header(ifindex, CLSACT_HANDLE, TcHandle::CLSACT, 0),
             vec![TcAttribute::Kind("clsact".into())],
@@ -187,13 +263,13 @@ pub fn attach(ifindex: u32, ifname: &str, prog: impl AsFd, name: &str) -> Result
     })
 }
 
-/// The program id of the `bpf` filter at `filter`'s place on the ingress of `ifindex`, if
-/// there is one.
-///
-/// # Errors
-/// When the filters cannot be listed.
-pub fn find(ifindex: u32, ifname: &str, filter: Filter) -> Result<Option<u32>, TcError> {
-    with_handle(async |mut handle| {
+fn find(
+    tc: &mut Session,
+    ifindex: u32,
+    ifname: &str,
+    filter: Filter,
+) -> Result<Option<u32>, TcError> {
+    tc.run(async |mut handle| {
         let filters = filters(&mut handle, ifindex, INGRESS)
             .await
             .map_err(fail(format!("tc filter show dev {ifname} ingress")))?;
@@ -218,15 +294,15 @@ pub fn find(ifindex: u32, ifname: &str, filter: Filter) -> Result<Option<u32>, T
     })
 }
 
-/// Deletes meshcap's filter from the ingress of `ifindex` when it runs `prog_id` (a filter
-/// at that place with another program is not meshcap's record: left alone), then the clsact
-/// qdisc when meshcap added it and no filter is left on it. Absent ones are fine.
-///
-/// # Errors
-/// When the kernel refuses.
-pub fn detach(ifindex: u32, ifname: &str, prog_id: u32, filter: Filter) -> Result<(), TcError> {
-    if find(ifindex, ifname, filter)? == Some(prog_id) {
-        with_handle(async |mut handle| {
+fn detach(
+    tc: &mut Session,
+    ifindex: u32,
+    ifname: &str,
+    prog_id: u32,
+    filter: Filter,
+) -> Result<(), TcError> {
+    if find(tc, ifindex, ifname, filter)? == Some(prog_id) {
+        tc.run(async |mut handle| {
             let message = TcMessage::from_parts(
                 header(ifindex, filter.handle.into(), INGRESS, filter.info()),
                 vec![TcAttribute::Kind("bpf".into())],
@@ -249,7 +325,7 @@ pub fn detach(ifindex: u32, ifname: &str, prog_id: u32, filter: Filter) -> Resul
     if !filter.created_qdisc {
         return Ok(());
     }
-    with_handle(async |mut handle| {
+    tc.run(async |mut handle| {
         // Another tool's filters (either direction) mean the qdisc is shared by now.
         for parent in [INGRESS, EGRESS] {
             let left = filters(&mut handle, ifindex, parent)
@@ -347,9 +423,8 @@ async fn request(
     Ok(out)
 }
 
-/// Runs `f` with a netlink handle on a private single-threaded runtime (this is a blocking
-/// call on a netns thread, never on the agent's runtime).
-fn with_handle<T>(f: impl AsyncFnOnce(Handle) -> Result<T, TcError>) -> Result<T, TcError> {
+/// A private single-threaded runtime and a netlink connection driven on it.
+fn open() -> Result<(tokio::runtime::Runtime, Handle, tokio::task::JoinHandle<()>), TcError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()
@@ -357,17 +432,16 @@ fn with_handle<T>(f: impl AsyncFnOnce(Handle) -> Result<T, TcError>) -> Result<T
             what: "starting a netlink runtime",
             source,
         })?;
-    runtime.block_on(async {
-        let (connection, handle, _) =
-            rtnetlink::new_connection().map_err(|source| TcError::Socket {
-                what: "opening a netlink socket",
-                source,
-            })?;
-        let task = tokio::spawn(connection);
-        let out = f(handle).await;
-        task.abort();
-        out
-    })
+    let (connection, handle, _) = {
+        // The socket registers with the runtime it is created in.
+        let _entered = runtime.enter();
+        rtnetlink::new_connection().map_err(|source| TcError::Socket {
+            what: "opening a netlink socket",
+            source,
+        })?
+    };
+    let connection = runtime.spawn(connection);
+    Ok((runtime, handle, connection))
 }
 
 #[cfg(test)]

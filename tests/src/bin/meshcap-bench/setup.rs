@@ -143,7 +143,12 @@ impl Agent {
     /// Runs `meshcap-cni` as kubelet does and returns its wall time (spawn to exit), ms.
     fn cni(&self, command: &str, netns: &Netns, name: &str) -> anyhow::Result<f64> {
         let conf = config("1.1.0", &self.agent.socket, "10.0.0.2");
-        let sandbox = Sandbox::new("bench", name, netns);
+        // One container id per pod, as kubelet passes the same CNI_CONTAINERID to a
+        // sandbox's ADD and DEL.
+        let sandbox = Sandbox {
+            container_id: format!("sandbox-{name}"),
+            ..Sandbox::new("bench", name, netns)
+        };
         let start = Instant::now();
         let out = agent::cni(command, &sandbox, &conf)?;
         let took = start.elapsed().as_secs_f64() * 1e3;
