@@ -29,9 +29,12 @@ pub mod maps {
     pub const PORTS: &str = "MESHCAP_PORTS";
     /// Interface flags in a pod ([`crate::IfaceKey`] → `u32`).
     pub const IFACES: &str = "MESHCAP_IFACES";
-    /// Original destination of a redirected socket, in the socket's own storage (socket
-    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for sockops and recvmsg.
+    /// Original destination of a redirected UDP socket, in the socket's own storage (socket
+    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for recvmsg.
     pub const DIALED: &str = "MESHCAP_DIALED";
+    /// Original destination of a redirected TCP socket by socket cookie (LRU hash, `u64` →
+    /// [`crate::OrigDst`]): from connect, for sockops when the connection is established.
+    pub const CONNECTING: &str = "MESHCAP_CONNECTING";
     /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
     /// [`crate::OrigDst`]): the hand-off from the client end (or TC, inbound) to the accepted
     /// end, for the length of a handshake.

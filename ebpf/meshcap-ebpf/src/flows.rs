@@ -13,13 +13,16 @@ use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, bpf_sock_ops,
     },
-    helpers::bpf_get_netns_cookie,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
-use meshcap_common::{AF_INET, AF_INET6, FlowKey, SO_ORIGINAL_DST};
+use meshcap_common::{
+    AF_INET, AF_INET6, DNS_PROXY_PORT, FlowKey, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
+    SO_ORIGINAL_DST,
+};
 
-use crate::tables::{ACCEPTED, DIALED, FLOWS, sk_get, sk_put};
+use crate::tables::{ACCEPTED, CONNECTING, FLOWS, sk_get, sk_put};
 
 const SOL_IP: i32 = 0;
 const SOL_IPV6: i32 = 41;
@@ -94,23 +97,28 @@ pub fn meshcap_sockops(ctx: SockOpsContext) -> u32 {
     1
 }
 
-/// The client end of a connection meshcap redirected: its original destination, from the
-/// socket's storage, under the 4-tuple. Other sockets stop at the storage lookup.
+/// The client end of a connection meshcap redirected: its original destination, from
+/// [`CONNECTING`], under the 4-tuple. A redirected socket's peer is one of the proxy's ports:
+/// other sockets stop there, before any map access.
 #[inline(always)]
 fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    // SAFETY: context read; the kernel gives established callbacks a full socket.
-    let sk = unsafe { (*ops).__bindgen_anon_2.sk };
-    if sk.is_null() {
-        return;
-    }
-    // SAFETY: `sk` is the context's socket.
-    let Some(orig) = (unsafe { sk_get(&DIALED, sk) }) else {
-        return;
-    };
     let family = ctx.family();
     let Some((local, remote)) = ends(ops, family) else {
         return;
     };
+    if !matches!(
+        remote.1,
+        PROXY_OUTBOUND_PORT | PROXY_INBOUND_PORT | DNS_PROXY_PORT
+    ) {
+        return;
+    }
+    // SAFETY: the helper takes the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
+    // SAFETY: a plain read.
+    let Some(orig) = (unsafe { CONNECTING.get(cookie) }).copied() else {
+        return;
+    };
+    let _ = CONNECTING.remove(cookie);
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
     if FLOWS
