@@ -215,7 +215,7 @@ fn restore_source(ctx: &SockAddrContext, family: Family) {
     unsafe {
         match family {
             Family::V4 => write_volatile(&raw mut (*sa).user_ip4, orig.addr[0]),
-            Family::V6 if orig.family == meshcap_common::AF_INET => {
+            Family::V6 if u16::from(orig.family) == meshcap_common::AF_INET => {
                 write_volatile(&raw mut (*sa).user_ip6[0], 0);
                 write_volatile(&raw mut (*sa).user_ip6[1], 0);
                 write_volatile(&raw mut (*sa).user_ip6[2], V4_MAPPED);

@@ -198,7 +198,7 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 11] = [
+const MAPS: [&str; 10] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::CIDRS4,
@@ -208,7 +208,6 @@ const MAPS: [&str; 11] = [
     maps::DIALED,
     maps::CONNECTING,
     maps::FLOWS,
-    maps::ACCEPTED,
     maps::TC_PROG,
 ];
 
