@@ -6,13 +6,12 @@
 //! [`FLOWS`] ([`flow_state::PENDING`]); when the accepted end is established (right after, on
 //! loopback), `sockops` marks it [`flow_state::ACCEPTED`]; `cgroup/getsockopt` on the accepted
 //! socket looks it up by that socket's own netns and 4-tuple and answers `SO_ORIGINAL_DST`
-//! from an accepted entry, as often as asked. Nothing is allocated per connection and nothing
-//! waits for a close (sockops asks for no state callbacks, and runs only the kernel's default
-//! ones): an entry stays until its 4-tuple is reused or the LRU evicts it. A stale entry never
-//! answers for another connection: a new captured connection overwrites it; an accepted end
-//! established on an already accepted entry removes it; an uncaptured connection to one of
-//! the proxy's ports removes it when its client end is established, and TC removes it when
-//! it lets an inbound SYN pass.
+//! from an accepted entry, as often as asked; the entry goes when the accepted socket closes
+//! (sockops asks for state callbacks on that socket only). Nothing is allocated per connection.
+//! A stale entry (one the LRU kept after a close the program missed) never answers for another
+//! connection: a new captured connection overwrites it; an accepted end established on an
+//! already accepted entry removes it; an uncaptured connection to one of the proxy's ports
+//! removes it when its client end is established.
 use core::ptr::read_volatile;
 
 use aya_ebpf::{
