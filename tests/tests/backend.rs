@@ -3,14 +3,17 @@
 //! loopback 4-tuples keep their own original destinations. The inbound stubs attach as
 //! netlink TC filters by default (every kernel); pods captured with TCX links (asked for, or
 //! by an agent before netlink TC became the default) must still be adopted, checked and
-//! released by a default agent.
-use std::process::Command;
+//! released by a default agent. The original destinations' hand-off tables hold open
+//! connections only.
+use std::{path::Path, process::Command, thread, time::Duration};
 
+use aya::maps::{HashMap, Map, MapData};
 use meshcap_agent::backend::{PodRef, ebpf::TcAttach};
+use meshcap_common::{FlowKey, OrigDst, maps};
 use meshcap_tests::{
     dial, require_root,
     scenario::{EbpfUnderTest, default_policy, tcx_where_supported},
-    world::{Node, PROXY, Pod},
+    world::{APP_UID, Node, PROXY, Pod},
 };
 
 fn pod_ref(pod: &Pod) -> PodRef {
@@ -372,4 +375,64 @@ fn identical_loopback_tuples_in_two_pods_do_not_cross() {
     for pod in &pods {
         backend.get().remove(&pod_ref(pod)).expect("remove");
     }
+}
+
+/// Entries in the pinned LRU hash `name` under the layout `dir`.
+fn entries<K: aya::Pod>(dir: &Path, name: &str) -> usize {
+    let data = MapData::from_pin(dir.join("maps").join(name)).expect("pinned map");
+    let map: HashMap<_, K, OrigDst> =
+        HashMap::try_from(Map::LruHashMap(data)).expect("an LRU hash map");
+    map.keys().flatten().count()
+}
+
+#[test]
+fn closed_captured_connections_leave_no_entries_behind() {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let dir = EbpfUnderTest::unique_dir();
+    let backend = EbpfUnderTest::at(&node.cgroup, &dir).expect("backend");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    backend
+        .get()
+        .add(&pod_ref(&pod), &default_policy("flows", pod.ips(false)))
+        .expect("add");
+    let service = format!("{}:80", pod.peer_v4());
+    let dials = [
+        (pod.at(&node, APP_UID, APP_UID), service.as_str(), 15001),
+        (pod.at(&node, PROXY, PROXY), "127.0.0.6:15002", 15006),
+    ];
+    for _ in 0..3 {
+        for (at, target, listener) in &dials {
+            let report = dial(*at, &format!("tcp:{target}"), None)
+                .expect("dial")
+                .expect("an answer");
+            assert_eq!(report.listener, *listener, "{report:?}");
+            assert_eq!(
+                report.original_dst.map(|a| a.to_string()).as_deref(),
+                Some(*target),
+                "{report:?}"
+            );
+        }
+    }
+    // The proxy's end closes after the client's (the stand-in closes when the client has):
+    // wait for it, boundedly.
+    let mut left = usize::MAX;
+    for _ in 0..1000 {
+        left = entries::<FlowKey>(&dir, maps::FLOWS);
+        if left == 0 {
+            break;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        left, 0,
+        "MESHCAP_FLOWS entries left after every connection closed"
+    );
+    assert_eq!(
+        entries::<u64>(&dir, maps::CONNECTING),
+        0,
+        "MESHCAP_CONNECTING entries left after every connection was established"
+    );
+    backend.get().remove(&pod_ref(&pod)).expect("remove");
 }

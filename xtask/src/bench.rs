@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--only SECTION] [--profile]`: builds meshcap in release and runs the benchmark runner
+//! `cargo xtask bench [--quick] [--only SECTION] [--profile] [--short-only N]`: builds meshcap in release and runs the benchmark runner
 //! (tests/src/bin/meshcap-bench), which prints the tables of BENCHMARKS.md and writes them to
 //! `target/bench/results.md`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
 use std::process::Command;
@@ -7,7 +7,12 @@ use anyhow::Context as _;
 
 use crate::cmd::{self, root};
 
-pub fn run(quick: bool, only: &[String], profile: bool) -> anyhow::Result<()> {
+pub fn run(
+    quick: bool,
+    only: &[String],
+    profile: bool,
+    short_only: Option<usize>,
+) -> anyhow::Result<()> {
     let root = root();
     cmd::run(Command::new("cargo").current_dir(&root).args([
         "build",
@@ -39,6 +44,9 @@ pub fn run(quick: bool, only: &[String], profile: bool) -> anyhow::Result<()> {
     }
     if profile {
         bench.arg("--profile");
+    }
+    if let Some(short) = short_only {
+        bench.arg("--short-only").arg(short.to_string());
     }
     cmd::run(&mut bench)
 }

@@ -50,6 +50,10 @@ enum Task {
         /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.
         #[arg(long)]
         profile: bool,
+        /// The data path's short connections only, this many per round and mode (no
+        /// ping-pong, no bulk): for profiling the per-connection cost.
+        #[arg(long)]
+        short_only: Option<usize>,
     },
 }
 
@@ -64,7 +68,8 @@ fn main() -> ExitCode {
             quick,
             only,
             profile,
-        } => setup::run().and_then(|()| bench::run(quick, &only, profile)),
+            short_only,
+        } => setup::run().and_then(|()| bench::run(quick, &only, profile, short_only)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

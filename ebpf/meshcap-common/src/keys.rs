@@ -186,8 +186,10 @@ pub struct OrigDst {
     pub addr: [u32; 4],
     /// Port, host order.
     pub port: u16,
-    /// [`AF_INET`] or [`AF_INET6`].
-    pub family: u16,
+    /// [`AF_INET`] or [`AF_INET6`] (both fit in a byte).
+    pub family: u8,
+    /// [`flow_state`]: how far the connection has got, in [`crate::maps::FLOWS`].
+    pub state: u8,
 }
 
 impl OrigDst {
@@ -198,9 +200,24 @@ impl OrigDst {
         Self {
             addr: addr.words(),
             port,
-            family: addr.family(),
+            #[expect(clippy::cast_possible_truncation, reason = "AF_INET and AF_INET6 fit")]
+            family: addr.family() as u8,
+            state: flow_state::PENDING,
         }
     }
+}
+
+/// Values of [`OrigDst::state`] in [`crate::maps::FLOWS`] (elsewhere always [`PENDING`]).
+///
+/// [`PENDING`]: flow_state::PENDING
+pub mod flow_state {
+    /// Written when the connecting end is established (or, inbound, when TC hands the SYN to
+    /// the proxy): the accepting end is not yet.
+    pub const PENDING: u8 = 0;
+    /// The accepting end of this connection is established: `getsockopt(SO_ORIGINAL_DST)` on
+    /// it answers from the entry. Another accepting end established under the same key means
+    /// the entry is stale (its connection is gone), and it is removed.
+    pub const ACCEPTED: u8 = 1;
 }
 
 /// Key of [`crate::maps::FLOWS`]: one TCP connection inside one network namespace, named by its

@@ -29,16 +29,16 @@ pub mod maps {
     pub const PORTS: &str = "MESHCAP_PORTS";
     /// Interface flags in a pod ([`crate::IfaceKey`] → `u32`).
     pub const IFACES: &str = "MESHCAP_IFACES";
-    /// Original destination of a redirected socket, in the socket's own storage (socket
-    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for sockops and recvmsg.
+    /// Original destination of a redirected UDP socket, in the socket's own storage (socket
+    /// storage, [`crate::OrigDst`]): from connect/sendmsg, for recvmsg.
     pub const DIALED: &str = "MESHCAP_DIALED";
-    /// Original destination by netns-qualified 4-tuple ([`crate::FlowKey`] →
-    /// [`crate::OrigDst`]): the hand-off from the client end (or TC, inbound) to the accepted
-    /// end, for the length of a handshake.
+    /// Original destination of a redirected TCP socket by socket cookie (LRU hash, `u64` →
+    /// [`crate::OrigDst`]): from connect, for sockops when the connection is established.
+    pub const CONNECTING: &str = "MESHCAP_CONNECTING";
+    /// Original destination by netns-qualified 4-tuple (LRU hash, [`crate::FlowKey`] →
+    /// [`crate::OrigDst`]): from the client end (or TC, inbound), what
+    /// `getsockopt(SO_ORIGINAL_DST)` on the accepted end answers.
     pub const FLOWS: &str = "MESHCAP_FLOWS";
-    /// Original destination on the proxy's accepted socket (socket storage,
-    /// [`crate::OrigDst`]): what `getsockopt(SO_ORIGINAL_DST)` answers.
-    pub const ACCEPTED: &str = "MESHCAP_ACCEPTED";
     /// Program array, slot 0: the shared inbound TC program every pod's stub tail-calls.
     pub const TC_PROG: &str = "MESHCAP_TC_PROG";
 }

@@ -1,25 +1,34 @@
 //! The original destination, from the client socket to the proxy's accepted socket.
 //!
 //! connect (or the TC program, inbound) knows what was dialled; the proxy asks on another
-//! socket. connect keeps it in the client socket's storage ([`DIALED`]); when the client end is
-//! established, `sockops` puts it under the connection's netns-qualified 4-tuple in [`FLOWS`];
-//! when the accepted end is established (right after, on loopback), `sockops` takes it from
-//! there into the accepted socket's storage ([`ACCEPTED`]), where `cgroup/getsockopt` answers
-//! `SO_ORIGINAL_DST` from. Socket storage goes with its socket, so nothing waits for a close:
-//! sockops asks for no state callbacks, and runs only the kernel's default callbacks.
+//! socket. connect keeps it under the client socket's cookie in [`CONNECTING`]; when the client
+//! end is established, `sockops` moves it under the connection's netns-qualified 4-tuple in
+//! [`FLOWS`] ([`flow_state::PENDING`]); when the accepted end is established (right after, on
+//! loopback), `sockops` marks it [`flow_state::ACCEPTED`]; `cgroup/getsockopt` on the accepted
+//! socket looks it up by that socket's own netns and 4-tuple and answers `SO_ORIGINAL_DST`
+//! from an accepted entry, as often as asked; the entry goes when the accepted socket closes
+//! (sockops asks for state callbacks on that socket only). Nothing is allocated per connection.
+//! A stale entry (one the LRU kept after a close the program missed) never answers for another
+//! connection: a new captured connection overwrites it; an accepted end established on an
+//! already accepted entry removes it; an uncaptured connection to one of the proxy's ports
+//! removes it when its client end is established.
 use core::ptr::read_volatile;
 
 use aya_ebpf::{
     bindings::{
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, bpf_sock_ops,
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, bpf_sock, bpf_sock_ops,
     },
-    helpers::bpf_get_netns_cookie,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
-use meshcap_common::{AF_INET, AF_INET6, FlowKey, SO_ORIGINAL_DST};
+use meshcap_common::{
+    AF_INET, AF_INET6, DNS_PROXY_PORT, FlowKey, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
+    SO_ORIGINAL_DST, flow_state,
+};
 
-use crate::tables::{ACCEPTED, DIALED, FLOWS, sk_get, sk_put};
+use crate::tables::{CONNECTING, FLOWS};
 
 const SOL_IP: i32 = 0;
 const SOL_IPV6: i32 = 41;
@@ -27,6 +36,9 @@ const SOL_IPV6: i32 = 41;
 const SOCKADDR_IN_LEN: usize = 16;
 /// `sizeof(struct sockaddr_in6)`.
 const SOCKADDR_IN6_LEN: usize = 28;
+
+#[expect(clippy::cast_possible_wrap, reason = "a small flag")]
+const STATE_CB_FLAG: i32 = BPF_SOCK_OPS_STATE_CB_FLAG as i32;
 
 /// One end of a connection as sockops sees it: (address words, port).
 type End = ([u32; 4], u16);
@@ -70,6 +82,49 @@ fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
     }
 }
 
+/// The local and remote ends of a full socket (`cgroup/getsockopt`'s), as [`ends`] reads them
+/// in sockops.
+#[inline(always)]
+fn sock_ends(sk: *const bpf_sock) -> Option<(u32, End, End)> {
+    // SAFETY: reads of a full socket the context handed out, word by word. `src_port` is host
+    // order, `dst_port` network order (16 bits wide since Linux 5.18).
+    unsafe {
+        let family = read_volatile(&raw const (*sk).family);
+        #[expect(clippy::cast_possible_truncation, reason = "ports fit in 16 bits")]
+        let lp = read_volatile(&raw const (*sk).src_port) as u16;
+        let rp = u16::from_be(read_volatile(&raw const (*sk).dst_port));
+        match u16::try_from(family).ok()? {
+            AF_INET => Some((
+                family,
+                ([read_volatile(&raw const (*sk).src_ip4), 0, 0, 0], lp),
+                ([read_volatile(&raw const (*sk).dst_ip4), 0, 0, 0], rp),
+            )),
+            AF_INET6 => Some((
+                family,
+                (
+                    [
+                        read_volatile(&raw const (*sk).src_ip6[0]),
+                        read_volatile(&raw const (*sk).src_ip6[1]),
+                        read_volatile(&raw const (*sk).src_ip6[2]),
+                        read_volatile(&raw const (*sk).src_ip6[3]),
+                    ],
+                    lp,
+                ),
+                (
+                    [
+                        read_volatile(&raw const (*sk).dst_ip6[0]),
+                        read_volatile(&raw const (*sk).dst_ip6[1]),
+                        read_volatile(&raw const (*sk).dst_ip6[2]),
+                        read_volatile(&raw const (*sk).dst_ip6[3]),
+                    ],
+                    rp,
+                ),
+            )),
+            _ => None,
+        }
+    }
+}
+
 #[inline(always)]
 const fn flow(netns: u64, family: u32, client: End, server: End) -> FlowKey {
     FlowKey {
@@ -90,33 +145,41 @@ pub fn meshcap_sockops(ctx: SockOpsContext) -> u32 {
         client_established(&ctx, ops);
     } else if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
         accepted(&ctx, ops);
+    } else if op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == BPF_TCP_CLOSE {
+        closed(&ctx, ops);
     }
     1
 }
 
-/// The client end of a connection meshcap redirected: its original destination, from the
-/// socket's storage, under the 4-tuple. Other sockets stop at the storage lookup.
+/// The client end of a connection meshcap redirected: its original destination, from
+/// [`CONNECTING`], under the 4-tuple. A redirected socket's peer is one of the proxy's ports:
+/// other sockets stop there, before any map access.
 #[inline(always)]
 fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    // SAFETY: context read; the kernel gives established callbacks a full socket.
-    let sk = unsafe { (*ops).__bindgen_anon_2.sk };
-    if sk.is_null() {
-        return;
-    }
-    // SAFETY: `sk` is the context's socket.
-    let Some(orig) = (unsafe { sk_get(&DIALED, sk) }) else {
-        return;
-    };
     let family = ctx.family();
     let Some((local, remote)) = ends(ops, family) else {
         return;
     };
+    if !matches!(
+        remote.1,
+        PROXY_OUTBOUND_PORT | PROXY_INBOUND_PORT | DNS_PROXY_PORT
+    ) {
+        return;
+    }
+    // SAFETY: the helper takes the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
-    if FLOWS
-        .insert(flow(netns, family, local, remote), orig, 0)
-        .is_err()
-    {
+    let key = flow(netns, family, local, remote);
+    // SAFETY: a plain read.
+    let Some(orig) = (unsafe { CONNECTING.get(cookie) }).copied() else {
+        // Not captured, to a proxy port: an entry left by an earlier connection with this
+        // 4-tuple must not answer for this one.
+        let _ = FLOWS.remove(key);
+        return;
+    };
+    let _ = CONNECTING.remove(cookie);
+    if FLOWS.insert(key, orig, 0).is_err() {
         // Not expected (LRU): the proxy will not learn this connection's original destination.
         aya_log_ebpf::warn!(
             ctx,
@@ -125,15 +188,10 @@ fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     }
 }
 
-/// An accepted socket: when meshcap captured its connection, the original destination moves
-/// from [`FLOWS`] into the socket's storage.
+/// An accepted socket: when meshcap captured its connection, the entry the other end left
+/// (pending) is marked accepted; an entry already accepted is an earlier connection's, removed.
 #[inline(always)]
 fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    // SAFETY: context read (as in `client_established`).
-    let sk = unsafe { (*ops).__bindgen_anon_2.sk };
-    if sk.is_null() {
-        return;
-    }
     let family = ctx.family();
     let Some((local, remote)) = ends(ops, family) else {
         return;
@@ -141,13 +199,34 @@ fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
     let key = flow(netns, family, remote, local);
-    // SAFETY: a plain read.
-    let Some(orig) = (unsafe { FLOWS.get(key) }).copied() else {
+    let Some(entry) = FLOWS.get_ptr_mut(key) else {
         return;
     };
+    // SAFETY: `entry` points to the map's value; only this connection's handshake writes it.
+    unsafe {
+        if (*entry).state == flow_state::PENDING {
+            (*entry).state = flow_state::ACCEPTED;
+            // The entry goes when this socket closes (`closed`): state callbacks for this
+            // socket only. Without them it stays until reused or evicted.
+            let _ = ctx.set_cb_flags(STATE_CB_FLAG);
+            return;
+        }
+    }
     let _ = FLOWS.remove(key);
-    // SAFETY: `sk` is the context's socket.
-    unsafe { sk_put(&ACCEPTED, sk, orig) };
+}
+
+/// A captured connection's accepted end is closed: its entry goes, so that the table holds
+/// only open connections and the LRU never has to evict (eviction frees in batches, a
+/// latency spike for the connect that triggers it).
+#[inline(always)]
+fn closed(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
+    let family = ctx.family();
+    let Some((local, remote)) = ends(ops, family) else {
+        return;
+    };
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let _ = FLOWS.remove(flow(netns, family, remote, local));
 }
 
 /// Answers `getsockopt(SOL_IP, SO_ORIGINAL_DST)` and `getsockopt(SOL_IPV6,
@@ -166,17 +245,26 @@ pub fn meshcap_getsockopt(ctx: SockoptContext) -> i32 {
     if sk.is_null() {
         return 1;
     }
-    // SAFETY: `sk` is the context's socket.
-    let Some(orig) = (unsafe { sk_get(&ACCEPTED, sk) }) else {
+    let Some((family, local, remote)) = sock_ends(sk) else {
         return 1;
     };
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(so.cast()) };
+    // SAFETY: a plain read.
+    let Some(entry) = (unsafe { FLOWS.get(flow(netns, family, remote, local)) }) else {
+        return 1;
+    };
+    if entry.state != flow_state::ACCEPTED {
+        return 1;
+    }
+    let orig = *entry;
     // SAFETY: `optval..optval_end` is the kernel's copy of the caller's buffer; every write is
     // checked against `optval_end` first.
     unsafe {
         let optval = (*so).__bindgen_anon_2.optval.cast::<u8>();
         let end = (*so).__bindgen_anon_3.optval_end.cast::<u8>();
         let port = orig.port.to_be_bytes();
-        if orig.family == AF_INET {
+        if u16::from(orig.family) == AF_INET {
             if optval.wrapping_add(SOCKADDR_IN_LEN) > end {
                 return 1;
             }

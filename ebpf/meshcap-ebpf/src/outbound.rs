@@ -4,13 +4,13 @@ use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie},
+    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use meshcap_common::{Addr, DNS_PROXY_PORT, OrigDst, Outbound, Proto, Verdict, decide_outbound};
 
-use crate::tables::{DIALED, Maps, pod, sk_get, sk_put};
+use crate::tables::{CONNECTING, DIALED, Maps, pod, sk_get, sk_put};
 
 /// Keep the call going (0 would fail it with EPERM).
 const ALLOW: i32 = 1;
@@ -177,14 +177,17 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
     let Verdict::Redirect(port) = decide_outbound(&pod, &conn, &Maps { pod_id: pod.pod_id }) else {
         return;
     };
-    // SAFETY: context read, then the context's socket.
-    unsafe {
-        sk_put(
-            &DIALED,
-            (*sa).__bindgen_anon_1.sk,
-            OrigDst::new(dst, dst_port),
-        )
-    };
+    let orig = OrigDst::new(dst, dst_port);
+    match proto {
+        Proto::Tcp => {
+            // SAFETY: the helper takes the program's own context.
+            let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
+            // Without room (not expected, LRU) only this connection's original destination is lost.
+            let _ = CONNECTING.insert(cookie, orig, 0);
+        }
+        // SAFETY: context read, then the context's socket.
+        Proto::Udp => unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) },
+    }
     set_user_addr(sa, family, matches!(dst, Addr::V4(_)), port);
 }
 
@@ -212,7 +215,7 @@ fn restore_source(ctx: &SockAddrContext, family: Family) {
     unsafe {
         match family {
             Family::V4 => write_volatile(&raw mut (*sa).user_ip4, orig.addr[0]),
-            Family::V6 if orig.family == meshcap_common::AF_INET => {
+            Family::V6 if u16::from(orig.family) == meshcap_common::AF_INET => {
                 write_volatile(&raw mut (*sa).user_ip6[0], 0);
                 write_volatile(&raw mut (*sa).user_ip6[1], 0);
                 write_volatile(&raw mut (*sa).user_ip6[2], V4_MAPPED);

@@ -39,22 +39,26 @@ pub static PORTS: HashMap<PortKey, u8> = HashMap::with_max_entries(MAX_PODS * 64
 #[map(name = "MESHCAP_IFACES")]
 pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(MAX_PODS * 8, NO_PREALLOC);
 
-/// The original destination of a socket meshcap redirected, on that socket: written at
-/// connect/sendmsg, read by sockops (TCP) and recvmsg (UDP DNS). Socket storage: no key to
-/// compute, no table to fill, freed with the socket.
+/// The original destination of a UDP socket meshcap redirected, on that socket: written at
+/// connect/sendmsg, read by recvmsg (DNS replies, for as long as the socket lives). Socket
+/// storage: freed with the socket.
 #[btf_map(name = "MESHCAP_DIALED")]
 pub static DIALED: SkStorage<OrigDst> = SkStorage::new();
 
-/// The original destination on the proxy's accepted socket, from sockops: what
-/// `getsockopt(SO_ORIGINAL_DST)` answers.
-#[btf_map(name = "MESHCAP_ACCEPTED")]
-pub static ACCEPTED: SkStorage<OrigDst> = SkStorage::new();
+/// The original destination of a TCP socket meshcap redirected, by socket cookie: written at
+/// connect, taken by sockops when the connection is established (see [`crate::flows`]). An
+/// entry lives for a handshake; preallocated, so a connect allocates nothing (socket storage
+/// cost a kmalloc per connection, and an RCU-deferred free); LRU, so that connects that never
+/// complete give way.
+#[map(name = "MESHCAP_CONNECTING")]
+pub static CONNECTING: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(16_384, 0);
 
-/// The hand-off between the two ends of a captured connection (see [`crate::flows`]): written
-/// when the client end is established (or inbound, when TC assigns the SYN), taken when the
-/// accepted end is. An entry lives for a handshake, so the table holds the handshakes in
-/// flight on the node; LRU, so that entries of connections that never complete (a SYN flood
-/// on an inbound port) give way to new ones.
+/// The original destination of a captured connection under its netns-qualified 4-tuple (see
+/// [`crate::flows`]): written when the client end is established (or inbound, when TC assigns
+/// the SYN), marked when the accepted end is, read by `getsockopt(SO_ORIGINAL_DST)` on the
+/// accepted end for as long as the proxy asks. Preallocated (no allocation per connection);
+/// an entry stays until the 4-tuple is reused (overwritten, or removed as stale) or the LRU
+/// evicts it, so the table holds the node's most recent captured connections.
 #[map(name = "MESHCAP_FLOWS")]
 pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(16_384, 0);
 

@@ -9,7 +9,7 @@ use std::{
 use super::{EbpfError, PinnedPod, list_dir, pinned_pods, remove_tree};
 
 /// The layout directories `configured` stands for: itself and, when it is a versioned
-/// directory (`…/v<N>`, as the default `/sys/fs/bpf/meshcap/v2` is), every other version
+/// directory (`…/v<N>`, as the default `/sys/fs/bpf/meshcap/v3` is), every other version
 /// beside it. An unversioned directory (tests use unique ones) stands only for itself.
 #[must_use]
 pub fn versions(configured: &Path) -> Vec<PathBuf> {

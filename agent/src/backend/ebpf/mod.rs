@@ -2,7 +2,7 @@
 //! maps keyed by the pod's network namespace cookie.
 //!
 //! Everything lives under one versioned bpffs directory ([`EbpfConfig::bpffs_dir`], default
-//! `/sys/fs/bpf/meshcap/v2`), which is the source of truth across agent restarts:
+//! `/sys/fs/bpf/meshcap/v3`), which is the source of truth across agent restarts:
 //!
 //! ```text
 //! maps/<MAP>                                   every map, adopted as is when present
@@ -156,14 +156,14 @@ pub struct EbpfConfig {
     /// The cgroup the node-wide programs attach to: the cgroup v2 root in production, a
     /// throwaway child in tests.
     pub cgroup_root: PathBuf,
-    /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v2`).
+    /// The versioned bpffs directory (`/sys/fs/bpf/meshcap/v3`).
     pub bpffs_dir: PathBuf,
     /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
 }
 
 /// The default pin directory; the version changes whenever a map layout does.
-pub const DEFAULT_BPFFS_DIR: &str = "/sys/fs/bpf/meshcap/v2";
+pub const DEFAULT_BPFFS_DIR: &str = "/sys/fs/bpf/meshcap/v3";
 
 impl EbpfConfig {
     /// The cgroup v2 root and [`DEFAULT_BPFFS_DIR`].
@@ -209,8 +209,8 @@ const MAPS: [&str; 10] = [
     maps::PORTS,
     maps::IFACES,
     maps::DIALED,
+    maps::CONNECTING,
     maps::FLOWS,
-    maps::ACCEPTED,
     maps::TC_PROG,
 ];
 

@@ -44,6 +44,10 @@ enum Command {
         /// eBPF pod's data-path runs. Statistics slow every BPF program down a little.
         #[arg(long)]
         profile: bool,
+        /// The data path's short connections only, this many per round and mode (no
+        /// ping-pong, no bulk): for profiling the per-connection cost (e.g. under `perf`).
+        #[arg(long)]
+        short_only: Option<usize>,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -79,12 +83,14 @@ fn main() -> anyhow::Result<()> {
             cpu,
             only,
             profile,
+            short_only,
         } => run::run(
             &run::Options {
                 quick,
                 cpu,
                 only,
                 profile,
+                short_only,
             },
             out.as_deref(),
         ),

@@ -112,6 +112,8 @@ pub struct Options {
     pub only: Vec<Section>,
     /// Per-program kernel statistics of the eBPF data path.
     pub profile: bool,
+    /// The data path's short connections only, this many per round.
+    pub short_only: Option<usize>,
 }
 
 impl Options {
@@ -124,7 +126,15 @@ impl Options {
 pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     require_root();
     let started = Instant::now();
-    let plan = Plan::new(opts.quick);
+    let mut plan = Plan::new(opts.quick);
+    if let Some(short) = opts.short_only {
+        plan.load = Load {
+            short,
+            warmup: plan.load.warmup,
+            pingpong: 0,
+            bulk: 0,
+        };
+    }
     let cpu = opts.cpu;
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(opts, cpu);
@@ -200,6 +210,9 @@ fn machine(opts: &Options, cpu: usize) -> String {
     }
     if opts.profile {
         command.push_str(" --profile");
+    }
+    if let Some(short) = opts.short_only {
+        let _ = write!(command, " --short-only {short}");
     }
     format!(
         "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \
