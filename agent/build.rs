@@ -16,8 +16,15 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let root = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("no manifest dir")?)
-        .join("../ebpf/meshcap-ebpf");
+    let ebpf = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("no manifest dir")?)
+        .join("../ebpf");
+    // aya-build watches the programs' crate; the decisions they share with the agent live in
+    // meshcap-common, beside it, and must rebuild the object too.
+    println!(
+        "cargo:rerun-if-changed={}",
+        ebpf.join("meshcap-common").display()
+    );
+    let root = ebpf.join("meshcap-ebpf");
     let root = root.to_str().context("non-UTF-8 path")?;
     aya_build::build_ebpf(
         [aya_build::Package {
