@@ -56,11 +56,12 @@ pub static CONNECTING: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(1
 /// The original destination of a captured connection under its netns-qualified 4-tuple (see
 /// [`crate::flows`]): written when the client end is established (or inbound, when TC assigns
 /// the SYN), marked when the accepted end is, read by `getsockopt(SO_ORIGINAL_DST)` on the
-/// accepted end for as long as the proxy asks. Preallocated (no allocation per connection);
-/// an entry stays until the 4-tuple is reused (overwritten, or removed as stale) or the LRU
-/// evicts it, so the table holds the node's most recent captured connections.
+/// accepted end for as long as the proxy asks, removed when the accepted end closes. So it
+/// holds the node's open captured connections: sized for 64 Ki of them (a full LRU evicts on
+/// every insert, which showed in the short-connection p99). Preallocated (no allocation per
+/// connection).
 #[map(name = "MESHCAP_FLOWS")]
-pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(16_384, 0);
+pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(65_536, 0);
 
 /// `sk`'s value in the socket storage `map`, created when `create`.
 ///
