@@ -8,7 +8,10 @@
 use std::{path::Path, process::Command, thread, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
-use meshcap_agent::backend::{PodRef, ebpf::TcAttach};
+use meshcap_agent::{
+    backend::{PodRef, ebpf::TcAttach},
+    policy::RedirectPolicy,
+};
 use meshcap_common::{FlowKey, OrigDst, maps};
 use meshcap_tests::{
     dial, require_root,
@@ -62,6 +65,17 @@ fn tc(pod: &Pod, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A node with one pod whose proxy and app servers listen, its default policy and reference.
+fn serving_pod() -> (Node, Pod, RedirectPolicy, PodRef) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    let policy = default_policy("web", pod.ips(false));
+    let r = pod_ref(&pod);
+    (node, pod, policy, r)
+}
+
 /// The filters on an interface's ingress, one line each (`tc` prints each priority's
 /// classifier on a line of its own, without a handle: left out).
 fn ingress_filters(pod: &Pod, dev: &str) -> Vec<String> {
@@ -74,12 +88,7 @@ fn ingress_filters(pod: &Pod, dev: &str) -> Vec<String> {
 
 #[test]
 fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
-    require_root();
-    let mut node = Node::new().expect("node");
-    let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY, false).expect("servers");
-    let policy = default_policy("web", pod.ips(false));
-    let r = pod_ref(&pod);
+    let (node, pod, policy, r) = serving_pod();
     // eth1 already has a clsact qdisc with another tool's filter (a classic BPF program that
     // never matches, so classification goes on to meshcap's): both must stay.
     tc(&pod, &["qdisc", "add", "dev", "eth1", "clsact"]);
@@ -201,12 +210,7 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
 /// interface, no pins, no capture. Once the way is clear, the next ADD captures.
 #[test]
 fn a_failed_add_leaves_nothing_behind() {
-    require_root();
-    let mut node = Node::new().expect("node");
-    let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY, false).expect("servers");
-    let policy = default_policy("web", pod.ips(false));
-    let r = pod_ref(&pod);
+    let (node, pod, policy, r) = serving_pod();
     tc(&pod, &["qdisc", "add", "dev", "eth1", "clsact"]);
     let blocker = [
         "dev",
@@ -263,12 +267,7 @@ fn a_failed_add_leaves_nothing_behind() {
 /// filter), CHECKs and DELs them.
 #[test]
 fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
-    require_root();
-    let mut node = Node::new().expect("node");
-    let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY, false).expect("servers");
-    let policy = default_policy("web", pod.ips(false));
-    let r = pod_ref(&pod);
+    let (node, pod, policy, r) = serving_pod();
     let tcx = tcx_where_supported();
 
     let first = EbpfUnderTest::with_tc_attach(&node.cgroup, tcx).expect("backend");
