@@ -8,6 +8,7 @@
 //! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
+//! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`netns`]: entering a pod's network namespace and learning its cookie;
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
@@ -25,6 +26,7 @@ pub mod bpf;
 pub mod capture;
 pub mod cgroup;
 pub mod install;
+pub mod instance;
 pub mod logging;
 pub mod netns;
 pub mod paths;

@@ -158,7 +158,8 @@ struct RunArgs {
     /// With `--pods kube`: the taint removed from this node once meshcap is ready (empty: none).
     #[arg(long, env = settings::STARTUP_TAINT.env, default_value = settings::STARTUP_TAINT.default)]
     startup_taint: String,
-    /// The agent's own state (records of applied iptables rules, xtables locks).
+    /// The agent's own state (records of applied iptables rules, xtables locks); locked while
+    /// the agent runs, so a second agent on it waits for the first to exit.
     #[arg(long, default_value = "/var/run/meshcap")]
     state_dir: PathBuf,
     /// Health, readiness and metrics endpoint (`/healthz`, `/readyz`, `/metrics`).
@@ -357,6 +358,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         bpffs_dir: args.bpffs_dir.clone(),
         tc_attach: args.tc_attach.unwrap_or_default(),
     };
+    // Held until the process ends: nothing below may run beside another agent's writes.
+    let state_dir = args.state_dir.clone();
+    let _instance = tokio::task::spawn_blocking(move || {
+        meshcap_agent::instance::lock(&state_dir, || {
+            warn!(state_dir = %state_dir.display(), "another meshcap-agent holds this state directory: waiting for it to exit");
+        })
+        .with_context(|| format!("locking the state directory {}", state_dir.display()))
+    })
+    .await??;
     let choice = args.backend;
     let (backend, reason, probe) =
         tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;

@@ -208,7 +208,39 @@ impl Agent {
         Ok(agent)
     }
 
-    fn wait_ready(&mut self) -> anyhow::Result<()> {
+    /// Starts another agent with this one's arguments and state directory (its own socket
+    /// and health endpoint; the same log file), without waiting for it to serve: see
+    /// [`Self::wait_ready`].
+    ///
+    /// # Errors
+    /// When it cannot be spawned.
+    pub fn spawn_beside(&self) -> anyhow::Result<Self> {
+        let socket = self.dir.join("beside.sock");
+        let http = format!("127.0.0.1:{}", free_port());
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        Ok(Self {
+            child: spawn(&self.dir, &self.args, &socket, &http, &env)?,
+            dir: self.dir.clone(),
+            backend: self.backend,
+            args: self.args.clone(),
+            env: self.env.clone(),
+            cgroup: self.cgroup.clone(),
+            cgroup_root: self.cgroup_root.clone(),
+            bpffs_dir: self.bpffs_dir.clone(),
+            socket,
+            http,
+        })
+    }
+
+    /// Waits until the agent's socket exists and it answers /healthz.
+    ///
+    /// # Errors
+    /// When it exits first, or does not come up in 20 s.
+    pub fn wait_ready(&mut self) -> anyhow::Result<()> {
         for _ in 0..400 {
             if let Some(status) = self.child.try_wait()? {
                 bail!(

@@ -795,6 +795,40 @@ fn restarted_iptables_agent_drops_records_of_gone_pods() {
     assert_eq!(records(&agent), 0);
 }
 
+/// A second agent on the same state directory (an operator's `run` beside the DaemonSet's)
+/// waits for the first to exit before it opens anything: the backends' state has one writer
+/// (the eBPF backend indexes its maps in memory). Once the first is gone (SIGKILL: the kernel
+/// drops its lock), the second serves.
+#[test]
+fn a_second_agent_waits_for_the_first_to_exit() {
+    require_root();
+    let dir = ManifestDir::new();
+    let mut first = dir_agent(Backend::Ebpf, &dir);
+    let mut second = first.spawn_beside().expect("second agent");
+    eventually("the second agent reports that it waits", || {
+        second.log().contains("holds this state directory")
+    })
+    .expect("waiting");
+    assert!(
+        second.is_running(),
+        "the second agent waits, it does not exit"
+    );
+    assert!(
+        !second.socket.exists(),
+        "the second agent must not serve while the first runs"
+    );
+    first.kill().expect("SIGKILL the first agent");
+    second
+        .wait_ready()
+        .expect("the second agent serves once the first is gone");
+    let conf = config("1.0.0", &second.socket, "10.0.0.2");
+    let netns = Netns::new("mc-e2e-beside").expect("netns");
+    write_manifest(&dir.0, &sidecar_pod("shop", "beside", &[]));
+    let sandbox = Sandbox::new("shop", "beside", &netns);
+    assert!(cni("ADD", &sandbox, &conf).expect("ADD").success);
+    assert!(cni("DEL", &sandbox, &conf).expect("DEL").success);
+}
+
 /// aya-log: a record written by a kernel program reaches the agent's own log. The pod is
 /// captured but its proxy is not listening, so TC drops an inbound SYN (fail closed) and says
 /// so.
