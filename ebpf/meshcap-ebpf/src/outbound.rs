@@ -1,5 +1,6 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered in the socket's storage.
+//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's under its
+//! cookie in `MESHCAP_CONNECTING` (sockops carries it on), a UDP socket's in its storage.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
