@@ -19,7 +19,7 @@ use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
     backend::{BackendError, CaptureBackend, PodRef},
-    netns,
+    podnet,
     pods::{PodSource, PodSourceError, Retry},
     policy::{
         self, CidrSet, Family, IpRanges, PortSelection, RedirectPolicy, SelectConfig, Selection,
@@ -277,24 +277,26 @@ impl Capture {
             .await?;
         let ips = if pod.ips.is_empty() {
             let netns = PathBuf::from(&pod.netns);
-            tokio::task::spawn_blocking(move || netns::run_in(&netns, netns::pod_addresses))
-                .await
-                .map_err(|e| Failure::new(ErrorKind::Internal, e.to_string()))?
-                .map_err(|e| {
-                    Failure::new(
-                        ErrorKind::BadRequest,
-                        format!("pod {}/{}: {e}", pod.namespace, pod.name),
-                    )
-                })?
-                .map_err(|e| {
-                    Failure::new(
-                        ErrorKind::Internal,
-                        format!(
-                            "pod {}/{}: listing addresses in {}: {e}",
-                            pod.namespace, pod.name, pod.netns
-                        ),
-                    )
-                })?
+            tokio::task::spawn_blocking(move || {
+                podnet::run_in(&netns, |_| podnet::global_addresses())
+            })
+            .await
+            .map_err(|e| Failure::new(ErrorKind::Internal, e.to_string()))?
+            .map_err(|e| {
+                Failure::new(
+                    ErrorKind::BadRequest,
+                    format!("pod {}/{}: {e}", pod.namespace, pod.name),
+                )
+            })?
+            .map_err(|e| {
+                Failure::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "pod {}/{}: listing addresses in {}: {e}",
+                        pod.namespace, pod.name, pod.netns
+                    ),
+                )
+            })?
         } else {
             pod.ips.clone()
         };

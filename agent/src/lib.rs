@@ -10,8 +10,9 @@
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
-//! - [`netns`]: entering a pod's network namespace and learning its cookie;
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
+//! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
+//!   interfaces and addresses, routes, TC filters), over one netlink socket per visit;
 //! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
 //!   iptables rendering and an evaluator of the rendered rules;
@@ -28,8 +29,8 @@ pub mod cgroup;
 pub mod install;
 pub mod instance;
 pub mod logging;
-pub mod netns;
 pub mod paths;
+pub mod podnet;
 pub mod pods;
 pub mod policy;
 pub mod probe;

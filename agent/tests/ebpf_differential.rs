@@ -4,7 +4,8 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_agent::{
-    backend::ebpf::{Entries, PodNet, encode},
+    backend::ebpf::{Entries, encode},
+    podnet::PodNet,
     policy::{
         CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodRef, PortSelection,
         RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,

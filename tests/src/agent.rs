@@ -306,7 +306,7 @@ impl Agent {
         };
         let backend = EbpfBackend::open(config)?;
         let mut out: Vec<String> = backend
-            .list()?
+            .pinned_pods()
             .into_iter()
             .map(|p| {
                 format!(

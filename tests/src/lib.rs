@@ -124,7 +124,7 @@ impl Netns {
         &self,
         f: impl FnOnce() -> anyhow::Result<T> + Send,
     ) -> anyhow::Result<T> {
-        meshcap_agent::netns::run_in(&self.path(), f)?
+        meshcap_agent::podnet::run_in(&self.path(), |_| f())?
     }
 
     /// The namespace's cookie, as `bpf_get_netns_cookie` reports it in programs.
@@ -132,7 +132,7 @@ impl Netns {
     /// # Errors
     /// When the socket option is not supported (kernel < 5.14).
     pub fn cookie(&self) -> anyhow::Result<u64> {
-        Ok(meshcap_agent::netns::cookie_of(&self.path())?)
+        Ok(meshcap_agent::podnet::cookie_of(&self.path())?)
     }
 }
 

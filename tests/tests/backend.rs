@@ -9,7 +9,10 @@ use std::{path::Path, process::Command, thread, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
 use meshcap_agent::{
-    backend::{PodRef, ebpf::TcAttach},
+    backend::{
+        PodRef,
+        ebpf::{Pins, TcAttach},
+    },
     policy::RedirectPolicy,
 };
 use meshcap_common::{FlowKey, OrigDst, maps};
@@ -187,10 +190,10 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         !captured_inbound(&node, &pod),
         "a removed pod is not captured"
     );
-    assert!(second.get().list().expect("list").is_empty());
+    assert!(second.get().pinned_pods().is_empty());
+    let pods = Pins::new(&dir).pods();
     assert!(
-        !dir.join("pods").exists()
-            || std::fs::read_dir(dir.join("pods")).expect("pods").count() == 0,
+        !pods.exists() || std::fs::read_dir(&pods).expect("pods").count() == 0,
         "the pod's pins are gone"
     );
     // meshcap's qdisc went with its filter; the shared one stays with the other filter.
@@ -239,8 +242,8 @@ fn a_failed_add_leaves_nothing_behind() {
         !tc(&pod, &["qdisc", "show", "dev", "eth0"]).contains("clsact"),
         "the qdisc meshcap added on eth0 is gone again"
     );
-    assert!(backend.get().list().expect("list").is_empty());
-    let pods = backend.get().config().bpffs_dir.join("pods");
+    assert!(backend.get().pinned_pods().is_empty());
+    let pods = backend.get().config().pins().pods();
     assert_eq!(
         std::fs::read_dir(&pods).expect("pods").count(),
         0,
@@ -295,15 +298,16 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
         .get()
         .check(&r, &policy)
         .expect("check after the second add");
-    let listed = second.get().list().expect("list");
+    let listed = second.get().pinned_pods();
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].name, r.name);
     assert_eq!(listed[0].interfaces.len(), 2, "{listed:?}");
     if tcx == TcAttach::Tcx {
-        let pod_dir = dir.join("pods").join(listed[0].netns_cookie.to_string());
         for dev in ["eth0", "eth1"] {
             assert!(
-                pod_dir.join(format!("tc-{dev}")).is_file(),
+                Pins::new(&dir)
+                    .tc_record(listed[0].netns_cookie, dev)
+                    .is_file(),
                 "{dev}: the TCX link's pin is kept, not replaced"
             );
             assert!(
@@ -322,7 +326,7 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
         !captured_inbound(&node, &pod),
         "a removed pod's inbound is not captured"
     );
-    assert!(second.get().list().expect("list").is_empty());
+    assert!(second.get().pinned_pods().is_empty());
     assert!(second.get().check(&r, &policy).is_err());
 }
 
@@ -378,7 +382,7 @@ fn identical_loopback_tuples_in_two_pods_do_not_cross() {
 
 /// Entries in the pinned LRU hash `name` under the layout `dir`.
 fn entries<K: aya::Pod>(dir: &Path, name: &str) -> usize {
-    let data = MapData::from_pin(dir.join("maps").join(name)).expect("pinned map");
+    let data = MapData::from_pin(Pins::new(dir).map(name)).expect("pinned map");
     let map: HashMap<_, K, OrigDst> =
         HashMap::try_from(Map::LruHashMap(data)).expect("an LRU hash map");
     map.keys().flatten().count()

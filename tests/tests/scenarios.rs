@@ -606,7 +606,7 @@ fn every_program_is_needed() {
         let c = row(name);
         run_case(&mut node, &backend, &c)
             .unwrap_or_else(|e| panic!("{name} fails with every program attached: {e:#}"));
-        let pin = backend.get().config().bpffs_dir.join("links").join(program);
+        let pin = backend.get().config().pins().link(program);
         unpin_link(&pin).expect("detaching the link");
         assert!(
             run_case(&mut node, &backend, &c).is_err(),
@@ -618,20 +618,9 @@ fn every_program_is_needed() {
     impl Backend for NoTc<'_> {
         fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
             self.0.add(pod, policy)?;
-            let cookie = meshcap_agent::netns::cookie_of(&pod.netns)?;
-            let dir = self
-                .0
-                .get()
-                .config()
-                .bpffs_dir
-                .join("pods")
-                .join(cookie.to_string());
-            for entry in std::fs::read_dir(dir)?.flatten() {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let Some(ifname) = name.strip_prefix("tc-") else {
-                    continue;
-                };
-                if entry.path().is_dir() {
+            let cookie = meshcap_agent::podnet::cookie_of(&pod.netns)?;
+            for (ifname, record) in self.0.get().config().pins().tc_records(cookie) {
+                if record.is_dir() {
                     // A netlink TC filter (the default): its clsact qdisc goes with it.
                     let netns = pod.netns.file_name().ok_or_else(|| {
                         anyhow::anyhow!("netns {} has no name", pod.netns.display())
@@ -639,10 +628,10 @@ fn every_program_is_needed() {
                     let netns = netns.to_string_lossy();
                     meshcap_tests::run(
                         "tc",
-                        &["-n", &netns, "qdisc", "del", "dev", ifname, "clsact"],
+                        &["-n", &netns, "qdisc", "del", "dev", &ifname, "clsact"],
                     )?;
                 } else {
-                    unpin_link(&entry.path())?;
+                    unpin_link(&record)?;
                 }
             }
             Ok(())

@@ -8,7 +8,7 @@ use std::{fmt, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{netns::NetnsError, policy::RedirectPolicy};
+use crate::{podnet::PodNetError, policy::RedirectPolicy};
 
 pub mod ebpf;
 pub mod iptables;
@@ -47,14 +47,15 @@ pub struct CapturedPod {
 /// Errors of a backend, naming the pod and what failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The pod's network namespace cannot be entered.
+    /// The pod's network namespace cannot be entered, or the kernel refused a request inside
+    /// it (netlink: routes, addresses).
     #[error("{pod}: {source}")]
-    Netns {
+    PodNet {
         /// The pod.
         pod: String,
         /// Why.
         #[source]
-        source: NetnsError,
+        source: PodNetError,
     },
     /// A command run in the pod's network namespace failed.
     #[error("{pod}: {command} failed: {stderr}")]
@@ -65,16 +66,6 @@ pub enum BackendError {
         command: String,
         /// Its error output (or why it could not run).
         stderr: String,
-    },
-    /// A netlink request failed.
-    #[error("{pod}: netlink: {what}: {reason}")]
-    Netlink {
-        /// The pod.
-        pod: String,
-        /// The request.
-        what: String,
-        /// The kernel's answer.
-        reason: String,
     },
     /// CHECK: the kernel state differs from the policy.
     #[error("{pod}: capture is not in place: {missing}")]

@@ -6,10 +6,13 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{
-    DNS_CAPTURE_PORT, DNS_PORT, Family, INBOUND_CAPTURE_PORT, INBOUND_TUNNEL_PORT,
-    InterceptionMode, IpPrefix, IpRanges, OUTBOUND_CAPTURE_PORT, OUTBOUND_MARK, PortSelection,
-    RedirectPolicy, TPROXY_MARK, TPROXY_ROUTE_TABLE,
+use super::{
+    model::{
+        DNS_CAPTURE_PORT, DNS_PORT, Family, INBOUND_CAPTURE_PORT, INBOUND_TUNNEL_PORT,
+        InterceptionMode, IpRanges, OUTBOUND_CAPTURE_PORT, OUTBOUND_MARK, PortSelection,
+        RedirectPolicy, TPROXY_MARK,
+    },
+    routes::{PolicyRoutes, TproxyRoute},
 };
 
 /// A policy rendered for the iptables backend.
@@ -34,28 +37,6 @@ impl IptablesRules {
     }
 }
 
-/// Netlink state the rules rely on.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PolicyRoutes {
-    /// TPROXY mode with inbound capture: `ip rule add fwmark 1337 lookup 133` and
-    /// `ip route add local default dev lo table 133`, per family.
-    pub tproxy: Option<TproxyRoute>,
-    /// Addresses to add to `lo`: `::6/128` (the IPv6 inbound passthrough source) when the pod
-    /// has IPv6; IPv4 needs none (127.0.0.0/8 is all on `lo`).
-    pub loopback_addresses: Vec<IpPrefix>,
-}
-
-/// The TPROXY policy route.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TproxyRoute {
-    /// The `ip rule` fwmark (1337).
-    pub mark: u32,
-    /// The routing table holding `local default dev lo` (133).
-    pub table: u32,
-    /// The families to install both in (IPv4, and IPv6 when the pod has it).
-    pub families: Vec<Family>,
-}
-
 impl RedirectPolicy {
     /// Istio's rules for this policy.
     #[must_use]
@@ -66,30 +47,18 @@ impl RedirectPolicy {
             ipv6: self.ipv6,
         };
         self.build(&mut builder);
-        let families = if self.ipv6 {
-            vec![Family::V4, Family::V6]
+        let mut routes = if self.ipv6 {
+            PolicyRoutes::passthrough6()
         } else {
-            vec![Family::V4]
+            PolicyRoutes::default()
         };
-        let tproxy = (self.mode == InterceptionMode::Tproxy
-            && !self.include_inbound_ports.is_none())
-        .then_some(TproxyRoute {
-            mark: TPROXY_MARK,
-            table: TPROXY_ROUTE_TABLE,
-            families,
-        });
-        let loopback_addresses = if self.ipv6 {
-            vec![PASSTHROUGH_V6.parse().expect("a prefix")]
-        } else {
-            Vec::new()
-        };
+        if self.mode == InterceptionMode::Tproxy && !self.include_inbound_ports.is_none() {
+            routes.tproxy = Some(TproxyRoute::new(self.ipv6));
+        }
         IptablesRules {
             v4: restore_text(&builder.v4),
             v6: self.ipv6.then(|| restore_text(&builder.v6)),
-            routes: PolicyRoutes {
-                tproxy,
-                loopback_addresses,
-            },
+            routes,
         }
     }
 

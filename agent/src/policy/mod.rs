@@ -8,7 +8,8 @@
 //!   semantics;
 //! - [`RedirectPolicy::render`] writes Istio's exact iptables rules ([`IptablesRules`]), and
 //!   [`RuleEvaluator`] parses and walks rendered rules: an oracle independent of the model, to
-//!   check the eBPF decision and [`RedirectPolicy::decide`] against.
+//!   check the eBPF decision and [`RedirectPolicy::decide`] against;
+//! - [`PolicyRoutes`]: the policy routes and `lo` addresses a capture needs besides rules.
 //!
 //! Everything here is pure: no I/O, no kernel.
 
@@ -20,11 +21,13 @@ mod iptables;
 mod model;
 mod packet;
 mod pod;
+mod routes;
 
 pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use error::{ManifestError, PolicyError};
 pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
-pub use iptables::{IptablesRules, PolicyRoutes, TproxyRoute};
+pub use iptables::IptablesRules;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
 pub use pod::{SelectConfig, parse_pod_manifest, select, status_pod_ips};
+pub use routes::{PolicyRoutes, TproxyRoute};

@@ -4,8 +4,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_common::{CidrKind, PodConfig, PortKind, flags, iface_flags};
 
-use super::podnet::PodNet;
-use crate::policy::{CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy};
+use crate::{
+    podnet::PodNet,
+    policy::{CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
+};
 
 /// Everything the maps hold for one pod, before a pod id is assigned.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

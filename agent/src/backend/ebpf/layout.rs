@@ -6,7 +6,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use super::{EbpfError, PinnedPod, list_dir, pinned_pods, remove_tree};
+use super::{
+    EbpfError, PinnedPod,
+    pins::{Pins, list_dir, remove_tree},
+};
 
 /// The layout directories `configured` stands for: itself and, when it is a versioned
 /// directory (`…/v<N>`, as the default `/sys/fs/bpf/meshcap/v3` is), every other version
@@ -40,8 +43,9 @@ pub fn versions(configured: &Path) -> Vec<PathBuf> {
 /// still capture them, so removing the layout would let their traffic bypass the sidecar.
 #[must_use]
 pub fn live_pods(dir: &Path) -> Vec<PinnedPod> {
-    let live = crate::netns::live_cookies();
-    pinned_pods(dir)
+    let live = crate::podnet::live_cookies();
+    Pins::new(dir)
+        .pinned_pods()
         .into_iter()
         .filter(|pod| live.contains(&pod.netns_cookie))
         .collect()

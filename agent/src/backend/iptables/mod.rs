@@ -16,9 +16,8 @@
 //!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
 //!   A failure part-way rolls back what this call applied.
-//! - **TPROXY**: the policy route over netlink (see [`route`]).
+//! - **TPROXY**: the policy route over netlink ([`crate::podnet::route`]).
 mod restore;
-pub(crate) mod route;
 
 use std::{
     collections::HashMap,
@@ -35,7 +34,7 @@ use tracing::{debug, info, warn};
 
 use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
 use crate::{
-    netns,
+    podnet::{self, Visit},
     policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
 };
 
@@ -218,13 +217,18 @@ impl IptablesBackend {
     fn in_netns<T: Send>(
         &self,
         pod: &PodRef,
-        f: impl FnOnce(&Ctx) -> Result<T, BackendError> + Send,
+        f: impl FnOnce(&mut Ctx<'_>) -> Result<T, BackendError> + Send,
     ) -> Result<T, BackendError> {
-        let ctx = Ctx {
-            pod: pod.to_string(),
-            lock: self.lock_file(&pod.netns),
-        };
-        netns::run_in(&pod.netns, || f(&ctx)).map_err(|source| BackendError::Netns {
+        let pod_name = pod.to_string();
+        let lock = self.lock_file(&pod.netns);
+        podnet::run_in(&pod.netns, |visit| {
+            f(&mut Ctx {
+                pod: pod_name,
+                lock,
+                visit,
+            })
+        })
+        .map_err(|source| BackendError::PodNet {
             pod: pod.to_string(),
             source,
         })?
@@ -232,12 +236,13 @@ impl IptablesBackend {
 }
 
 /// What every command run in a pod's netns needs.
-struct Ctx {
+struct Ctx<'v> {
     pod: String,
     lock: PathBuf,
+    visit: &'v mut Visit,
 }
 
-impl Ctx {
+impl Ctx<'_> {
     fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         cmd.env("XTABLES_LOCKFILE", &self.lock);
@@ -320,7 +325,7 @@ impl Ctx {
 
     /// Applies `new` over `old` (both rule sets of one pod), rolling back on failure.
     fn swap(
-        &self,
+        &mut self,
         flavour: Flavour,
         old: Option<&IptablesRules>,
         new: &IptablesRules,
@@ -328,10 +333,10 @@ impl Ctx {
         let old_v4 = old.map(|r| r.v4.as_str());
         let old_v6 = old.and_then(|r| r.v6.as_deref());
         self.restore(flavour, false, &restore::replace(old_v4, &new.v4))?;
-        let undo_v4 = || {
+        let undo_v4 = |ctx: &Self| {
             let back = restore::replace(Some(&new.v4), old_v4.unwrap_or(""));
-            if let Err(err) = self.restore(flavour, false, &back) {
-                warn!(pod = %self.pod, error = %err, "rolling back IPv4 rules");
+            if let Err(err) = ctx.restore(flavour, false, &back) {
+                warn!(pod = %ctx.pod, error = %err, "rolling back IPv4 rules");
             }
         };
         if let Err(err) = self.restore(
@@ -339,20 +344,27 @@ impl Ctx {
             true,
             &restore::replace(old_v6, new.v6.as_deref().unwrap_or("")),
         ) {
-            undo_v4();
+            undo_v4(self);
             return Err(err);
         }
         let empty = PolicyRoutes::default();
-        if let Err(e) = route::update(old.map_or(&empty, |r| &r.routes), &new.routes) {
-            undo_v4();
+        let old_routes = old.map_or(&empty, |r| &r.routes);
+        let routed = if old_routes.is_empty() && new.routes.is_empty() {
+            Ok(())
+        } else {
+            self.visit
+                .netlink()
+                .and_then(|netlink| podnet::route::update(netlink, old_routes, &new.routes))
+        };
+        if let Err(e) = routed {
+            undo_v4(self);
             let back = restore::replace(new.v6.as_deref(), old_v6.unwrap_or(""));
             if let Err(err) = self.restore(flavour, true, &back) {
                 warn!(pod = %self.pod, error = %err, "rolling back IPv6 rules");
             }
-            return Err(BackendError::Netlink {
+            return Err(BackendError::PodNet {
                 pod: self.pod.clone(),
-                what: e.what,
-                reason: e.reason,
+                source: e,
             });
         }
         Ok(())
@@ -360,7 +372,7 @@ impl Ctx {
 
     /// The first rule of `rules` that is not in place, if any.
     fn first_missing(
-        &self,
+        &mut self,
         flavour: Flavour,
         rules: &IptablesRules,
     ) -> Result<Option<String>, BackendError> {
@@ -381,11 +393,14 @@ impl Ctx {
                 }
             }
         }
-        route::missing(&rules.routes).map_err(|e| BackendError::Netlink {
-            pod: self.pod.clone(),
-            what: e.what,
-            reason: e.reason,
-        })
+        if rules.routes.tproxy.is_none() {
+            return Ok(None);
+        }
+        let pod = self.pod.clone();
+        self.visit
+            .netlink()
+            .and_then(|netlink| podnet::route::missing(netlink, &rules.routes))
+            .map_err(|source| BackendError::PodNet { pod, source })
     }
 }
 

@@ -17,7 +17,10 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use aya::maps::MapData;
-use meshcap_agent::policy::{self, RedirectPolicy, SelectConfig, Selection};
+use meshcap_agent::{
+    backend::ebpf::Pins,
+    policy::{self, RedirectPolicy, SelectConfig, Selection},
+};
 use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend, require_root};
 
 use crate::{
@@ -309,7 +312,7 @@ impl Node {
         let Some(bpffs) = self.ebpf.as_ref().ok().and_then(Agent::bpffs) else {
             return Vec::new();
         };
-        let dir = bpffs.join("maps");
+        let dir = Pins::new(bpffs).maps();
         let mut names: Vec<String> = fs::read_dir(&dir)
             .map(|entries| {
                 entries

@@ -1,0 +1,277 @@
+//! Each pod's lifecycle in the eBPF backend: capture (ADD, and updates), check, release (DEL).
+//!
+//! ADD visits the pod's netns once: learns its cookie, interfaces, addresses (and routes for
+//! `excludeInterfaces`), installs the policy route where TPROXY or rerouted interfaces need
+//! it, and attaches the pod's stub on every interface; then writes the pod's lists and
+//! interface flags, and last its `MESHCAP_PODS` entry, which is what makes the programs act:
+//! a pod is captured in full or not at all.
+use std::os::fd::AsFd as _;
+
+use meshcap_common::{PodConfig, flags};
+
+use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, tc};
+use crate::{
+    backend::PodRef,
+    podnet::{self, PodNet, Visit},
+    policy::{PolicyRoutes, RedirectPolicy, TproxyRoute},
+};
+
+/// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
+const MAX_PODS: usize = 1_024;
+
+impl EbpfBackend {
+    /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
+        self.add_entries(
+            pod,
+            encode::encode(policy),
+            &policy.exclude_interfaces,
+            &policy.reroute_virtual_interfaces,
+        )
+    }
+
+    /// Verifies `pod` is captured with `policy`.
+    ///
+    /// # Errors
+    /// What is missing or different, naming the pod.
+    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
+        self.check_entries(pod, &encode::encode(policy))
+    }
+
+    /// Captures `pod` with these map entries, or updates its entries. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add_entries(
+        &self,
+        pod: &PodRef,
+        mut entries: Entries,
+        exclude_interfaces: &[String],
+        reroute_interfaces: &[String],
+    ) -> Result<(), EbpfError> {
+        let ipv6 = entries.config.has(flags::IPV6);
+        let tproxy = entries.config.has(flags::TPROXY);
+        let reroute = !reroute_interfaces.is_empty();
+        let record = pins::pod_record_name(pod);
+        let known = self.lock().cookie(&record).is_some();
+        let inside = podnet::run_in(&pod.netns, |visit| -> Result<PodNet, EbpfError> {
+            let net = podnet::inspect(visit, !exclude_interfaces.is_empty())?;
+            let pinned = self.pins.pod_record(net.cookie, pod);
+            std::fs::create_dir_all(&pinned)
+                .map_err(|e| EbpfError::io(&format!("creating {}", pinned.display()), e))?;
+            // `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
+            // interfaces, the policy route, as Istio installs them.
+            let mut routes = if ipv6 {
+                PolicyRoutes::passthrough6()
+            } else {
+                PolicyRoutes::default()
+            };
+            if tproxy || reroute {
+                routes.tproxy = Some(TproxyRoute::new(ipv6));
+            }
+            if !routes.is_empty() {
+                podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
+            }
+            if tproxy {
+                // Accepted sockets inherit the SYN's mark, so that the app's replies to the
+                // original client source reach the proxy's transparent socket. Rerouted
+                // interfaces need only the route: their packets are marked by the TC program,
+                // and the proxy's sockets must not inherit that mark.
+                std::fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
+                    .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))?;
+            }
+            self.attach_stubs(visit, &net, exclude_interfaces)?;
+            Ok(net)
+        });
+        let net = match inside {
+            Ok(Ok(net)) => net,
+            Ok(Err(err)) => {
+                // Nothing half-applied: a pod this agent did not capture yet loses what this
+                // ADD attached (an update keeps its capture as it was).
+                if !known && let Err(undo) = self.remove(pod) {
+                    tracing::warn!(error = %undo, "undoing a failed ADD");
+                }
+                return Err(err);
+            }
+            Err(err) => return Err(err.into()),
+        };
+        entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
+        let config = entries.config;
+        let cookie = net.cookie;
+        let mut tables = self.lock();
+        tables.set_cookie(record, cookie);
+        let old = tables.pods.get(&cookie, 0).ok();
+        let pod_id = tables.allocate_id();
+        let written = tables
+            .write_lists(pod_id, &entries)
+            .and_then(|()| tables.write_ifaces(cookie, &net, &entries))
+            .and_then(|()| {
+                tables
+                    .pods
+                    .insert(cookie, PodConfig { pod_id, ..config }, 0)
+                    .map_err(|e| EbpfError::map("writing the pod entry", e))
+            });
+        if let Err(err) = written {
+            // A full map (E2BIG): nothing of this ADD stays; an update keeps its old entry.
+            tables.remove_lists(pod_id);
+            drop(tables);
+            if old.is_none() {
+                self.remove(pod)?;
+            }
+            return Err(EbpfError::pod(
+                pod,
+                format!("capture not applied (a node holds at most {MAX_PODS} pods): {err}"),
+            ));
+        }
+        if let Some(old) = old {
+            tables.remove_lists(old.pod_id);
+        }
+        tracing::info!(netns_cookie = cookie, pod_id, "captured");
+        Ok(())
+    }
+
+    /// Attaches the pod's stub on every interface but the excluded ones, in the visited
+    /// netns. An interface whose record the kernel confirms is attached already (by this
+    /// agent or the one before it): never twice. A record the kernel contradicts (the filter
+    /// deleted behind meshcap's back, the TCX link's interface replaced) is dropped and the
+    /// stub attached afresh.
+    fn attach_stubs(
+        &self,
+        visit: &mut Visit,
+        net: &PodNet,
+        exclude_interfaces: &[String],
+    ) -> Result<(), EbpfError> {
+        let mut todo = Vec::new();
+        for (ifindex, name) in &net.interfaces {
+            if exclude_interfaces.contains(name) {
+                continue;
+            }
+            let record = self.pins.tc_record(net.cookie, name);
+            if record.exists() {
+                let Err(stale) = tc::verify(visit, name, &record) else {
+                    continue;
+                };
+                tracing::warn!(interface = %name, reason = %stale, "re-attaching the inbound TC stub");
+                tc::detach(visit, name, &record);
+            }
+            todo.push((*ifindex, name));
+        }
+        if todo.is_empty() {
+            return Ok(());
+        }
+        // One stub per pod, shared by its interfaces.
+        let stub = stub::load(net.cookie, &self.tc_prog)?;
+        for (ifindex, name) in todo {
+            let record = self.pins.tc_record(net.cookie, name);
+            tc::attach(
+                visit,
+                self.config.tc_attach,
+                stub.as_fd(),
+                ifindex,
+                name,
+                &record,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Stops capturing `pod` and removes everything of it. Idempotent; works when the netns
+    /// is already gone.
+    ///
+    /// # Errors
+    /// When the maps refuse.
+    pub fn remove(&self, pod: &PodRef) -> Result<(), EbpfError> {
+        let Some(cookie) = self.find_cookie(pod) else {
+            return Ok(());
+        };
+        // Whether the pod may have the TPROXY policy route (TPROXY mode or a rerouted
+        // interface): only then (or when nothing says) is it looked for.
+        let route = {
+            let mut tables = self.lock();
+            let config = tables.pods.get(&cookie, 0).ok();
+            if let Some(config) = config {
+                tables
+                    .pods
+                    .remove(&cookie)
+                    .map_err(|e| EbpfError::map("removing the pod entry", e))?;
+                tables.remove_lists(config.pod_id);
+            }
+            let rerouted = tables.remove_ifaces(cookie);
+            tables.forget_cookie(cookie);
+            config.is_none_or(|c| c.has(flags::TPROXY)) || rerouted
+        };
+        let records = self.pins.tc_records(cookie);
+        let detached = podnet::run_in(&pod.netns, |visit| {
+            for (ifname, record) in &records {
+                tc::detach(visit, ifname, record);
+            }
+            if route {
+                let removed = visit.netlink().and_then(|netlink| {
+                    podnet::route::update(
+                        netlink,
+                        &PolicyRoutes::tproxy(true),
+                        &PolicyRoutes::default(),
+                    )
+                });
+                if let Err(err) = removed {
+                    tracing::warn!(error = %err, "removing the TPROXY policy route");
+                }
+            }
+        });
+        if detached.is_err() {
+            // The netns is gone, and its devices with it: only the pins are left.
+            for (_, record) in &records {
+                let _ = pins::unpin_link(record);
+            }
+        }
+        pins::remove_tree(&self.pins.pod(cookie));
+        tracing::info!(netns_cookie = cookie, "released");
+        Ok(())
+    }
+
+    /// Verifies `pod` is captured with exactly these entries' configuration and its TC
+    /// programs are attached.
+    ///
+    /// # Errors
+    /// What is missing or different.
+    pub fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), EbpfError> {
+        let cookie = podnet::cookie_of(&pod.netns)?;
+        let config = self
+            .lock()
+            .pods
+            .get(&cookie, 0)
+            .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
+        let want = entries.config.flags & !flags::EXCLUDED_ROUTES;
+        if config.flags & !flags::EXCLUDED_ROUTES != want
+            || config.proxy_uid != entries.config.proxy_uid
+            || config.proxy_gid != entries.config.proxy_gid
+        {
+            return Err(EbpfError::pod(
+                pod,
+                format!("captured with a different configuration: {config:?}"),
+            ));
+        }
+        node::check_cgroup_links(&self.pins).map_err(|message| EbpfError::pod(pod, message))?;
+        let records = self.pins.tc_records(cookie);
+        if records.is_empty() {
+            return Err(EbpfError::pod(pod, "no inbound TC program attached"));
+        }
+        podnet::run_in(&pod.netns, |visit| {
+            records
+                .iter()
+                .try_for_each(|(ifname, record)| tc::verify(visit, ifname, record))
+        })?
+        .map_err(|message| EbpfError::pod(pod, message))
+    }
+
+    /// The pod's cookie: as the pins record it (indexed), else from its netns while it
+    /// exists.
+    fn find_cookie(&self, pod: &PodRef) -> Option<u64> {
+        self.lock()
+            .cookie(&pins::pod_record_name(pod))
+            .or_else(|| podnet::cookie_of(&pod.netns).ok())
+    }
+}

@@ -1,0 +1,331 @@
+//! The per-pod maps and the agent's index of them. The maps hold each pod's configuration
+//! (`MESHCAP_PODS`, by netns cookie), its lists (`MESHCAP_PORTS`, `MESHCAP_CIDRS4/6`, keyed by
+//! pod id) and its interfaces' flags (`MESHCAP_IFACES`). [`Tables`] is their only writer once
+//! the backend is open, and keeps in memory what they hold per pod: the list keys written
+//! under each pod id, the interface keys of each netns cookie, the pod ids in use and which
+//! cookie each pinned pod is. A DEL or an update then removes exactly its own entries (one
+//! syscall each) instead of walking whole maps, and a new pod id costs no map walk. The index
+//! is rebuilt once from the pinned maps and pins when the backend opens.
+use std::{
+    collections::{HashMap as StdHashMap, HashSet},
+    net::IpAddr,
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
+};
+use meshcap_common::{
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey, iface_flags,
+    maps,
+};
+
+use super::{EbpfError, Entries, pins::Pins};
+use crate::podnet::PodNet;
+
+/// The per-pod maps, and what they hold per pod.
+pub(super) struct Tables {
+    pub(super) pods: HashMap<MapData, u64, PodConfig>,
+    pub(super) cidrs4: LpmTrie<MapData, Cidr4Data, u32>,
+    pub(super) cidrs6: LpmTrie<MapData, Cidr6Data, u32>,
+    pub(super) ports: HashMap<MapData, PortKey, u8>,
+    pub(super) ifaces: HashMap<MapData, IfaceKey, u32>,
+    index: Index,
+}
+
+fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
+where
+    T::Error: std::error::Error + Send + Sync + 'static,
+{
+    let map = ebpf.take_map(name).ok_or(EbpfError::Missing(name))?;
+    T::try_from(map).map_err(|e| EbpfError::map(&format!("map {name}"), e))
+}
+
+impl Tables {
+    /// Takes the per-pod maps out of the loaded object and indexes what they and the pins
+    /// hold (an agent's restart, or the first open): one walk of each map, once.
+    pub(super) fn open(ebpf: &mut Ebpf, pins: &Pins) -> Result<Self, EbpfError> {
+        let mut tables = Self {
+            pods: take(ebpf, maps::PODS)?,
+            cidrs4: take(ebpf, maps::CIDRS4)?,
+            cidrs6: take(ebpf, maps::CIDRS6)?,
+            ports: take(ebpf, maps::PORTS)?,
+            ifaces: take(ebpf, maps::IFACES)?,
+            index: Index::default(),
+        };
+        for (_, config) in tables.pods.iter().flatten() {
+            tables.index.use_id(config.pod_id);
+        }
+        for key in tables.ports.keys().flatten() {
+            tables.index.lists_mut(key.pod_id).ports.push(key);
+        }
+        for key in tables.cidrs4.keys().flatten() {
+            let id = u32::from_be_bytes(key.data().pod);
+            tables.index.lists_mut(id).cidrs4.push(key);
+        }
+        for key in tables.cidrs6.keys().flatten() {
+            let id = u32::from_be_bytes(key.data().pod);
+            tables.index.lists_mut(id).cidrs6.push(key);
+        }
+        for (key, flags) in tables.ifaces.iter().flatten() {
+            tables.index.add_iface(key.netns, key, flags);
+        }
+        for pinned in pins.pinned_pods() {
+            tables.index.set_cookie(
+                super::pins::pod_record_name(&pinned.pod_ref()),
+                pinned.netns_cookie,
+            );
+        }
+        Ok(tables)
+    }
+
+    /// The netns cookie of the pod whose record name is `record`, as pinned.
+    pub(super) fn cookie(&self, record: &str) -> Option<u64> {
+        self.index.cookie(record)
+    }
+
+    /// Records that the pod pinned as `record` is netns `cookie`.
+    pub(super) fn set_cookie(&mut self, record: String, cookie: u64) {
+        self.index.set_cookie(record, cookie);
+    }
+
+    /// Forgets every pod pinned under netns `cookie`.
+    pub(super) fn forget_cookie(&mut self, cookie: u64) {
+        self.index.forget_cookie(cookie);
+    }
+
+    /// How many pods are pinned.
+    pub(super) fn pod_count(&self) -> usize {
+        self.index.pods()
+    }
+
+    /// A pod id no pod entry or list uses, now in use.
+    pub(super) fn allocate_id(&mut self) -> u32 {
+        self.index.allocate()
+    }
+
+    /// Writes `entries`' lists under `pod_id`, recording every key written (also when a
+    /// later one fails, so that [`Self::remove_lists`] takes them all back).
+    pub(super) fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), EbpfError> {
+        for (kind, port) in &entries.ports {
+            let key = PortKey::new(pod_id, *kind, *port);
+            self.ports
+                .insert(key, 1, 0)
+                .map_err(|e| EbpfError::map("writing a port list", e))?;
+            self.index.lists_mut(pod_id).ports.push(key);
+        }
+        for (kind, addr, len, value) in &entries.cidrs {
+            let prefix = CIDR_KEY_PREFIX_BITS + u32::from(*len);
+            match addr {
+                IpAddr::V4(a) => {
+                    let key = Key::new(
+                        prefix,
+                        Cidr4Data::new(pod_id, *kind, u32::from_ne_bytes(a.octets())),
+                    );
+                    self.cidrs4
+                        .insert(&key, *value, 0)
+                        .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
+                    self.index.lists_mut(pod_id).cidrs4.push(key);
+                }
+                IpAddr::V6(a) => {
+                    let key = Key::new(
+                        prefix,
+                        Cidr6Data::new(pod_id, *kind, Addr::v6(a.octets()).words()),
+                    );
+                    self.cidrs6
+                        .insert(&key, *value, 0)
+                        .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
+                    self.index.lists_mut(pod_id).cidrs6.push(key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the lists written under `pod_id` and frees the id.
+    pub(super) fn remove_lists(&mut self, pod_id: u32) {
+        let lists = self.index.release(pod_id);
+        for key in &lists.ports {
+            let _ = self.ports.remove(key);
+        }
+        for key in &lists.cidrs4 {
+            let _ = self.cidrs4.remove(key);
+        }
+        for key in &lists.cidrs6 {
+            let _ = self.cidrs6.remove(key);
+        }
+    }
+
+    /// Replaces the interface entries of the pod with netns `cookie` by those `entries` has
+    /// for `net`'s interfaces.
+    pub(super) fn write_ifaces(
+        &mut self,
+        cookie: u64,
+        net: &PodNet,
+        entries: &Entries,
+    ) -> Result<(), EbpfError> {
+        self.remove_ifaces(cookie);
+        for (ifindex, name) in &net.interfaces {
+            if let Some((_, flags)) = entries.ifaces.iter().find(|(n, _)| n == name) {
+                let key = IfaceKey {
+                    netns: cookie,
+                    ifindex: *ifindex,
+                    pad: 0,
+                };
+                self.ifaces
+                    .insert(key, *flags, 0)
+                    .map_err(|e| EbpfError::map("writing interface flags", e))?;
+                self.index.add_iface(cookie, key, *flags);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the interface entries of the pod with netns `cookie`; whether one of them
+    /// was rerouted.
+    pub(super) fn remove_ifaces(&mut self, cookie: u64) -> bool {
+        let mut rerouted = false;
+        for (key, flags) in self.index.take_ifaces(cookie) {
+            rerouted |= flags & iface_flags::REROUTE != 0;
+            let _ = self.ifaces.remove(&key);
+        }
+        rerouted
+    }
+}
+
+/// The list entries written under one pod id.
+#[derive(Default)]
+struct Lists {
+    /// `MESHCAP_PORTS` keys.
+    ports: Vec<PortKey>,
+    /// `MESHCAP_CIDRS4` keys.
+    cidrs4: Vec<Key<Cidr4Data>>,
+    /// `MESHCAP_CIDRS6` keys.
+    cidrs6: Vec<Key<Cidr6Data>>,
+}
+
+/// The in-memory index of the per-pod maps (see the module documentation).
+#[derive(Default)]
+struct Index {
+    /// By pod id.
+    lists: StdHashMap<u32, Lists>,
+    /// `MESHCAP_IFACES` keys and their flags, by netns cookie.
+    ifaces: StdHashMap<u64, Vec<(IfaceKey, u32)>>,
+    /// Pod ids a pod entry or a list uses.
+    ids: HashSet<u32>,
+    /// The last pod id handed out: ids go round rather than being reused at once, so a
+    /// program that read a pod's old configuration never meets another pod's lists under it.
+    cursor: u32,
+    /// Netns cookie by pin name of the pod (`pod@<namespace>@<name>@<container>`).
+    cookies: StdHashMap<String, u64>,
+}
+
+impl Index {
+    /// Records that pod id `id` is in use (a pod entry references it).
+    fn use_id(&mut self, id: u32) {
+        self.ids.insert(id);
+        self.cursor = self.cursor.max(id);
+    }
+
+    /// A pod id no pod entry or list uses, now in use.
+    fn allocate(&mut self) -> u32 {
+        loop {
+            self.cursor = self.cursor.wrapping_add(1).max(1);
+            if self.ids.insert(self.cursor) {
+                return self.cursor;
+            }
+        }
+    }
+
+    /// The lists of pod id `id`, to record keys as they are written.
+    fn lists_mut(&mut self, id: u32) -> &mut Lists {
+        self.use_id(id);
+        self.lists.entry(id).or_default()
+    }
+
+    /// Forgets pod id `id` (free again) and returns its list keys, to delete.
+    fn release(&mut self, id: u32) -> Lists {
+        self.ids.remove(&id);
+        self.lists.remove(&id).unwrap_or_default()
+    }
+
+    /// Records an interface entry of the pod with netns `cookie`.
+    fn add_iface(&mut self, cookie: u64, key: IfaceKey, flags: u32) {
+        self.ifaces.entry(cookie).or_default().push((key, flags));
+    }
+
+    /// Forgets the interface entries of `cookie` and returns them, to delete.
+    fn take_ifaces(&mut self, cookie: u64) -> Vec<(IfaceKey, u32)> {
+        self.ifaces.remove(&cookie).unwrap_or_default()
+    }
+
+    /// The netns cookie of the pod pinned as `meta`.
+    fn cookie(&self, meta: &str) -> Option<u64> {
+        self.cookies.get(meta).copied()
+    }
+
+    /// Records that the pod pinned as `meta` is netns `cookie`.
+    fn set_cookie(&mut self, meta: String, cookie: u64) {
+        self.cookies.insert(meta, cookie);
+    }
+
+    /// Forgets every pod pinned under netns `cookie` (a DEL finds the pod by its netns when
+    /// its pins name another container).
+    fn forget_cookie(&mut self, cookie: u64) {
+        self.cookies.retain(|_, c| *c != cookie);
+    }
+
+    /// How many pods are pinned.
+    fn pods(&self) -> usize {
+        self.cookies.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_go_round_and_skip_those_in_use() {
+        let mut index = Index::default();
+        index.use_id(2);
+        assert_eq!(index.allocate(), 3);
+        index.lists_mut(4).ports.push(PortKey::new(
+            4,
+            meshcap_common::PortKind::ExcludeOutbound,
+            1,
+        ));
+        assert_eq!(index.allocate(), 5);
+        assert_eq!(index.release(4).ports.len(), 1);
+        assert!(index.release(4).ports.is_empty(), "released once");
+        // 4 is free again, but ids go round first.
+        assert_eq!(index.allocate(), 6);
+        index.cursor = u32::MAX - 1;
+        assert_eq!(index.allocate(), u32::MAX);
+        assert_eq!(index.allocate(), 1, "0 is never an id");
+        assert_eq!(index.allocate(), 4, "2, 3, 5 and 6 are in use");
+    }
+
+    #[test]
+    fn ifaces_and_cookies_are_per_pod() {
+        let mut index = Index::default();
+        let key = |netns, ifindex| IfaceKey {
+            netns,
+            ifindex,
+            pad: 0,
+        };
+        index.add_iface(7, key(7, 2), 1);
+        index.add_iface(7, key(7, 3), 2);
+        index.add_iface(8, key(8, 2), 1);
+        assert_eq!(index.take_ifaces(7).len(), 2);
+        assert!(index.take_ifaces(7).is_empty());
+        assert_eq!(index.take_ifaces(8).len(), 1);
+        index.set_cookie("pod@a@b@c".into(), 7);
+        index.set_cookie("pod@a@b@d".into(), 9);
+        assert_eq!(index.cookie("pod@a@b@c"), Some(7));
+        assert_eq!(index.pods(), 2);
+        index.forget_cookie(7);
+        assert_eq!(index.cookie("pod@a@b@c"), None);
+        assert_eq!(index.pods(), 1);
+    }
+}

@@ -1,0 +1,132 @@
+//! Entering a network namespace (on a dedicated thread, with the caller's span) and learning
+//! its cookie, the key of every per-pod BPF map.
+use std::{
+    collections::HashSet,
+    fs::{self, File},
+    io,
+    os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
+    path::{Path, PathBuf},
+    thread,
+};
+
+use nix::sched::{CloneFlags, setns};
+
+use super::{PodNetError, Visit};
+
+/// `SO_NETNS_COOKIE` (Linux 5.14), not yet in every libc.
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// Runs `f` on a new thread that has entered the network namespace at `path`, in the caller's
+/// tracing span, and returns what it returns. The caller's thread never changes namespace.
+///
+/// # Errors
+/// When the namespace cannot be opened or entered, or `f` panics.
+pub fn run_in<T: Send>(
+    path: &Path,
+    f: impl FnOnce(&mut Visit) -> T + Send,
+) -> Result<T, PodNetError> {
+    let file = File::open(path).map_err(|source| PodNetError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    let span = tracing::Span::current();
+    thread::scope(|scope| {
+        scope
+            .spawn(move || {
+                let _entered = span.enter();
+                setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| PodNetError::Enter {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                Ok(f(&mut Visit::default()))
+            })
+            .join()
+            .map_err(|_| PodNetError::Panicked(path.to_owned()))?
+    })
+}
+
+/// The cookie of the calling thread's network namespace.
+///
+/// # Errors
+/// When the kernel does not support `SO_NETNS_COOKIE` (before Linux 5.14).
+pub fn current_cookie() -> Result<u64, PodNetError> {
+    let failed = |source| PodNetError::Io {
+        what: "reading the netns cookie".into(),
+        source,
+    };
+    // Any socket answers for the netns it was created in: no address, no bind.
+    let socket = nix::sys::socket::socket(
+        nix::sys::socket::AddressFamily::Unix,
+        nix::sys::socket::SockType::Datagram,
+        nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| failed(e.into()))?;
+    let mut cookie: u64 = 0;
+    let mut len = libc::socklen_t::try_from(size_of::<u64>()).unwrap_or(8);
+    // SAFETY: `cookie` and `len` are valid for writes and sized for the option.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &raw mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(failed(io::Error::last_os_error()));
+    }
+    Ok(cookie)
+}
+
+/// The cookie of the network namespace at `path`.
+///
+/// # Errors
+/// When the namespace cannot be entered or the kernel has no netns cookies.
+pub fn cookie_of(path: &Path) -> Result<u64, PodNetError> {
+    run_in(path, |_| current_cookie())?
+}
+
+/// The cookies of every network namespace alive on the host, as far as it can be seen: those
+/// of every process (`/proc/<pid>/ns/net`) and those bind-mounted where runtimes and `ip netns`
+/// keep them (`/run/netns`, `/var/run/netns`). Each namespace is entered once (deduplicated by
+/// inode).
+#[must_use]
+pub fn live_cookies() -> HashSet<u64> {
+    let mut candidates: Vec<PathBuf> = fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path().join("ns/net"))
+        .collect();
+    for dir in ["/run/netns", "/var/run/netns"] {
+        candidates.extend(
+            fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path()),
+        );
+    }
+    let mut seen = HashSet::new();
+    let mut cookies = HashSet::new();
+    for path in candidates {
+        let Ok(meta) = fs::metadata(&path) else {
+            continue;
+        };
+        if !seen.insert((meta.dev(), meta.ino())) {
+            continue;
+        }
+        if let Ok(cookie) = cookie_of(&path) {
+            cookies.insert(cookie);
+        }
+    }
+    cookies
+}

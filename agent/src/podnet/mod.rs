@@ -1,0 +1,98 @@
+//! Everything meshcap does inside a pod's network namespace, for both backends.
+//!
+//! [`run_in`] enters the namespace on a dedicated thread (never a tokio worker: `setns` only
+//! changes the calling thread), carrying the caller's tracing span, so every log line of the
+//! visit names the pod. The closure gets a [`Visit`], whose one netlink socket
+//! ([`netlink::Netlink`], synchronous, opened on first use) serves every request of the visit:
+//! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
+//! routes) and [`tc`] (the inbound TC filter).
+//!
+//! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
+//! netlink and sockets, not BPF maps, pins or iptables.
+mod enter;
+mod inspect;
+pub mod netlink;
+pub mod route;
+pub mod tc;
+
+use std::{io, path::PathBuf};
+
+pub use enter::{cookie_of, current_cookie, live_cookies, run_in};
+pub use inspect::{Interface, PodNet, global_addresses, inspect};
+
+/// Errors entering a pod's network namespace or working inside it.
+#[derive(Debug, thiserror::Error)]
+pub enum PodNetError {
+    /// The namespace file could not be opened (gone, or not a netns).
+    #[error("opening network namespace {path}: {source}")]
+    Open {
+        /// The namespace file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// setns refused.
+    #[error("entering network namespace {path}: {source}")]
+    Enter {
+        /// The namespace file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: nix::Error,
+    },
+    /// The closure run inside panicked.
+    #[error("the thread inside network namespace {0} panicked")]
+    Panicked(PathBuf),
+    /// A syscall inside the namespace failed (a socket, the cookie, the interface list, a
+    /// sysctl).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The kernel refused a netlink request (or the socket failed).
+    #[error("netlink: {what}: {source}")]
+    Netlink {
+        /// The request, as `ip` or `tc` would spell it.
+        what: String,
+        /// The kernel's answer (its errno in [`io::Error::raw_os_error`]).
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl PodNetError {
+    /// Whether the namespace itself is gone (or never was one): nothing inside it is left to
+    /// undo.
+    #[must_use]
+    pub fn is_gone(&self) -> bool {
+        matches!(self, Self::Open { .. })
+    }
+}
+
+/// One visit to a pod's network namespace (see the module documentation).
+#[derive(Default)]
+pub struct Visit {
+    netlink: Option<netlink::Netlink>,
+}
+
+impl Visit {
+    /// The visit's netlink socket, opened on first use.
+    ///
+    /// # Errors
+    /// When the kernel refuses the socket.
+    pub fn netlink(&mut self) -> Result<&mut netlink::Netlink, PodNetError> {
+        let socket = match self.netlink.take() {
+            Some(socket) => socket,
+            None => netlink::Netlink::open().map_err(|source| PodNetError::Netlink {
+                what: "opening a netlink socket".into(),
+                source,
+            })?,
+        };
+        Ok(self.netlink.insert(socket))
+    }
+}
