@@ -1,7 +1,8 @@
 //! meshcap-agent: the node daemon that captures sidecar pods' traffic.
 //!
 //! Layout, one concern per module:
-//! - [`api`]: the plugin socket (root only, one bounded request per connection);
+//! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection)
+//!   and the health, readiness and metrics endpoint;
 //! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`) behind
 //!   one trait;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
@@ -18,8 +19,18 @@
 //!   iptables rendering and an evaluator of the rendered rules;
 //! - [`probe`]: can this kernel run the eBPF backend;
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
-//! - [`status`]: status report, metrics, health endpoint;
+//! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready.
+//!
+//! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
+//! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
+//! the [`policy::RedirectPolicy`] to the backend on tokio's blocking pool. The eBPF backend
+//! ([`backend::ebpf`]) encodes the policy into map entries, visits the pod's network namespace
+//! once ([`podnet::run_in`]) to learn its cookie, interfaces and routes and attach its inbound
+//! TC stub, then writes the pod's lists and, last, its `MESHCAP_PODS` entry, which makes the
+//! node-wide programs act on it. The iptables backend renders Istio's rules
+//! ([`policy::RedirectPolicy::render`]) and restores them in the same kind of visit.
+//! Dependencies point one way: api → capture → backend → podnet and policy.
 
 pub mod api;
 pub mod backend;

@@ -10,7 +10,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use meshcap_agent::{
-    api::{Server, ServerConfig},
+    api::{Server, ServerConfig, http},
     backend::{
         BackendChoice, CaptureBackend,
         ebpf::{self, EbpfBackend, EbpfConfig},
@@ -24,7 +24,7 @@ use meshcap_agent::{
     policy::{self, SelectConfig},
     probe::{self, ProbeReport},
     settings,
-    status::{StatusReport, http},
+    status::StatusReport,
     taint,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};

@@ -1,12 +1,11 @@
 //! What the agent reports about itself: the status report (`meshcap-agent status`, over the
-//! plugin socket), Prometheus metrics, and the health/readiness/metrics HTTP endpoint.
+//! plugin socket) and Prometheus metrics (served by [`crate::api::http`]).
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
 use crate::{backend::CapturedPod, probe::ProbeReport};
 
-pub mod http;
 pub mod metrics;
 
 /// The agent's state, as `meshcap-agent status` shows it.

@@ -279,7 +279,7 @@ impl Ctx<'_> {
         }
         let program = flavour.binary(ipv6, "-restore");
         let line = format!("{program} --noflush -w 10");
-        debug!(pod = %self.pod, %program, payload, "restoring");
+        debug!(%program, payload, "restoring");
         let mut child = self
             .command(&program)
             .args(["--noflush", "-w", "10"])
@@ -336,7 +336,7 @@ impl Ctx<'_> {
         let undo_v4 = |ctx: &Self| {
             let back = restore::replace(Some(&new.v4), old_v4.unwrap_or(""));
             if let Err(err) = ctx.restore(flavour, false, &back) {
-                warn!(pod = %ctx.pod, error = %err, "rolling back IPv4 rules");
+                warn!(error = %err, "rolling back IPv4 rules");
             }
         };
         if let Err(err) = self.restore(
@@ -360,7 +360,7 @@ impl Ctx<'_> {
             undo_v4(self);
             let back = restore::replace(new.v6.as_deref(), old_v6.unwrap_or(""));
             if let Err(err) = self.restore(flavour, true, &back) {
-                warn!(pod = %self.pod, error = %err, "rolling back IPv6 rules");
+                warn!(error = %err, "rolling back IPv6 rules");
             }
             return Err(BackendError::PodNet {
                 pod: self.pod.clone(),

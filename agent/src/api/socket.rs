@@ -1,0 +1,214 @@
+//! The plugin socket: a UNIX socket (mode 0600) on which only root peers (SO_PEERCRED) are
+//! served, one length-bounded request per connection, with timeouts on the read and the
+//! write. A bad request gets a clear error response; the server keeps serving.
+use std::{
+    fs, io,
+    os::unix::fs::{FileTypeExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use meshcap_cni::protocol::{
+    self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ProtocolError, Response,
+};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{UnixListener, UnixStream},
+    sync::Semaphore,
+    task::JoinSet,
+};
+use tracing::{debug, info, warn};
+
+use crate::capture::Capture;
+
+/// Socket settings.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The socket path.
+    pub path: PathBuf,
+    /// Reading a request and writing a response, each.
+    pub io_timeout: Duration,
+    /// Handling one request (pod lookups with retries included).
+    pub request_timeout: Duration,
+    /// Connections served at once; more wait for a slot.
+    pub max_connections: usize,
+}
+
+/// Errors setting up the socket.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Another agent serves the socket.
+    #[error("{0} is served by another process (another meshcap-agent?)")]
+    InUse(PathBuf),
+    /// Creating, binding or securing the socket failed.
+    #[error("plugin socket {path}: {source}")]
+    Socket {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The bound socket.
+pub struct Server {
+    listener: UnixListener,
+    config: ServerConfig,
+}
+
+impl Server {
+    /// Binds the socket with mode 0600, replacing a stale one left by a dead agent.
+    ///
+    /// # Errors
+    /// When the socket is live or cannot be created.
+    pub async fn bind(config: ServerConfig) -> Result<Self, ApiError> {
+        let path = config.path.clone();
+        let err = |source| ApiError::Socket {
+            path: path.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).map_err(err)?;
+        }
+        if let Ok(meta) = fs::symlink_metadata(&path) {
+            if meta.file_type().is_socket() && UnixStream::connect(&path).await.is_ok() {
+                return Err(ApiError::InUse(path));
+            }
+            fs::remove_file(&path).map_err(err)?;
+        }
+        let listener = UnixListener::bind(&path).map_err(err)?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).map_err(err)?;
+        info!(socket = %path.display(), "plugin socket listening");
+        Ok(Self { listener, config })
+    }
+
+    /// Serves until `shutdown` completes, then waits for requests in flight.
+    pub async fn serve(self, capture: Arc<Capture>, shutdown: impl Future<Output = ()>) {
+        let slots = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
+        let mut inflight = JoinSet::new();
+        let config = Arc::new(self.config);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        let Ok(permit) = slots.clone().acquire_owned().await else { break };
+                        let (capture, config) = (capture.clone(), config.clone());
+                        inflight.spawn(async move {
+                            connection(stream, &capture, &config).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(err) => {
+                        warn!(error = %err, "accepting on the plugin socket");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
+            }
+        }
+        capture.set_serving(false);
+        info!(
+            inflight = inflight.len(),
+            "plugin socket closing; finishing requests in flight"
+        );
+        while inflight.join_next().await.is_some() {}
+        remove_socket(&config.path);
+    }
+}
+
+fn remove_socket(path: &Path) {
+    if let Err(err) = fs::remove_file(path)
+        && err.kind() != io::ErrorKind::NotFound
+    {
+        warn!(socket = %path.display(), error = %err, "removing the plugin socket");
+    }
+}
+
+/// Serves one connection: one request, one response.
+async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &ServerConfig) {
+    let response = match stream.peer_cred() {
+        Ok(cred) if cred.uid() == 0 => match read_request(&mut stream, config.io_timeout).await {
+            Ok(body) => match protocol::decode_request(&body) {
+                Ok(request) => {
+                    let op = request.op.name();
+                    match tokio::time::timeout(config.request_timeout, capture.handle(request.op))
+                        .await
+                    {
+                        Ok(response) => response,
+                        Err(_) => {
+                            capture.metrics().error(op, "timeout");
+                            Response::error(
+                                ErrorKind::Internal,
+                                format!("{op} did not finish within {:?}", config.request_timeout),
+                                "",
+                            )
+                        }
+                    }
+                }
+                Err(err) => reject(capture, &err),
+            },
+            Err(err) => reject(capture, &err),
+        },
+        Ok(cred) => {
+            capture.metrics().error("connect", "forbidden");
+            warn!(uid = cred.uid(), pid = ?cred.pid(), "refusing a non-root peer on the plugin socket");
+            Response::error(
+                ErrorKind::Forbidden,
+                format!(
+                    "uid {} may not use the meshcap-agent socket (root only)",
+                    cred.uid()
+                ),
+                "",
+            )
+        }
+        Err(err) => {
+            warn!(error = %err, "reading the peer's credentials");
+            return;
+        }
+    };
+    let frame = match protocol::encode(&response, MAX_RESPONSE_BYTES) {
+        Ok(frame) => frame,
+        Err(err) => {
+            warn!(error = %err, "encoding a response");
+            return;
+        }
+    };
+    match tokio::time::timeout(config.io_timeout, stream.write_all(&frame)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => debug!(error = %err, "writing a response: the plugin went away"),
+        Err(_) => warn!("writing a response timed out"),
+    }
+}
+
+fn reject(capture: &Capture, err: &ProtocolError) -> Response {
+    capture.metrics().error("decode", "bad_request");
+    warn!(error = %err, "bad request on the plugin socket");
+    Response::error(err.kind(), err.to_string(), "")
+}
+
+/// Reads one frame, bounded in size and time.
+async fn read_request(
+    stream: &mut UnixStream,
+    timeout: Duration,
+) -> Result<Vec<u8>, ProtocolError> {
+    let read = async {
+        let mut prefix = [0u8; 4];
+        stream.read_exact(&mut prefix).await?;
+        let len = protocol::check_len(prefix, MAX_REQUEST_BYTES)?;
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await?;
+        Ok(body)
+    };
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ProtocolError::Io(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no complete request within {timeout:?}"),
+            )))
+        })
+}
