@@ -64,349 +64,142 @@ impl RedirectPolicy {
 
     fn build(&self, b: &mut Builder) {
         let tproxy = self.mode == InterceptionMode::Tproxy;
-        let uid = self.proxy_uid.to_string();
-        let gid = self.proxy_gid.to_string();
-        let tproxy_mark = TPROXY_MARK.to_string();
-        let outbound_mark = OUTBOUND_MARK.to_string();
+        let (uid, gid) = (self.proxy_uid, self.proxy_gid);
 
         for name in &self.exclude_interfaces {
-            b.append(BOTH, NAT, PREROUTING, &["-i", name, "-j", RETURN]);
-            b.append(BOTH, NAT, OUTPUT, &["-o", name, "-j", RETURN]);
+            b.append(BOTH, NAT, PREROUTING, &format!("-i {name} -j RETURN"));
+            b.append(BOTH, NAT, OUTPUT, &format!("-o {name} -j RETURN"));
         }
         if tproxy {
             for name in &self.exclude_interfaces {
-                b.append(BOTH, MANGLE, PREROUTING, &["-i", name, "-j", RETURN]);
-                b.append(BOTH, MANGLE, OUTPUT, &["-o", name, "-j", RETURN]);
+                b.append(BOTH, MANGLE, PREROUTING, &format!("-i {name} -j RETURN"));
+                b.append(BOTH, MANGLE, OUTPUT, &format!("-o {name} -j RETURN"));
             }
         }
         for name in &self.reroute_virtual_interfaces {
-            b.insert(BOTH, NAT, PREROUTING, 1, &["-i", name, "-j", RETURN]);
+            b.insert(BOTH, NAT, PREROUTING, 1, &format!("-i {name} -j RETURN"));
         }
         if self.invalid_drop {
-            b.append(
-                BOTH,
-                MANGLE,
-                PREROUTING,
-                &["-m", "conntrack", "--ctstate", "INVALID", "-j", ISTIO_DROP],
-            );
-            b.append(BOTH, MANGLE, ISTIO_DROP, &["-j", "DROP"]);
+            let rule = format!("-m conntrack --ctstate INVALID -j {ISTIO_DROP}");
+            b.append(BOTH, MANGLE, PREROUTING, &rule);
+            b.append(BOTH, MANGLE, ISTIO_DROP, "-j DROP");
         }
+        let tunnel = INBOUND_TUNNEL_PORT;
         b.append(
             BOTH,
             NAT,
             ISTIO_INBOUND,
-            &[
-                "-p",
-                "tcp",
-                "--dport",
-                &INBOUND_TUNNEL_PORT.to_string(),
-                "-j",
-                RETURN,
-            ],
+            &format!("-p tcp --dport {tunnel} -j RETURN"),
         );
-        b.append(
-            BOTH,
-            NAT,
-            ISTIO_REDIRECT,
-            &[
-                "-p",
-                "tcp",
-                "-j",
-                "REDIRECT",
-                "--to-ports",
-                &OUTBOUND_CAPTURE_PORT.to_string(),
-            ],
-        );
-        b.append(
-            BOTH,
-            NAT,
-            ISTIO_IN_REDIRECT,
-            &[
-                "-p",
-                "tcp",
-                "-j",
-                "REDIRECT",
-                "--to-ports",
-                &INBOUND_CAPTURE_PORT.to_string(),
-            ],
-        );
+        let outbound = OUTBOUND_CAPTURE_PORT;
+        let rule = format!("-p tcp -j REDIRECT --to-ports {outbound}");
+        b.append(BOTH, NAT, ISTIO_REDIRECT, &rule);
+        let inbound = INBOUND_CAPTURE_PORT;
+        let rule = format!("-p tcp -j REDIRECT --to-ports {inbound}");
+        b.append(BOTH, NAT, ISTIO_IN_REDIRECT, &rule);
         self.build_inbound(b);
 
-        b.append(BOTH, NAT, OUTPUT, &["-j", ISTIO_OUTPUT]);
+        b.append(BOTH, NAT, OUTPUT, &format!("-j {ISTIO_OUTPUT}"));
         for port in &self.exclude_outbound_ports {
-            let port = port.to_string();
             b.append(
                 BOTH,
                 NAT,
                 ISTIO_OUTPUT,
-                &["-p", "tcp", "--dport", &port, "-j", RETURN],
+                &format!("-p tcp --dport {port} -j RETURN"),
             );
             b.append(
                 BOTH,
                 NAT,
                 ISTIO_OUTPUT,
-                &["-p", "udp", "--dport", &port, "-j", RETURN],
+                &format!("-p udp --dport {port} -j RETURN"),
             );
         }
         b.versioned(
             NAT,
             ISTIO_OUTPUT,
-            PASSTHROUGH_V4,
-            PASSTHROUGH_V6,
-            &["-o", "lo", "-s", IP, "-j", RETURN],
+            PASSTHROUGH,
+            &format!("-o lo -s {IP} -j RETURN"),
         );
-        let tunnel = INBOUND_TUNNEL_PORT.to_string();
-        let dns_and_tunnel = format!("{DNS_PORT},{INBOUND_TUNNEL_PORT}");
-        let dns = DNS_PORT.to_string();
         let app_loopback_passes = !self.include_outbound_ip_ranges.has_loopback();
-        for (owner, id) in [("--uid-owner", &uid), ("--gid-owner", &gid)] {
-            if self.dns_capture && owner == "--uid-owner" {
-                b.versioned(
-                    NAT,
-                    ISTIO_OUTPUT,
-                    HOST_LOOPBACK_V4,
-                    HOST_LOOPBACK_V6,
-                    &[
-                        "-o",
-                        "lo",
-                        "!",
-                        "-d",
-                        IP,
-                        "-p",
-                        "tcp",
-                        "-m",
-                        "multiport",
-                        "!",
-                        "--dports",
-                        &dns_and_tunnel,
-                        "-m",
-                        "owner",
-                        owner,
-                        id,
-                        "-j",
-                        ISTIO_IN_REDIRECT,
-                    ],
-                );
+        for (owner, id) in [("--uid-owner", uid), ("--gid-owner", gid)] {
+            let proxy_loopback = if self.dns_capture && owner == "--uid-owner" {
+                format!("-o lo ! -d {IP} -p tcp -m multiport ! --dports {DNS_PORT},{tunnel}")
             } else {
-                b.versioned(
-                    NAT,
-                    ISTIO_OUTPUT,
-                    HOST_LOOPBACK_V4,
-                    HOST_LOOPBACK_V6,
-                    &[
-                        "-o",
-                        "lo",
-                        "!",
-                        "-d",
-                        IP,
-                        "-p",
-                        "tcp",
-                        "!",
-                        "--dport",
-                        &tunnel,
-                        "-m",
-                        "owner",
-                        owner,
-                        id,
-                        "-j",
-                        ISTIO_IN_REDIRECT,
-                    ],
-                );
-            }
-            if app_loopback_passes {
-                if self.dns_capture {
-                    b.append(
-                        BOTH,
-                        NAT,
-                        ISTIO_OUTPUT,
-                        &[
-                            "-o", "lo", "-p", "tcp", "!", "--dport", &dns, "-m", "owner", "!",
-                            owner, id, "-j", RETURN,
-                        ],
-                    );
-                } else {
-                    b.append(
-                        BOTH,
-                        NAT,
-                        ISTIO_OUTPUT,
-                        &["-o", "lo", "-m", "owner", "!", owner, id, "-j", RETURN],
-                    );
-                }
-            }
-            b.append(
-                BOTH,
+                format!("-o lo ! -d {IP} -p tcp ! --dport {tunnel}")
+            };
+            b.versioned(
                 NAT,
                 ISTIO_OUTPUT,
-                &["-m", "owner", owner, id, "-j", RETURN],
+                HOST_LOOPBACK,
+                &format!("{proxy_loopback} -m owner {owner} {id} -j {ISTIO_IN_REDIRECT}"),
             );
+            if app_loopback_passes {
+                let rule = if self.dns_capture {
+                    format!("-o lo -p tcp ! --dport {DNS_PORT} -m owner ! {owner} {id} -j RETURN")
+                } else {
+                    format!("-o lo -m owner ! {owner} {id} -j RETURN")
+                };
+                b.append(BOTH, NAT, ISTIO_OUTPUT, &rule);
+            }
+            let rule = format!("-m owner {owner} {id} -j RETURN");
+            b.append(BOTH, NAT, ISTIO_OUTPUT, &rule);
         }
         if self.dns_capture {
-            self.build_dns(b, &uid, &gid);
+            self.build_dns(b);
         }
         b.versioned(
             NAT,
             ISTIO_OUTPUT,
-            HOST_LOOPBACK_V4,
-            HOST_LOOPBACK_V6,
-            &["-d", IP, "-j", RETURN],
+            HOST_LOOPBACK,
+            &format!("-d {IP} -j RETURN"),
         );
         for (family, cidrs) in [
             (V4, &self.exclude_outbound_ip_ranges.v4),
             (V6, &self.exclude_outbound_ip_ranges.v6),
         ] {
             for cidr in cidrs {
-                b.append(
-                    family,
-                    NAT,
-                    ISTIO_OUTPUT,
-                    &["-d", &cidr.to_string(), "-j", RETURN],
-                );
+                b.append(family, NAT, ISTIO_OUTPUT, &format!("-d {cidr} -j RETURN"));
             }
         }
         for port in &self.include_outbound_ports {
-            b.append(
-                BOTH,
-                NAT,
-                ISTIO_OUTPUT,
-                &[
-                    "-p",
-                    "tcp",
-                    "--dport",
-                    &port.to_string(),
-                    "-j",
-                    ISTIO_REDIRECT,
-                ],
-            );
+            let rule = format!("-p tcp --dport {port} -j {ISTIO_REDIRECT}");
+            b.append(BOTH, NAT, ISTIO_OUTPUT, &rule);
         }
         for family in [V4, V6] {
             self.build_outbound_include(b, family);
         }
-
         if tproxy {
-            b.append(
-                BOTH,
-                MANGLE,
-                PREROUTING,
-                &[
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &tproxy_mark,
-                    "-j",
-                    "CONNMARK",
-                    "--save-mark",
-                ],
-            );
-            b.append(
-                BOTH,
-                MANGLE,
-                OUTPUT,
-                &[
-                    "-p",
-                    "tcp",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &tproxy_mark,
-                    "-j",
-                    RETURN,
-                ],
-            );
-            for (owner, id) in [("--uid-owner", &uid), ("--gid-owner", &gid)] {
-                b.versioned(
-                    MANGLE,
-                    OUTPUT,
-                    HOST_LOOPBACK_V4,
-                    HOST_LOOPBACK_V6,
-                    &[
-                        "!",
-                        "-d",
-                        IP,
-                        "-p",
-                        "tcp",
-                        "-o",
-                        "lo",
-                        "-m",
-                        "owner",
-                        owner,
-                        id,
-                        "-j",
-                        "MARK",
-                        "--set-mark",
-                        &outbound_mark,
-                    ],
-                );
-            }
-            b.append(
-                BOTH,
-                MANGLE,
-                OUTPUT,
-                &[
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "connmark",
-                    "--mark",
-                    &tproxy_mark,
-                    "-j",
-                    "CONNMARK",
-                    "--restore-mark",
-                ],
-            );
-            b.insert(
-                BOTH,
-                MANGLE,
-                ISTIO_INBOUND,
-                1,
-                &[
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "mark",
-                    "--mark",
-                    &tproxy_mark,
-                    "-j",
-                    RETURN,
-                ],
-            );
-            b.insert(
-                V4,
-                MANGLE,
-                ISTIO_INBOUND,
-                2,
-                &["-p", "tcp", "-s", PASSTHROUGH_V4, "-i", "lo", "-j", RETURN],
-            );
-            b.insert(
-                V6,
-                MANGLE,
-                ISTIO_INBOUND,
-                2,
-                &["-p", "tcp", "-s", PASSTHROUGH_V6, "-i", "lo", "-j", RETURN],
-            );
-            b.insert(
-                BOTH,
-                MANGLE,
-                ISTIO_INBOUND,
-                3,
-                &[
-                    "-p",
-                    "tcp",
-                    "-i",
-                    "lo",
-                    "-m",
-                    "mark",
-                    "!",
-                    "--mark",
-                    &outbound_mark,
-                    "-j",
-                    RETURN,
-                ],
-            );
+            self.build_tproxy_marks(b);
         }
+    }
+
+    /// TPROXY mode's marks: the inbound connections' mark kept in conntrack and restored on
+    /// their replies, and the proxy's own loopback connections told apart.
+    fn build_tproxy_marks(&self, b: &mut Builder) {
+        let (mark, outbound_mark) = (TPROXY_MARK, OUTBOUND_MARK);
+        let rule = format!("-p tcp -m mark --mark {mark} -j CONNMARK --save-mark");
+        b.append(BOTH, MANGLE, PREROUTING, &rule);
+        let rule = format!("-p tcp -o lo -m mark --mark {mark} -j RETURN");
+        b.append(BOTH, MANGLE, OUTPUT, &rule);
+        for (owner, id) in [
+            ("--uid-owner", self.proxy_uid),
+            ("--gid-owner", self.proxy_gid),
+        ] {
+            let rule = format!(
+                "! -d {IP} -p tcp -o lo -m owner {owner} {id} -j MARK --set-mark {outbound_mark}"
+            );
+            b.versioned(MANGLE, OUTPUT, HOST_LOOPBACK, &rule);
+        }
+        let rule = format!("-p tcp -m connmark --mark {mark} -j CONNMARK --restore-mark");
+        b.append(BOTH, MANGLE, OUTPUT, &rule);
+        let rule = format!("-p tcp -m mark --mark {mark} -j RETURN");
+        b.insert(BOTH, MANGLE, ISTIO_INBOUND, 1, &rule);
+        for (family, source) in [(V4, PASSTHROUGH.0), (V6, PASSTHROUGH.1)] {
+            let rule = format!("-p tcp -s {source} -i lo -j RETURN");
+            b.insert(family, MANGLE, ISTIO_INBOUND, 2, &rule);
+        }
+        let rule = format!("-p tcp -i lo -m mark ! --mark {outbound_mark} -j RETURN");
+        b.insert(BOTH, MANGLE, ISTIO_INBOUND, 3, &rule);
     }
 
     fn build_inbound(&self, b: &mut Builder) {
@@ -414,234 +207,98 @@ impl RedirectPolicy {
             return;
         }
         let tproxy = self.mode == InterceptionMode::Tproxy;
-        let table = if tproxy {
-            let tproxy_mark = TPROXY_MARK.to_string();
+        // What a captured connection's packets jump to: its first packet, and the rest.
+        let (table, first, established) = if tproxy {
+            let mark = TPROXY_MARK;
             b.append(
                 BOTH,
                 MANGLE,
                 ISTIO_DIVERT,
-                &["-j", "MARK", "--set-mark", &tproxy_mark],
+                &format!("-j MARK --set-mark {mark}"),
             );
-            b.append(BOTH, MANGLE, ISTIO_DIVERT, &["-j", "ACCEPT"]);
-            b.versioned(
-                MANGLE,
-                ISTIO_TPROXY,
-                HOST_LOOPBACK_V4,
-                HOST_LOOPBACK_V6,
-                &[
-                    "!",
-                    "-d",
-                    IP,
-                    "-p",
-                    "tcp",
-                    "-j",
-                    "TPROXY",
-                    "--tproxy-mark",
-                    &format!("{tproxy_mark}/0xffffffff"),
-                    "--on-port",
-                    &INBOUND_CAPTURE_PORT.to_string(),
-                ],
+            b.append(BOTH, MANGLE, ISTIO_DIVERT, "-j ACCEPT");
+            let rule = format!(
+                "! -d {IP} -p tcp -j TPROXY --tproxy-mark {mark}/0xffffffff --on-port {INBOUND_CAPTURE_PORT}"
             );
-            MANGLE
+            b.versioned(MANGLE, ISTIO_TPROXY, HOST_LOOPBACK, &rule);
+            (MANGLE, ISTIO_TPROXY, Some(ISTIO_DIVERT))
         } else {
-            NAT
+            (NAT, ISTIO_IN_REDIRECT, None)
         };
-        b.append(BOTH, table, PREROUTING, &["-p", "tcp", "-j", ISTIO_INBOUND]);
-        match &self.include_inbound_ports {
+        b.append(
+            BOTH,
+            table,
+            PREROUTING,
+            &format!("-p tcp -j {ISTIO_INBOUND}"),
+        );
+        let ports: Vec<Option<u16>> = match &self.include_inbound_ports {
             PortSelection::All => {
                 for port in &self.exclude_inbound_ports {
-                    b.append(
-                        BOTH,
-                        table,
-                        ISTIO_INBOUND,
-                        &["-p", "tcp", "--dport", &port.to_string(), "-j", RETURN],
-                    );
+                    let rule = format!("-p tcp --dport {port} -j RETURN");
+                    b.append(BOTH, table, ISTIO_INBOUND, &rule);
                 }
-                if tproxy {
-                    b.append(
-                        BOTH,
-                        MANGLE,
-                        ISTIO_INBOUND,
-                        &[
-                            "-p",
-                            "tcp",
-                            "-m",
-                            "conntrack",
-                            "--ctstate",
-                            "RELATED,ESTABLISHED",
-                            "-j",
-                            ISTIO_DIVERT,
-                        ],
-                    );
-                    b.append(
-                        BOTH,
-                        MANGLE,
-                        ISTIO_INBOUND,
-                        &["-p", "tcp", "-j", ISTIO_TPROXY],
-                    );
-                } else {
-                    b.append(
-                        BOTH,
-                        NAT,
-                        ISTIO_INBOUND,
-                        &["-p", "tcp", "-j", ISTIO_IN_REDIRECT],
-                    );
-                }
+                vec![None]
             }
-            PortSelection::Ports(ports) => {
-                for port in ports {
-                    let port = port.to_string();
-                    if tproxy {
-                        b.append(
-                            BOTH,
-                            MANGLE,
-                            ISTIO_INBOUND,
-                            &[
-                                "-p",
-                                "tcp",
-                                "--dport",
-                                &port,
-                                "-m",
-                                "conntrack",
-                                "--ctstate",
-                                "RELATED,ESTABLISHED",
-                                "-j",
-                                ISTIO_DIVERT,
-                            ],
-                        );
-                        b.append(
-                            BOTH,
-                            MANGLE,
-                            ISTIO_INBOUND,
-                            &["-p", "tcp", "--dport", &port, "-j", ISTIO_TPROXY],
-                        );
-                    } else {
-                        b.append(
-                            BOTH,
-                            NAT,
-                            ISTIO_INBOUND,
-                            &["-p", "tcp", "--dport", &port, "-j", ISTIO_IN_REDIRECT],
-                        );
-                    }
-                }
+            PortSelection::Ports(ports) => ports.iter().copied().map(Some).collect(),
+        };
+        for port in ports {
+            let dport = port.map_or_else(String::new, |port| format!(" --dport {port}"));
+            if let Some(established) = established {
+                let rule = format!(
+                    "-p tcp{dport} -m conntrack --ctstate RELATED,ESTABLISHED -j {established}"
+                );
+                b.append(BOTH, table, ISTIO_INBOUND, &rule);
             }
+            b.append(
+                BOTH,
+                table,
+                ISTIO_INBOUND,
+                &format!("-p tcp{dport} -j {first}"),
+            );
         }
     }
 
-    fn build_dns(&self, b: &mut Builder, uid: &str, gid: &str) {
-        let dns = DNS_PORT.to_string();
-        let dns_capture = DNS_CAPTURE_PORT.to_string();
-        b.append(BOTH, RAW, OUTPUT, &["-j", ISTIO_OUTPUT_DNS]);
-        b.append(BOTH, NAT, ISTIO_OUTPUT, &["-j", ISTIO_OUTPUT_DNS]);
-        b.append(
-            BOTH,
-            NAT,
-            ISTIO_OUTPUT_DNS,
-            &[
-                "-p",
-                "tcp",
-                "--dport",
-                &dns,
-                "-j",
-                "REDIRECT",
-                "--to-ports",
-                &dns_capture,
-            ],
-        );
-        b.append(
-            BOTH,
-            NAT,
-            ISTIO_OUTPUT_DNS,
-            &[
-                "-p",
-                "udp",
-                "--dport",
-                &dns,
-                "-j",
-                "REDIRECT",
-                "--to-port",
-                &dns_capture,
-            ],
-        );
+    fn build_dns(&self, b: &mut Builder) {
+        let (dns, capture) = (DNS_PORT, DNS_CAPTURE_PORT);
+        b.append(BOTH, RAW, OUTPUT, &format!("-j {ISTIO_OUTPUT_DNS}"));
+        b.append(BOTH, NAT, ISTIO_OUTPUT, &format!("-j {ISTIO_OUTPUT_DNS}"));
+        let rule = format!("-p tcp --dport {dns} -j REDIRECT --to-ports {capture}");
+        b.append(BOTH, NAT, ISTIO_OUTPUT_DNS, &rule);
+        let rule = format!("-p udp --dport {dns} -j REDIRECT --to-port {capture}");
+        b.append(BOTH, NAT, ISTIO_OUTPUT_DNS, &rule);
         // Separate conntrack zones for proxy ↔ upstream (1) and app ↔ proxy (2) DNS flows.
-        for (owner, id) in [("--uid-owner", uid), ("--gid-owner", gid)] {
-            b.append(
-                BOTH,
-                RAW,
-                ISTIO_OUTPUT_DNS,
-                &[
-                    "-p", "udp", "--dport", &dns, "-m", "owner", owner, id, "-j", "CT", "--zone",
-                    "1",
-                ],
-            );
-            b.append(
-                BOTH,
-                RAW,
-                ISTIO_OUTPUT_DNS,
-                &[
-                    "-p",
-                    "udp",
-                    "--sport",
-                    &dns_capture,
-                    "-m",
-                    "owner",
-                    owner,
-                    id,
-                    "-j",
-                    "CT",
-                    "--zone",
-                    "2",
-                ],
-            );
+        for (owner, id) in [
+            ("--uid-owner", self.proxy_uid),
+            ("--gid-owner", self.proxy_gid),
+        ] {
+            let rule = format!("-p udp --dport {dns} -m owner {owner} {id} -j CT --zone 1");
+            b.append(BOTH, RAW, ISTIO_OUTPUT_DNS, &rule);
+            let rule = format!("-p udp --sport {capture} -m owner {owner} {id} -j CT --zone 2");
+            b.append(BOTH, RAW, ISTIO_OUTPUT_DNS, &rule);
         }
-        b.append(BOTH, RAW, PREROUTING, &["-j", ISTIO_INBOUND]);
-        b.append(
-            BOTH,
-            RAW,
-            ISTIO_OUTPUT_DNS,
-            &["-p", "udp", "--dport", &dns, "-j", "CT", "--zone", "2"],
-        );
-        b.append(
-            BOTH,
-            RAW,
-            ISTIO_INBOUND,
-            &["-p", "udp", "--sport", &dns, "-j", "CT", "--zone", "1"],
-        );
+        b.append(BOTH, RAW, PREROUTING, &format!("-j {ISTIO_INBOUND}"));
+        let rule = format!("-p udp --dport {dns} -j CT --zone 2");
+        b.append(BOTH, RAW, ISTIO_OUTPUT_DNS, &rule);
+        let rule = format!("-p udp --sport {dns} -j CT --zone 1");
+        b.append(BOTH, RAW, ISTIO_INBOUND, &rule);
     }
 
     fn build_outbound_include(&self, b: &mut Builder, family: Families) {
+        let redirect = format!("-j {ISTIO_REDIRECT}");
         match &self.include_outbound_ip_ranges {
             IpRanges::All => {
-                b.append(family, NAT, ISTIO_OUTPUT, &["-j", ISTIO_REDIRECT]);
+                b.append(family, NAT, ISTIO_OUTPUT, &redirect);
                 for name in &self.reroute_virtual_interfaces {
-                    b.insert(
-                        family,
-                        NAT,
-                        PREROUTING,
-                        1,
-                        &["-i", name, "-j", ISTIO_REDIRECT],
-                    );
+                    b.insert(family, NAT, PREROUTING, 1, &format!("-i {name} {redirect}"));
                 }
             }
             IpRanges::Cidrs(set) => {
-                let cidrs = if family == V4 { &set.v4 } else { &set.v6 };
-                for cidr in cidrs {
-                    let cidr = cidr.to_string();
+                for cidr in if family == V4 { &set.v4 } else { &set.v6 } {
                     for name in &self.reroute_virtual_interfaces {
-                        b.insert(
-                            family,
-                            NAT,
-                            PREROUTING,
-                            1,
-                            &["-i", name, "-d", &cidr, "-j", ISTIO_REDIRECT],
-                        );
+                        let rule = format!("-i {name} -d {cidr} {redirect}");
+                        b.insert(family, NAT, PREROUTING, 1, &rule);
                     }
-                    b.append(
-                        family,
-                        NAT,
-                        ISTIO_OUTPUT,
-                        &["-d", &cidr, "-j", ISTIO_REDIRECT],
-                    );
+                    b.append(family, NAT, ISTIO_OUTPUT, &format!("-d {cidr} {redirect}"));
                 }
             }
         }
@@ -653,7 +310,6 @@ const MANGLE: &str = "mangle";
 const RAW: &str = "raw";
 const PREROUTING: &str = "PREROUTING";
 const OUTPUT: &str = "OUTPUT";
-const RETURN: &str = "RETURN";
 const ISTIO_INBOUND: &str = "ISTIO_INBOUND";
 const ISTIO_OUTPUT: &str = "ISTIO_OUTPUT";
 const ISTIO_OUTPUT_DNS: &str = "ISTIO_OUTPUT_DNS";
@@ -662,10 +318,10 @@ const ISTIO_IN_REDIRECT: &str = "ISTIO_IN_REDIRECT";
 const ISTIO_DIVERT: &str = "ISTIO_DIVERT";
 const ISTIO_TPROXY: &str = "ISTIO_TPROXY";
 const ISTIO_DROP: &str = "ISTIO_DROP";
-const PASSTHROUGH_V4: &str = "127.0.0.6/32";
-const PASSTHROUGH_V6: &str = "::6/128";
-const HOST_LOOPBACK_V4: &str = "127.0.0.1/32";
-const HOST_LOOPBACK_V6: &str = "::1/128";
+/// The proxy's inbound passthrough source, IPv4 and IPv6.
+const PASSTHROUGH: (&str, &str) = ("127.0.0.6/32", "::6/128");
+/// The host's loopback address, IPv4 and IPv6.
+const HOST_LOOPBACK: (&str, &str) = ("127.0.0.1/32", "::1/128");
 /// Stands for the family's address in [`Builder::versioned`] rules.
 const IP: &str = "\0ip";
 /// Chains and targets `-N` is never written for.
@@ -712,13 +368,15 @@ struct Builder {
 }
 
 impl Builder {
+    /// Adds `rule` (arguments as `iptables` takes them, after `head`) to each family's rules,
+    /// with [`IP`] replaced by `ip`'s address of that family.
     fn push(
         &mut self,
         families: Families,
         table: &'static str,
         chain: &'static str,
-        head: Vec<String>,
-        params: &[&str],
+        head: &str,
+        rule: &str,
         ip: Option<(&str, &str)>,
     ) {
         for (enabled, rules, family) in [
@@ -728,12 +386,15 @@ impl Builder {
             if !enabled {
                 continue;
             }
-            let mut words = head.clone();
-            words.extend(params.iter().map(|word| match (ip, *word == IP, family) {
-                (Some((v4, _)), true, Family::V4) => v4.to_owned(),
-                (Some((_, v6)), true, Family::V6) => v6.to_owned(),
-                _ => (*word).to_owned(),
-            }));
+            let words = head
+                .split_whitespace()
+                .chain(rule.split_whitespace())
+                .map(|word| match (ip, word == IP, family) {
+                    (Some((v4, _)), true, Family::V4) => v4.to_owned(),
+                    (Some((_, v6)), true, Family::V6) => v6.to_owned(),
+                    _ => word.to_owned(),
+                })
+                .collect();
             rules.push(Rule {
                 table,
                 chain,
@@ -742,21 +403,8 @@ impl Builder {
         }
     }
 
-    fn append(
-        &mut self,
-        families: Families,
-        table: &'static str,
-        chain: &'static str,
-        params: &[&str],
-    ) {
-        self.push(
-            families,
-            table,
-            chain,
-            vec!["-A".into(), chain.into()],
-            params,
-            None,
-        );
+    fn append(&mut self, families: Families, table: &'static str, chain: &'static str, rule: &str) {
+        self.push(families, table, chain, &format!("-A {chain}"), rule, None);
     }
 
     fn insert(
@@ -765,35 +413,21 @@ impl Builder {
         table: &'static str,
         chain: &'static str,
         position: u32,
-        params: &[&str],
+        rule: &str,
     ) {
-        self.push(
-            families,
-            table,
-            chain,
-            vec!["-I".into(), chain.into(), position.to_string()],
-            params,
-            None,
-        );
+        let head = format!("-I {chain} {position}");
+        self.push(families, table, chain, &head, rule, None);
     }
 
-    /// A rule for both families with [`IP`] standing for `v4` or `v6`.
+    /// A rule for both families with [`IP`] standing for the first or second of `ip`.
     fn versioned(
         &mut self,
         table: &'static str,
         chain: &'static str,
-        v4: &str,
-        v6: &str,
-        params: &[&str],
+        ip: (&str, &str),
+        rule: &str,
     ) {
-        self.push(
-            BOTH,
-            table,
-            chain,
-            vec!["-A".into(), chain.into()],
-            params,
-            Some((v4, v6)),
-        );
+        self.push(BOTH, table, chain, &format!("-A {chain}"), rule, Some(ip));
     }
 }
 
