@@ -51,7 +51,7 @@ fn manifests() -> Manifests {
     for path in names {
         let file = path.display().to_string();
         let text = fs::read_to_string(&path).expect("reading");
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in yaml_serde::Deserializer::from_str(&text) {
             let doc = Value::deserialize(doc).unwrap_or_else(|e| panic!("{file}: {e}"));
             match doc["kind"].as_str() {
                 Some("Namespace") => found.namespaces.push(typed(&file, &doc)),

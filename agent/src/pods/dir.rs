@@ -4,10 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::core::v1::Pod;
-use serde::Deserialize as _;
+use serde_json::Value;
 use tracing::warn;
 
 use super::Lookup;
+use crate::policy::manifest;
 
 /// The directory source.
 #[derive(Debug)]
@@ -35,32 +36,31 @@ impl DirPods {
     }
 }
 
-/// Every pod in one manifest file's text.
+/// Every pod in one manifest file's text (JSON read as JSON, see
+/// [`crate::policy::manifest`]).
 ///
 /// # Errors
 /// When the text is not YAML/JSON, or a `Pod` document does not parse as one.
 pub fn pods_in(text: &str) -> Result<Vec<Pod>, String> {
     let mut pods = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(text) {
-        let value = serde_yaml::Value::deserialize(document).map_err(|e| e.to_string())?;
-        collect(value, &mut pods)?;
+    for document in manifest::documents(text).map_err(|e| e.to_string())? {
+        collect(document, &mut pods)?;
     }
     Ok(pods)
 }
 
-fn collect(value: serde_yaml::Value, pods: &mut Vec<Pod>) -> Result<(), String> {
-    match value.get("kind").and_then(serde_yaml::Value::as_str) {
+fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), String> {
+    match value.get("kind").and_then(Value::as_str) {
         Some("Pod") => {
             let name = value
-                .get("metadata")
-                .and_then(|m| m.get("name"))
-                .and_then(serde_yaml::Value::as_str)
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
                 .unwrap_or("<unnamed>")
                 .to_owned();
-            pods.push(serde_yaml::from_value(value).map_err(|e| format!("pod {name}: {e}"))?);
+            pods.push(serde_json::from_value(value).map_err(|e| format!("pod {name}: {e}"))?);
         }
         Some("List" | "PodList") => {
-            if let Some(serde_yaml::Value::Sequence(items)) = value.get("items").cloned() {
+            if let Some(Value::Array(items)) = value.get("items").cloned() {
                 for item in items {
                     collect(item, pods)?;
                 }

@@ -86,7 +86,13 @@ pub enum PolicyError {
     },
 }
 
-/// A pod manifest that is not a pod.
+/// A manifest that does not parse, or whose pod document is not a pod.
 #[derive(Debug, thiserror::Error)]
-#[error("not a pod manifest (YAML or JSON): {0}")]
-pub struct ManifestError(#[from] serde_yaml::Error);
+pub enum ManifestError {
+    /// JSON (the text starts with `{` or `[`) that does not parse.
+    #[error("not a pod manifest (JSON): {0}")]
+    Json(#[from] serde_json::Error),
+    /// YAML that does not parse.
+    #[error("not a pod manifest (YAML): {0}")]
+    Yaml(#[from] yaml_serde::Error),
+}

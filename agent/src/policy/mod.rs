@@ -18,6 +18,7 @@ mod decide;
 mod error;
 mod eval;
 mod iptables;
+pub mod manifest;
 mod model;
 mod packet;
 mod pod;
@@ -27,7 +28,8 @@ pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERF
 pub use error::{ManifestError, PolicyError};
 pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
 pub use iptables::IptablesRules;
+pub use manifest::parse_pod_manifest;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
-pub use pod::{SelectConfig, parse_pod_manifest, select, status_pod_ips};
+pub use pod::{SelectConfig, select, status_pod_ips};
 pub use routes::{PolicyRoutes, TproxyRoute};

@@ -14,7 +14,7 @@ use super::{
         parse_cidr_list, parse_go_bool, parse_interface_list, parse_lenient_interface_list,
         parse_port_list,
     },
-    error::{ManifestError, PolicyError},
+    error::PolicyError,
     model::{
         ALWAYS_EXCLUDED_INBOUND_PORTS, CidrSet, DEFAULT_PROXY_ID, InterceptionMode, IpRanges,
         PodRef, PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
@@ -353,14 +353,6 @@ impl Reader<'_> {
             value: value.to_owned(),
         }
     }
-}
-
-/// Parses a pod manifest, YAML or JSON (as `kubectl get pod -o yaml|json` prints it).
-///
-/// # Errors
-/// The text is not a pod.
-pub fn parse_pod_manifest(text: &str) -> Result<Pod, ManifestError> {
-    Ok(serde_yaml::from_str(text)?)
 }
 
 /// The pod's addresses from its status (`status.podIPs`, else `status.podIP`); unparseable

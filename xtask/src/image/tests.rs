@@ -120,7 +120,7 @@ fn executable(path: &Path) -> bool {
 fn daemonset_container() -> Value {
     let text = fs::read_to_string(cmd::root().join("deploy/05-daemonset.yaml"))
         .expect("reading deploy/05-daemonset.yaml");
-    let daemonset: Value = serde_yaml::from_str(&text).expect("parsing the DaemonSet");
+    let daemonset: Value = yaml_serde::from_str(&text).expect("parsing the DaemonSet");
     daemonset["spec"]["template"]["spec"]["containers"][0].clone()
 }
 
