@@ -21,10 +21,7 @@ use crate::{
     backend::{BackendError, CaptureBackend, PodRef},
     podnet,
     pods::{PodSource, PodSourceError, Retry},
-    policy::{
-        self, CidrSet, Family, IpRanges, PortSelection, RedirectPolicy, SelectConfig, Selection,
-        SkipReason,
-    },
+    policy::{self, SelectConfig, Selection, SkipReason},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
 };
@@ -310,7 +307,7 @@ impl Capture {
             Selection::Capture { policy } => policy,
         };
         let target = pod_ref(&pod);
-        let summary = summary(&policy);
+        let summary = policy.summary();
         let applied = policy.clone();
         self.blocking(move |b| b.add(&target, &applied)).await??;
         self.policies
@@ -410,47 +407,4 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
 /// The answer for a pod Istio's CNI plugin would leave alone (ADD and CHECK alike).
 fn skipped(reason: &SkipReason) -> Response {
     Response::ok(Outcome::Skipped, format!("not captured: {reason}"))
-}
-
-/// A policy in one line, for logs and status.
-#[must_use]
-pub fn summary(policy: &RedirectPolicy) -> String {
-    let list = |items: Vec<String>| {
-        if items.is_empty() {
-            "none".to_owned()
-        } else {
-            items.join(",")
-        }
-    };
-    let ports = |p: &[u16]| list(p.iter().map(u16::to_string).collect());
-    let cidrs = |set: &CidrSet| {
-        list(
-            [Family::V4, Family::V6]
-                .into_iter()
-                .flat_map(|f| set.family(f).iter().map(ToString::to_string))
-                .collect(),
-        )
-    };
-    let outbound = match &policy.include_outbound_ip_ranges {
-        IpRanges::All => "*".to_owned(),
-        IpRanges::Cidrs(set) => cidrs(set),
-    };
-    let inbound = match &policy.include_inbound_ports {
-        PortSelection::All => format!("* except {}", ports(&policy.exclude_inbound_ports)),
-        PortSelection::Ports(p) => ports(p),
-    };
-    format!(
-        "{}; outbound {outbound} (not {}; ports not {}); inbound {inbound}; proxy uid/gid {}/{}{}{}",
-        policy.mode,
-        cidrs(&policy.exclude_outbound_ip_ranges),
-        ports(&policy.exclude_outbound_ports),
-        policy.proxy_uid,
-        policy.proxy_gid,
-        if policy.dns_capture {
-            "; DNS captured"
-        } else {
-            ""
-        },
-        if policy.ipv6 { "; IPv6" } else { "" },
-    )
 }

@@ -13,6 +13,7 @@
 //!
 //! Everything here is pure: no I/O, no kernel.
 
+mod addr;
 pub mod annotations;
 mod decide;
 mod error;

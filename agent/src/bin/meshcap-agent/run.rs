@@ -1,14 +1,10 @@
-//! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface.
-use std::{
-    net::{IpAddr, SocketAddr},
-    path::PathBuf,
-    process::ExitCode,
-    sync::Arc,
-    time::Duration,
-};
+//! `meshcap-agent run`: the daemon. Opens the backend (probing the kernel for `auto`), the pod
+//! source and the plugin socket, installs the plugin and keeps it chained, serves until
+//! SIGTERM, and removes the node's startup taint once pods can be captured.
+use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
-use anyhow::{Context as _, bail};
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use anyhow::Context as _;
+use clap::{Args, ValueEnum};
 use meshcap_agent::{
     api::{Server, ServerConfig, http},
     backend::{
@@ -16,89 +12,18 @@ use meshcap_agent::{
         ebpf::{self, EbpfBackend, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
-    bpf,
     capture::{Capture, Settings},
     install::{self, watch::InstallStatus},
-    logging,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
-    policy::{self, SelectConfig},
+    policy::SelectConfig,
     probe::{self, ProbeReport},
-    settings,
-    status::StatusReport,
-    taint,
+    settings, taint,
 };
-use meshcap_cni::protocol::{self, Op, Reply, Request};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-#[derive(Parser)]
-#[command(name = "meshcap-agent", version, about)]
-struct Cli {
-    /// Log format.
-    #[arg(long, value_enum, default_value_t, global = true)]
-    log_format: logging::LogFormat,
-    /// Log level (`error`, `warn`, `info`, `debug`, `trace`, or a `RUST_LOG` filter, which
-    /// takes precedence when set).
-    #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
-    log_level: String,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Load every embedded kernel program (the verifier checks each) and report.
-    Verify,
-    /// A real uninstall (restarts and upgrades never do this): remove meshcap's plugin entry
-    /// and binary from this node's CNI set-up, then detach and unpin the eBPF programs of every
-    /// layout version, except those still capturing a live pod (it then fails, naming them:
-    /// restart those pods and run it again). Reads the same MESHCAP_* settings as `run`.
-    Uninstall {
-        /// The eBPF layout directory; other versions beside it (`…/v<N>`) are removed too.
-        #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
-        bpffs_dir: PathBuf,
-    },
-    /// Run the node agent: serve the CNI plugin, capture pods.
-    Run(Box<RunArgs>),
-    /// Show what a running agent captures, with which backend and why.
-    Status {
-        /// The agent's plugin socket.
-        #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
-        socket: PathBuf,
-        /// Print the report as JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Probe the kernel for the eBPF backend's needs and print the findings.
-    Probe,
-    /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
-    /// redirect policy, or the exact iptables rules.
-    Policy {
-        /// The pod manifest, YAML or JSON (`kubectl get pod NAME -o yaml`).
-        #[arg(long, value_name = "FILE")]
-        pod: PathBuf,
-        /// The pod's addresses (default: the manifest's `status.podIPs`).
-        #[arg(long = "ip", value_name = "ADDR")]
-        ips: Vec<IpAddr>,
-        /// Namespaces whose pods are never captured.
-        #[arg(long = "exclude-namespace", value_name = "NAMESPACE", default_values_t = policy::SelectConfig::default().exclude_namespaces)]
-        exclude_namespaces: Vec<String>,
-        /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
-        /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
-        #[arg(long, value_enum, default_value_t)]
-        format: PolicyFormat,
-    },
-}
-
-#[derive(Clone, Copy, Default, ValueEnum)]
-enum PolicyFormat {
-    #[default]
-    Json,
-    Iptables,
-}
-
 #[derive(Clone, Copy, ValueEnum)]
-enum PodSourceKind {
+pub enum PodSourceKind {
     /// The Kubernetes API (in-cluster, or $KUBECONFIG): a watch of this node's pods.
     Kube,
     /// A directory of pod manifests (standalone, no cluster).
@@ -106,7 +31,7 @@ enum PodSourceKind {
 }
 
 #[derive(Args)]
-struct RunArgs {
+pub struct RunArgs {
     /// The plugin socket (root only, mode 0600).
     #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
     socket: PathBuf,
@@ -176,118 +101,6 @@ struct RunArgs {
     max_connections: usize,
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Err(err) = logging::init(cli.log_format, &cli.log_level) {
-        eprintln!("meshcap-agent: {err:#}");
-        return ExitCode::FAILURE;
-    }
-    let result = match cli.command {
-        Command::Verify => verify(),
-        Command::Uninstall { bpffs_dir } => uninstall(&bpffs_dir),
-        Command::Run(args) => run(*args),
-        Command::Status { socket, json } => status(&socket, json),
-        Command::Policy {
-            pod,
-            ips,
-            exclude_namespaces,
-            format,
-        } => show_policy(&pod, &ips, exclude_namespaces, format),
-        Command::Probe => probe_kernel(),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            tracing::error!("{err:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn probe_kernel() -> anyhow::Result<()> {
-    let report = probe::run();
-    println!("{}", serde_json::to_string_pretty(&report)?);
-    if !report.ok() {
-        bail!("the eBPF backend cannot run here: {}", report.failures());
-    }
-    Ok(())
-}
-
-fn verify() -> anyhow::Result<()> {
-    let mut ebpf = bpf::open()?;
-    for name in bpf::load_all(&mut ebpf)? {
-        println!("verified {name}");
-    }
-    Ok(())
-}
-
-fn uninstall(bpffs_dir: &std::path::Path) -> anyhow::Result<()> {
-    let config = settings::install_config(
-        |name| std::env::var(name).ok(),
-        settings::PLUGIN_SOURCE.into(),
-    )?;
-    install::uninstall(&config)?;
-    println!(
-        "removed meshcap-cni from {} and {}",
-        config.cni_conf_dir.display(),
-        config.cni_bin_dir.display()
-    );
-    let mut kept = Vec::new();
-    for dir in ebpf::layout::versions(bpffs_dir) {
-        if !dir.exists() {
-            continue;
-        }
-        let live = ebpf::layout::live_pods(&dir);
-        if live.is_empty() {
-            ebpf::layout::remove(&dir)?;
-            println!(
-                "detached meshcap's eBPF programs and removed {}",
-                dir.display()
-            );
-        } else {
-            let pods: Vec<String> = live
-                .iter()
-                .map(|p| format!("{}/{}", p.namespace, p.name))
-                .collect();
-            kept.push(format!(
-                "{} still captures {} pod(s): {}",
-                dir.display(),
-                pods.len(),
-                pods.join(", ")
-            ));
-        }
-    }
-    if !kept.is_empty() {
-        bail!(
-            "meshcap's eBPF programs stay attached, so those pods keep their capture: {}; \
-             restart them (the CNI set-up now installed handles the new ones) and run \
-             `meshcap-agent uninstall` again",
-            kept.join("; ")
-        );
-    }
-    Ok(())
-}
-
-fn status(socket: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let response = protocol::call(socket, &Request::new(Op::Status), Duration::from_secs(10))?;
-    match response.reply {
-        Reply::Ok {
-            report: Some(report),
-            ..
-        } => {
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                let report: StatusReport = serde_json::from_value(report)?;
-                print!("{}", report.to_text());
-            }
-            Ok(())
-        }
-        Reply::Ok { .. } => bail!("the agent sent no status report"),
-        Reply::Error { msg, .. } => bail!("{msg}"),
-    }
-}
-
 /// The backend to use, why, and the probe's findings.
 fn open_backend(
     choice: BackendChoice,
@@ -324,7 +137,7 @@ fn open_backend(
 }
 
 #[tokio::main]
-async fn run(args: RunArgs) -> anyhow::Result<()> {
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut kube_node = None;
     let source = match args.pods {
         PodSourceKind::Dir => {
@@ -496,38 +309,6 @@ async fn shutdown_signal() -> anyhow::Result<()> {
     tokio::select! {
         _ = term.recv() => info!("SIGTERM"),
         _ = int.recv() => info!("SIGINT"),
-    }
-    Ok(())
-}
-
-fn show_policy(
-    path: &std::path::Path,
-    ips: &[IpAddr],
-    exclude_namespaces: Vec<String>,
-    format: PolicyFormat,
-) -> anyhow::Result<()> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let pod = policy::parse_pod_manifest(&text).with_context(|| path.display().to_string())?;
-    let ips = if ips.is_empty() {
-        policy::status_pod_ips(&pod)
-    } else {
-        ips.to_vec()
-    };
-    let selection = policy::select(&pod, &ips, &policy::SelectConfig { exclude_namespaces })?;
-    match format {
-        PolicyFormat::Json => println!("{}", serde_json::to_string_pretty(&selection)?),
-        PolicyFormat::Iptables => match selection {
-            policy::Selection::Skip { reason } => println!("# not captured: {reason}"),
-            policy::Selection::Capture { policy } => {
-                let rules = policy.render();
-                print!("{}", rules.v4);
-                if let Some(v6) = rules.v6 {
-                    println!("# ip6tables-restore");
-                    print!("{v6}");
-                }
-            }
-        },
     }
     Ok(())
 }

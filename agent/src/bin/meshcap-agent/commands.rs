@@ -1,0 +1,125 @@
+//! The subcommands other than `run`: the kernel probe, the verifier check, the status report,
+//! a pod's policy, and uninstall.
+use std::{net::IpAddr, path::Path, time::Duration};
+
+use anyhow::{Context as _, bail};
+use meshcap_agent::{backend::ebpf, bpf, install, policy, probe, settings, status::StatusReport};
+use meshcap_cni::protocol::{self, Op, Reply, Request};
+
+use crate::PolicyFormat;
+
+pub fn probe_kernel() -> anyhow::Result<()> {
+    let report = probe::run();
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if !report.ok() {
+        bail!("the eBPF backend cannot run here: {}", report.failures());
+    }
+    Ok(())
+}
+
+pub fn verify() -> anyhow::Result<()> {
+    let mut ebpf = bpf::open()?;
+    for name in bpf::load_all(&mut ebpf)? {
+        println!("verified {name}");
+    }
+    Ok(())
+}
+
+pub fn uninstall(bpffs_dir: &Path) -> anyhow::Result<()> {
+    let config = settings::install_config(
+        |name| std::env::var(name).ok(),
+        settings::PLUGIN_SOURCE.into(),
+    )?;
+    install::uninstall(&config)?;
+    println!(
+        "removed meshcap-cni from {} and {}",
+        config.cni_conf_dir.display(),
+        config.cni_bin_dir.display()
+    );
+    let mut kept = Vec::new();
+    for dir in ebpf::layout::versions(bpffs_dir) {
+        if !dir.exists() {
+            continue;
+        }
+        let live = ebpf::layout::live_pods(&dir);
+        if live.is_empty() {
+            ebpf::layout::remove(&dir)?;
+            println!(
+                "detached meshcap's eBPF programs and removed {}",
+                dir.display()
+            );
+        } else {
+            let pods: Vec<String> = live
+                .iter()
+                .map(|p| format!("{}/{}", p.namespace, p.name))
+                .collect();
+            kept.push(format!(
+                "{} still captures {} pod(s): {}",
+                dir.display(),
+                pods.len(),
+                pods.join(", ")
+            ));
+        }
+    }
+    if !kept.is_empty() {
+        bail!(
+            "meshcap's eBPF programs stay attached, so those pods keep their capture: {}; \
+             restart them (the CNI set-up now installed handles the new ones) and run \
+             `meshcap-agent uninstall` again",
+            kept.join("; ")
+        );
+    }
+    Ok(())
+}
+
+pub fn status(socket: &Path, json: bool) -> anyhow::Result<()> {
+    let response = protocol::call(socket, &Request::new(Op::Status), Duration::from_secs(10))?;
+    match response.reply {
+        Reply::Ok {
+            report: Some(report),
+            ..
+        } => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                let report: StatusReport = serde_json::from_value(report)?;
+                print!("{}", report.to_text());
+            }
+            Ok(())
+        }
+        Reply::Ok { .. } => bail!("the agent sent no status report"),
+        Reply::Error { msg, .. } => bail!("{msg}"),
+    }
+}
+
+pub fn show_policy(
+    path: &Path,
+    ips: &[IpAddr],
+    exclude_namespaces: Vec<String>,
+    format: PolicyFormat,
+) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let pod = policy::parse_pod_manifest(&text).with_context(|| path.display().to_string())?;
+    let ips = if ips.is_empty() {
+        policy::status_pod_ips(&pod)
+    } else {
+        ips.to_vec()
+    };
+    let selection = policy::select(&pod, &ips, &policy::SelectConfig { exclude_namespaces })?;
+    match format {
+        PolicyFormat::Json => println!("{}", serde_json::to_string_pretty(&selection)?),
+        PolicyFormat::Iptables => match selection {
+            policy::Selection::Skip { reason } => println!("# not captured: {reason}"),
+            policy::Selection::Capture { policy } => {
+                let rules = policy.render();
+                print!("{}", rules.v4);
+                if let Some(v6) = rules.v6 {
+                    println!("# ip6tables-restore");
+                    print!("{v6}");
+                }
+            }
+        },
+    }
+    Ok(())
+}

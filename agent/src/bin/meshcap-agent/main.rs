@@ -1,0 +1,104 @@
+//! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface: `run` is
+//! the daemon ([`run`]); the others inspect or clean up a node ([`commands`]).
+mod commands;
+mod run;
+
+use std::{net::IpAddr, path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use meshcap_agent::{backend::ebpf, logging, policy, settings};
+use run::RunArgs;
+
+#[derive(Parser)]
+#[command(name = "meshcap-agent", version, about)]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t, global = true)]
+    log_format: logging::LogFormat,
+    /// Log level (`error`, `warn`, `info`, `debug`, `trace`, or a `RUST_LOG` filter, which
+    /// takes precedence when set).
+    #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Load every embedded kernel program (the verifier checks each) and report.
+    Verify,
+    /// A real uninstall (restarts and upgrades never do this): remove meshcap's plugin entry
+    /// and binary from this node's CNI set-up, then detach and unpin the eBPF programs of every
+    /// layout version, except those still capturing a live pod (it then fails, naming them:
+    /// restart those pods and run it again). Reads the same MESHCAP_* settings as `run`.
+    Uninstall {
+        /// The eBPF layout directory; other versions beside it (`…/v<N>`) are removed too.
+        #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
+        bpffs_dir: PathBuf,
+    },
+    /// Run the node agent: serve the CNI plugin, capture pods.
+    Run(Box<RunArgs>),
+    /// Show what a running agent captures, with which backend and why.
+    Status {
+        /// The agent's plugin socket.
+        #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Probe the kernel for the eBPF backend's needs and print the findings.
+    Probe,
+    /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
+    /// redirect policy, or the exact iptables rules.
+    Policy {
+        /// The pod manifest, YAML or JSON (`kubectl get pod NAME -o yaml`).
+        #[arg(long, value_name = "FILE")]
+        pod: PathBuf,
+        /// The pod's addresses (default: the manifest's `status.podIPs`).
+        #[arg(long = "ip", value_name = "ADDR")]
+        ips: Vec<IpAddr>,
+        /// Namespaces whose pods are never captured.
+        #[arg(long = "exclude-namespace", value_name = "NAMESPACE", default_values_t = policy::SelectConfig::default().exclude_namespaces)]
+        exclude_namespaces: Vec<String>,
+        /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
+        /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
+        #[arg(long, value_enum, default_value_t)]
+        format: PolicyFormat,
+    },
+}
+
+#[derive(Clone, Copy, Default, ValueEnum)]
+enum PolicyFormat {
+    #[default]
+    Json,
+    Iptables,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(err) = logging::init(cli.log_format, &cli.log_level) {
+        eprintln!("meshcap-agent: {err:#}");
+        return ExitCode::FAILURE;
+    }
+    let result = match cli.command {
+        Command::Verify => commands::verify(),
+        Command::Uninstall { bpffs_dir } => commands::uninstall(&bpffs_dir),
+        Command::Run(args) => run::run(*args),
+        Command::Status { socket, json } => commands::status(&socket, json),
+        Command::Policy {
+            pod,
+            ips,
+            exclude_namespaces,
+            format,
+        } => commands::show_policy(&pod, &ips, exclude_namespaces, format),
+        Command::Probe => commands::probe_kernel(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!("{err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
