@@ -25,10 +25,16 @@ pub mod world;
 use serde::{Deserialize, Serialize};
 
 pub mod agent;
+pub mod fixtures;
+pub mod kubelet;
 pub mod plugin;
+pub mod wired;
 
 /// The uid/gid Istio's proxy runs as.
 pub const PROXY_UID: u32 = 1337;
+
+/// The uid of the pods' application processes.
+pub const APP_UID: u32 = 1000;
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 

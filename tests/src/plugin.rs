@@ -15,7 +15,9 @@ use meshcap_agent::{
 use serde_json::{Value, json};
 
 use crate::{
-    agent::{self, Agent, ManifestDir, Sandbox, cni, config_ips, sidecar_pod, write_manifest},
+    agent::{self, Agent},
+    fixtures::{ManifestDir, sidecar_pod, write_manifest},
+    kubelet::{Sandbox, cni, config_ips},
     scenario::Backend,
 };
 

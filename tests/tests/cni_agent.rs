@@ -18,12 +18,13 @@ use std::{
 };
 
 use meshcap_tests::{
-    Held, Netns, PROXY_UID, Placement,
-    agent::{
-        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, eventually, leftovers,
-        run_plugin_raw, sidecar_pod, tcx_env, write_manifest,
-    },
-    dial, require_root, unique_name,
+    APP_UID, Held, Netns, PROXY_UID, Placement,
+    agent::{Agent, Backend, tcx_env},
+    dial,
+    fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
+    kubelet::{Sandbox, cni, config, run_plugin_raw},
+    require_root, unique_name,
+    wired::Wired,
 };
 use serde_json::{Value, json};
 

@@ -6,11 +6,11 @@ use std::{fs, path::Path, process::Command};
 
 use meshcap_agent::backend::ebpf;
 use meshcap_tests::{
-    agent::{
-        Agent, Backend, ManifestDir, Sandbox, Wired, binaries, cni, config, eventually,
-        sidecar_pod, write_manifest,
-    },
+    agent::{Agent, Backend, binaries},
+    fixtures::{ManifestDir, eventually, sidecar_pod, write_manifest},
+    kubelet::{Sandbox, cni, config},
     require_root, unique_name,
+    wired::Wired,
 };
 use serde_json::{Value, json};
 

@@ -4,12 +4,13 @@
 //! pod tells which connections reached it and their original destination. Everything is
 //! removed when it ends, also on failure.
 use meshcap_tests::{
-    PROXY_UID, Placement, Report,
-    agent::{
-        APP_UID, Agent, Backend, ManifestDir, Sandbox, Wired, cni, config, leftovers, sidecar_pod,
-        write_manifest,
-    },
-    dial, require_root, start_server,
+    APP_UID, PROXY_UID, Placement, Report,
+    agent::{Agent, Backend},
+    dial,
+    fixtures::{ManifestDir, leftovers, sidecar_pod, write_manifest},
+    kubelet::{Sandbox, cni, config},
+    require_root, start_server,
+    wired::Wired,
 };
 
 /// The pod's annotations: one excluded port and one excluded address.

@@ -13,7 +13,9 @@ use std::{
 use anyhow::{Context as _, ensure};
 use meshcap_tests::{
     Netns, TestCgroup,
-    agent::{self, Backend, ManifestDir, Sandbox, config, sidecar_pod},
+    agent::{self, Backend},
+    fixtures::{ManifestDir, sidecar_pod},
+    kubelet::{self, Sandbox, config},
 };
 
 use crate::stats::Samples;
@@ -150,7 +152,7 @@ impl Agent {
             ..Sandbox::new("bench", name, netns)
         };
         let start = Instant::now();
-        let out = agent::cni(command, &sandbox, &conf)?;
+        let out = kubelet::cni(command, &sandbox, &conf)?;
         let took = start.elapsed().as_secs_f64() * 1e3;
         ensure!(
             out.success,

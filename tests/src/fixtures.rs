@@ -1,0 +1,123 @@
+//! What the end-to-end tests set pods up with: manifests as the injector leaves them, a
+//! manifest directory for the agent's standalone pod source, the leftovers a removed capture
+//! must not leave, and waiting for the agent's asynchronous start-up.
+use std::{
+    path::{Path, PathBuf},
+    thread,
+    time::Duration,
+};
+
+use anyhow::ensure;
+use serde_json::{Value, json};
+
+use crate::{Netns, unique_name};
+
+/// The iptables state of a netns that mentions Istio (chains or jumps), from both
+/// implementations, and its ip rules for table 133: empty when nothing is left.
+///
+/// # Errors
+/// When the tools cannot run.
+pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
+    let mut out = Vec::new();
+    for save in [
+        "iptables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-nft-save",
+    ] {
+        let text = crate::run("ip", &["netns", "exec", netns.name(), save])?;
+        out.extend(
+            text.lines()
+                .filter(|l| l.contains("ISTIO"))
+                .map(|l| format!("{save}: {l}")),
+        );
+    }
+    let rules = netns.ip(&["rule", "show"])?;
+    out.extend(
+        rules
+            .lines()
+            .filter(|l| l.contains("lookup 133"))
+            .map(str::to_owned),
+    );
+    // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).
+    let qdiscs = crate::run("tc", &["-n", netns.name(), "qdisc", "show"])?;
+    out.extend(
+        qdiscs
+            .lines()
+            .filter(|l| l.contains("clsact"))
+            .map(str::to_owned),
+    );
+    Ok(out)
+}
+
+/// A pod manifest with an injected sidecar, as the injector leaves it.
+#[must_use]
+pub fn sidecar_pod(namespace: &str, name: &str, annotations: &[(&str, &str)]) -> Value {
+    let mut ann = serde_json::Map::new();
+    ann.insert(
+        "sidecar.istio.io/status".into(),
+        json!("{\"containers\":[\"istio-proxy\"]}"),
+    );
+    for (k, v) in annotations {
+        ann.insert((*k).to_owned(), json!(v));
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}"), "annotations": ann},
+        "spec": {
+            "nodeName": "node-1",
+            "containers": [
+                {"name": "app", "image": "app"},
+                {"name": "istio-proxy", "image": "proxyv2", "args": ["proxy", "sidecar"]}
+            ]
+        }
+    })
+}
+
+/// Waits until `f` holds (for the agent's asynchronous start-up), at most ~10 s.
+///
+/// # Errors
+/// When it never does.
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        if f() {
+            return Ok(());
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    ensure!(f(), "{what} never happened");
+    Ok(())
+}
+
+/// Writes a pod manifest into the directory source's directory.
+///
+/// # Panics
+/// When the file cannot be written.
+pub fn write_manifest(dir: &Path, pod: &Value) {
+    let name = pod["metadata"]["name"].as_str().expect("name");
+    std::fs::write(dir.join(format!("{name}.json")), pod.to_string()).expect("manifest");
+}
+
+/// A throwaway manifest directory, removed on drop.
+pub struct ManifestDir(pub PathBuf);
+
+impl ManifestDir {
+    /// # Panics
+    /// When the directory cannot be made.
+    #[must_use]
+    #[expect(
+        clippy::new_without_default,
+        reason = "it creates a directory: not a default value"
+    )]
+    pub fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("meshcap-pods"));
+        std::fs::create_dir_all(&dir).expect("manifest dir");
+        Self(dir)
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

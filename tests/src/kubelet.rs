@@ -1,0 +1,157 @@
+//! Playing kubelet: the real `meshcap-cni` binary invoked with the CNI environment and
+//! configuration a container runtime passes.
+use std::{
+    io::Write as _,
+    os::unix::process::CommandExt as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::Context as _;
+use serde_json::{Value, json};
+
+use crate::{Netns, agent::binaries, unique_name};
+
+/// A pod sandbox as kubelet describes it to CNI.
+#[derive(Clone, Debug)]
+pub struct Sandbox {
+    /// `K8S_POD_NAMESPACE`.
+    pub namespace: String,
+    /// `K8S_POD_NAME`.
+    pub name: String,
+    /// `CNI_CONTAINERID`.
+    pub container_id: String,
+    /// `CNI_NETNS`.
+    pub netns: PathBuf,
+}
+
+impl Sandbox {
+    /// The sandbox of pod `namespace/name` in `netns`.
+    #[must_use]
+    pub fn new(namespace: &str, name: &str, netns: &Netns) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            container_id: unique_name("sandbox"),
+            netns: netns.path(),
+        }
+    }
+}
+
+/// The plugin's configuration as the runtime passes it: `cniVersion`, the agent socket and
+/// a `prevResult` with the pod's address.
+#[must_use]
+pub fn config(version: &str, socket: &Path, pod_ip: &str) -> Value {
+    config_with(version, socket, &[(format!("{pod_ip}/24"), "4")])
+}
+
+/// As [`config`], with every address of the pod (dual stack) in `prevResult`.
+#[must_use]
+pub fn config_ips(version: &str, socket: &Path, pod_ips: &[std::net::IpAddr]) -> Value {
+    let addresses: Vec<(String, &str)> = pod_ips
+        .iter()
+        .map(|ip| match ip {
+            std::net::IpAddr::V4(_) => (format!("{ip}/24"), "4"),
+            std::net::IpAddr::V6(_) => (format!("{ip}/64"), "6"),
+        })
+        .collect();
+    config_with(version, socket, &addresses)
+}
+
+fn config_with(version: &str, socket: &Path, addresses: &[(String, &str)]) -> Value {
+    let ips: Vec<Value> = addresses
+        .iter()
+        .map(|(address, family)| {
+            let mut ip = json!({"address": address, "interface": 0});
+            if !version.starts_with("1.") {
+                ip["version"] = json!(family);
+            }
+            ip
+        })
+        .collect();
+    json!({
+        "cniVersion": version,
+        "name": "k8s-pod-network",
+        "type": "meshcap-cni",
+        "agent_socket": socket,
+        "exclude_namespaces": ["kube-system"],
+        "log_level": "debug",
+        "prevResult": {
+            "cniVersion": version,
+            "interfaces": [{"name": "eth0", "sandbox": "/x"}],
+            "ips": ips,
+        }
+    })
+}
+
+/// What the plugin printed and how it exited.
+#[derive(Debug)]
+pub struct CniOutput {
+    /// Exit status 0.
+    pub success: bool,
+    /// stdout, parsed (`Null` when empty).
+    pub stdout: Value,
+    /// stderr (log lines).
+    pub stderr: String,
+}
+
+impl CniOutput {
+    /// The error JSON's `msg` (empty when there is none).
+    #[must_use]
+    pub fn msg(&self) -> &str {
+        self.stdout["msg"].as_str().unwrap_or("")
+    }
+}
+
+/// Runs `meshcap-cni` with `env` and `stdin` exactly (nothing inherited but PATH), as `uid`.
+///
+/// # Errors
+/// When it cannot run or prints something that is not JSON.
+pub fn run_plugin_raw(env: &[(&str, String)], stdin: &[u8], uid: u32) -> anyhow::Result<CniOutput> {
+    let mut cmd = Command::new(binaries().join("meshcap-cni"));
+    cmd.env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().map(|(k, v)| (*k, v)))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if uid != 0 {
+        cmd.uid(uid).gid(uid);
+    }
+    let mut child = cmd.spawn().context("starting meshcap-cni")?;
+    child.stdin.take().context("stdin")?.write_all(stdin)?;
+    let out = child.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let stdout = if text.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(text.trim()).with_context(|| format!("plugin printed {text:?}"))?
+    };
+    Ok(CniOutput {
+        success: out.status.success(),
+        stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// Runs `meshcap-cni` for `command` (ADD, DEL, CHECK…) on a sandbox with a configuration.
+///
+/// # Errors
+/// When it cannot run.
+pub fn cni(command: &str, sandbox: &Sandbox, conf: &Value) -> anyhow::Result<CniOutput> {
+    let env = [
+        ("CNI_COMMAND", command.to_owned()),
+        ("CNI_CONTAINERID", sandbox.container_id.clone()),
+        ("CNI_NETNS", sandbox.netns.display().to_string()),
+        ("CNI_IFNAME", "eth0".to_owned()),
+        ("CNI_PATH", "/opt/cni/bin".to_owned()),
+        (
+            "CNI_ARGS",
+            format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE={};K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={}",
+                sandbox.namespace, sandbox.name, sandbox.container_id
+            ),
+        ),
+    ];
+    run_plugin_raw(&env, conf.to_string().as_bytes(), 0)
+}

@@ -1,0 +1,101 @@
+//! A pod wired to an upstream by a veth pair, with a server behind it, its processes in the
+//! agent's cgroup: the scenario runner for the agent-level tests.
+use std::sync::Arc;
+
+use crate::{
+    APP_UID, Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Agent, dial, start_server,
+};
+
+/// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
+/// 10.0.0.1/24, with a server on 10.0.0.1:80. The pod's processes run in the agent's cgroup
+/// (eBPF), as a real pod's run under the cgroup root the programs are attached to.
+pub struct Wired {
+    /// The pod's netns.
+    pub pod: Netns,
+    /// The upstream's netns.
+    pub upstream: Netns,
+    cgroup: Option<Arc<TestCgroup>>,
+}
+
+impl Wired {
+    /// Wires a new pod for `agent` (its processes go to the agent's cgroup, if any).
+    ///
+    /// # Panics
+    /// When the kernel refuses.
+    #[must_use]
+    pub fn new(agent: &Agent) -> Self {
+        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
+        let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
+        pod.ip(&[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            upstream.name(),
+        ])
+        .expect("veth pair");
+        for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
+            ns.ip(&["addr", "add", addr, "dev", "eth0"])
+                .expect("address");
+            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
+        }
+        Self {
+            pod,
+            upstream,
+            cgroup: agent.cgroup(),
+        }
+    }
+
+    /// A process of the pod running as `uid`.
+    #[must_use]
+    pub fn in_pod(&self, uid: u32) -> Placement<'_> {
+        Placement {
+            netns: &self.pod,
+            cgroup: self.cgroup.as_deref(),
+            uid,
+            gid: uid,
+        }
+    }
+
+    /// Servers: the stand-in Envoy in the pod (uid 1337; its outbound listener holds
+    /// connections open, see [`crate::Held`]) and the upstream.
+    /// # Panics
+    /// When a server cannot start.
+    #[must_use]
+    pub fn servers(&self) -> (Proc, Proc) {
+        let envoy = start_server(
+            self.in_pod(PROXY_UID),
+            "envoy",
+            &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
+        )
+        .expect("stand-in envoy");
+        let upstream = start_server(
+            Placement {
+                netns: &self.upstream,
+                cgroup: None,
+                uid: 0,
+                gid: 0,
+            },
+            "upstream",
+            &["tcp:10.0.0.1:80"],
+        )
+        .expect("upstream server");
+        (envoy, upstream)
+    }
+
+    /// Who answers the app's connection to 10.0.0.1:80, and the original destination Envoy saw.
+    /// # Panics
+    /// When the client cannot run or nothing answers.
+    #[must_use]
+    pub fn app_dial(&self) -> (String, Option<String>) {
+        let report = dial(self.in_pod(APP_UID), "tcp:10.0.0.1:80", None)
+            .expect("dial")
+            .expect("something answers 10.0.0.1:80");
+        (report.server, report.original_dst.map(|a| a.to_string()))
+    }
+}
