@@ -11,7 +11,9 @@ use std::{net::SocketAddr, path::PathBuf};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod pods;
 mod profile;
+mod report;
 mod run;
 mod setup;
 mod stats;

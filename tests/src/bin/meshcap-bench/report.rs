@@ -1,0 +1,338 @@
+//! The report's sections: the data path, policy scale, footprint and pod set-up, each measured
+//! in interleaved rounds over the node's pods and written as Markdown tables.
+use std::{
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::ensure;
+use meshcap_tests::agent::Backend;
+
+use crate::{
+    pods::{Mode, Node, Pod, exclude_ranges, istio_rules},
+    profile::Profiler,
+    run::Plan,
+    setup::{self},
+    stats::{Samples, Table, count, human},
+    workload::{Load, Measured},
+};
+
+/// excludeOutboundIPRanges sizes of the policy-scale benchmark.
+pub(crate) const SCALE_SIZES: [usize; 4] = [1, 100, 1_000, 10_000];
+
+/// Runs `rounds` rounds over `pods`, each round in a rotated order, and returns every pod's
+/// measurements.
+pub(crate) fn interleave(
+    pods: &[Pod],
+    rounds: usize,
+    exe: &Path,
+    cpu: usize,
+    load: Load,
+    mut profile: Option<(usize, &mut Profiler)>,
+) -> anyhow::Result<Vec<Vec<Measured>>> {
+    let mut results = vec![Vec::new(); pods.len()];
+    for round in 0..rounds {
+        for k in 0..pods.len() {
+            let i = (round + k) % pods.len();
+            match &mut profile {
+                Some((profiled, profiler)) if *profiled == i => {
+                    let before = profiler.snapshot();
+                    let measured = profiler.sampling_flows(|| pods[i].measure(exe, cpu, load))?;
+                    results[i].push(measured);
+                    profiler.add_since(&before);
+                }
+                _ => results[i].push(pods[i].measure(exe, cpu, load)?),
+            }
+        }
+        eprintln!("  round {}/{rounds} done", round + 1);
+    }
+    Ok(results)
+}
+
+pub(crate) fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
+    Samples(runs.iter().map(metric).collect())
+}
+
+pub(crate) fn data_path(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    node: &Node,
+    profile: bool,
+) -> anyhow::Result<String> {
+    let modes = node.modes();
+    let pods: Vec<Pod> = modes
+        .iter()
+        .map(|&m| Pod::new(m, &[], exe, cpu, node))
+        .collect::<anyhow::Result<_>>()?;
+    let mut profiler = match (&node.ebpf, profile) {
+        (Ok(agent), true) => Some(Profiler::new(agent.pid())?),
+        _ => None,
+    };
+    let profiled = modes.iter().position(|&m| m == Mode::Ebpf);
+    let results = interleave(
+        &pods,
+        plan.rounds,
+        exe,
+        cpu,
+        plan.load,
+        profiled.zip(profiler.as_mut()),
+    )?;
+    type Metric = fn(&Measured) -> f64;
+    let metrics: [(&str, Metric); 6] = [
+        ("short conn/s", |m| m.short_per_s),
+        ("short p50 µs", |m| m.short_p50_us),
+        ("short p99 µs", |m| m.short_p99_us),
+        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
+        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
+        ("bulk Gbit/s", |m| m.bulk_gbit_s),
+    ];
+    let table = Table {
+        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+        ratios: if modes.len() == 3 {
+            vec![(1, 0), (2, 0), (2, 1)]
+        } else {
+            vec![(1, 0)]
+        },
+        rows: metrics
+            .iter()
+            .map(|(name, f)| {
+                (
+                    (*name).to_owned(),
+                    results.iter().map(|r| column(r, f)).collect(),
+                )
+            })
+            .collect(),
+    };
+    let mut out = format!(
+        "\n## Data path\n\n{} interleaved rounds; per round and mode: {} short connections \
+         (after {} warm-up), {} round trips on one connection, {} MiB bulk. Cells: median \
+         ±half the round-to-round range; ratios are ratios of medians.\n\n",
+        plan.rounds,
+        plan.load.short,
+        plan.load.warmup,
+        plan.load.pingpong,
+        plan.load.bulk >> 20
+    );
+    out.push_str(&table.markdown());
+    let rules = istio_rules(&[])?;
+    let _ = write!(
+        out,
+        "\niptables: `meshcap-agent run --backend iptables`, the pod ADDed through meshcap-cni: \
+         the {} rules (`-A` lines, nat table) of Istio's `basic` golden for a default injected \
+         pod, applied with iptables-restore in the pod netns.\n\n{}\n",
+        rules.lines().filter(|l| l.starts_with("-A")).count(),
+        node.ebpf_description()
+    );
+    out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
+    for (pod, runs) in pods.iter().zip(&results) {
+        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
+        let all: usize = runs.iter().map(|m| m.short).sum();
+        let _ = write!(out, " {} {ok} of {all};", pod.label);
+    }
+    out.pop();
+    out.push_str(".\n");
+    if let Some(profiler) = &profiler {
+        out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
+    }
+    Ok(out)
+}
+
+pub(crate) fn policy_scale(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    node: &Node,
+) -> anyhow::Result<String> {
+    let ebpf = node.ebpf.is_ok();
+    let mut modes = vec![Mode::Iptables];
+    if ebpf {
+        modes.push(Mode::Ebpf);
+    }
+    // pods[0] is the floor; then, per size, one pod per mode.
+    let mut pods = vec![Pod::new(Mode::Direct, &[], exe, cpu, node)?];
+    for n in SCALE_SIZES {
+        for &mode in &modes {
+            let mut pod = Pod::new(mode, &exclude_ranges(n), exe, cpu, node)?;
+            pod.label = format!("{} {n}", mode.label());
+            pods.push(pod);
+        }
+    }
+    let results = interleave(&pods, plan.scale_rounds, exe, cpu, plan.scale_load, None)?;
+    let floor = column(&results[0], |m| m.short_per_s);
+    let mut out = format!(
+        "\n## Policy scale\n\nShort connections with `excludeOutboundIPRanges` of N /24s (none \
+         matches the service, so every connection passes the whole list). {} interleaved \
+         rounds of {} connections (after {} warm-up); the no-capture floor ran in the same \
+         rounds: {} conn/s ±{:.0}%. ADD: the plugin's wall time capturing that pod.\n\n| \
+         CIDRs | iptables ADD ms | iptables conn/s | iptables p99 µs | iptables vs 1 CIDR | eBPF \
+         ADD ms | eBPF conn/s | eBPF p99 µs | eBPF vs 1 CIDR |\n|---|---|---|---|---|---|---|---|---|\n",
+        plan.scale_rounds,
+        plan.scale_load.short,
+        plan.scale_load.warmup,
+        human(floor.median()),
+        floor.spread_pct()
+    );
+    let base: Vec<f64> = (0..modes.len())
+        .map(|m| column(&results[1 + m], |r| r.short_per_s).median())
+        .collect();
+    for (k, n) in SCALE_SIZES.iter().enumerate() {
+        let _ = write!(out, "| {} |", count(*n));
+        for (m, base) in base.iter().enumerate() {
+            let i = 1 + k * modes.len() + m;
+            let rate = column(&results[i], |r| r.short_per_s);
+            let p99 = column(&results[i], |r| r.short_p99_us);
+            let _ = write!(
+                out,
+                " {} | {} ±{:.0}% | {} ±{:.0}% | {:.2} |",
+                human(pods[i].add_ms),
+                human(rate.median()),
+                rate.spread_pct(),
+                human(p99.median()),
+                p99.spread_pct(),
+                rate.median() / base
+            );
+        }
+        if modes.len() == 1 {
+            out.push_str(" n/a | n/a | n/a | n/a |");
+        }
+        out.push('\n');
+    }
+    if !ebpf {
+        out.push_str(
+            "\neBPF: n/a until `meshcap-agent run --backend ebpf` runs (see the data path).\n",
+        );
+    }
+    Ok(out)
+}
+
+pub(crate) fn footprint(plan: &Plan, exe: &Path, node: &Node) -> anyhow::Result<String> {
+    let mut out = String::from("\n## Footprint\n\n");
+    let maps = node.map_memory();
+    let total: u64 = maps.iter().map(|m| m.2).sum();
+    let _ = writeln!(
+        out,
+        "BPF maps the eBPF agent pins (kernel memlock accounting, from fdinfo): {} KiB in total.\n\n| map | \
+         max entries | memlock KiB |\n|---|---|---|",
+        total / 1024
+    );
+    for (name, max, memlock) in &maps {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {} |",
+            human(*max as f64),
+            memlock / 1024
+        );
+    }
+    let plugin = sibling(exe, "meshcap-cni");
+    if let Ok(meta) = fs::metadata(&plugin) {
+        let mut times = Vec::with_capacity(plan.plugin_runs);
+        for _ in 0..plan.plugin_runs {
+            let start = Instant::now();
+            let status = Command::new(&plugin)
+                .env("CNI_COMMAND", "VERSION")
+                .stdout(Stdio::null())
+                .status()?;
+            times.push(start.elapsed().as_secs_f64() * 1e6);
+            ensure!(status.success(), "meshcap-cni VERSION failed");
+        }
+        let mut samples = Samples(times);
+        let p50 = samples.median();
+        samples.0.sort_by(f64::total_cmp);
+        let p99 = samples.0[(samples.0.len() * 99).div_ceil(100).max(1) - 1];
+        let _ = writeln!(
+            out,
+            "\nPlugin `meshcap-cni` (release): {:.0} KiB; start to exit (`CNI_COMMAND=VERSION`, \
+             {} runs): p50 {} µs, p99 {} µs.",
+            meta.len() as f64 / 1024.0,
+            plan.plugin_runs,
+            human(p50),
+            human(p99)
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "\nPlugin binary not found beside meshcap-bench ({}): build it with `cargo build \
+             --release -p meshcap-cni`.",
+            plugin.display()
+        );
+    }
+    Ok(out)
+}
+
+/// Latency of ADD and DEL is reported over this many pods (and over all of them).
+pub(crate) const SETUP_LATENCY_PODS: usize = 200;
+
+pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
+    let pods = setup::sandboxes(plan.setup_pods)?;
+    let mut rss_at = vec![100, plan.setup_pods];
+    rss_at.dedup();
+    let results: Vec<_> = [Backend::Iptables, Backend::Ebpf]
+        .into_iter()
+        .map(|backend| {
+            eprintln!("  {}", backend.name());
+            setup::run(backend, &pods, &rss_at)
+        })
+        .collect();
+    drop(pods);
+    let first = SETUP_LATENCY_PODS.min(plan.setup_pods);
+    let mut out = format!(
+        "\n## Pod set-up and agent memory\n\nThe real `meshcap-cni` binary run as kubelet runs it (CNI \
+         environment, configuration with `prevResult` on stdin) against a running \
+         `meshcap-agent run --pods dir --backend B`, one pod netns (lo, veth eth0) per pod, \
+         {n} pods ADDed one after another, then DELeted. Times are the plugin's spawn to exit. \
+         The pod's manifest sits in the agent's manifest directory only during its ADD (that \
+         source reads every file per lookup; the Kubernetes source looks up a watch \
+         cache). Percentiles over the first {first} pods, and ADD p99 over all.\n\n| backend | \
+         ADD p50 ms | ADD p99 ms | DEL p50 ms | DEL p99 ms | ADD p99 ms, all {n} \
+         |\n|---|---|---|---|---|---|\n",
+        n = plan.setup_pods
+    );
+    for r in &results {
+        if let Some(why) = &r.unavailable {
+            let _ = writeln!(out, "| {} | n/a: {why} | | | | |", r.backend.name());
+            continue;
+        }
+        let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
+        let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
+        let (_, add99_all) = setup::SetupResult::percentiles(&r.add_ms, r.add_ms.len());
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            r.backend.name(),
+            human(add50),
+            human(add99),
+            human(del50),
+            human(del99),
+            human(add99_all)
+        );
+    }
+    let _ = write!(
+        out,
+        "\nAgent resident memory (VmRSS), idle and with pods captured:\n\n| backend | idle |"
+    );
+    for n in &rss_at {
+        let _ = write!(out, " {} pods |", count(*n));
+    }
+    out.push_str("\n|---|---|");
+    out.push_str(&"---|".repeat(rss_at.len()));
+    out.push('\n');
+    for r in &results {
+        let _ = write!(out, "| {} |", r.backend.name());
+        for (_, kib) in &r.rss_kib {
+            let _ = write!(out, " {:.1} MiB |", *kib as f64 / 1024.0);
+        }
+        for _ in r.rss_kib.len()..=rss_at.len() {
+            out.push_str(" n/a |");
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+pub(crate) fn sibling(exe: &Path, name: &str) -> PathBuf {
+    exe.parent().unwrap_or(Path::new(".")).join(name)
+}
