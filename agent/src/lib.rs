@@ -8,6 +8,7 @@
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
+//! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
@@ -37,6 +38,7 @@ pub mod backend;
 pub mod bpf;
 pub mod capture;
 pub mod cgroup;
+pub mod crashpoint;
 pub mod install;
 pub mod instance;
 pub mod logging;

@@ -166,7 +166,7 @@ fn execute(
         Command::Add => {
             // Convert first: a prevResult we cannot pass on must fail before anything is applied.
             let result = convert_result(conf.prev_result.as_ref(), &conf.cni_version)?;
-            let message = ask(conf, Op::Add { pod })?;
+            let message = ask_or_fail(conf, Op::Add { pod })?;
             log.at(LogLevel::Info, &message);
             Ok(Some(result))
         }
@@ -175,32 +175,39 @@ fn execute(
                 log.at(LogLevel::Info, &message);
                 Ok(None)
             }
-            // DEL must not wedge pod teardown when the agent is down: whatever capture state is
-            // left dies with the netns, and the agent reconciles with live pods when it starts.
-            Err(err) if err.code == code::TRY_AGAIN_LATER && err.details == UNREACHABLE => {
+            // DEL must not wedge pod teardown when the agent cannot answer, wherever the
+            // conversation broke (not listening, reset or closed mid-request, no answer in
+            // time): whatever capture state is left goes with the pod's network namespace, and
+            // the agent reconciles with live pods when it starts.
+            Err(Failure::NoAnswer(err)) => {
                 log.at(
                     LogLevel::Warn,
-                    &format!("{}; DEL succeeds regardless", err.msg),
+                    &format!(
+                        "{err}; DEL succeeds regardless: the capture goes with the pod's network \
+                         namespace, and the agent drops what is left when it starts"
+                    ),
                 );
                 Ok(None)
             }
-            Err(err) => Err(err),
+            Err(Failure::Agent(err)) => Err(err),
         },
-        Command::Check => ask(conf, Op::Check { pod }).map(|message| {
+        Command::Check => ask_or_fail(conf, Op::Check { pod }).map(|message| {
             log.at(LogLevel::Info, &message);
             None
         }),
-        Command::Status => ask(conf, Op::Ping).map(|_| None).map_err(|err| CniError {
-            code: code::NOT_AVAILABLE,
-            ..err
-        }),
+        Command::Status => ask_or_fail(conf, Op::Ping)
+            .map(|_| None)
+            .map_err(|err| CniError {
+                code: code::NOT_AVAILABLE,
+                ..err
+            }),
         Command::Gc => {
             let valid_container_ids = conf
                 .valid_attachments
                 .iter()
                 .map(|a| a.container_id.clone())
                 .collect();
-            ask(
+            ask_or_fail(
                 conf,
                 Op::Gc {
                     valid_container_ids,
@@ -218,35 +225,51 @@ fn execute(
 /// `details` of the error for an agent that is not listening.
 const UNREACHABLE: &str = "agent unreachable";
 
-/// Sends one request and turns every failure into a CNI error.
-fn ask(conf: &NetConf, op: Op) -> Result<String, CniError> {
+/// Why a request got no answer to act on.
+enum Failure {
+    /// The agent answered with an error.
+    Agent(CniError),
+    /// The agent gave no answer: not listening, the exchange broke, or no answer in time.
+    NoAnswer(CallError),
+}
+
+/// Sends one request; the agent's answer, or why there is none.
+fn ask(conf: &NetConf, op: Op) -> Result<String, Failure> {
     let socket = &conf.meshcap.agent_socket;
-    let name = op.name();
     match protocol::call(socket, &Request::new(op), conf.meshcap.timeout()) {
         Ok(response) => match response.reply {
             Reply::Ok { message, .. } => Ok(message),
-            Reply::Error { kind, msg, details } => Err(CniError {
+            Reply::Error { kind, msg, details } => Err(Failure::Agent(CniError {
                 code: kind.cni_code(),
                 msg,
                 details,
-            }),
+            })),
         },
-        Err(err @ CallError::Unreachable { .. }) => Err(CniError {
+        Err(err) => Err(Failure::NoAnswer(err)),
+    }
+}
+
+/// Sends one request and turns every failure into a CNI error: for every operation but DEL,
+/// no answer fails (closed: an ADD never lets a pod start uncaptured).
+fn ask_or_fail(conf: &NetConf, op: Op) -> Result<String, CniError> {
+    let name = op.name().to_ascii_uppercase();
+    ask(conf, op).map_err(|failure| match failure {
+        Failure::Agent(err) => err,
+        Failure::NoAnswer(err @ CallError::Unreachable { .. }) => CniError {
             code: code::TRY_AGAIN_LATER,
             msg: format!(
                 "{err}; is the meshcap-agent DaemonSet pod running on this node? \
                  ({name} refused: pods are never started uncaptured)"
             ),
             details: UNREACHABLE.to_owned(),
-        }),
-        Err(err @ CallError::Timeout { .. }) => Err(CniError::new(
-            code::TRY_AGAIN_LATER,
-            format!("{err} ({name})"),
-        )),
-        Err(err @ CallError::Protocol { .. }) => {
-            Err(CniError::new(code::IO, format!("{err} ({name})")))
+        },
+        Failure::NoAnswer(err @ CallError::Timeout { .. }) => {
+            CniError::new(code::TRY_AGAIN_LATER, format!("{err} ({name})"))
         }
-    }
+        Failure::NoAnswer(err @ CallError::Protocol { .. }) => {
+            CniError::new(code::IO, format!("{err} ({name})"))
+        }
+    })
 }
 
 #[cfg(test)]
@@ -329,6 +352,48 @@ mod tests {
         let out = run_with(&del, &conf(json!({})));
         assert!(out.success, "{out:?}");
         assert_eq!(out.stdout, None);
+    }
+
+    /// An agent that dies mid-request: it accepts the connection, reads part of the request
+    /// or all of it, and goes without a word (`close`: EOF) or with a reset (`SO_LINGER` 0).
+    fn dying_agent(reset: bool) -> (std::path::PathBuf, std::thread::JoinHandle<()>) {
+        use std::{io::Read as _, os::unix::net::UnixListener};
+        let path =
+            std::env::temp_dir().join(format!("meshcap-dying-{}-{reset}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).expect("bind");
+        let handle = std::thread::spawn(move || {
+            for _ in 0..2 {
+                let (mut stream, _) = listener.accept().expect("accept");
+                let mut head = [0; 4];
+                let _ = stream.read_exact(&mut head);
+                if !reset {
+                    // The whole request read, then closed unanswered: the plugin reads EOF.
+                    let mut body = vec![0; u32::from_be_bytes(head) as usize];
+                    let _ = stream.read_exact(&mut body);
+                }
+                // With part of the request unread, closing makes the kernel reset the
+                // connection.
+                drop(stream);
+            }
+        });
+        (path, handle)
+    }
+
+    #[test]
+    fn del_succeeds_when_the_agent_dies_mid_request_and_add_fails_closed() {
+        for reset in [false, true] {
+            let (socket, agent) = dying_agent(reset);
+            let c = conf(json!({"agent_socket": socket, "timeout_seconds": 5}));
+            let mut del = add_env("default", "web");
+            del[0].1 = "DEL".into();
+            let out = run_with(&del, &c);
+            assert!(out.success, "reset {reset}: {out:?}");
+            let out = run_with(&add_env("default", "web"), &c);
+            assert!(!out.success, "reset {reset}: ADD must fail closed");
+            agent.join().expect("agent thread");
+            let _ = std::fs::remove_file(&socket);
+        }
     }
 
     #[test]

@@ -351,6 +351,29 @@ impl Agent {
         self.wait_ready()
     }
 
+    /// Sets (`Some`) or removes (`None`) an environment variable for the next
+    /// [`Self::restart`].
+    pub fn set_env(&mut self, key: &str, value: Option<&str>) {
+        self.env.retain(|(k, _)| k != key);
+        if let Some(value) = value {
+            self.env.push((key.to_owned(), value.to_owned()));
+        }
+    }
+
+    /// Waits until the agent process has exited (after it killed itself), at most ~10 s.
+    ///
+    /// # Errors
+    /// When it is still running.
+    pub fn wait_exit(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        for _ in 0..200 {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        bail!("meshcap-agent still runs\n{}", self.log())
+    }
+
     /// The agent's state directory.
     #[must_use]
     pub fn state_dir(&self) -> PathBuf {

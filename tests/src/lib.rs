@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 pub mod agent;
 pub mod fixtures;
 pub mod kubelet;
+pub mod one_pod;
 pub mod plugin;
 pub mod wired;
 

@@ -134,7 +134,9 @@ pub trait CaptureBackend: Send + Sync {
 
     /// Reconciles the state a previous agent left with the live pods: drops every capture
     /// whose network namespace no longer exists (its pod went while no agent ran), and
-    /// returns those pods. Live pods stay captured. Called once at start.
+    /// returns those pods, and drops what an agent stopped part-way through a request left
+    /// that nothing refers to. Live pods stay captured. Called once at start, before any
+    /// request is served.
     ///
     /// # Errors
     /// When the state cannot be read or an entry cannot be dropped.

@@ -155,6 +155,44 @@ pub fn find(
     }))
 }
 
+/// The program id of a `bpf` filter at meshcap's place ([`PRIORITY`], [`HANDLE`]) on the
+/// ingress of `ifindex` that was attached under the name `name`, with where it is: meshcap's
+/// filter even when nothing records it (its record was removed behind meshcap's back). Whether
+/// meshcap added the qdisc is unknown then: the filter's place says it did not.
+///
+/// # Errors
+/// When the filters cannot be listed.
+pub fn find_named(
+    netlink: &mut Netlink,
+    ifindex: u32,
+    ifname: &str,
+    name: &str,
+) -> Result<Option<(Filter, u32)>, PodNetError> {
+    let filters = filters(netlink, ifindex, INGRESS)
+        .map_err(failed(format!("tc filter show dev {ifname} ingress")))?;
+    let place = Filter {
+        priority: PRIORITY,
+        handle: HANDLE,
+        created_qdisc: false,
+    };
+    Ok(filters.iter().find_map(|found| {
+        let at_place = found.header.handle == TcHandle::from(HANDLE)
+            && found.header.info >> 16 == u32::from(PRIORITY);
+        let options = found.attributes.iter().find_map(|a| match a {
+            TcAttribute::Options(options) => Some(options),
+            _ => None,
+        })?;
+        let named = options
+            .iter()
+            .any(|o| matches!(o, TcOption::Bpf(TcFilterBpfOption::ProgName(n)) if n == name));
+        let id = options.iter().find_map(|o| match o {
+            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
+            _ => None,
+        })?;
+        (at_place && named).then_some((place, id))
+    }))
+}
+
 /// Deletes meshcap's filter from the ingress of `ifindex` when it runs `prog_id` (a filter at
 /// that place with another program is not meshcap's record: left alone), then the clsact
 /// qdisc when meshcap added it and no filter is left on it. Absent ones are fine.

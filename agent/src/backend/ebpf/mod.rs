@@ -219,20 +219,36 @@ impl CaptureBackend for EbpfBackend {
     }
 
     fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Ok(Self::check(self, pod, policy)?)
+        Self::check(self, pod, policy).map_err(|err| match err {
+            // What the kernel holds differs from the policy: a mismatch, not a failure to look.
+            EbpfError::Pod { pod, message } => BackendError::NotCaptured {
+                pod,
+                missing: message,
+            },
+            err => err.into(),
+        })
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
         let live = podnet::live_cookies();
         let mut gone = Vec::new();
-        for pinned in self.pinned_pods() {
-            if live.contains(&pinned.netns_cookie) {
+        let mut pinned = std::collections::HashSet::new();
+        for pod in self.pinned_pods() {
+            if live.contains(&pod.netns_cookie) {
+                pinned.insert(pod.netns_cookie);
                 continue;
             }
-            let pod = pinned.pod_ref();
-            Self::remove(self, &pod)?;
-            tracing::info!(pod = %pod, container = %pod.container_id, netns_cookie = pinned.netns_cookie, "netns gone: entries and pins dropped");
-            gone.push(pod);
+            let pod_ref = pod.pod_ref();
+            Self::remove(self, &pod_ref)?;
+            tracing::info!(pod = %pod_ref, container = %pod_ref.container_id, netns_cookie = pod.netns_cookie, "netns gone: entries and pins dropped");
+            gone.push(pod_ref);
+        }
+        let orphans = self.lock().sweep_orphans(&pinned);
+        if orphans > 0 {
+            tracing::info!(
+                entries = orphans,
+                "dropped map entries an interrupted request left that no pod refers to"
+            );
         }
         Ok(gone)
     }

@@ -12,6 +12,7 @@ use meshcap_common::{PodConfig, flags};
 use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, tc};
 use crate::{
     backend::PodRef,
+    crashpoint,
     podnet::{self, PodNet, Visit},
     policy::{PolicyRoutes, RedirectPolicy, TproxyRoute},
 };
@@ -62,6 +63,7 @@ impl EbpfBackend {
             let pinned = self.pins.pod_record(net.cookie, pod);
             std::fs::create_dir_all(&pinned)
                 .map_err(|e| EbpfError::io(&format!("creating {}", pinned.display()), e))?;
+            crashpoint::here(crashpoint::EBPF_ADD_PINNED);
             // `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
             // interfaces, the policy route, as Istio installs them.
             let mut routes = if ipv6 {
@@ -84,6 +86,7 @@ impl EbpfBackend {
                     .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))?;
             }
             self.attach_stubs(visit, &net, exclude_interfaces)?;
+            crashpoint::here(crashpoint::EBPF_ADD_ATTACHED);
             Ok(net)
         });
         let net = match inside {
@@ -103,16 +106,17 @@ impl EbpfBackend {
         let cookie = net.cookie;
         let mut tables = self.lock();
         tables.set_cookie(record, cookie);
-        let old = tables.pods.get(&cookie, 0).ok();
+        let old = tables.current_id(cookie);
         let pod_id = tables.allocate_id();
         let written = tables
             .write_lists(pod_id, &entries)
-            .and_then(|()| tables.write_ifaces(cookie, &net, &entries))
             .and_then(|()| {
-                tables
-                    .pods
-                    .insert(cookie, PodConfig { pod_id, ..config }, 0)
-                    .map_err(|e| EbpfError::map("writing the pod entry", e))
+                crashpoint::here(crashpoint::EBPF_ADD_LISTS);
+                tables.write_ifaces(cookie, &net, &entries)
+            })
+            .and_then(|()| {
+                crashpoint::here(crashpoint::EBPF_ADD_IFACES);
+                tables.set_pod(cookie, PodConfig { pod_id, ..config })
             });
         if let Err(err) = written {
             // A full map (E2BIG): nothing of this ADD stays; an update keeps its old entry.
@@ -127,7 +131,7 @@ impl EbpfBackend {
             ));
         }
         if let Some(old) = old {
-            tables.remove_lists(old.pod_id);
+            tables.remove_lists(old);
         }
         tracing::info!(netns_cookie = cookie, pod_id, "captured");
         Ok(())
@@ -191,14 +195,8 @@ impl EbpfBackend {
         // interface): only then (or when nothing says) is it looked for.
         let route = {
             let mut tables = self.lock();
-            let config = tables.pods.get(&cookie, 0).ok();
-            if let Some(config) = config {
-                tables
-                    .pods
-                    .remove(&cookie)
-                    .map_err(|e| EbpfError::map("removing the pod entry", e))?;
-                tables.remove_lists(config.pod_id);
-            }
+            let config = tables.remove_pod(cookie)?;
+            crashpoint::here(crashpoint::EBPF_REMOVE_ENTRY);
             let rerouted = tables.remove_ifaces(cookie);
             tables.forget_cookie(cookie);
             config.is_none_or(|c| c.has(flags::TPROXY)) || rerouted
@@ -208,6 +206,7 @@ impl EbpfBackend {
             for (ifname, record) in &records {
                 tc::detach(visit, ifname, record);
             }
+            tc::detach_unrecorded(visit, &records);
             if route {
                 let removed = visit.netlink().and_then(|netlink| {
                     podnet::route::update(
@@ -227,6 +226,7 @@ impl EbpfBackend {
                 let _ = pins::unpin_link(record);
             }
         }
+        crashpoint::here(crashpoint::EBPF_REMOVE_DETACHED);
         pins::remove_tree(&self.pins.pod(cookie));
         tracing::info!(netns_cookie = cookie, "released");
         Ok(())
@@ -253,6 +253,9 @@ impl EbpfBackend {
                 pod,
                 format!("captured with a different configuration: {config:?}"),
             ));
+        }
+        if let Some(differ) = self.lock().lists_differ(config.pod_id, entries) {
+            return Err(EbpfError::pod(pod, format!("captured, but {differ}")));
         }
         node::check_cgroup_links(&self.pins).map_err(|message| EbpfError::pod(pod, message))?;
         let records = self.pins.tc_records(cookie);

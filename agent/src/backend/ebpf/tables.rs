@@ -16,12 +16,33 @@ use aya::{
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey, iface_flags,
-    maps,
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodConfig, PortKey,
+    iface_flags, maps,
 };
 
 use super::{EbpfError, Entries, pins::Pins};
 use crate::podnet::PodNet;
+
+/// A CIDR list entry's key, in the map of its family.
+enum CidrKey {
+    V4(Key<Cidr4Data>),
+    V6(Key<Cidr6Data>),
+}
+
+/// The key of `addr/len` in `pod_id`'s `kind` list.
+fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
+    let prefix = CIDR_KEY_PREFIX_BITS + u32::from(len);
+    match addr {
+        IpAddr::V4(a) => CidrKey::V4(Key::new(
+            prefix,
+            Cidr4Data::new(pod_id, kind, u32::from_ne_bytes(a.octets())),
+        )),
+        IpAddr::V6(a) => CidrKey::V6(Key::new(
+            prefix,
+            Cidr6Data::new(pod_id, kind, Addr::v6(a.octets()).words()),
+        )),
+    }
+}
 
 /// The per-pod maps, and what they hold per pod.
 pub(super) struct Tables {
@@ -53,8 +74,9 @@ impl Tables {
             ifaces: take(ebpf, maps::IFACES)?,
             index: Index::default(),
         };
-        for (_, config) in tables.pods.iter().flatten() {
+        for (cookie, config) in tables.pods.iter().flatten() {
             tables.index.use_id(config.pod_id);
+            tables.index.pod_ids.insert(cookie, config.pod_id);
         }
         for key in tables.ports.keys().flatten() {
             tables.index.lists_mut(key.pod_id).ports.push(key);
@@ -104,6 +126,76 @@ impl Tables {
         self.index.allocate()
     }
 
+    /// The pod id of netns `cookie`'s lists: its pod entry's, or, when the entry was removed
+    /// behind meshcap's back, the one this agent recorded.
+    pub(super) fn current_id(&self, cookie: u64) -> Option<u32> {
+        self.pods
+            .get(&cookie, 0)
+            .ok()
+            .map(|c| c.pod_id)
+            .or_else(|| self.index.pod_ids.get(&cookie).copied())
+    }
+
+    /// Writes the pod entry of netns `cookie`: what makes the programs act on it.
+    pub(super) fn set_pod(&mut self, cookie: u64, config: PodConfig) -> Result<(), EbpfError> {
+        self.pods
+            .insert(cookie, config, 0)
+            .map_err(|e| EbpfError::map("writing the pod entry", e))?;
+        self.index.pod_ids.insert(cookie, config.pod_id);
+        Ok(())
+    }
+
+    /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
+    /// there was one. The lists go also when the entry was removed behind meshcap's back (by
+    /// the id this agent recorded for the cookie).
+    pub(super) fn remove_pod(&mut self, cookie: u64) -> Result<Option<PodConfig>, EbpfError> {
+        let config = self.pods.get(&cookie, 0).ok();
+        if config.is_some() {
+            self.pods
+                .remove(&cookie)
+                .map_err(|e| EbpfError::map("removing the pod entry", e))?;
+        }
+        let recorded = self.index.pod_ids.remove(&cookie);
+        if let Some(id) = config.map(|c| c.pod_id).or(recorded) {
+            self.remove_lists(id);
+        }
+        Ok(config)
+    }
+
+    /// Removes what an agent stopped part-way through an ADD, an update or a DEL can leave
+    /// that nothing refers to: lists under pod ids no pod entry uses (written before the pod
+    /// entry, or left by an update before it removed the old ones), and interface entries of
+    /// netns cookies with neither a pod entry nor pins (`pinned`). Call only when no request
+    /// is in flight (at start). Returns how many entries went.
+    pub(super) fn sweep_orphans(&mut self, pinned: &HashSet<u64>) -> usize {
+        let used: HashSet<u32> = self.index.pod_ids.values().copied().collect();
+        let ids: Vec<u32> = self
+            .index
+            .lists
+            .keys()
+            .copied()
+            .filter(|id| !used.contains(id))
+            .collect();
+        let mut removed = 0;
+        for id in ids {
+            let lists = self.index.lists.get(&id).map_or(0, Lists::len);
+            self.remove_lists(id);
+            removed += lists;
+        }
+        let cookies: Vec<u64> = self
+            .index
+            .ifaces
+            .keys()
+            .copied()
+            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .collect();
+        for cookie in cookies {
+            removed += self.index.ifaces.get(&cookie).map_or(0, Vec::len);
+            self.remove_ifaces(cookie);
+        }
+        removed
+    }
+
     /// Writes `entries`' lists under `pod_id`, recording every key written (also when a
     /// later one fails, so that [`Self::remove_lists`] takes them all back).
     pub(super) fn write_lists(&mut self, pod_id: u32, entries: &Entries) -> Result<(), EbpfError> {
@@ -115,23 +207,14 @@ impl Tables {
             self.index.lists_mut(pod_id).ports.push(key);
         }
         for (kind, addr, len, value) in &entries.cidrs {
-            let prefix = CIDR_KEY_PREFIX_BITS + u32::from(*len);
-            match addr {
-                IpAddr::V4(a) => {
-                    let key = Key::new(
-                        prefix,
-                        Cidr4Data::new(pod_id, *kind, u32::from_ne_bytes(a.octets())),
-                    );
+            match cidr_key(pod_id, *kind, *addr, *len) {
+                CidrKey::V4(key) => {
                     self.cidrs4
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
                     self.index.lists_mut(pod_id).cidrs4.push(key);
                 }
-                IpAddr::V6(a) => {
-                    let key = Key::new(
-                        prefix,
-                        Cidr6Data::new(pod_id, *kind, Addr::v6(a.octets()).words()),
-                    );
+                CidrKey::V6(key) => {
                     self.cidrs6
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
@@ -140,6 +223,67 @@ impl Tables {
             }
         }
         Ok(())
+    }
+
+    /// What differs between the lists `pod_id` holds and those `entries` (encoded from a
+    /// policy) say it should: the port lists and the include and exclude CIDR lists (the
+    /// pod's own addresses and routes are the netns's, not the policy's), each entry looked up in
+    /// its map, so that one deleted behind meshcap's back counts. `None` when they agree.
+    pub(super) fn lists_differ(&self, pod_id: u32, entries: &Entries) -> Option<String> {
+        let empty = Lists::default();
+        let held = self.index.lists.get(&pod_id).unwrap_or(&empty);
+        let want: HashSet<PortKey> = entries
+            .ports
+            .iter()
+            .map(|(kind, port)| PortKey::new(pod_id, *kind, *port))
+            .collect();
+        let have: HashSet<PortKey> = held.ports.iter().copied().collect();
+        if want != have || want.iter().any(|key| self.ports.get(key, 0).is_err()) {
+            return Some(format!(
+                "its port lists differ from the policy's ({} entries held, {} wanted)",
+                have.len(),
+                want.len()
+            ));
+        }
+        let from_policy = |kind: [u8; 4]| {
+            let kind = u32::from_be_bytes(kind);
+            kind == CidrKind::ExcludeOutbound as u32 || kind == CidrKind::IncludeOutbound as u32
+        };
+        let (mut want4, mut want6) = (HashSet::new(), HashSet::new());
+        for (kind, addr, len, _) in &entries.cidrs {
+            if !from_policy((*kind as u32).to_be_bytes()) {
+                continue;
+            }
+            match cidr_key(pod_id, *kind, *addr, *len) {
+                CidrKey::V4(key) => want4.insert((key.prefix_len(), key.data())),
+                CidrKey::V6(key) => want6.insert((key.prefix_len(), key.data())),
+            };
+        }
+        let have4: HashSet<_> = held
+            .cidrs4
+            .iter()
+            .map(|k| (k.prefix_len(), k.data()))
+            .filter(|(_, d)| from_policy(d.kind))
+            .collect();
+        let have6: HashSet<_> = held
+            .cidrs6
+            .iter()
+            .map(|k| (k.prefix_len(), k.data()))
+            .filter(|(_, d)| from_policy(d.kind))
+            .collect();
+        let missing4 = want4
+            .iter()
+            .any(|(len, data)| self.cidrs4.get(&Key::new(*len, *data), 0).is_err());
+        let missing6 = want6
+            .iter()
+            .any(|(len, data)| self.cidrs6.get(&Key::new(*len, *data), 0).is_err());
+        (want4 != have4 || want6 != have6 || missing4 || missing6).then(|| {
+            format!(
+                "its CIDR lists differ from the policy's ({} entries held, {} wanted)",
+                have4.len() + have6.len(),
+                want4.len() + want6.len()
+            )
+        })
     }
 
     /// Removes the lists written under `pod_id` and frees the id.
@@ -218,6 +362,14 @@ struct Index {
     cursor: u32,
     /// Netns cookie by pin name of the pod (`pod@<namespace>@<name>@<container>`).
     cookies: StdHashMap<String, u64>,
+    /// The pod id of each netns cookie's pod entry.
+    pod_ids: StdHashMap<u64, u32>,
+}
+
+impl Lists {
+    fn len(&self) -> usize {
+        self.ports.len() + self.cidrs4.len() + self.cidrs6.len()
+    }
 }
 
 impl Index {

@@ -2,7 +2,11 @@
 //! netlink `cls_bpf` filter ([`crate::podnet::tc`], the default) recorded as a directory
 //! holding the stub pinned under the filter's place, or a TCX `bpf_link` pinned as the record
 //! itself. Attach, verify against the kernel, detach: all on the pod's netns thread.
-use std::{fs, os::fd::BorrowedFd, path::Path};
+use std::{
+    fs,
+    os::fd::BorrowedFd,
+    path::{Path, PathBuf},
+};
 
 use super::{
     EbpfError,
@@ -10,7 +14,7 @@ use super::{
     stub, sys,
 };
 use crate::podnet::{
-    Visit,
+    self, Visit,
     tc::{self, Filter},
 };
 
@@ -112,6 +116,42 @@ pub fn detach(visit: &mut Visit, ifname: &str, record: &Path) {
         pins::remove_tree(record);
     } else {
         let _ = pins::unpin_link(record);
+    }
+}
+
+/// Detaches meshcap's stub from every interface of the visited netns that has none of
+/// `records` (interface, record) yet runs it: a filter whose record was removed behind
+/// meshcap's back. Recognised by its place and its program's name; its qdisc stays (whether
+/// meshcap added it went with the record).
+pub fn detach_unrecorded(visit: &mut Visit, records: &[(String, PathBuf)]) {
+    let interfaces = match podnet::inspect(visit, false) {
+        Ok(net) => net.interfaces,
+        Err(err) => {
+            tracing::warn!(error = %err, "listing interfaces for unrecorded TC filters");
+            return;
+        }
+    };
+    for (ifindex, ifname) in interfaces {
+        if records.iter().any(|(name, _)| *name == ifname) {
+            continue;
+        }
+        let removed = visit.netlink().and_then(|netlink| {
+            match tc::find_named(netlink, ifindex, &ifname, stub::NAME)? {
+                Some((filter, id)) => {
+                    tc::detach(netlink, ifindex, &ifname, id, filter).map(|()| true)
+                }
+                None => Ok(false),
+            }
+        });
+        match removed {
+            Ok(true) => {
+                tracing::warn!(interface = %ifname, "removed meshcap's TC filter, whose record was gone")
+            }
+            Ok(false) => {}
+            Err(err) => {
+                tracing::warn!(interface = %ifname, error = %err, "looking for an unrecorded TC filter")
+            }
+        }
     }
 }
 

@@ -30,7 +30,7 @@ impl Ctx<'_> {
         cmd
     }
 
-    fn failed(&self, command: String, stderr: impl Into<String>) -> BackendError {
+    pub(super) fn failed(&self, command: String, stderr: impl Into<String>) -> BackendError {
         BackendError::Command {
             pod: self.pod.clone(),
             command,
@@ -149,6 +149,63 @@ impl Ctx<'_> {
             });
         }
         Ok(())
+    }
+
+    /// Removes whatever of `rules` is still in the netns, whatever is already gone: the
+    /// removal for a capture that is not as meshcap left it (rules or chains deleted behind
+    /// its back, or an interrupted earlier call), where the one-transaction inverse fails on
+    /// the first missing piece. Per table: each of its rules in the kernel's chains deleted on
+    /// its own (one already gone is fine), then its own chains that exist flushed and
+    /// deleted, then the policy route. Anything still there afterwards is an error.
+    pub(super) fn scrub(
+        &mut self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+    ) -> Result<(), BackendError> {
+        for (ipv6, text) in [
+            (false, Some(rules.v4.as_str())),
+            (true, rules.v6.as_deref()),
+        ] {
+            let Some(text) = text else { continue };
+            let program = flavour.binary(ipv6, "");
+            for table in restore::tables(text) {
+                let wait = || ["-w", "10"].map(str::to_owned).into_iter();
+                for (delete, check) in restore::builtin_rules(&table) {
+                    let delete: Vec<String> = wait().chain(delete).collect();
+                    // Refused because it is gone, or still there: only the latter is an error.
+                    if self.run(&program, &delete).is_err()
+                        && self
+                            .run(&program, &wait().chain(check).collect::<Vec<_>>())
+                            .is_ok()
+                    {
+                        return Err(self.failed(
+                            format!("{program} {}", delete.join(" ")),
+                            "the rule is still there after deleting it",
+                        ));
+                    }
+                }
+                let save = flavour.binary(ipv6, "-save");
+                let present = restore::saved_chains(
+                    &self.run(&save, &["-t".to_owned(), table.name.clone()])?,
+                );
+                let drop = restore::drop_chains(&table, &present);
+                self.restore(
+                    flavour,
+                    ipv6,
+                    &restore::payload(&[(table.name.clone(), drop)]),
+                )?;
+            }
+        }
+        if rules.routes.is_empty() {
+            return Ok(());
+        }
+        let pod = self.pod.clone();
+        self.visit
+            .netlink()
+            .and_then(|netlink| {
+                podnet::route::update(netlink, &rules.routes, &PolicyRoutes::default())
+            })
+            .map_err(|source| BackendError::PodNet { pod, source })
     }
 
     /// The first rule of `rules` that is not in place, if any.

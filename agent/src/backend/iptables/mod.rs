@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 
 use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
 use crate::{
-    podnet,
+    crashpoint, podnet,
     policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
 };
 
@@ -58,13 +58,25 @@ fn nothing() -> IptablesRules {
     }
 }
 
-/// What was applied to a pod.
+/// What was applied to a pod: the record, written before the rules are applied.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Applied {
     pod: PodRef,
     flavour: Flavour,
+    /// The rules the pod's capture consists of.
     rules: IptablesRules,
+    /// Rule sets that may still be in the netns besides `rules`: those of an update or an ADD
+    /// that has not finished (empty once it has).
+    #[serde(default)]
+    replacing: Vec<IptablesRules>,
     mode: InterceptionMode,
+}
+
+impl Applied {
+    /// Every rule set the netns may hold.
+    fn rule_sets(&self) -> impl Iterator<Item = &IptablesRules> {
+        std::iter::once(&self.rules).chain(&self.replacing)
+    }
 }
 
 /// The iptables backend.
@@ -97,10 +109,33 @@ impl IptablesBackend {
         })?;
         for entry in entries.flatten() {
             let path = entry.path();
-            match fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
-            {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let parsed = || {
+                fs::read(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
+            };
+            if name.ends_with(".json.tmp") {
+                // An ADD stopped between writing its record and renaming it into place: its
+                // rules were applied (the record is written after them), so a complete record
+                // is adopted; a partial one says nothing and goes.
+                match parsed() {
+                    Ok(record) => {
+                        let target = path.with_extension("");
+                        if fs::rename(&path, &target).is_ok() {
+                            info!(path = %target.display(), "adopted the record of an interrupted ADD");
+                            applied.insert(record.pod.container_id.clone(), record);
+                            continue;
+                        }
+                    }
+                    Err(reason) => {
+                        info!(path = %path.display(), %reason, "dropping the partial record of an interrupted ADD");
+                    }
+                }
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            match parsed() {
                 Ok(record) => {
                     applied.insert(record.pod.container_id.clone(), record);
                 }
@@ -141,6 +176,7 @@ impl IptablesBackend {
                 &tmp,
                 serde_json::to_vec(record).map_err(std::io::Error::other)?,
             )?;
+            crashpoint::here(crashpoint::IPTABLES_ADD_RECORD_WRITTEN);
             fs::rename(&tmp, &path)
         };
         write().map_err(|e| BackendError::State {
@@ -151,10 +187,12 @@ impl IptablesBackend {
 
     fn forget(&self, container_id: &str) {
         let path = self.record_path(container_id);
-        if let Err(e) = fs::remove_file(&path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            warn!(path = %path.display(), error = %e, "removing iptables record");
+        for path in [path.with_extension("json.tmp"), path] {
+            if let Err(e) = fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                warn!(path = %path.display(), error = %e, "removing iptables record");
+            }
         }
         self.lock().remove(container_id);
     }
@@ -207,33 +245,57 @@ impl CaptureBackend for IptablesBackend {
         let previous = self.lock().get(&pod.container_id).cloned();
         if let Some(prev) = &previous
             && prev.rules == rules
+            && prev.replacing.is_empty()
             && self.check(pod, policy).is_ok()
         {
             debug!("already captured with these rules");
             return Ok(());
         }
         let choice = self.flavour;
-        let flavour = self.in_netns(pod, |ctx| {
+        let record = self.in_netns(pod, |ctx| {
             let flavour = previous
                 .as_ref()
                 .map_or_else(|| ctx.detect(choice), |p| p.flavour);
-            ctx.swap(flavour, previous.as_ref().map(|p| &p.rules), &rules)?;
-            Ok(flavour)
+            // Written ahead: from here on the netns may hold the old rules, the new ones or a
+            // mix (an agent killed part-way), and the record says so, so that whoever comes
+            // next (a DEL, an ADD, a restarted agent) removes whatever of them is there.
+            let intent = Applied {
+                pod: pod.clone(),
+                flavour,
+                rules: rules.clone(),
+                replacing: previous
+                    .iter()
+                    .flat_map(Applied::rule_sets)
+                    .filter(|r| **r != rules)
+                    .cloned()
+                    .collect(),
+                mode: policy.mode,
+            };
+            self.save(&intent)?;
+            self.lock().insert(pod.container_id.clone(), intent.clone());
+            let old = previous
+                .as_ref()
+                .filter(|p| p.replacing.is_empty())
+                .map(|p| &p.rules);
+            if let Err(err) = ctx.swap(flavour, old, &rules) {
+                // The netns is not as recorded: rules removed behind meshcap's back, or the
+                // leftovers of an interrupted call. What is there of every rule set the record
+                // names goes, then the new set is applied whole.
+                warn!(error = %err, "the pod's rules are not as recorded: removing what is left and applying them afresh");
+                for set in intent.rule_sets() {
+                    ctx.scrub(flavour, set)?;
+                }
+                ctx.swap(flavour, None, &rules)?;
+            }
+            Ok(intent)
         })?;
+        crashpoint::here(crashpoint::IPTABLES_ADD_APPLIED);
         let record = Applied {
-            pod: pod.clone(),
-            flavour,
-            rules,
-            mode: policy.mode,
+            replacing: Vec::new(),
+            ..record
         };
-        if let Err(err) = self.save(&record) {
-            // Without a record a restarted agent could not remove these rules: undo them.
-            let _ = self.in_netns(pod, |ctx| {
-                ctx.swap(flavour, Some(&record.rules), &nothing())
-            });
-            return Err(err);
-        }
-        info!(?flavour, mode = %policy.mode, "iptables rules applied");
+        self.save(&record)?;
+        info!(flavour = ?record.flavour, mode = %policy.mode, "iptables rules applied");
         self.lock().insert(pod.container_id.clone(), record);
         Ok(())
     }
@@ -270,8 +332,26 @@ impl CaptureBackend for IptablesBackend {
             return Ok(());
         }
         self.in_netns(&target, |ctx| {
-            ctx.swap(record.flavour, Some(&record.rules), &nothing())
+            let removed = if record.replacing.is_empty() {
+                ctx.swap(record.flavour, Some(&record.rules), &nothing())
+            } else {
+                Err(ctx.failed(
+                    "an earlier ADD".into(),
+                    "did not finish: the netns may hold more than one rule set",
+                ))
+            };
+            if let Err(err) = removed {
+                // Part of the capture is already gone (removed behind meshcap's back, or by an
+                // interrupted call), or more than one rule set may be there: remove what is
+                // left of each, whatever it is.
+                warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
+                for set in record.rule_sets() {
+                    ctx.scrub(record.flavour, set)?;
+                }
+            }
+            Ok(())
         })?;
+        crashpoint::here(crashpoint::IPTABLES_REMOVE_REMOVED);
         self.forget(&pod.container_id);
         info!("iptables rules removed");
         Ok(())
@@ -289,6 +369,11 @@ impl CaptureBackend for IptablesBackend {
                 "meshcap never applied rules to this container".into(),
             ));
         };
+        if !record.replacing.is_empty() {
+            return Err(not_captured(
+                "an earlier ADD or update did not finish (ADD again)".into(),
+            ));
+        }
         if record.rules != rules {
             return Err(not_captured(
                 "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),

@@ -1,0 +1,59 @@
+//! Named points in the agent's state changes where a test can have it die, as a SIGKILL or an
+//! OOM kill would stop it: between two steps of an ADD, a DEL or an update. Compiled only with
+//! the `crash-points` feature, which the end-to-end tests enable (the test build's agent
+//! binary has it, inert unless `MESHCAP_CRASH_AT` names a point); a release build never has it.
+//!
+//! The tests kill the agent at each point and check that its next start reaches a state in
+//! which the pod is either fully captured as its policy says or fully released, with nothing
+//! left that nothing refers to (tests/tests/crash.rs).
+
+/// The environment variable naming the point to die at.
+pub const ENV: &str = "MESHCAP_CRASH_AT";
+
+/// Every point, for the tests to iterate over.
+pub const POINTS: [&str; 9] = [
+    EBPF_ADD_PINNED,
+    EBPF_ADD_ATTACHED,
+    EBPF_ADD_LISTS,
+    EBPF_ADD_IFACES,
+    EBPF_REMOVE_ENTRY,
+    EBPF_REMOVE_DETACHED,
+    IPTABLES_ADD_APPLIED,
+    IPTABLES_ADD_RECORD_WRITTEN,
+    IPTABLES_REMOVE_REMOVED,
+];
+
+/// eBPF ADD: the pod's record pinned, nothing attached yet.
+pub const EBPF_ADD_PINNED: &str = "ebpf-add-pinned";
+/// eBPF ADD: its stubs attached, no map entry written.
+pub const EBPF_ADD_ATTACHED: &str = "ebpf-add-attached";
+/// eBPF ADD (and update): its lists written under a fresh pod id, no pod entry (for an update,
+/// the old one still in place).
+pub const EBPF_ADD_LISTS: &str = "ebpf-add-lists";
+/// eBPF ADD: its interface entries written, no pod entry.
+pub const EBPF_ADD_IFACES: &str = "ebpf-add-ifaces";
+/// eBPF DEL: the pod entry removed, its lists and interface entries not yet.
+pub const EBPF_REMOVE_ENTRY: &str = "ebpf-remove-entry";
+/// eBPF DEL: everything detached and removed from the maps, its pins not yet.
+pub const EBPF_REMOVE_DETACHED: &str = "ebpf-remove-detached";
+/// iptables ADD: the rules applied, no record written.
+pub const IPTABLES_ADD_APPLIED: &str = "iptables-add-applied";
+/// iptables ADD: the record written to its temporary file, not renamed into place.
+pub const IPTABLES_ADD_RECORD_WRITTEN: &str = "iptables-add-record-written";
+/// iptables DEL: the rules removed, the record not yet.
+pub const IPTABLES_REMOVE_REMOVED: &str = "iptables-remove-removed";
+
+/// Dies here (SIGKILL to itself: nothing runs on the way out) when `MESHCAP_CRASH_AT` names
+/// `point`.
+#[cfg(feature = "crash-points")]
+pub fn here(point: &str) {
+    if std::env::var(ENV).is_ok_and(|wanted| wanted == point) {
+        tracing::warn!(point, "crash point reached: killing myself");
+        let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// Without the `crash-points` feature: nothing.
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn here(_point: &str) {}
