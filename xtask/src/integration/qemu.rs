@@ -303,7 +303,10 @@ fn boot_once(
         let _ = reader.join();
     }
     let elapsed = started.elapsed();
-    if timed_out && kvm && (!alive || kvm_failed) {
+    // A KVM guest that never came alive says nothing about the kernel under test: KVM itself
+    // is unusable here, whether QEMU hung (nested KVM's internal error) or exited (an
+    // assertion on a model-specific register, seen on some hosts).
+    if kvm && (!alive || kvm_failed) {
         return Ok(None);
     }
     let running = report.unfinished().join(", ");
