@@ -370,7 +370,8 @@ impl Capture {
 
     /// The status report.
     async fn status(&self) -> Result<StatusReport, Failure> {
-        let captured = self.blocking(|b| b.list()).await??;
+        let (captured, warnings) = self.blocking(|b| (b.list(), b.warnings())).await?;
+        let captured = captured?;
         let policies = self
             .policies
             .lock()
@@ -391,6 +392,7 @@ impl Capture {
                     captured: c,
                 })
                 .collect(),
+            warnings,
         })
     }
 }

@@ -1,5 +1,7 @@
 //! Logging: `tracing` everywhere. `try_init` also installs tracing-subscriber's `log` bridge, so
 //! `log` records (aya, aya-log's kernel-side messages) reach the same subscriber.
+use std::io::IsTerminal as _;
+
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
 /// Output format of the agent's logs.
@@ -21,8 +23,13 @@ pub fn init(format: LogFormat, default_level: &str) -> anyhow::Result<()> {
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let registry = tracing_subscriber::registry().with(filter);
     match format {
+        // Colours only for a terminal: a log file or a container's log stream gets plain text.
         LogFormat::Text => registry
-            .with(fmt::layer().with_writer(std::io::stderr))
+            .with(
+                fmt::layer()
+                    .with_ansi(std::io::stderr().is_terminal())
+                    .with_writer(std::io::stderr),
+            )
             .try_init()?,
         LogFormat::Json => registry
             .with(fmt::layer().json().with_writer(std::io::stderr))

@@ -27,3 +27,96 @@ pub const HOST_CGROUP_ROOT: &str = "/host/sys/fs/cgroup";
 
 /// Where container runtimes create pod network namespaces; the CNI `CNI_NETNS` paths are here.
 pub const NETNS_DIR: &str = "/var/run/netns";
+
+/// The health, readiness and metrics endpoint, on every address of the node.
+pub const HTTP_LISTEN: &str = "0.0.0.0:15022";
+
+/// Where one agent keeps everything it owns on the node: the DaemonSet's ([`Self::default`]),
+/// or a private agent's beside it ([`Self::instance`]), so that a second agent started by hand
+/// never shares a socket, state, pins, cgroup or port with the first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentPaths {
+    /// The plugin socket.
+    pub socket: std::path::PathBuf,
+    /// The state directory (locked while the agent runs).
+    pub state_dir: std::path::PathBuf,
+    /// The versioned bpffs directory the eBPF backend pins under.
+    pub bpffs_dir: std::path::PathBuf,
+    /// The cgroup the eBPF programs attach to, relative to the cgroup2 mount (empty: the
+    /// mount itself).
+    pub cgroup: std::path::PathBuf,
+    /// The health, readiness and metrics endpoint.
+    pub http_listen: std::net::SocketAddr,
+}
+
+impl Default for AgentPaths {
+    fn default() -> Self {
+        Self {
+            socket: AGENT_SOCKET.into(),
+            state_dir: RUN_DIR.into(),
+            bpffs_dir: crate::backend::ebpf::DEFAULT_BPFFS_DIR.into(),
+            cgroup: std::path::PathBuf::new(),
+            http_listen: HTTP_LISTEN.parse().expect("a socket address"),
+        }
+    }
+}
+
+impl AgentPaths {
+    /// The paths of the private agent `name`: `/var/run/meshcap-<name>/` (socket and state),
+    /// `/sys/fs/bpf/meshcap-<name>/<layout>/`, the cgroup `meshcap-<name>` under the cgroup2
+    /// mount (only processes in it are captured), and an endpoint on a port of the kernel's
+    /// choosing on 127.0.0.1 (the agent logs it).
+    ///
+    /// # Errors
+    /// When `name` is not 1 to 40 lowercase letters, digits and `-`.
+    pub fn instance(name: &str) -> Result<Self, String> {
+        if name.is_empty()
+            || name.len() > 40
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(format!(
+                "instance name {name:?}: use 1 to 40 lowercase letters, digits and '-'"
+            ));
+        }
+        let run = std::path::PathBuf::from(format!("{RUN_DIR}-{name}"));
+        let layout = std::path::Path::new(crate::backend::ebpf::DEFAULT_BPFFS_DIR)
+            .file_name()
+            .unwrap_or_default();
+        Ok(Self {
+            socket: run.join("agent.sock"),
+            state_dir: run,
+            bpffs_dir: std::path::Path::new(BPFFS)
+                .join(format!("meshcap-{name}"))
+                .join(layout),
+            cgroup: format!("meshcap-{name}").into(),
+            http_listen: "127.0.0.1:0".parse().expect("a socket address"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_instance_shares_nothing_with_the_daemon_set() {
+        let default = AgentPaths::default();
+        let private = AgentPaths::instance("dev-1").expect("a valid name");
+        assert_eq!(
+            private.socket,
+            std::path::Path::new("/var/run/meshcap-dev-1/agent.sock")
+        );
+        assert_eq!(
+            private.bpffs_dir,
+            std::path::Path::new("/sys/fs/bpf/meshcap-dev-1/v3")
+        );
+        assert_eq!(private.cgroup, std::path::Path::new("meshcap-dev-1"));
+        assert_ne!(private.state_dir, default.state_dir);
+        assert_ne!(private.http_listen.port(), default.http_listen.port());
+        for bad in ["", "Dev", "a/b", "a_b", &"x".repeat(41)] {
+            assert!(AgentPaths::instance(bad).is_err(), "{bad:?}");
+        }
+    }
+}

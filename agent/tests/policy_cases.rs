@@ -557,7 +557,7 @@ fn exclude_interfaces() {
 
 #[test]
 fn reroute_virtual_interfaces() {
-    let policy = annotated(&[("istio.io/reroute-virtual-interfaces", "eth1,,")]);
+    let policy = annotated(&[("istio.io/reroute-virtual-interfaces", "eth1")]);
     assert_eq!(policy.reroute_virtual_interfaces, ["eth1"]);
     expect(
         &policy,
@@ -665,6 +665,91 @@ fn dual_stack_and_per_family_include_lists() {
         .unwrap()
         .families;
     assert_eq!(route_families, [policy::Family::V4]);
+}
+
+/// Istio enables IPv6 rules from the pod's first global address in the kernel's order (IPv4
+/// first), or any IPv6 one with `ISTIO_DUAL_STACK` (`tools/common/config/config.go`
+/// `getLocalIP`): a dual-stack pod without it gets IPv4 rules only, an IPv6-only pod gets both.
+#[test]
+fn ipv6_rules_exactly_when_istio_installs_them() {
+    for (addrs, env, want) in [
+        (&[POD_IP, POD_IP6][..], &[][..], false),
+        (&[POD_IP6, POD_IP][..], &[][..], false),
+        (&[POD_IP6][..], &[][..], true),
+        (&["fe80::1", POD_IP6][..], &[][..], true),
+        (
+            &[POD_IP6, POD_IP][..],
+            &[("ISTIO_DUAL_STACK", "true")][..],
+            true,
+        ),
+        (&[POD_IP][..], &[("ISTIO_DUAL_STACK", "true")][..], false),
+        (&["::ffff:10.0.0.2", POD_IP6][..], &[][..], false),
+    ] {
+        let policy = policy_of(&[], env, json!({}), addrs);
+        assert_eq!(policy.ipv6, want, "{addrs:?} {env:?}");
+        assert_eq!(policy.render().v6.is_some(), want, "{addrs:?} {env:?}");
+    }
+}
+
+/// `ValidateInterfaceNames` (pkg/util/net/ip.go, Istio ≥ 1.30) refuses an empty entry in
+/// each of the three interface annotations.
+#[test]
+fn interface_lists_with_an_empty_entry_are_refused() {
+    for key in [
+        "traffic.sidecar.istio.io/excludeInterfaces",
+        "istio.io/reroute-virtual-interfaces",
+        "traffic.sidecar.istio.io/kubevirtInterfaces",
+    ] {
+        let err = error_of(&[(key, "eth1,,eth2")], json!({}));
+        assert!(
+            matches!(err, PolicyError::InvalidInterface { .. }),
+            "{key}: {err}"
+        );
+        assert!(err.to_string().contains(key), "{err}");
+    }
+}
+
+/// `excludeInboundPorts` is validated with `validatePortListWithWildcard`
+/// (cni/pkg/plugin/sidecar_redirect.go): `*` is accepted, and with a port-list
+/// `includeInboundPorts` the exclude list is unused.
+#[test]
+fn wildcard_exclude_inbound_ports_with_a_port_list_include_is_accepted() {
+    let policy = annotated(&[
+        ("traffic.sidecar.istio.io/includeInboundPorts", "8080"),
+        ("traffic.sidecar.istio.io/excludeInboundPorts", "*"),
+    ]);
+    assert_eq!(
+        policy.include_inbound_ports,
+        PortSelection::Ports(vec![8080])
+    );
+    expect(
+        &policy,
+        &inbound(POD_IP, 8080, "eth0"),
+        Verdict::Redirect(15006),
+    );
+    expect(&policy, &inbound(POD_IP, 9090, "eth0"), Verdict::Pass);
+    // With `*` included, Istio would write `--dport *`, which iptables refuses.
+    let err = error_of(
+        &[("traffic.sidecar.istio.io/excludeInboundPorts", "*")],
+        json!({}),
+    );
+    assert!(err.to_string().contains("is not allowed here"), "{err}");
+}
+
+/// Go's `netip.Addr.IsLoopback`, which `SeparateV4V6` (tools/common/config/config.go) calls,
+/// unmaps an IPv4-mapped address: `::ffff:127.0.0.1/128` is a loopback range, so the app's
+/// loopback traffic stays in the capture path as for `127.0.0.1/32`.
+#[test]
+fn an_ipv4_mapped_loopback_include_range_counts_as_loopback() {
+    let policy = annotated(&[(
+        "traffic.sidecar.istio.io/includeOutboundIPRanges",
+        "::ffff:127.0.0.1/128",
+    )]);
+    assert!(policy.include_outbound_ip_ranges.has_loopback());
+    assert!(
+        !policy.render().v4.contains("-o lo -m owner ! --uid-owner"),
+        "no app-loopback RETURN rules"
+    );
 }
 
 #[test]

@@ -128,7 +128,9 @@ fn policy_command_prints_each_golden() {
 #[test]
 fn policy_command_prints_decision_and_policy_as_json() {
     let output = Command::new(env!("CARGO_BIN_EXE_meshcap-agent"))
-        .args(["policy", "--ip", "10.0.0.2", "--ip", "fd00::2", "--pod"])
+        // An IPv6-only pod: Istio installs IPv6 rules (a dual-stack one gets them only with
+        // ISTIO_DUAL_STACK).
+        .args(["policy", "--ip", "fd00::2", "--pod"])
         .arg(pod_path("custom-uid-tproxy"))
         .output()
         .expect("run meshcap-agent");

@@ -17,10 +17,12 @@ pub const LATEST_VERSION: &str = "1.1.0";
 
 /// The agent's socket when the configuration names none.
 pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/meshcap/agent.sock";
-/// The namespace of meshcap's own DaemonSet pods when the configuration names none.
-pub const DEFAULT_AGENT_POD_NAMESPACE: &str = "kube-system";
-/// The name prefix of meshcap's own DaemonSet pods when the configuration names none.
-pub const DEFAULT_AGENT_POD_PREFIX: &str = "meshcap-node-";
+/// The namespace of meshcap's own DaemonSet pods when the configuration names none: the one
+/// `deploy/` creates (the agent's own conflist entry names it too).
+pub const DEFAULT_AGENT_POD_NAMESPACE: &str = "meshcap-system";
+/// The name prefix of meshcap's own DaemonSet pods when the configuration names none: the
+/// DaemonSet's name (`deploy/`) and a dash.
+pub const DEFAULT_AGENT_POD_PREFIX: &str = "meshcap-agent-";
 /// How long the plugin waits for the agent when the configuration says nothing.
 pub const DEFAULT_TIMEOUT_SECONDS: u64 = 30;
 
@@ -102,9 +104,9 @@ pub struct NetConf {
 ///   "type": "meshcap-cni",
 ///   "agent_socket": "/var/run/meshcap/agent.sock",
 ///   "exclude_namespaces": ["kube-system"],
-///   "agent_pod_namespace": "kube-system",
-///   "agent_pod_prefix": "meshcap-node-",
-///   "log_level": "warn",
+///   "agent_pod_namespace": "meshcap-system",
+///   "agent_pod_prefix": "meshcap-agent-",
+///   "log_level": "info",
 ///   "timeout_seconds": 30
 /// }
 /// ```
@@ -182,9 +184,10 @@ pub enum LogLevel {
     /// Errors only.
     Error,
     /// Errors and warnings.
-    #[default]
     Warn,
-    /// Also decisions.
+    /// Also decisions: captured, or passed through and why (the default, as Istio's plugin
+    /// logs at `info`, and as the agent writes the plugin's entry).
+    #[default]
     Info,
     /// Everything.
     Debug,

@@ -320,7 +320,7 @@ mod tests {
     #[test]
     fn the_agents_own_pods_pass_through_without_the_agent() {
         let c = conf(json!({"agent_pod_namespace": "meshcap", "exclude_namespaces": []}));
-        let out = run_with(&add_env("meshcap", "meshcap-node-x7k2p"), &c);
+        let out = run_with(&add_env("meshcap", "meshcap-agent-x7k2p"), &c);
         assert!(out.success, "{out:?}");
         let out = run_with(&add_env("meshcap", "other"), &c);
         assert!(!out.success, "only the name prefix is exempt");

@@ -310,6 +310,12 @@ impl Proc {
         Ok(Self { child })
     }
 
+    /// The process id.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits for the first stdout line (servers print `ready` once listening).
     ///
     /// # Errors

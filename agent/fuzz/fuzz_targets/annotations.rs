@@ -13,7 +13,6 @@ fuzz_target!(|data: &[u8]| {
     let _ = annotations::parse_port_list(text);
     let _ = annotations::parse_cidr_list(text);
     let _ = annotations::parse_interface_list(text);
-    let _ = annotations::parse_lenient_interface_list(text);
     let _ = text.parse::<policy::IpPrefix>();
 
     // Lines become annotation values, key chosen by line number.

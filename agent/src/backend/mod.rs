@@ -122,6 +122,13 @@ pub trait CaptureBackend: Send + Sync {
     /// When its state cannot be read.
     fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
 
+    /// What an operator should know about the captures in place, in words: pods the backend
+    /// holds but cannot capture in full (for the eBPF backend, processes outside the cgroup its
+    /// programs are attached to). Shown in the status report, logged periodically.
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// How many pods this backend captures (the metrics' gauge, updated after every ADD and
     /// DEL): what [`Self::list`] would count, without building the list where the backend
     /// keeps the number.

@@ -41,11 +41,12 @@ pub const STANDALONE_CNI_VERSION: &str = "0.3.1";
 /// The Istio CNI plugin's type, whose entry must not run beside meshcap's.
 const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
 
-/// The namespace of meshcap's own pods (`deploy/`).
-pub const AGENT_POD_NAMESPACE: &str = "meshcap-system";
+/// The namespace of meshcap's own pods (`deploy/`): the plugin's default too.
+pub const AGENT_POD_NAMESPACE: &str = meshcap_cni::cni::DEFAULT_AGENT_POD_NAMESPACE;
 
-/// The name prefix of meshcap's own pods: the DaemonSet's name and a dash (`deploy/`).
-pub const AGENT_POD_PREFIX: &str = "meshcap-agent-";
+/// The name prefix of meshcap's own pods: the DaemonSet's name and a dash (`deploy/`), the
+/// plugin's default too.
+pub const AGENT_POD_PREFIX: &str = meshcap_cni::cni::DEFAULT_AGENT_POD_PREFIX;
 
 /// What the plugin is told in its entry: the keys of `meshcap_cni::cni::PluginConfig`.
 #[derive(Clone, Debug, PartialEq, Eq)]

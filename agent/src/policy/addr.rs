@@ -72,7 +72,9 @@ impl IpPrefix {
     /// loopback address (`127.0.0.0/8` yes, `0.0.0.0/0` no).
     #[must_use]
     pub fn is_loopback(&self) -> bool {
-        self.addr.is_loopback()
+        // As Go's `netip.Addr.IsLoopback`, which Istio calls: an IPv4-mapped IPv6 address is
+        // loopback when its IPv4 address is.
+        self.addr.to_canonical().is_loopback()
     }
 
     /// Whether `ip` is in the range. Addresses of the other family never are.

@@ -54,10 +54,11 @@ pub fn parse_cidr_list(value: &str) -> Result<CidrSet, (String, PrefixParseError
     Ok(set)
 }
 
-/// An interface list: entries separated by `,` and trimmed; each must be a Linux interface
+/// An interface list (`excludeInterfaces`, `reroute-virtual-interfaces`,
+/// `kubevirtInterfaces`): entries separated by `,` and trimmed; each must be a Linux interface
 /// name (a letter, then letters, digits, `_`, `.`, `-`; at most 15 bytes), as Istio's
-/// `ValidateInterfaceNames` requires. The empty value is the empty list; a blank entry is an
-/// error. Returns the offending entry.
+/// `ValidateInterfaceNames` (pkg/util/net/ip.go, Istio ≥ 1.30) requires of all three. The
+/// empty value is the empty list; a blank entry is an error. Returns the offending entry.
 pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
     if value.is_empty() {
         return Ok(Vec::new());
@@ -69,22 +70,6 @@ pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
             is_interface_name(name)
                 .then(|| name.to_owned())
                 .ok_or_else(|| entry.to_owned())
-        })
-        .collect()
-}
-
-/// Like [`parse_interface_list`], but empty entries are dropped, as Istio does for
-/// `reroute-virtual-interfaces` (which it does not validate: a bad name there makes
-/// iptables-restore fail, so meshcap refuses it up front).
-pub fn parse_lenient_interface_list(value: &str) -> Result<Vec<String>, String> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|entry| !entry.is_empty())
-        .map(|name| {
-            is_interface_name(name)
-                .then(|| name.to_owned())
-                .ok_or_else(|| name.to_owned())
         })
         .collect()
 }
@@ -143,10 +128,7 @@ mod tests {
         assert!(parse_interface_list("eth1,").is_err());
         assert!(parse_interface_list("1eth").is_err());
         assert!(parse_interface_list("abcdefghijklmnop").is_err());
-        assert_eq!(
-            parse_lenient_interface_list(",eth1,,"),
-            Ok(vec!["eth1".into()])
-        );
-        assert!(parse_lenient_interface_list("eth 1").is_err());
+        assert_eq!(parse_interface_list("eth1,,eth2"), Err(String::new()));
+        assert!(parse_interface_list("eth 1").is_err());
     }
 }

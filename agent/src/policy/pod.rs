@@ -10,10 +10,7 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    annotations::{
-        parse_cidr_list, parse_go_bool, parse_interface_list, parse_lenient_interface_list,
-        parse_port_list,
-    },
+    annotations::{parse_cidr_list, parse_go_bool, parse_interface_list, parse_port_list},
     error::PolicyError,
     model::{
         ALWAYS_EXCLUDED_INBOUND_PORTS, CidrSet, DEFAULT_PROXY_ID, InterceptionMode, IpRanges,
@@ -214,8 +211,24 @@ impl RedirectPolicy {
             Some(_) => IpRanges::Cidrs(reader.cidrs(keys::INCLUDE_OUTBOUND_IP_RANGES)?),
         };
         let exclude_outbound_ip_ranges = reader.cidrs(keys::EXCLUDE_OUTBOUND_IP_RANGES)?;
-        let mut exclude_inbound_ports =
-            reader.ports(keys::EXCLUDE_INBOUND_PORTS, &[STATUS_PORT])?;
+        let include_inbound_ports = match annotations.get(keys::INCLUDE_INBOUND_PORTS) {
+            None => PortSelection::All,
+            Some(value) if value == "*" => PortSelection::All,
+            Some(_) => PortSelection::Ports(reader.ports(keys::INCLUDE_INBOUND_PORTS, &[])?),
+        };
+        // Istio validates `excludeInboundPorts` with `validatePortListWithWildcard`
+        // (cni/pkg/plugin/sidecar_redirect.go): `*` is accepted, and unused when the include
+        // list is a port list. With `includeInboundPorts: *` Istio would write `--dport *`, which
+        // iptables refuses: meshcap refuses it up front.
+        let exclude_wildcard = annotations
+            .get(keys::EXCLUDE_INBOUND_PORTS)
+            .is_some_and(|v| v == "*")
+            && matches!(include_inbound_ports, PortSelection::Ports(_));
+        let mut exclude_inbound_ports = if exclude_wildcard {
+            vec![STATUS_PORT]
+        } else {
+            reader.ports(keys::EXCLUDE_INBOUND_PORTS, &[STATUS_PORT])?
+        };
         for port in ALWAYS_EXCLUDED_INBOUND_PORTS {
             if !exclude_inbound_ports.contains(&port) {
                 exclude_inbound_ports.push(port);
@@ -227,11 +240,6 @@ impl RedirectPolicy {
                 deduplicated.push(port);
             }
         }
-        let include_inbound_ports = match annotations.get(keys::INCLUDE_INBOUND_PORTS) {
-            None => PortSelection::All,
-            Some(value) if value == "*" => PortSelection::All,
-            Some(_) => PortSelection::Ports(reader.ports(keys::INCLUDE_INBOUND_PORTS, &[])?),
-        };
         let exclude_outbound_ports = reader.ports(keys::EXCLUDE_OUTBOUND_PORTS, &[STATUS_PORT])?;
         let include_outbound_ports = reader.ports(keys::INCLUDE_OUTBOUND_PORTS, &[])?;
         let exclude_interfaces = reader.interfaces(keys::EXCLUDE_INTERFACES)?;
@@ -240,12 +248,13 @@ impl RedirectPolicy {
         } else {
             keys::KUBEVIRT_INTERFACES
         };
-        let reroute_virtual_interfaces = reader.rerouted_interfaces(reroute_key)?;
+        let reroute_virtual_interfaces = reader.interfaces(reroute_key)?;
 
+        let dual_stack = proxy.flag(keys::ENV_DUAL_STACK);
         Ok(Self {
-            ipv6: pod_ips.iter().any(|ip| is_global_ipv6(*ip)),
+            ipv6: ipv6_enabled(pod_ips, dual_stack),
             pod_ips: pod_ips.to_vec(),
-            dual_stack: proxy.flag(keys::ENV_DUAL_STACK),
+            dual_stack,
             mode,
             include_outbound_ip_ranges,
             exclude_outbound_ip_ranges,
@@ -264,16 +273,25 @@ impl RedirectPolicy {
     }
 }
 
-/// Istio picks IPv6 from the pod's own addresses, skipping loopback and link-local ones
-/// (an IPv4-mapped address counts as IPv4).
-fn is_global_ipv6(ip: IpAddr) -> bool {
-    match ip.to_canonical() {
-        IpAddr::V4(_) => false,
-        IpAddr::V6(v6) => {
-            let first = v6.segments()[0];
-            !v6.is_loopback() && first & 0xffc0 != 0xfe80 && first != 0xff02
-        }
-    }
+/// Whether Istio installs IPv6 rules: `tools/common/config/config.go` `getLocalIP` walks the
+/// pod's addresses in the kernel's order (IPv4 before IPv6), skipping loopback and link-local
+/// ones (an IPv4-mapped address counts as IPv4), and takes the first one's family; with
+/// `ISTIO_DUAL_STACK` it goes on to the first IPv6 address. So: IPv6 when the pod has a global
+/// IPv6 address and, unless dual stack is on, no global IPv4 one.
+fn ipv6_enabled(pod_ips: &[IpAddr], dual_stack: bool) -> bool {
+    let global: Vec<IpAddr> = pod_ips
+        .iter()
+        .map(|ip| ip.to_canonical())
+        .filter(|ip| match ip {
+            IpAddr::V4(v4) => !v4.is_loopback() && !v4.is_link_local(),
+            IpAddr::V6(v6) => {
+                let first = v6.segments()[0];
+                !v6.is_loopback() && first & 0xffc0 != 0xfe80 && first != 0xff02
+            }
+        })
+        .collect();
+    let has_v6 = global.iter().any(IpAddr::is_ipv6);
+    has_v6 && (dual_stack || !global.iter().any(IpAddr::is_ipv4))
 }
 
 /// A set `runAsUser`/`runAsGroup` of 0 means the default, as unset does.
@@ -330,11 +348,6 @@ impl Reader<'_> {
     fn interfaces(&self, key: &'static str) -> Result<Vec<String>, PolicyError> {
         let value = self.value(key).unwrap_or_default();
         parse_interface_list(value).map_err(|entry| self.bad_interface(key, value, entry))
-    }
-
-    fn rerouted_interfaces(&self, key: &'static str) -> Result<Vec<String>, PolicyError> {
-        let value = self.value(key).unwrap_or_default();
-        parse_lenient_interface_list(value).map_err(|entry| self.bad_interface(key, value, entry))
     }
 
     fn bad_interface(&self, key: &'static str, value: &str, entry: String) -> PolicyError {

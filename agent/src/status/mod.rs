@@ -28,6 +28,9 @@ pub struct StatusReport {
     pub socket: String,
     /// Captured pods with their policies.
     pub pods: Vec<PodStatus>,
+    /// What is wrong with the captures in place (the backend's warnings).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// One captured pod.
@@ -69,6 +72,9 @@ impl StatusReport {
         }
         let _ = writeln!(out, "pods from:  {}", self.pod_source);
         let _ = writeln!(out, "socket:     {}", self.socket);
+        for warning in &self.warnings {
+            let _ = writeln!(out, "WARNING: {warning}");
+        }
         let _ = writeln!(out, "captured pods: {}", self.pods.len());
         for pod in &self.pods {
             let p = &pod.captured.pod;

@@ -19,6 +19,7 @@
 //! (even with SIGKILL) detaches nothing: every attachment is a pinned bpf_link or a netlink TC
 //! filter, which outlives its creator.
 mod bpffs;
+mod coverage;
 mod encode;
 mod error;
 mod klog;
@@ -33,6 +34,7 @@ mod tc;
 
 use std::{os::fd::OwnedFd, path::PathBuf, sync::Mutex};
 
+pub use coverage::Uncovered;
 pub use encode::{Entries, encode};
 pub use error::EbpfError;
 use meshcap_common::maps;
@@ -187,6 +189,13 @@ impl EbpfBackend {
         self.pins.pinned_pods()
     }
 
+    /// The processes of captured pods that the node-wide programs do not run for: outside
+    /// the cgroup they are attached to, so not captured.
+    #[must_use]
+    pub fn uncovered(&self) -> Vec<Uncovered> {
+        coverage::uncovered(&self.config.cgroup_root, &self.pinned_pods())
+    }
+
     /// Detaches every node-wide program and removes every pin (maps included): the node is
     /// left as before the first [`Self::open`]. Pods' TC links go with their pins.
     ///
@@ -251,6 +260,21 @@ impl CaptureBackend for EbpfBackend {
             );
         }
         Ok(gone)
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.uncovered()
+            .into_iter()
+            .map(|u| {
+                format!(
+                    "pod {}: process {} ({}) is outside the cgroup the programs are attached to ({}): its traffic is not captured",
+                    u.pod,
+                    u.pid,
+                    u.comm,
+                    self.config.cgroup_root.display()
+                )
+            })
+            .collect()
     }
 
     fn captured_count(&self) -> Result<usize, BackendError> {

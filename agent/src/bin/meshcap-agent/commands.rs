@@ -25,17 +25,19 @@ pub fn verify() -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn uninstall(bpffs_dir: &Path) -> anyhow::Result<()> {
-    let config = settings::install_config(
-        |name| std::env::var(name).ok(),
-        settings::PLUGIN_SOURCE.into(),
-    )?;
-    install::uninstall(&config)?;
-    println!(
-        "removed meshcap-cni from {} and {}",
-        config.cni_conf_dir.display(),
-        config.cni_bin_dir.display()
-    );
+pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
+    if !pins_only {
+        let config = settings::install_config(
+            |name| std::env::var(name).ok(),
+            settings::PLUGIN_SOURCE.into(),
+        )?;
+        install::uninstall(&config)?;
+        println!(
+            "removed meshcap-cni from {} and {}",
+            config.cni_conf_dir.display(),
+            config.cni_bin_dir.display()
+        );
+    }
     let mut kept = Vec::new();
     for dir in ebpf::layout::versions(bpffs_dir) {
         if !dir.exists() {

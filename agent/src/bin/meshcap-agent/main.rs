@@ -35,6 +35,10 @@ enum Command {
         /// The eBPF layout directory; other versions beside it (`…/v<N>`) are removed too.
         #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
         bpffs_dir: PathBuf,
+        /// Leave the plugin and its CNI configuration entry alone: only the eBPF programs and
+        /// pins go (a private agent's, which installed no plugin).
+        #[arg(long)]
+        pins_only: bool,
     },
     /// Run the node agent: serve the CNI plugin, capture pods.
     Run(Box<RunArgs>),
@@ -83,7 +87,10 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Verify => commands::verify(),
-        Command::Uninstall { bpffs_dir } => commands::uninstall(&bpffs_dir),
+        Command::Uninstall {
+            bpffs_dir,
+            pins_only,
+        } => commands::uninstall(&bpffs_dir, pins_only),
         Command::Run(args) => run::run(*args),
         Command::Status { socket, json } => commands::status(&socket, json),
         Command::Policy {

@@ -14,6 +14,7 @@ use meshcap_agent::{
     },
     capture::{Capture, Settings},
     install::{self, watch::InstallStatus},
+    paths::AgentPaths,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
     policy::SelectConfig,
     probe::{self, ProbeReport},
@@ -32,9 +33,14 @@ pub enum PodSourceKind {
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// The plugin socket (root only, mode 0600).
-    #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
-    socket: PathBuf,
+    /// A private agent beside the DaemonSet's (or another private one): derives the socket,
+    /// state directory, bpffs directory, cgroup and endpoint from NAME so that nothing is
+    /// shared (docs/standalone.md). Each of them can still be set on its own.
+    #[arg(long, env = "MESHCAP_INSTANCE", value_name = "NAME")]
+    instance: Option<String>,
+    /// The plugin socket (root only, mode 0600) [default: /var/run/meshcap/agent.sock].
+    #[arg(long, env = "MESHCAP_SOCKET")]
+    socket: Option<PathBuf>,
     /// Where pods come from.
     #[arg(long, value_enum, default_value = "kube")]
     pods: PodSourceKind,
@@ -59,13 +65,14 @@ pub struct RunArgs {
     /// The iptables implementation of the iptables backend (auto: as Istio decides).
     #[arg(long, value_enum, default_value_t)]
     iptables_flavour: FlavourChoice,
-    /// The cgroup v2 directory the eBPF programs attach to (default: the cgroup2 mount).
+    /// The cgroup v2 directory the eBPF programs attach to (default: the cgroup2 mount): only
+    /// processes in it are captured.
     #[arg(long, env = settings::CGROUP_ROOT_ENV)]
     cgroup_root: Option<PathBuf>,
     /// The bpffs directory the eBPF backend pins under (versioned: a new layout gets a new
-    /// directory, never a reinterpreted old pin).
-    #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
-    bpffs_dir: PathBuf,
+    /// directory, never a reinterpreted old pin) [default: /sys/fs/bpf/meshcap/v3].
+    #[arg(long, env = settings::BPFFS_DIR_ENV)]
+    bpffs_dir: Option<PathBuf>,
     /// How pods' inbound programs attach (default: netlink TC on every kernel; TCX, Linux
     /// 6.6+, when asked for: it costs two RCU grace periods per pod). Tests force TCX to keep
     /// that path covered.
@@ -84,12 +91,14 @@ pub struct RunArgs {
     #[arg(long, env = settings::STARTUP_TAINT.env, default_value = settings::STARTUP_TAINT.default)]
     startup_taint: String,
     /// The agent's own state (records of applied iptables rules, xtables locks); locked while
-    /// the agent runs, so a second agent on it waits for the first to exit.
-    #[arg(long, default_value = "/var/run/meshcap")]
-    state_dir: PathBuf,
-    /// Health, readiness and metrics endpoint (`/healthz`, `/readyz`, `/metrics`).
-    #[arg(long, default_value = "0.0.0.0:15022")]
-    http_listen: SocketAddr,
+    /// the agent runs, so a second agent on it waits for the first to exit
+    /// [default: /var/run/meshcap].
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Health, readiness and metrics endpoint (`/healthz`, `/readyz`, `/metrics`)
+    /// [default: 0.0.0.0:15022].
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
     /// Seconds to read a request or write a response on the socket.
     #[arg(long, default_value_t = 5)]
     io_timeout_seconds: u64,
@@ -99,6 +108,44 @@ pub struct RunArgs {
     /// Connections served at once.
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
+}
+
+/// Where this agent keeps what it owns, every path resolved.
+struct Paths {
+    socket: PathBuf,
+    state_dir: PathBuf,
+    bpffs_dir: PathBuf,
+    cgroup_root: PathBuf,
+    http_listen: SocketAddr,
+}
+
+impl RunArgs {
+    /// Each path as set, else as `--instance` derives it, else the DaemonSet's default. An
+    /// instance's cgroup is created under the cgroup2 mount when missing.
+    fn paths(&self) -> anyhow::Result<Paths> {
+        let base = match &self.instance {
+            Some(name) => AgentPaths::instance(name).map_err(anyhow::Error::msg)?,
+            None => AgentPaths::default(),
+        };
+        let cgroup_root = match &self.cgroup_root {
+            Some(root) => root.clone(),
+            None => {
+                let root = meshcap_agent::cgroup::cgroup2_mount()
+                    .context("finding the cgroup2 mount")?
+                    .join(&base.cgroup);
+                std::fs::create_dir_all(&root)
+                    .with_context(|| format!("creating the cgroup {}", root.display()))?;
+                root
+            }
+        };
+        Ok(Paths {
+            socket: self.socket.clone().unwrap_or(base.socket),
+            state_dir: self.state_dir.clone().unwrap_or(base.state_dir),
+            bpffs_dir: self.bpffs_dir.clone().unwrap_or(base.bpffs_dir),
+            cgroup_root,
+            http_listen: self.http_listen.unwrap_or(base.http_listen),
+        })
+    }
 }
 
 /// The backend to use, why, and the probe's findings.
@@ -159,20 +206,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             PodSource::Kube(KubePods::start(client, node))
         }
     };
+    let paths = args.paths()?;
     let iptables = IptablesConfig {
-        state_dir: args.state_dir.clone(),
+        state_dir: paths.state_dir.clone(),
         flavour: args.iptables_flavour,
     };
     let ebpf = EbpfConfig {
-        cgroup_root: match args.cgroup_root.clone() {
-            Some(root) => root,
-            None => meshcap_agent::cgroup::cgroup2_mount().context("finding the cgroup2 mount")?,
-        },
-        bpffs_dir: args.bpffs_dir.clone(),
+        cgroup_root: paths.cgroup_root.clone(),
+        bpffs_dir: paths.bpffs_dir.clone(),
         tc_attach: args.tc_attach.unwrap_or_default(),
     };
     // Held until the process ends: nothing below may run beside another agent's writes.
-    let state_dir = args.state_dir.clone();
+    let state_dir = paths.state_dir.clone();
     let _instance = tokio::task::spawn_blocking(move || {
         meshcap_agent::instance::lock(&state_dir, || {
             warn!(state_dir = %state_dir.display(), "another meshcap-agent holds this state directory: waiting for it to exit");
@@ -183,7 +228,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let choice = args.backend;
     let (backend, reason, probe) =
         tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
-    info!(backend = backend.name(), %reason, cgroup_root = ?args.cgroup_root, bpffs_dir = %args.bpffs_dir.display(), "backend chosen");
+    info!(backend = backend.name(), %reason, cgroup_root = %paths.cgroup_root.display(), bpffs_dir = %paths.bpffs_dir.display(), "backend chosen");
     let reconciling = backend.clone();
     let gone = tokio::task::spawn_blocking(move || reconciling.prune_gone())
         .await?
@@ -192,6 +237,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         dropped = gone.len(),
         "reconciled with live pods: captures whose netns is gone dropped"
     );
+    tokio::spawn(log_warnings(backend.clone()));
     let capture = Arc::new(Capture::new(
         source,
         backend,
@@ -205,7 +251,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             select: SelectConfig {
                 exclude_namespaces: args.exclude_namespaces.clone(),
             },
-            socket: args.socket.clone(),
+            socket: paths.socket.clone(),
         },
     ));
 
@@ -214,14 +260,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let (http_addr, http_server) =
-        http::bind(args.http_listen, capture.clone(), stopped(stop_rx.clone()))
+        http::bind(paths.http_listen, capture.clone(), stopped(stop_rx.clone()))
             .await
-            .with_context(|| format!("binding --http-listen {}", args.http_listen))?;
+            .with_context(|| format!("binding --http-listen {}", paths.http_listen))?;
     info!(%http_addr, "health and metrics endpoint listening");
     let http_task = tokio::spawn(http_server);
 
     let server = Server::bind(ServerConfig {
-        path: args.socket.clone(),
+        path: paths.socket.clone(),
         io_timeout: Duration::from_secs(args.io_timeout_seconds),
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
         max_connections: args.max_connections,
@@ -232,7 +278,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
     let _installer = if args.install_cni {
-        Some(start_install(&args, install_tx)?)
+        Some(start_install(&args, &paths.socket, install_tx)?)
     } else {
         None
     };
@@ -257,10 +303,35 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How often the backend's warnings are looked for.
+const WARNINGS_EVERY: Duration = Duration::from_secs(60);
+
+/// Logs each of the backend's warnings when it first appears (checked every
+/// [`WARNINGS_EVERY`]; `meshcap-agent status` shows the current ones).
+async fn log_warnings(backend: Arc<dyn CaptureBackend>) {
+    let mut logged = std::collections::HashSet::new();
+    loop {
+        let current = {
+            let backend = backend.clone();
+            tokio::task::spawn_blocking(move || backend.warnings())
+                .await
+                .unwrap_or_default()
+        };
+        for warning in &current {
+            if !logged.contains(warning) {
+                warn!("{warning}");
+            }
+        }
+        logged = current.into_iter().collect();
+        tokio::time::sleep(WARNINGS_EVERY).await;
+    }
+}
+
 /// Installs the plugin and keeps its conflist entry in place (a watcher thread); the returned
 /// watcher must live as long as the agent.
 fn start_install(
     args: &RunArgs,
+    socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
 ) -> anyhow::Result<install::watch::Watcher> {
     let plugin = match &args.plugin_binary {
@@ -270,7 +341,7 @@ fn start_install(
             .with_file_name("meshcap-cni"),
     };
     let mut config = settings::install_config(|name| std::env::var(name).ok(), plugin)?;
-    config.plugin.agent_socket.clone_from(&args.socket);
+    socket.clone_into(&mut config.plugin.agent_socket);
     info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
     Ok(install::watch::spawn(config, status)?)
 }

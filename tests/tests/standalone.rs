@@ -1,0 +1,140 @@
+//! Running the agent by hand (docs/standalone.md): a private agent beside another one needs
+//! only `--instance`, and an agent whose programs cannot see a captured pod's processes says
+//! so.
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+use meshcap_agent::backend::ebpf::layout;
+use meshcap_tests::{
+    Placement, Proc, TestCgroup,
+    agent::{Backend, binaries},
+    fixtures::{ManifestDir, eventually},
+    one_pod::OnePod,
+    require_root, unique_name,
+};
+use serde_json::Value;
+
+fn status(socket: &std::path::Path) -> Value {
+    let out = Command::new(binaries().join("meshcap-agent"))
+        .args(["status", "--json", "--socket"])
+        .arg(socket)
+        .output()
+        .expect("meshcap-agent status");
+    assert!(
+        out.status.success(),
+        "status: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("a JSON report")
+}
+
+/// Removes what a private agent leaves on the node: it never uninstalls by itself.
+struct Instance {
+    run_dir: PathBuf,
+    bpffs: PathBuf,
+    cgroup: PathBuf,
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = layout::remove(&self.bpffs);
+        if let Some(parent) = self.bpffs.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+        let _ = std::fs::remove_dir(&self.cgroup);
+    }
+}
+
+#[test]
+fn an_instance_name_gives_a_private_agent_its_own_everything() {
+    require_root();
+    let name = unique_name("t");
+    let instance = Instance {
+        run_dir: PathBuf::from(format!("/var/run/meshcap-{name}")),
+        bpffs: PathBuf::from(format!("/sys/fs/bpf/meshcap-{name}/v3")),
+        cgroup: meshcap_agent::cgroup::cgroup2_mount()
+            .expect("cgroup2")
+            .join(format!("meshcap-{name}")),
+    };
+    let pods = ManifestDir::new();
+    let mut child = Command::new(binaries().join("meshcap-agent"))
+        .args([
+            "run",
+            "--backend",
+            "ebpf",
+            "--pods",
+            "dir",
+            "--instance",
+            &name,
+        ])
+        .arg("--pod-dir")
+        .arg(&pods.0)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("meshcap-agent run --instance");
+    let socket = instance.run_dir.join("agent.sock");
+    let up = eventually("the private agent's socket", || socket.exists());
+    let report = up.map(|()| status(&socket));
+    // Our own child, by its pid.
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(child.id()).expect("pid")),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = child.wait();
+    let report = report.expect("the private agent serves");
+    assert_eq!(report["backend"], "ebpf");
+    assert_eq!(report["socket"], socket.display().to_string());
+    assert!(
+        instance.bpffs.join("links").is_dir(),
+        "pins under its own directory"
+    );
+    assert!(instance.cgroup.is_dir(), "its own cgroup");
+    let attached =
+        meshcap_agent::backend::ebpf::cgroup_attachments(&instance.cgroup).expect("BPF_PROG_QUERY");
+    assert!(
+        attached.iter().all(|(_, n)| *n == 1),
+        "its programs on its own cgroup: {attached:?}"
+    );
+}
+
+#[test]
+fn a_pod_process_outside_the_programs_cgroup_is_reported() {
+    require_root();
+    let pod = OnePod::new(Backend::Ebpf, None);
+    let add = pod.cni("ADD");
+    assert!(add.success, "ADD: {add:?}");
+    assert_eq!(
+        status(&pod.agent.socket)["warnings"],
+        Value::Null,
+        "no warning while every process is inside"
+    );
+    // A process in the pod's netns but in a cgroup of its own, beside the agent's.
+    let elsewhere = TestCgroup::new("mc-outside").expect("cgroup");
+    let stray = Proc::spawn(
+        Placement {
+            netns: &pod.wired.pod,
+            cgroup: Some(&elsewhere),
+            uid: 1000,
+            gid: 1000,
+        },
+        std::path::Path::new("/bin/sleep"),
+        &["30"],
+    )
+    .expect("a process outside");
+    let mut warnings = Value::Null;
+    eventually("the warning", || {
+        warnings = status(&pod.agent.socket)["warnings"].clone();
+        warnings.is_array()
+    })
+    .expect("a warning about the stray process");
+    let text = warnings.to_string();
+    assert!(
+        text.contains("shop/web") && text.contains(&stray.pid().to_string()),
+        "{text}"
+    );
+    drop(stray);
+}
