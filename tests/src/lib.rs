@@ -431,6 +431,13 @@ pub struct Report {
     pub peer: SocketAddr,
     /// `getsockopt(SO_ORIGINAL_DST)` on the accepted socket, when it answered.
     pub original_dst: Option<SocketAddr>,
+    /// The app's own socket's address (`getsockname`), as `meshcap-dial` adds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_local: Option<SocketAddr>,
+    /// The app's socket's peer (`getpeername`; for unconnected UDP, the reply's source), as
+    /// `meshcap-dial` adds it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub app_peer: Option<SocketAddr>,
 }
 
 /// Paths of the harness's helper binaries, built with this crate into the same target

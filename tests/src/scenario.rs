@@ -274,8 +274,14 @@ pub enum To {
 /// What must answer.
 #[derive(Clone, Copy, Debug)]
 pub enum Expect {
-    /// The stand-in proxy on this port; for TCP its `SO_ORIGINAL_DST` is the dialled address.
+    /// The stand-in proxy on this port; for TCP its `SO_ORIGINAL_DST` is the dialled address,
+    /// and the app's socket reports the dialled address as its peer (`getpeername`; for
+    /// unconnected UDP, the reply's source), as under Istio's NAT.
     Captured(u16),
+    /// [`Self::Captured`], and the addresses are the pod's as under Istio's NAT: the proxy sees
+    /// the pod's own address as its peer, and (connected sockets) the app's `getsockname` is
+    /// that same address and port.
+    CapturedFromPod(u16),
     /// This server, uncaptured.
     Server(&'static str),
     /// The app, which sees the dialling client's own address as peer (TPROXY).
@@ -373,11 +379,24 @@ fn check(node: &Node, pod: &Pod, c: &Case) -> anyhow::Result<()> {
 }
 
 fn expect(c: &Case, to: SocketAddr, r: &Report, pod: &Pod) -> anyhow::Result<()> {
+    let captured = |port| {
+        r.server == "envoy"
+            && r.listener == port
+            && (c.proto != "tcp" || r.original_dst == Some(to))
+            && r.app_peer == Some(to)
+    };
     let ok = match c.expect {
-        Expect::Captured(port) => {
-            r.server == "envoy"
-                && r.listener == port
-                && (c.proto != "tcp" || r.original_dst == Some(to))
+        Expect::Captured(port) => captured(port),
+        Expect::CapturedFromPod(port) => {
+            let own: IpAddr = if to.is_ipv4() {
+                pod.v4().into()
+            } else {
+                pod.v6().into()
+            };
+            captured(port)
+                && r.peer.ip().to_canonical() == own
+                && (c.proto == "udp" || r.app_local.map(|a| a.ip().to_canonical()) == Some(own))
+                && (c.proto == "udp" || r.app_local.map(|a| a.port()) == Some(r.peer.port()))
         }
         Expect::Server(name) => r.server == name,
         Expect::AppSeesClient => {

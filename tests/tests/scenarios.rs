@@ -32,6 +32,21 @@ fn table() -> Vec<Case> {
             Captured(OUTBOUND),
         ),
         case(
+            "addresses: the app sees the service it dialled and its own pod address, the proxy sees the pod address",
+            App,
+            Service(80),
+            CapturedFromPod(OUTBOUND),
+        ),
+        Case {
+            ipv6: true,
+            ..case(
+                "addresses: IPv6, the app sees the peer it dialled and its own pod address",
+                App,
+                PeerV6(80),
+                CapturedFromPod(OUTBOUND),
+            )
+        },
+        case(
             "app to a service IP is captured (hairpin, first hop)",
             App,
             Service(80),
@@ -324,20 +339,20 @@ fn table() -> Vec<Case> {
             policy: |p| p.dns_capture = true,
             proto: "udp",
             ..case(
-                "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+                "DNS capture: unconnected UDP 53 goes to 15053 from the pod address, reply source restored",
                 App,
                 Peer(53),
-                Captured(DNS),
+                CapturedFromPod(DNS),
             )
         },
         Case {
             policy: |p| p.dns_capture = true,
             proto: "udpc",
             ..case(
-                "DNS capture: connected UDP 53",
+                "DNS capture: connected UDP 53, getpeername and getsockname as under NAT",
                 App,
                 Peer(53),
-                Captured(DNS),
+                CapturedFromPod(DNS),
             )
         },
         Case {
@@ -559,7 +574,9 @@ fn every_rows_policy_maps_exactly_to_a_pod_manifest() {
     // What no row sets: INVALID_DROP, v6 ranges, wildcard-free include lists.
     let mut extra = default_policy("extra", ips.clone());
     extra.invalid_drop = true;
+    // Dual stack off with an IPv4 address first: Istio installs IPv4 rules only.
     extra.dual_stack = false;
+    extra.ipv6 = false;
     extra.include_outbound_ip_ranges = IpRanges::Cidrs(cidrs(&["10.0.0.0/8", "fd00::/8"]));
     extra.exclude_outbound_ip_ranges = cidrs(&["10.1.0.0/16", "fd00:1::/32"]);
     extra.include_inbound_ports = PortSelection::Ports(vec![80, 443]);
@@ -591,11 +608,19 @@ fn every_program_is_needed() {
         ("meshcap_connect6", "IPv6: app to a peer is captured"),
         (
             "meshcap_sendmsg4",
-            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+            "DNS capture: unconnected UDP 53 goes to 15053 from the pod address, reply source restored",
         ),
         (
             "meshcap_recvmsg4",
-            "DNS capture: unconnected UDP 53 goes to 15053, reply source restored",
+            "DNS capture: unconnected UDP 53 goes to 15053 from the pod address, reply source restored",
+        ),
+        (
+            "meshcap_getpeername4",
+            "addresses: the app sees the service it dialled and its own pod address, the proxy sees the pod address",
+        ),
+        (
+            "meshcap_getpeername6",
+            "addresses: IPv6, the app sees the peer it dialled and its own pod address",
         ),
         ("meshcap_sendmsg6", "IPv6: DNS capture"),
         ("meshcap_recvmsg6", "IPv6: DNS capture"),

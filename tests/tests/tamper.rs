@@ -24,8 +24,11 @@ fn pins(pod: &OnePod) -> Pins {
     pod.agent.ebpf_config().expect("eBPF").pins()
 }
 
+/// A case: what is removed, and how.
+type Tamper = (&'static str, fn(&OnePod));
+
 /// What each case removes.
-fn tampers(backend: Backend) -> Vec<(&'static str, fn(&OnePod))> {
+fn tampers(backend: Backend) -> Vec<Tamper> {
     match backend {
         Backend::Iptables => vec![
             ("the nat table flushed", |pod| {

@@ -36,6 +36,16 @@ impl Addr {
         ])
     }
 
+    /// `0.0.0.0` or `::`.
+    #[inline(always)]
+    #[must_use]
+    pub const fn is_unspecified(&self) -> bool {
+        match *self {
+            Self::V4(a) => a == 0,
+            Self::V6(w) => w[0] == 0 && w[1] == 0 && w[2] == 0 && w[3] == 0,
+        }
+    }
+
     /// The four words of a [`FlowKey`] / [`OrigDst`] (IPv4 in the first).
     #[inline(always)]
     #[must_use]
@@ -176,6 +186,18 @@ pub struct IfaceKey {
     pub ifindex: u32,
     /// Zero.
     pub pad: u32,
+}
+
+/// A pod's own addresses (value of [`crate::maps::POD_ADDRS`]): what a redirected connection's
+/// socket is bound to, so that the app's local address and the peer the proxy sees are the
+/// pod's, as under Istio's NAT. An all-zero address: the pod has none of that family.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PodAddrs {
+    /// The IPv4 address, network order.
+    pub v4: u32,
+    /// The IPv6 address, network order words.
+    pub v6: [u32; 4],
 }
 
 /// An original destination: what the app dialled (outbound) or the client dialled (inbound).

@@ -41,6 +41,9 @@ pub mod maps {
     pub const FLOWS: &str = "MESHCAP_FLOWS";
     /// Program array, slot 0: the shared inbound TC program every pod's stub tail-calls.
     pub const TC_PROG: &str = "MESHCAP_TC_PROG";
+    /// The pod's own addresses by network namespace cookie (`u64` → [`crate::PodAddrs`]): the
+    /// local address a redirected connection gets, as Istio's NAT leaves it.
+    pub const POD_ADDRS: &str = "MESHCAP_POD_ADDRS";
 }
 
 /// Program names in the object (and their pin names).
@@ -61,6 +64,10 @@ pub mod programs {
     pub const SOCKOPS: &str = "meshcap_sockops";
     /// `cgroup/getsockopt`.
     pub const GETSOCKOPT: &str = "meshcap_getsockopt";
+    /// `cgroup/getpeername4`.
+    pub const GETPEERNAME4: &str = "meshcap_getpeername4";
+    /// `cgroup/getpeername6`.
+    pub const GETPEERNAME6: &str = "meshcap_getpeername6";
     /// TC ingress classifier: loaded once, in [`crate::maps::TC_PROG`]; reads the pod's netns
     /// cookie from `skb->cb[0..2]`.
     pub const INGRESS: &str = "meshcap_ingress";
@@ -156,4 +163,5 @@ mod user {
     unsafe impl aya::Pod for super::Cidr6Data {}
     unsafe impl aya::Pod for super::OrigDst {}
     unsafe impl aya::Pod for super::FlowKey {}
+    unsafe impl aya::Pod for super::PodAddrs {}
 }

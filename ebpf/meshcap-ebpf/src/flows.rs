@@ -41,7 +41,7 @@ const SOCKADDR_IN6_LEN: usize = 28;
 const STATE_CB_FLAG: i32 = BPF_SOCK_OPS_STATE_CB_FLAG as i32;
 
 /// One end of a connection as sockops sees it: (address words, port).
-type End = ([u32; 4], u16);
+pub type End = ([u32; 4], u16);
 
 #[inline(always)]
 fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
@@ -85,7 +85,7 @@ fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
 /// The local and remote ends of a full socket (`cgroup/getsockopt`'s), as [`ends`] reads them
 /// in sockops.
 #[inline(always)]
-fn sock_ends(sk: *const bpf_sock) -> Option<(u32, End, End)> {
+pub fn sock_ends(sk: *const bpf_sock) -> Option<(u32, End, End)> {
     // SAFETY: reads of a full socket the context handed out, word by word. `src_port` is host
     // order, `dst_port` network order (16 bits wide since Linux 5.18).
     unsafe {

@@ -1,17 +1,33 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
 //! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's under its
 //! cookie in `MESHCAP_CONNECTING` (sockops carries it on), a UDP socket's in its storage.
+//!
+//! What the socket reports stays what Istio's NAT shows: a redirected socket that the app did
+//! not bind is bound to the pod's own address (`MESHCAP_POD_ADDRS`; `bpf_bind` with port 0
+//! allocates no port, connect does), so `getsockname(2)` is the pod's address and the proxy
+//! sees the pod's address as its peer; `getpeername(2)` answers the dialled address
+//! (`cgroup/getpeername4|6`, from the connection's `MESHCAP_FLOWS` entry or the UDP socket's
+//! storage); a DNS reply's source is the server the app asked (`recvmsg`). Destinations on
+//! loopback keep the loopback source, as routing gives it under NAT.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
-    bindings::bpf_sock_addr,
-    helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
+    bindings::{bpf_sock_addr, sockaddr},
+    helpers::{
+        bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_bind,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
-use meshcap_common::{Addr, DNS_PROXY_PORT, OrigDst, Outbound, Proto, Verdict, decide_outbound};
+use meshcap_common::{
+    AF_INET, AF_INET6, Addr, DNS_PROXY_PORT, FlowKey, OrigDst, Outbound, PROXY_INBOUND_PORT,
+    PROXY_OUTBOUND_PORT, PodAddrs, Proto, Verdict, decide_outbound, is_loopback,
+};
 
-use crate::tables::{CONNECTING, DIALED, Maps, pod, sk_get, sk_put};
+use crate::{
+    flows::sock_ends,
+    tables::{CONNECTING, DIALED, FLOWS, Maps, pod, pod_addrs, sk_get, sk_put},
+};
 
 /// Keep the call going (0 would fail it with EPERM).
 const ALLOW: i32 = 1;
@@ -49,6 +65,19 @@ pub fn meshcap_sendmsg4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(sendmsg6)]
 pub fn meshcap_sendmsg6(ctx: SockAddrContext) -> i32 {
     capture(&ctx, Family::V6, Some(Proto::Udp));
+    ALLOW
+}
+
+/// A redirected socket's peer is what the app dialled.
+#[cgroup_sock_addr(getpeername4)]
+pub fn meshcap_getpeername4(ctx: SockAddrContext) -> i32 {
+    show_dialled(&ctx, Family::V4);
+    ALLOW
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn meshcap_getpeername6(ctx: SockAddrContext) -> i32 {
+    show_dialled(&ctx, Family::V6);
     ALLOW
 }
 
@@ -179,6 +208,15 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
         return;
     };
     let orig = OrigDst::new(dst, dst_port);
+    if src.is_unspecified() && !is_loopback(&dst) {
+        source_from_pod(
+            sa,
+            netns,
+            family,
+            matches!(dst, Addr::V4(_)),
+            only.is_some(),
+        );
+    }
     match proto {
         Proto::Tcp => {
             // SAFETY: the helper takes the program's own context.
@@ -212,11 +250,17 @@ fn restore_source(ctx: &SockAddrContext, family: Family) {
     let Some(orig) = (unsafe { sk_get(&DIALED, (*sa).__bindgen_anon_1.sk) }) else {
         return;
     };
+    write_user_addr(sa, family, &orig);
+}
+
+/// Writes `orig` as the user address (the peer getpeername reports, the source recvmsg does).
+#[inline(always)]
+fn write_user_addr(sa: *mut bpf_sock_addr, family: Family, orig: &OrigDst) {
     // SAFETY: context writes, word by word.
     unsafe {
         match family {
             Family::V4 => write_volatile(&raw mut (*sa).user_ip4, orig.addr[0]),
-            Family::V6 if u16::from(orig.family) == meshcap_common::AF_INET => {
+            Family::V6 if u16::from(orig.family) == AF_INET => {
                 write_volatile(&raw mut (*sa).user_ip6[0], 0);
                 write_volatile(&raw mut (*sa).user_ip6[1], 0);
                 write_volatile(&raw mut (*sa).user_ip6[2], V4_MAPPED);
@@ -230,5 +274,144 @@ fn restore_source(ctx: &SockAddrContext, family: Family) {
             }
         }
         write_volatile(&raw mut (*sa).user_port, u32::from(orig.port.to_be()));
+    }
+}
+
+/// `struct sockaddr_in`.
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port: u16,
+    addr: u32,
+    zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port: u16,
+    flowinfo: u32,
+    addr: [u32; 4],
+    scope_id: u32,
+}
+
+/// Gives a redirected socket the pod's own address as its source, as routing would have for
+/// the original destination under NAT: `bpf_bind` (port 0: connect picks the port) in the
+/// connect hooks, the datagram's source (`msg_src_ip`) for sendmsg. `v4` says whether the
+/// destination is IPv4 (on an IPv6 socket, IPv4-mapped). A pod without an address of that
+/// family keeps the loopback source.
+#[inline(always)]
+fn source_from_pod(sa: *mut bpf_sock_addr, netns: u64, family: Family, v4: bool, datagram: bool) {
+    let Some(PodAddrs {
+        v4: addr4,
+        v6: addr6,
+    }) = pod_addrs(netns)
+    else {
+        return;
+    };
+    let addr = if v4 {
+        if addr4 == 0 {
+            return;
+        }
+        [0, 0, V4_MAPPED, addr4]
+    } else {
+        if addr6 == [0; 4] {
+            return;
+        }
+        addr6
+    };
+    // SAFETY: context writes (msg_src_ip is writable in the sendmsg hooks), and `bpf_bind` on
+    // the context with a socket address on the stack of the length it reads.
+    unsafe {
+        match (family, datagram) {
+            (Family::V4, true) => write_volatile(&raw mut (*sa).msg_src_ip4, addr4),
+            (Family::V6, true) => {
+                for (i, word) in addr.iter().enumerate() {
+                    write_volatile(&raw mut (*sa).msg_src_ip6[i], *word);
+                }
+            }
+            (Family::V4, false) => {
+                let mut sin = SockaddrIn {
+                    family: AF_INET,
+                    port: 0,
+                    addr: addr4,
+                    zero: [0; 8],
+                };
+                let _ = bpf_bind(
+                    sa,
+                    (&raw mut sin).cast::<sockaddr>(),
+                    size_of::<SockaddrIn>() as i32,
+                );
+            }
+            (Family::V6, false) => {
+                let mut sin6 = SockaddrIn6 {
+                    family: AF_INET6,
+                    port: 0,
+                    flowinfo: 0,
+                    addr,
+                    scope_id: 0,
+                };
+                let _ = bpf_bind(
+                    sa,
+                    (&raw mut sin6).cast::<sockaddr>(),
+                    size_of::<SockaddrIn6>() as i32,
+                );
+            }
+        }
+    }
+}
+
+/// getpeername on a socket of a captured pod connected to one of the proxy's loopback ports:
+/// the address the app dialled, from its connection's flow (TCP) or its storage (UDP).
+#[inline(always)]
+fn show_dialled(ctx: &SockAddrContext, family: Family) {
+    let sa = ctx.sock_addr;
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
+    if pod(netns).is_none() {
+        return;
+    }
+    let peer = user_addr(sa, family);
+    // SAFETY: context read.
+    #[expect(clippy::cast_possible_truncation, reason = "the port is the low half")]
+    let port = u16::from_be(unsafe { read_volatile(&raw const (*sa).user_port) } as u16);
+    let to_proxy = is_loopback(&peer)
+        && matches!(
+            port,
+            PROXY_OUTBOUND_PORT | PROXY_INBOUND_PORT | DNS_PROXY_PORT
+        );
+    if !to_proxy {
+        return;
+    }
+    // SAFETY: context reads, then the context's socket.
+    let (protocol, sk) = unsafe {
+        (
+            read_volatile(&raw const (*sa).protocol),
+            (*sa).__bindgen_anon_1.sk,
+        )
+    };
+    let orig = match protocol {
+        IPPROTO_TCP => {
+            let Some((sk_family, local, remote)) = sock_ends(sk) else {
+                return;
+            };
+            let key = FlowKey {
+                netns,
+                client: local.0,
+                server: remote.0,
+                client_port: local.1,
+                server_port: remote.1,
+                family: sk_family,
+            };
+            // SAFETY: a plain read of a value written whole.
+            unsafe { FLOWS.get(key) }.copied()
+        }
+        // SAFETY: the context's socket.
+        IPPROTO_UDP => unsafe { sk_get(&DIALED, sk) },
+        _ => None,
+    };
+    if let Some(orig) = orig {
+        write_user_addr(sa, family, &orig);
     }
 }

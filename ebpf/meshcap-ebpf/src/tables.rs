@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use meshcap_common::{
     Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, FlowKey, IfaceKey, OrigDst,
-    PodConfig, PodTables, PortKey, PortKind,
+    PodAddrs, PodConfig, PodTables, PortKey, PortKind,
 };
 
 /// `BPF_F_NO_PREALLOC`: elements are allocated on insert (only the agent writes these).
@@ -38,6 +38,11 @@ pub static PORTS: HashMap<PortKey, u8> = HashMap::with_max_entries(MAX_PODS * 64
 /// Interface flags: 8 interfaces per pod on average.
 #[map(name = "MESHCAP_IFACES")]
 pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(MAX_PODS * 8, NO_PREALLOC);
+
+/// The pod's own addresses by netns cookie: what a redirected socket is bound to (see
+/// [`crate::outbound`]). Read once per redirected connection, never for others.
+#[map(name = "MESHCAP_POD_ADDRS")]
+pub static POD_ADDRS: HashMap<u64, PodAddrs> = HashMap::with_max_entries(MAX_PODS, 0);
 
 /// The original destination of a UDP socket meshcap redirected, on that socket: written at
 /// connect/sendmsg, read by recvmsg (DNS replies, for as long as the socket lives). Socket
@@ -100,6 +105,13 @@ pub unsafe fn sk_put(map: &SkStorage<OrigDst>, sk: *mut bpf_sock, value: OrigDst
     if let Some(slot) = unsafe { storage(map, sk, true).as_mut() } {
         *slot = value;
     }
+}
+
+/// The addresses of the pod of a netns, if the agent recorded them.
+#[inline(always)]
+pub fn pod_addrs(netns: u64) -> Option<PodAddrs> {
+    // SAFETY: a plain read of a value the agent writes whole.
+    unsafe { POD_ADDRS.get(netns) }.copied()
 }
 
 /// The pod config of a netns, if the agent captures it.

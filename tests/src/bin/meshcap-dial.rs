@@ -43,7 +43,14 @@ fn main() -> anyhow::Result<()> {
         return hold_tcp(addr);
     }
     let answer = match proto {
-        "tcp" => tcp(addr, bind_to).map(|(line, _)| line),
+        "tcp" => tcp(addr, bind_to).and_then(|(line, reader)| {
+            let stream = reader.get_ref();
+            Ok(with_own_view(
+                &line,
+                stream.local_addr()?,
+                stream.peer_addr()?,
+            ))
+        }),
         "udp" => udp(addr, bind_to, false),
         "udpc" => udp(addr, bind_to, true),
         other => bail!("unknown protocol {other}"),
@@ -53,6 +60,20 @@ fn main() -> anyhow::Result<()> {
         Err(err) => println!("no-answer: {err:#}"),
     }
     Ok(())
+}
+
+/// The server's answer with what the app's own socket reports added: `app_local`
+/// (`getsockname`) and `app_peer` (`getpeername`, or where an unconnected socket's reply came
+/// from). An answer that is not a JSON object is left as it is.
+fn with_own_view(line: &str, local: SocketAddr, peer: SocketAddr) -> String {
+    match serde_json::from_str::<serde_json::Value>(line.trim()) {
+        Ok(serde_json::Value::Object(mut answer)) => {
+            answer.insert("app_local".into(), local.to_string().into());
+            answer.insert("app_peer".into(), peer.to_string().into());
+            serde_json::Value::Object(answer).to_string()
+        }
+        _ => line.to_owned(),
+    }
 }
 
 /// `--bind 127.0.0.6` or `--bind 127.0.0.6:0`.
@@ -126,17 +147,30 @@ fn tcp(
     Ok((line, reader))
 }
 
-/// One datagram; `connected`: `connect` then `send`/`recv_from` (as glibc's resolver does).
+/// One datagram; `connected`: `connect` (without a `bind` first, unless `--bind`) then
+/// `send`/`recv_from`, as glibc's and Go's resolvers do; unconnected: `bind` to the wildcard
+/// address then `sendto`, as musl's does.
 fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>, connected: bool) -> anyhow::Result<String> {
-    let local = bind_to.unwrap_or_else(|| {
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    let wildcard = SocketAddr::new(
         if addr.is_ipv4() {
-            "0.0.0.0:0".parse()
+            std::net::Ipv4Addr::UNSPECIFIED.into()
         } else {
-            "[::]:0".parse()
-        }
-        .unwrap_or(addr)
-    });
-    let socket = UdpSocket::bind(local)?;
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        },
+        0,
+    );
+    match (bind_to, connected) {
+        (Some(local), _) => bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?,
+        (None, false) => bind(fd.as_raw_fd(), &SockaddrStorage::from(wildcard))?,
+        (None, true) => {}
+    }
+    let socket = UdpSocket::from(fd);
     socket.set_read_timeout(Some(TIMEOUT))?;
     if connected {
         socket.connect(addr)?;
@@ -146,11 +180,11 @@ fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>, connected: bool) -> anyhow
     }
     let mut buf = [0u8; 1500];
     let (n, from) = socket.recv_from(&mut buf)?;
-    let mut line = String::from_utf8_lossy(&buf[..n]).into_owned();
+    let line = String::from_utf8_lossy(&buf[..n]).into_owned();
     // The reply must look as if it came from where the query went (DNS resolvers check).
     if from != addr {
-        line = format!("no-answer: reply came from {from}, not {addr}");
+        return Ok(format!("no-answer: reply came from {from}, not {addr}"));
     }
-    std::io::stdout().flush()?;
-    Ok(line)
+    let peer = if connected { socket.peer_addr()? } else { from };
+    Ok(with_own_view(&line, socket.local_addr()?, peer))
 }

@@ -169,6 +169,8 @@ fn report(name: &str, listener: u16, stream: &TcpStream) -> anyhow::Result<Repor
         local,
         peer: stream.peer_addr()?,
         original_dst: original_dst(stream.as_raw_fd(), local.is_ipv6()),
+        app_local: None,
+        app_peer: None,
     })
 }
 
@@ -245,6 +247,8 @@ fn serve_udp(name: &str, socket: &UdpSocket) {
             local,
             peer,
             original_dst: None,
+            app_local: None,
+            app_peer: None,
         };
         if let Ok(line) = serde_json::to_string(&report) {
             let _ = socket.send_to(line.as_bytes(), peer);

@@ -2,7 +2,7 @@
 //! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use meshcap_common::{CidrKind, PodConfig, PortKind, flags, iface_flags};
+use meshcap_common::{CidrKind, PodAddrs, PodConfig, PortKind, flags, iface_flags};
 
 use crate::{
     podnet::PodNet,
@@ -20,6 +20,8 @@ pub struct Entries {
     pub cidrs: Vec<(CidrKind, IpAddr, u8, u32)>,
     /// Interface flags by interface name.
     pub ifaces: Vec<(String, u32)>,
+    /// The pod's own addresses, one per family: a redirected socket's local address.
+    pub addrs: PodAddrs,
 }
 
 impl Entries {
@@ -155,7 +157,29 @@ pub fn encode(policy: &RedirectPolicy) -> Entries {
         ports,
         cidrs,
         ifaces: Vec::new(),
+        addrs: pod_addrs(&policy.pod_ips),
     }
+}
+
+/// The pod's first address of each family that is neither loopback nor link-local (an
+/// IPv4-mapped one counts as IPv4): the source routing gives its connections under Istio's NAT,
+/// for the pod's primary interface.
+fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
+    let mut addrs = PodAddrs::default();
+    for ip in ips.iter().map(IpAddr::to_canonical) {
+        match ip {
+            IpAddr::V4(v4) if addrs.v4 == 0 && !v4.is_loopback() && !v4.is_link_local() => {
+                addrs.v4 = u32::from_ne_bytes(v4.octets());
+            }
+            IpAddr::V6(v6)
+                if addrs.v6 == [0; 4] && !v6.is_loopback() && !v6.is_unicast_link_local() =>
+            {
+                addrs.v6 = meshcap_common::Addr::v6(v6.octets()).words();
+            }
+            _ => {}
+        }
+    }
+    addrs
 }
 
 /// A set's prefixes, masked (the policy keeps addresses as written, `10.0.0.1/8`).

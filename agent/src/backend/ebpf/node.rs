@@ -13,11 +13,14 @@ use meshcap_common::{maps, programs};
 
 use super::{EbpfError, pins::Pins, stub, sys, sys::CgroupAttach};
 
-/// The node-wide programs, in attach order: the original-destination plumbing before the
-/// redirects, so no redirected connection ever lacks its answer.
-pub(super) const CGROUP_PROGRAMS: [(&str, CgroupAttach); 8] = [
+/// The node-wide programs, in attach order: the original-destination plumbing (and the peer
+/// address getpeername reports) before the redirects, so no redirected connection ever lacks
+/// its answer.
+pub(super) const CGROUP_PROGRAMS: [(&str, CgroupAttach); 10] = [
     (programs::SOCKOPS, CgroupAttach::SockOps),
     (programs::GETSOCKOPT, CgroupAttach::GetSockopt),
+    (programs::GETPEERNAME4, CgroupAttach::GetPeerName4),
+    (programs::GETPEERNAME6, CgroupAttach::GetPeerName6),
     (programs::RECVMSG4, CgroupAttach::RecvMsg4),
     (programs::RECVMSG6, CgroupAttach::RecvMsg6),
     (programs::CONNECT4, CgroupAttach::Connect4),
@@ -31,9 +34,10 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 10] = [
+const MAPS: [&str; 11] = [
     KERNEL_LOG_MAP,
     maps::PODS,
+    maps::POD_ADDRS,
     maps::CIDRS4,
     maps::CIDRS6,
     maps::PORTS,

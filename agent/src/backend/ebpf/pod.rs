@@ -114,6 +114,7 @@ impl EbpfBackend {
                 crashpoint::here(crashpoint::EBPF_ADD_LISTS);
                 tables.write_ifaces(cookie, &net, &entries)
             })
+            .and_then(|()| tables.set_addrs(cookie, entries.addrs))
             .and_then(|()| {
                 crashpoint::here(crashpoint::EBPF_ADD_IFACES);
                 tables.set_pod(cookie, PodConfig { pod_id, ..config })

@@ -48,6 +48,10 @@ pub enum CgroupAttach {
     RecvMsg6 = 20,
     /// `BPF_CGROUP_GETSOCKOPT`.
     GetSockopt = 21,
+    /// `BPF_CGROUP_INET4_GETPEERNAME`.
+    GetPeerName4 = 29,
+    /// `BPF_CGROUP_INET6_GETPEERNAME`.
+    GetPeerName6 = 30,
 }
 
 /// The `link_create` and `obj_pin` members of `union bpf_attr`, zero-padded to the size the

@@ -16,8 +16,8 @@ use aya::{
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodConfig, PortKey,
-    iface_flags, maps,
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodAddrs, PodConfig,
+    PortKey, iface_flags, maps,
 };
 
 use super::{EbpfError, Entries, pins::Pins};
@@ -47,6 +47,7 @@ fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
 /// The per-pod maps, and what they hold per pod.
 pub(super) struct Tables {
     pub(super) pods: HashMap<MapData, u64, PodConfig>,
+    addrs: HashMap<MapData, u64, PodAddrs>,
     pub(super) cidrs4: LpmTrie<MapData, Cidr4Data, u32>,
     pub(super) cidrs6: LpmTrie<MapData, Cidr6Data, u32>,
     pub(super) ports: HashMap<MapData, PortKey, u8>,
@@ -68,6 +69,7 @@ impl Tables {
     pub(super) fn open(ebpf: &mut Ebpf, pins: &Pins) -> Result<Self, EbpfError> {
         let mut tables = Self {
             pods: take(ebpf, maps::PODS)?,
+            addrs: take(ebpf, maps::POD_ADDRS)?,
             cidrs4: take(ebpf, maps::CIDRS4)?,
             cidrs6: take(ebpf, maps::CIDRS6)?,
             ports: take(ebpf, maps::PORTS)?,
@@ -136,6 +138,14 @@ impl Tables {
             .or_else(|| self.index.pod_ids.get(&cookie).copied())
     }
 
+    /// Writes the pod's own addresses (before its pod entry: a redirected socket is bound to
+    /// them from its first connection on).
+    pub(super) fn set_addrs(&mut self, cookie: u64, addrs: PodAddrs) -> Result<(), EbpfError> {
+        self.addrs
+            .insert(cookie, addrs, 0)
+            .map_err(|e| EbpfError::map("writing the pod's addresses", e))
+    }
+
     /// Writes the pod entry of netns `cookie`: what makes the programs act on it.
     pub(super) fn set_pod(&mut self, cookie: u64, config: PodConfig) -> Result<(), EbpfError> {
         self.pods
@@ -155,6 +165,7 @@ impl Tables {
                 .remove(&cookie)
                 .map_err(|e| EbpfError::map("removing the pod entry", e))?;
         }
+        let _ = self.addrs.remove(&cookie);
         let recorded = self.index.pod_ids.remove(&cookie);
         if let Some(id) = config.map(|c| c.pod_id).or(recorded) {
             self.remove_lists(id);
@@ -164,8 +175,8 @@ impl Tables {
 
     /// Removes what an agent stopped part-way through an ADD, an update or a DEL can leave
     /// that nothing refers to: lists under pod ids no pod entry uses (written before the pod
-    /// entry, or left by an update before it removed the old ones), and interface entries of
-    /// netns cookies with neither a pod entry nor pins (`pinned`). Call only when no request
+    /// entry, or left by an update before it removed the old ones), and interface entries and
+    /// addresses of netns cookies with neither a pod entry nor pins (`pinned`). Call only when no request
     /// is in flight (at start). Returns how many entries went.
     pub(super) fn sweep_orphans(&mut self, pinned: &HashSet<u64>) -> usize {
         let used: HashSet<u32> = self.index.pod_ids.values().copied().collect();
@@ -192,6 +203,17 @@ impl Tables {
         for cookie in cookies {
             removed += self.index.ifaces.get(&cookie).map_or(0, Vec::len);
             self.remove_ifaces(cookie);
+        }
+        let addrs: Vec<u64> = self
+            .addrs
+            .keys()
+            .flatten()
+            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .collect();
+        for cookie in addrs {
+            if self.addrs.remove(&cookie).is_ok() {
+                removed += 1;
+            }
         }
         removed
     }
