@@ -9,6 +9,7 @@
 //! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
+//! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
@@ -39,6 +40,7 @@ pub mod bpf;
 pub mod capture;
 pub mod cgroup;
 pub mod crashpoint;
+pub mod decide;
 pub mod install;
 pub mod instance;
 pub mod logging;

@@ -107,7 +107,8 @@ pub struct NetConf {
 ///   "agent_pod_namespace": "meshcap-system",
 ///   "agent_pod_prefix": "meshcap-agent-",
 ///   "log_level": "info",
-///   "timeout_seconds": 30
+///   "timeout_seconds": 30,
+///   "kubeconfig": "/etc/cni/net.d/meshcap-cni.kubeconfig"
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -124,6 +125,11 @@ pub struct PluginConfig {
     pub log_level: LogLevel,
     /// How long to wait for the agent, in seconds (connect, send, answer).
     pub timeout_seconds: u64,
+    /// When the agent is unreachable: decide from the API server with this kubeconfig...
+    pub kubeconfig: Option<PathBuf>,
+    /// ...or from this manifest directory (standalone). Neither: every pod that is not
+    /// excluded here fails closed.
+    pub pod_dir: Option<PathBuf>,
 }
 
 impl Default for PluginConfig {
@@ -135,6 +141,8 @@ impl Default for PluginConfig {
             agent_pod_prefix: DEFAULT_AGENT_POD_PREFIX.to_owned(),
             log_level: LogLevel::default(),
             timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+            kubeconfig: None,
+            pod_dir: None,
         }
     }
 }
@@ -157,12 +165,15 @@ impl PluginConfig {
             "agent_pod_prefix" => self.agent_pod_prefix = parse(key, value)?,
             "log_level" => self.log_level = parse(key, value)?,
             "timeout_seconds" => self.timeout_seconds = parse(key, value)?,
+            "kubeconfig" => self.kubeconfig = Some(parse(key, value)?),
+            "pod_dir" => self.pod_dir = Some(parse(key, value)?),
             _ => {
                 return Err(CniError {
                     code: code::INVALID_CONFIG,
                     msg: format!("meshcap-cni configuration: unknown key {key:?}"),
                     details: "meshcap-cni's keys: agent_socket, exclude_namespaces, \
-                              agent_pod_namespace, agent_pod_prefix, log_level, timeout_seconds"
+                              agent_pod_namespace, agent_pod_prefix, log_level, timeout_seconds, \
+                              kubeconfig, pod_dir"
                         .to_owned(),
                 });
             }

@@ -13,6 +13,7 @@ use crate::{
         self, CniError, Command, Invocation, LATEST_VERSION, LogLevel, NetConf, code,
         convert_result,
     },
+    fallback,
     protocol::{self, CallError, Op, PodAttachment, Reply, Request},
 };
 
@@ -166,8 +167,17 @@ fn execute(
         Command::Add => {
             // Convert first: a prevResult we cannot pass on must fail before anything is applied.
             let result = convert_result(conf.prev_result.as_ref(), &conf.cni_version)?;
-            let message = ask_or_fail(conf, Op::Add { pod })?;
-            log.at(LogLevel::Info, &message);
+            match ask(conf, Op::Add { pod: pod.clone() }) {
+                Ok(message) => log.at(LogLevel::Info, &message),
+                Err(Failure::NoAnswer(err @ CallError::Unreachable { .. })) => {
+                    let reason = without_agent(conf, &pod, &err)?;
+                    log.at(
+                        LogLevel::Warn,
+                        &format!("{err}; not captured without the agent: {reason}"),
+                    );
+                }
+                Err(failure) => return Err(fail(failure, "ADD")),
+            }
             Ok(Some(result))
         }
         Command::Del => match ask(conf, Op::Del { pod }) {
@@ -249,11 +259,44 @@ fn ask(conf: &NetConf, op: Op) -> Result<String, Failure> {
     }
 }
 
+/// With the agent not listening: whether the pod may start without it (`Ok`, with why: the
+/// mesh does not concern it), decided by `meshcap-agent decide` beside the plugin. A pod that
+/// needs capture, and a pod that cannot be decided (no source configured, the API server
+/// unreachable too), fail closed.
+fn without_agent(
+    conf: &NetConf,
+    pod: &PodAttachment,
+    unreachable: &CallError,
+) -> Result<String, CniError> {
+    let closed = |why: String| CniError {
+        code: code::TRY_AGAIN_LATER,
+        msg: format!(
+            "{unreachable}; is the meshcap-agent DaemonSet pod running on this node? ADD \
+             refused: pod {}/{} {why}, and pods are never started uncaptured",
+            pod.namespace, pod.name
+        ),
+        details: UNREACHABLE.to_owned(),
+    };
+    match fallback::decide(&conf.meshcap, pod) {
+        Ok(Some(decision)) if !decision.capture => Ok(decision.reason),
+        Ok(Some(decision)) => Err(closed(format!("must be captured ({})", decision.reason))),
+        Ok(None) => Err(closed("cannot be decided without the agent".to_owned())),
+        Err(why) => Err(closed(format!(
+            "cannot be decided without the agent ({why})"
+        ))),
+    }
+}
+
 /// Sends one request and turns every failure into a CNI error: for every operation but DEL,
 /// no answer fails (closed: an ADD never lets a pod start uncaptured).
 fn ask_or_fail(conf: &NetConf, op: Op) -> Result<String, CniError> {
     let name = op.name().to_ascii_uppercase();
-    ask(conf, op).map_err(|failure| match failure {
+    ask(conf, op).map_err(|failure| fail(failure, &name))
+}
+
+/// The CNI error for a request `name` that failed.
+fn fail(failure: Failure, name: &str) -> CniError {
+    match failure {
         Failure::Agent(err) => err,
         Failure::NoAnswer(err @ CallError::Unreachable { .. }) => CniError {
             code: code::TRY_AGAIN_LATER,
@@ -269,7 +312,7 @@ fn ask_or_fail(conf: &NetConf, op: Op) -> Result<String, CniError> {
         Failure::NoAnswer(err @ CallError::Protocol { .. }) => {
             CniError::new(code::IO, format!("{err} ({name})"))
         }
-    })
+    }
 }
 
 #[cfg(test)]

@@ -108,7 +108,20 @@ impl CniOutput {
 /// # Errors
 /// When it cannot run or prints something that is not JSON.
 pub fn run_plugin_raw(env: &[(&str, String)], stdin: &[u8], uid: u32) -> anyhow::Result<CniOutput> {
-    let mut cmd = Command::new(binaries().join("meshcap-cni"));
+    run_plugin_at(&binaries().join("meshcap-cni"), env, stdin, uid)
+}
+
+/// [`run_plugin_raw`] with the plugin at `plugin` (a copy the agent installed, say).
+///
+/// # Errors
+/// When it cannot run or prints something that is not JSON.
+pub fn run_plugin_at(
+    plugin: &Path,
+    env: &[(&str, String)],
+    stdin: &[u8],
+    uid: u32,
+) -> anyhow::Result<CniOutput> {
+    let mut cmd = Command::new(plugin);
     cmd.env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(env.iter().map(|(k, v)| (*k, v)))

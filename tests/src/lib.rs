@@ -25,6 +25,7 @@ pub mod world;
 use serde::{Deserialize, Serialize};
 
 pub mod agent;
+pub mod apiserver;
 pub mod fixtures;
 pub mod kubelet;
 pub mod one_pod;

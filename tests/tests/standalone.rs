@@ -8,11 +8,11 @@ use std::{
 
 use meshcap_agent::backend::ebpf::layout;
 use meshcap_tests::{
-    Placement, Proc, TestCgroup,
+    Placement, TestCgroup,
     agent::{Backend, binaries},
     fixtures::{ManifestDir, eventually},
     one_pod::OnePod,
-    require_root, unique_name,
+    require_root, start_server, unique_name,
 };
 use serde_json::Value;
 
@@ -114,15 +114,16 @@ fn a_pod_process_outside_the_programs_cgroup_is_reported() {
     );
     // A process in the pod's netns but in a cgroup of its own, beside the agent's.
     let elsewhere = TestCgroup::new("mc-outside").expect("cgroup");
-    let stray = Proc::spawn(
+    // (A stand-in server: any long-running process would do, and it is in the VM's initramfs.)
+    let stray = start_server(
         Placement {
             netns: &pod.wired.pod,
             cgroup: Some(&elsewhere),
             uid: 1000,
             gid: 1000,
         },
-        std::path::Path::new("/bin/sleep"),
-        &["30"],
+        "stray",
+        &["tcp:127.0.0.1:9099"],
     )
     .expect("a process outside");
     let mut warnings = Value::Null;

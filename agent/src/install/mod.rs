@@ -20,6 +20,7 @@ use crate::paths;
 
 pub mod binary;
 pub mod conflist;
+pub mod kubeconfig;
 pub mod watch;
 
 /// The plugin's CNI `type`.
@@ -27,6 +28,15 @@ pub const PLUGIN_TYPE: &str = "meshcap-cni";
 
 /// The plugin binary's file name in the CNI bin dir.
 pub const PLUGIN_BINARY: &str = "meshcap-cni";
+
+/// The agent binary's file name in the CNI bin dir: the plugin runs `meshcap-agent decide`
+/// beside itself to decide a pod when the agent is down (docs/install.md, "Agent outage").
+pub const DECIDER_BINARY: &str = "meshcap-agent";
+
+/// The kubeconfig `meshcap-agent decide` uses, in the CNI conf dir (Istio's is
+/// `ZZZ-istio-cni-kubeconfig`); not a `.conf`/`.conflist`/`.json` file, so no runtime reads it
+/// as a network configuration.
+pub const KUBECONFIG_FILE_NAME: &str = "meshcap-cni.kubeconfig";
 
 /// Marks meshcap's temporary files (`.<name>.meshcap-tmp.<pid>`), so stale ones can be found.
 pub const TMP_MARKER: &str = ".meshcap-tmp.";
@@ -63,6 +73,11 @@ pub struct PluginSettings {
     pub log_level: String,
     /// How long the plugin waits for the agent, whole seconds (`timeout_seconds`).
     pub timeout: Duration,
+    /// With the agent unreachable, the plugin decides from the API server with this
+    /// kubeconfig (`kubeconfig`)...
+    pub kubeconfig: Option<PathBuf>,
+    /// ...or from this manifest directory (`pod_dir`, standalone mode).
+    pub pod_dir: Option<PathBuf>,
 }
 
 impl Default for PluginSettings {
@@ -74,6 +89,8 @@ impl Default for PluginSettings {
             agent_pod_prefix: AGENT_POD_PREFIX.to_owned(),
             log_level: "info".to_owned(),
             timeout: Duration::from_secs(meshcap_cni::cni::DEFAULT_TIMEOUT_SECONDS),
+            kubeconfig: None,
+            pod_dir: None,
         }
     }
 }
@@ -82,7 +99,7 @@ impl PluginSettings {
     /// meshcap's plugin entry, as chained into the conflist.
     #[must_use]
     pub fn entry(&self) -> Value {
-        json!({
+        let mut entry = json!({
             "type": PLUGIN_TYPE,
             "agent_socket": self.agent_socket,
             "exclude_namespaces": self.exclude_namespaces,
@@ -90,7 +107,14 @@ impl PluginSettings {
             "agent_pod_prefix": self.agent_pod_prefix,
             "log_level": self.log_level,
             "timeout_seconds": self.timeout.as_secs().max(1),
-        })
+        });
+        if let Some(path) = &self.kubeconfig {
+            entry["kubeconfig"] = json!(path);
+        }
+        if let Some(dir) = &self.pod_dir {
+            entry["pod_dir"] = json!(dir);
+        }
+        entry
     }
 }
 
@@ -108,6 +132,11 @@ pub struct InstallConfig {
     pub chained: bool,
     /// The `meshcap-cni` binary to copy (shipped beside the agent).
     pub plugin_source: PathBuf,
+    /// The agent binary to copy beside the plugin, for its decisions while the agent is down
+    /// ([`DECIDER_BINARY`]); none: the plugin fails closed for every pod it cannot exclude.
+    pub decider_source: Option<PathBuf>,
+    /// What the plugin's kubeconfig ([`PluginSettings::kubeconfig`]) is made from.
+    pub kubeconfig_source: Option<kubeconfig::Source>,
     /// The plugin's own settings.
     pub plugin: PluginSettings,
 }
@@ -122,6 +151,8 @@ impl InstallConfig {
             cni_conf_file_name: None,
             chained: true,
             plugin_source,
+            decider_source: None,
+            kubeconfig_source: None,
             plugin: PluginSettings::default(),
         }
     }
@@ -199,8 +230,17 @@ impl InstallError {
 /// # Errors
 /// When a file cannot be read or written.
 pub fn install(config: &InstallConfig) -> Result<ConfState, InstallError> {
-    if binary::install(&config.plugin_source, &config.cni_bin_dir)? == binary::Copied::Written {
-        tracing::info!(dir = %config.cni_bin_dir.display(), "installed the {PLUGIN_BINARY} binary");
+    let binaries = std::iter::once((&config.plugin_source, PLUGIN_BINARY))
+        .chain(config.decider_source.iter().map(|s| (s, DECIDER_BINARY)));
+    for (source, name) in binaries {
+        if binary::install(source, &config.cni_bin_dir, name)? == binary::Copied::Written {
+            tracing::info!(dir = %config.cni_bin_dir.display(), "installed the {name} binary");
+        }
+    }
+    if let (Some(source), Some(path)) = (&config.kubeconfig_source, &config.plugin.kubeconfig)
+        && kubeconfig::ensure(source, path)?
+    {
+        tracing::info!(file = %path.display(), "wrote the plugin's kubeconfig");
     }
     ensure_conf(config)
 }
@@ -322,7 +362,9 @@ pub fn uninstall(config: &InstallConfig) -> Result<(), InstallError> {
     } else {
         remove_file(&dir.join(standalone_name(config)))?;
     }
-    binary::remove(&config.cni_bin_dir)
+    remove_file(&config.cni_conf_dir.join(KUBECONFIG_FILE_NAME))?;
+    binary::remove(&config.cni_bin_dir, DECIDER_BINARY)?;
+    binary::remove(&config.cni_bin_dir, PLUGIN_BINARY)
 }
 
 fn file_mode(path: &Path) -> Result<u32, InstallError> {

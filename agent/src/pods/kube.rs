@@ -61,6 +61,20 @@ impl KubePods {
         }
     }
 
+    /// A source that only asks the API server (a GET per lookup) and watches nothing: for a
+    /// one-off decision (`meshcap-agent decide`).
+    #[must_use]
+    pub fn get_only(client: Client, node: String) -> Self {
+        let (store, _writer) = reflector::store();
+        Self {
+            client,
+            node,
+            store,
+            ready: Arc::new(AtomicBool::new(true)),
+            tasks: Vec::new(),
+        }
+    }
+
     pub(super) fn describe(&self) -> String {
         format!("the Kubernetes API (pods of node {})", self.node)
     }

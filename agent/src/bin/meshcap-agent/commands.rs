@@ -1,9 +1,20 @@
 //! The subcommands other than `run`: the kernel probe, the verifier check, the status report,
-//! a pod's policy, and uninstall.
-use std::{net::IpAddr, path::Path, time::Duration};
+//! a pod's policy, the plugin's decision while the agent is down, and uninstall.
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{Context as _, bail};
-use meshcap_agent::{backend::ebpf, bpf, install, policy, probe, settings, status::StatusReport};
+use clap::Args;
+use meshcap_agent::{
+    backend::ebpf,
+    bpf, decide, install,
+    pods::{PodSource, dir::DirPods, kube::KubePods},
+    policy, probe, settings,
+    status::StatusReport,
+};
 use meshcap_cni::protocol::{self, Op, Reply, Request};
 
 use crate::PolicyFormat;
@@ -123,5 +134,68 @@ pub fn show_policy(
             }
         },
     }
+    Ok(())
+}
+
+/// `meshcap-agent decide`: the plugin's inputs.
+#[derive(Args)]
+pub struct DecideArgs {
+    /// `K8S_POD_NAMESPACE`.
+    #[arg(long)]
+    namespace: String,
+    /// `K8S_POD_NAME`.
+    #[arg(long)]
+    name: String,
+    /// `K8S_POD_UID`.
+    #[arg(long)]
+    uid: Option<String>,
+    /// The pod's addresses (`prevResult`).
+    #[arg(long = "ip", value_name = "ADDR")]
+    ips: Vec<IpAddr>,
+    /// Namespaces never captured.
+    #[arg(long = "exclude-namespace", value_name = "NAMESPACE")]
+    exclude_namespaces: Vec<String>,
+    /// Ask the API server with this kubeconfig.
+    #[arg(long, conflicts_with = "pod_dir", required_unless_present = "pod_dir")]
+    kubeconfig: Option<PathBuf>,
+    /// Read the pod from this manifest directory (standalone mode).
+    #[arg(long)]
+    pod_dir: Option<PathBuf>,
+}
+
+/// How long `decide` waits for the API server: to connect, and for an answer. The plugin's
+/// ADD for a pod outside the mesh costs at most these plus the process start.
+const API_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const API_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[tokio::main(flavor = "current_thread")]
+pub async fn decide(args: &DecideArgs) -> anyhow::Result<()> {
+    let source = match (&args.kubeconfig, &args.pod_dir) {
+        (_, Some(dir)) => PodSource::Dir(DirPods::new(dir.clone())),
+        (Some(path), None) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let mut config = kube::Config::from_custom_kubeconfig(
+                kubeconfig,
+                &kube::config::KubeConfigOptions::default(),
+            )
+            .await
+            .with_context(|| format!("the kubeconfig {}", path.display()))?;
+            config.connect_timeout = Some(API_CONNECT_TIMEOUT);
+            config.read_timeout = Some(API_READ_TIMEOUT);
+            let client = kube::Client::try_from(config).context("building an API client")?;
+            PodSource::Kube(KubePods::get_only(client, String::new()))
+        }
+        (None, None) => bail!("--kubeconfig or --pod-dir is required"),
+    };
+    let request = decide::Request {
+        namespace: args.namespace.clone(),
+        name: args.name.clone(),
+        uid: args.uid.clone(),
+        ips: args.ips.clone(),
+        exclude_namespaces: args.exclude_namespaces.clone(),
+    };
+    let decision = decide::decide(&source, &request).await?;
+    println!("{}", serde_json::to_string(&decision)?);
     Ok(())
 }

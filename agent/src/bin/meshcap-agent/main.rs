@@ -53,6 +53,10 @@ enum Command {
     },
     /// Probe the kernel for the eBPF backend's needs and print the findings.
     Probe,
+    /// What the plugin runs when the agent does not answer: look the pod up once (API server
+    /// or manifest directory) and print `{"capture": bool, "reason": "…"}`. Exits non-zero
+    /// when the pod cannot be looked up.
+    Decide(commands::DecideArgs),
     /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
     /// redirect policy, or the exact iptables rules.
     Policy {
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
             format,
         } => commands::show_policy(&pod, &ips, exclude_namespaces, format),
         Command::Probe => commands::probe_kernel(),
+        Command::Decide(args) => commands::decide(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -342,6 +342,20 @@ fn start_install(
     };
     let mut config = settings::install_config(|name| std::env::var(name).ok(), plugin)?;
     socket.clone_into(&mut config.plugin.agent_socket);
+    // While this agent is down, the plugin decides from the same source it uses: a copy of this
+    // binary beside the plugin, and the API server's credentials or the manifest directory.
+    config.decider_source = Some(std::env::current_exe().context("locating meshcap-agent")?);
+    match args.pods {
+        PodSourceKind::Kube => {
+            config.kubeconfig_source =
+                install::kubeconfig::Source::of_this_agent(|name| std::env::var(name).ok());
+            if config.kubeconfig_source.is_some() {
+                config.plugin.kubeconfig =
+                    Some(config.cni_conf_dir.join(install::KUBECONFIG_FILE_NAME));
+            }
+        }
+        PodSourceKind::Dir => config.plugin.pod_dir.clone_from(&args.pod_dir),
+    }
     info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
     Ok(install::watch::spawn(config, status)?)
 }
