@@ -370,7 +370,9 @@ impl Capture {
 
     /// The status report.
     async fn status(&self) -> Result<StatusReport, Failure> {
-        let (captured, warnings) = self.blocking(|b| (b.list(), b.warnings())).await?;
+        let (captured, programs, warnings) = self
+            .blocking(|b| (b.list(), b.programs(), b.warnings()))
+            .await?;
         let captured = captured?;
         let policies = self
             .policies
@@ -392,6 +394,7 @@ impl Capture {
                     captured: c,
                 })
                 .collect(),
+            programs,
             warnings,
         })
     }

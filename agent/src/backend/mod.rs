@@ -44,6 +44,22 @@ pub struct CapturedPod {
     pub summary: String,
 }
 
+/// A node-wide program in place, as the status report shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachedProgram {
+    /// The program (and its hook).
+    pub program: String,
+    /// The pinned link's id (none for the TC classifier, which sits in a program array).
+    pub link_id: Option<u32>,
+    /// The attached program's id (none: not attached).
+    pub prog_id: Option<u32>,
+    /// Its tag: the kernel's hash of its instructions, the same for the same build.
+    pub tag: Option<String>,
+    /// Whether this agent process loaded it (after a restart or an upgrade every program must
+    /// be the running agent's).
+    pub this_agent: bool,
+}
+
 /// Errors of a backend, naming the pod and what failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -121,6 +137,11 @@ pub trait CaptureBackend: Send + Sync {
     /// # Errors
     /// When its state cannot be read.
     fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
+
+    /// The node-wide programs in place (none for a backend without kernel programs).
+    fn programs(&self) -> Vec<AttachedProgram> {
+        Vec::new()
+    }
 
     /// What an operator should know about the captures in place, in words: pods the backend
     /// holds but cannot capture in full (for the eBPF backend, processes outside the cgroup its

@@ -4,7 +4,10 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{backend::CapturedPod, probe::ProbeReport};
+use crate::{
+    backend::{AttachedProgram, CapturedPod},
+    probe::ProbeReport,
+};
 
 pub mod metrics;
 
@@ -28,6 +31,9 @@ pub struct StatusReport {
     pub socket: String,
     /// Captured pods with their policies.
     pub pods: Vec<PodStatus>,
+    /// The node-wide programs in place (eBPF backend).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub programs: Vec<AttachedProgram>,
     /// What is wrong with the captures in place (the backend's warnings).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
@@ -72,6 +78,22 @@ impl StatusReport {
         }
         let _ = writeln!(out, "pods from:  {}", self.pod_source);
         let _ = writeln!(out, "socket:     {}", self.socket);
+        for p in &self.programs {
+            let id = |v: Option<u32>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+            let _ = writeln!(
+                out,
+                "  program {:<22} id {:>5} tag {} link {}{}",
+                p.program,
+                id(p.prog_id),
+                p.tag.as_deref().unwrap_or("-"),
+                id(p.link_id),
+                if p.this_agent {
+                    ""
+                } else {
+                    " (not this agent's)"
+                }
+            );
+        }
         for warning in &self.warnings {
             let _ = writeln!(out, "WARNING: {warning}");
         }

@@ -42,7 +42,7 @@ pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, unpin_link};
 pub use tc::TcAttach;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
+use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, PodRef};
 use crate::{podnet, policy::RedirectPolicy};
 
 /// Where the backend attaches and pins.
@@ -90,6 +90,8 @@ pub struct EbpfBackend {
     tc_prog: OwnedFd,
     tables: Mutex<tables::Tables>,
     kernel_log: Mutex<Option<klog::KernelLog>>,
+    /// The ids of the programs this process loaded and put in place, by name.
+    loaded: Vec<(&'static str, u32)>,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -116,8 +118,11 @@ impl EbpfBackend {
             )
         })?;
         let mut ebpf = node::load_object(&pins)?;
-        node::attach_cgroup_programs(&mut ebpf, &pins, &config.cgroup_root)?;
-        node::install_shared_tc(&mut ebpf)?;
+        let mut loaded = node::attach_cgroup_programs(&mut ebpf, &pins, &config.cgroup_root)?;
+        loaded.push((
+            meshcap_common::programs::INGRESS,
+            node::install_shared_tc(&mut ebpf)?,
+        ));
         let tc_prog_pin = pins.map(maps::TC_PROG);
         let tc_prog = sys::obj_get(&tc_prog_pin)
             .map_err(|e| EbpfError::io(&format!("opening {}", tc_prog_pin.display()), e))?;
@@ -131,6 +136,7 @@ impl EbpfBackend {
             tc_prog,
             tables: Mutex::new(tables),
             kernel_log: Mutex::new(kernel_log),
+            loaded,
         })
     }
 
@@ -167,6 +173,20 @@ impl EbpfBackend {
     /// When the cgroup cannot be queried.
     pub fn attachments(&self) -> Result<Vec<(&'static str, u32)>, EbpfError> {
         cgroup_attachments(&self.config.cgroup_root)
+    }
+
+    /// What runs on each node-wide hook and in the TC program slot, and whether this process
+    /// put it there.
+    #[must_use]
+    pub fn attached(&self) -> Vec<AttachedProgram> {
+        let mut programs = node::attached(&self.pins, &self.tc_prog);
+        for program in &mut programs {
+            program.this_agent = self
+                .loaded
+                .iter()
+                .any(|(name, id)| *name == program.program && Some(*id) == program.prog_id);
+        }
+        programs
     }
 
     /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
@@ -260,6 +280,10 @@ impl CaptureBackend for EbpfBackend {
             );
         }
         Ok(gone)
+    }
+
+    fn programs(&self) -> Vec<AttachedProgram> {
+        self.attached()
     }
 
     fn warnings(&self) -> Vec<String> {

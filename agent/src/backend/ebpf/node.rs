@@ -12,6 +12,7 @@ use aya::{
 use meshcap_common::{maps, programs};
 
 use super::{EbpfError, pins::Pins, stub, sys, sys::CgroupAttach};
+use crate::backend::AttachedProgram;
 
 /// The node-wide programs, in attach order: the original-destination plumbing (and the peer
 /// address getpeername reports) before the redirects, so no redirected connection ever lacks
@@ -66,23 +67,47 @@ pub(super) fn load_object(pins: &Pins) -> Result<Ebpf, EbpfError> {
         .map_err(|e| EbpfError::map("loading the eBPF object", e))
 }
 
-/// Attaches every node-wide program to `cgroup_root` unless a pinned link says it already is,
-/// and pins each new link.
+/// Puts this build's programs on every node-wide hook of `cgroup_root`, in
+/// [`CGROUP_PROGRAMS`]' order, and returns each one's program id. A hook whose pinned link
+/// exists (an earlier agent's, maybe another build's) is switched to this build's program in
+/// place (`BPF_LINK_UPDATE`, atomic: every call runs the old or the new program, never none); a
+/// link whose cgroup is gone (`ENOLINK`) is replaced; a missing one is created and pinned.
+/// Capture never lapses: no hook is ever empty, and the maps are the same layout's.
 pub(super) fn attach_cgroup_programs(
     ebpf: &mut Ebpf,
     pins: &Pins,
     cgroup_root: &Path,
-) -> Result<(), EbpfError> {
+) -> Result<Vec<(&'static str, u32)>, EbpfError> {
     let cgroup = fs::File::open(cgroup_root)
         .map_err(|e| EbpfError::io(&format!("opening cgroup {}", cgroup_root.display()), e))?;
+    let mut loaded = Vec::new();
     for (name, attach) in CGROUP_PROGRAMS {
-        let pin = pins.link(name);
-        if sys::obj_get(&pin).is_ok() {
-            tracing::debug!(program = name, pin = %pin.display(), "adopting pinned link");
-            continue;
-        }
         let program = ebpf.program_mut(name).ok_or(EbpfError::Missing(name))?;
         let fd = load_program(program, name)?;
+        loaded.push((
+            name,
+            sys::prog_id(&fd).map_err(|e| EbpfError::io(&format!("reading {name}'s id"), e))?,
+        ));
+        let pin = pins.link(name);
+        if let Ok(link) = sys::obj_get(&pin) {
+            match sys::link_update(&link, &fd) {
+                Ok(()) => {
+                    tracing::debug!(program = name, pin = %pin.display(), "switched the pinned link to this build's program");
+                    continue;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::ENOLINK) => {
+                    tracing::warn!(program = name, pin = %pin.display(), "the pinned link's cgroup is gone: attaching afresh");
+                    super::pins::unpin_link(&pin)
+                        .map_err(|e| EbpfError::io(&format!("unpinning {}", pin.display()), e))?;
+                }
+                Err(e) => {
+                    return Err(EbpfError::io(
+                        &format!("switching {} to this build's {name}", pin.display()),
+                        e,
+                    ));
+                }
+            }
+        }
         let link = sys::link_create(fd.as_fd(), &cgroup, attach).map_err(|e| {
             EbpfError::io(&format!("attaching {name} to {}", cgroup_root.display()), e)
         })?;
@@ -90,7 +115,34 @@ pub(super) fn attach_cgroup_programs(
             .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
         tracing::info!(program = name, cgroup = %cgroup_root.display(), "attached");
     }
-    Ok(())
+    Ok(loaded)
+}
+
+/// What runs on each node-wide hook now, from the pinned links, and the shared TC classifier.
+#[must_use]
+pub(super) fn attached(pins: &Pins, tc_prog: &std::os::fd::OwnedFd) -> Vec<AttachedProgram> {
+    let mut out: Vec<AttachedProgram> = CGROUP_PROGRAMS
+        .iter()
+        .map(|(name, _)| {
+            let ids = sys::obj_get(&pins.link(name)).and_then(sys::link_ids).ok();
+            AttachedProgram {
+                program: (*name).to_owned(),
+                link_id: ids.map(|(link, _)| link),
+                prog_id: ids.map(|(_, prog)| prog),
+                tag: ids.and_then(|(_, prog)| sys::prog_tag(prog).ok()),
+                this_agent: false,
+            }
+        })
+        .collect();
+    let tc = sys::prog_array_id(tc_prog, 0).ok();
+    out.push(AttachedProgram {
+        program: programs::INGRESS.to_owned(),
+        link_id: None,
+        prog_id: tc,
+        tag: tc.and_then(|id| sys::prog_tag(id).ok()),
+        this_agent: false,
+    });
+    out
 }
 
 /// Fails naming the first node-wide program whose pinned link is missing.
@@ -136,7 +188,7 @@ fn load_program(
 /// Loads (verifies) the inbound classifier once and puts it in slot 0 of the pinned
 /// `MESHCAP_TC_PROG`, which every pod's stub tail-calls. A restarted agent replaces it
 /// atomically with its own instance.
-pub(super) fn install_shared_tc(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
+pub(super) fn install_shared_tc(ebpf: &mut Ebpf) -> Result<u32, EbpfError> {
     let prog: &mut SchedClassifier = ebpf
         .program_mut(programs::INGRESS)
         .ok_or(EbpfError::Missing(programs::INGRESS))?
@@ -156,7 +208,8 @@ pub(super) fn install_shared_tc(ebpf: &mut Ebpf) -> Result<(), EbpfError> {
         .map_err(|e| EbpfError::map(&format!("map {}", maps::TC_PROG), e))?;
     slots
         .set(0, &fd, 0)
-        .map_err(|e| EbpfError::map("setting the shared TC program", e))
+        .map_err(|e| EbpfError::map("setting the shared TC program", e))?;
+    sys::prog_id(fd.as_fd()).map_err(|e| EbpfError::io("reading the TC program's id", e))
 }
 
 /// Loads a pod's TC stub against `ebpf`'s (unpinned) `MESHCAP_TC_PROG`, and drops it: the

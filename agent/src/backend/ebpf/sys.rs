@@ -20,6 +20,9 @@ const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_LINK_UPDATE: libc::c_long = 29;
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 
 /// `BPF_PROG_TYPE_SCHED_CLS`.
 const PROG_TYPE_SCHED_CLS: u32 = 3;
@@ -189,6 +192,62 @@ pub fn prog_id(prog: impl AsFd) -> io::Result<u32> {
     let mut info = [0u32; 2];
     get_info(prog.as_fd(), &mut info)?;
     Ok(info[1])
+}
+
+/// `BPF_LINK_UPDATE`: the link runs `prog` from now on, atomically (no call runs neither).
+///
+/// # Errors
+/// The kernel's refusal: `ENOLINK` when the link is defunct (its cgroup is gone).
+pub fn link_update(link: impl AsFd, prog: impl AsFd) -> io::Result<()> {
+    let mut attr = Attr::default();
+    // link_fd (u32), new_prog_fd (u32), flags (u32), old_prog_fd (u32).
+    attr.words[0] = u64::from(fd_u32(link.as_fd())?) | (u64::from(fd_u32(prog.as_fd())?) << 32);
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` on any link: its id and its program's.
+///
+/// # Errors
+/// The kernel's refusal (`EINVAL` for an fd that is not a link).
+pub fn link_ids(link: impl AsFd) -> io::Result<(u32, u32)> {
+    // struct bpf_link_info: type, id, prog_id (u32 each), ...
+    let mut info = [0u32; 3];
+    get_info(link.as_fd(), &mut info)?;
+    Ok((info[1], info[2]))
+}
+
+/// A program's tag (the kernel's hash of its instructions: the same code has the same tag),
+/// as hex, by program id.
+///
+/// # Errors
+/// When the program is gone or the kernel refuses.
+pub fn prog_tag(id: u32) -> io::Result<String> {
+    let mut attr = Attr::default();
+    attr.words[0] = u64::from(id);
+    let prog = fd_from(bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?)?;
+    // struct bpf_prog_info: type (u32), id (u32), tag (8 bytes), ...
+    let mut info = [0u32; 4];
+    get_info(prog.as_fd(), &mut info)?;
+    Ok(info[2..4]
+        .iter()
+        .flat_map(|w| w.to_ne_bytes())
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// The id of the program in slot `slot` of the program array `map` (the kernel answers a
+/// program array's lookup with the program's id).
+///
+/// # Errors
+/// `ENOENT` for an empty slot, or the kernel's refusal.
+pub fn prog_array_id(map: impl AsFd, slot: u32) -> io::Result<u32> {
+    let mut attr = Attr::default();
+    let mut id = 0u32;
+    // map_fd (u32), pad, key (pointer), value (pointer), flags.
+    attr.words[0] = u64::from(fd_u32(map.as_fd())?);
+    attr.words[1] = std::ptr::from_ref(&slot) as u64;
+    attr.words[2] = std::ptr::from_mut(&mut id) as u64;
+    bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).map(|_| id)
 }
 
 /// A TCX link as the kernel describes it.
