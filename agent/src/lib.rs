@@ -22,7 +22,8 @@
 //! - [`probe`]: can this kernel run the eBPF backend;
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics;
-//! - [`taint`]: the startup taint, removed from this node once the agent is ready.
+//! - [`taint`]: the startup taint, removed from this node once the agent is ready;
+//! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
 //! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
@@ -52,3 +53,4 @@ pub mod probe;
 pub mod settings;
 pub mod status;
 pub mod taint;
+pub mod uninstall;

@@ -90,6 +90,10 @@ pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";
 /// The agent's own namespace (the downward API's `metadata.namespace`).
 pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
 
+/// The agent's own pod name (the downward API's `metadata.name`): its DaemonSet, the pod's
+/// owner, says at shutdown whether meshcap is being deleted.
+pub const POD_NAME_ENV: &str = "MESHCAP_POD_NAME";
+
 /// The cgroup v2 root the programs attach to ([`paths::HOST_CGROUP_ROOT`] in the DaemonSet;
 /// found in mountinfo when unset).
 pub const CGROUP_ROOT_ENV: &str = "MESHCAP_CGROUP_ROOT";

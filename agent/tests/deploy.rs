@@ -8,7 +8,7 @@ use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
         core::v1::{ConfigMap, Container, Namespace, PodSpec, ServiceAccount},
-        rbac::v1::{ClusterRole, ClusterRoleBinding},
+        rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     },
     serde::{Deserialize as _, Serialize, de::DeserializeOwned},
 };
@@ -21,6 +21,8 @@ struct Manifests {
     service_accounts: Vec<ServiceAccount>,
     cluster_roles: Vec<ClusterRole>,
     bindings: Vec<ClusterRoleBinding>,
+    roles: Vec<Role>,
+    role_bindings: Vec<RoleBinding>,
     config_maps: Vec<ConfigMap>,
     daemon_sets: Vec<DaemonSet>,
 }
@@ -58,6 +60,8 @@ fn manifests() -> Manifests {
                 Some("ServiceAccount") => found.service_accounts.push(typed(&file, &doc)),
                 Some("ClusterRole") => found.cluster_roles.push(typed(&file, &doc)),
                 Some("ClusterRoleBinding") => found.bindings.push(typed(&file, &doc)),
+                Some("Role") => found.roles.push(typed(&file, &doc)),
+                Some("RoleBinding") => found.role_bindings.push(typed(&file, &doc)),
                 Some("ConfigMap") => found.config_maps.push(typed(&file, &doc)),
                 Some("DaemonSet") => found.daemon_sets.push(typed(&file, &doc)),
                 other => panic!("{file}: unexpected kind {other:?}"),
@@ -116,6 +120,42 @@ fn rbac_is_exactly_what_the_agent_calls() {
         role.metadata.name.clone().unwrap_or_default()
     );
     let subject = one(binding.subjects.as_deref().unwrap_or_default(), "subject");
+    assert_eq!(
+        (Some(subject.name.clone()), subject.namespace.clone()),
+        (sa.metadata.name.clone(), ns.clone())
+    );
+    // In its own namespace only: its DaemonSet, read when it stops (uninstall on deletion).
+    let local = one(&m.roles, "Role");
+    assert_eq!(local.metadata.namespace, ns);
+    let local_rules: Vec<_> = local
+        .rules
+        .iter()
+        .flatten()
+        .map(|r| {
+            (
+                r.api_groups.clone().unwrap_or_default(),
+                r.resources.clone().unwrap_or_default(),
+                r.verbs.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        local_rules,
+        [(s(&["apps"]), s(&["daemonsets"]), s(&["get"]))]
+    );
+    let local_binding = one(&m.role_bindings, "RoleBinding");
+    assert_eq!(local_binding.metadata.namespace, ns);
+    assert_eq!(
+        (
+            local_binding.role_ref.kind.as_str(),
+            Some(local_binding.role_ref.name.clone())
+        ),
+        ("Role", local.metadata.name.clone())
+    );
+    let subject = one(
+        local_binding.subjects.as_deref().unwrap_or_default(),
+        "subject",
+    );
     assert_eq!(
         (Some(subject.name.clone()), subject.namespace.clone()),
         (sa.metadata.name.clone(), ns.clone())
@@ -187,6 +227,10 @@ fn the_daemon_set_passes_every_setting_in_its_variable() {
     assert_eq!(
         field(settings::POD_NAMESPACE_ENV).as_deref(),
         Some("metadata.namespace")
+    );
+    assert_eq!(
+        field(settings::POD_NAME_ENV).as_deref(),
+        Some("metadata.name")
     );
     let value = |name: &str| env.get(name).and_then(|v| v.value.clone());
     assert_eq!(

@@ -336,6 +336,15 @@ impl Agent {
         Ok(())
     }
 
+    /// SIGTERM (by pid), as kubelet stops a pod, and waits for the agent to exit.
+    ///
+    /// # Errors
+    /// When the process cannot be signalled or reaped.
+    pub fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        signal(&self.child, nix::sys::signal::Signal::SIGTERM)?;
+        Ok(self.child.wait()?)
+    }
+
     /// Starts the agent again with the same arguments (same socket, state and bpffs
     /// directories), after [`Self::kill`], and waits until it serves.
     ///

@@ -1,6 +1,6 @@
 //! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
-//! list and watch of pods (by field selector, as kube-rs's watcher asks) and GET of one pod,
-//! with real Pod JSON on the real paths; kube-rs is the client.
+//! list and watch of pods (by field selector, as kube-rs's watcher asks), GET of one pod or
+//! DaemonSet, with real JSON on the real paths; kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
@@ -21,6 +21,8 @@ pub struct ApiServer {
     pub addr: String,
     /// The pods it serves; add or remove them at any time.
     pub pods: Arc<Mutex<Vec<Value>>>,
+    /// The DaemonSets it serves (GET by namespace and name).
+    pub daemon_sets: Arc<Mutex<Vec<Value>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -34,18 +36,24 @@ impl ApiServer {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
         let pods = Arc::new(Mutex::new(Vec::<Value>::new()));
+        let daemon_sets = Arc::new(Mutex::new(Vec::<Value>::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (p, s) = (pods.clone(), stop.clone());
+        let (p, d, s) = (pods.clone(), daemon_sets.clone(), stop.clone());
         thread::spawn(move || {
             for stream in listener.incoming().flatten() {
                 if s.load(Ordering::Relaxed) {
                     break;
                 }
-                let (p, s) = (p.clone(), s.clone());
-                thread::spawn(move || serve_api(stream, &p, &s));
+                let (p, d, s) = (p.clone(), d.clone(), s.clone());
+                thread::spawn(move || serve_api(stream, &p, &d, &s));
             }
         });
-        Self { addr, pods, stop }
+        Self {
+            addr,
+            pods,
+            daemon_sets,
+            stop,
+        }
     }
 
     /// A kubeconfig for it (plain HTTP, no credentials), written into `dir`.
@@ -76,7 +84,12 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool) {
+fn serve_api(
+    mut stream: TcpStream,
+    pods: &Mutex<Vec<Value>>,
+    daemon_sets: &Mutex<Vec<Value>>,
+    stop: &AtomicBool,
+) {
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
@@ -128,10 +141,12 @@ fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool)
                 }),
             );
         }
-        ["api", "v1", "namespaces", ns, "pods", name] => {
-            let found = pods
+        ["api", "v1", "namespaces", ns, "pods", name]
+        | ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name] => {
+            let objects = if parts[0] == "api" { pods } else { daemon_sets };
+            let found = objects
                 .lock()
-                .expect("pods")
+                .expect("objects")
                 .iter()
                 .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
                 .cloned();
@@ -142,7 +157,7 @@ fn serve_api(mut stream: TcpStream, pods: &Mutex<Vec<Value>>, stop: &AtomicBool)
                     "404 Not Found",
                     &json!({
                         "apiVersion": "v1", "kind": "Status", "status": "Failure",
-                        "message": format!("pods \"{name}\" not found"), "reason": "NotFound", "code": 404
+                        "message": format!("\"{name}\" not found"), "reason": "NotFound", "code": 404
                     }),
                 ),
             }

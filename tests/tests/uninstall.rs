@@ -1,12 +1,14 @@
-//! `meshcap-agent uninstall`, the real one (restarts and upgrades never run it): the plugin
-//! leaves the CNI set-up at once, but the eBPF programs stay attached for as long as a pod they
-//! captured is alive, so that no pod's traffic bypasses its sidecar; once those pods are gone a
-//! second run detaches and unpins everything.
+//! The real uninstall (restarts and upgrades never run it): the plugin leaves the CNI set-up at
+//! once, but the eBPF programs stay attached for as long as a pod they captured is alive, so
+//! that no pod's traffic bypasses its sidecar; once those pods are gone a second run detaches
+//! and unpins everything. By hand (`meshcap-agent uninstall`), or by the agent itself when it
+//! is stopped because its DaemonSet is being deleted.
 use std::{fs, path::Path, process::Command};
 
 use meshcap_agent::backend::ebpf;
 use meshcap_tests::{
     agent::{Agent, Backend, binaries},
+    apiserver::ApiServer,
     fixtures::{ManifestDir, eventually, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
@@ -122,4 +124,114 @@ fn uninstall_keeps_the_programs_while_a_captured_pod_lives_then_removes_everythi
         .filter(|(_, n)| *n > 0)
         .collect();
     assert_eq!(attached, Vec::new(), "every program detached");
+}
+
+/// The agent stopped (SIGTERM) while its DaemonSet is there — a rolling update, a restart, a
+/// drain — keeps everything; stopped because the DaemonSet is being deleted (`kubectl delete
+/// -f deploy/`), it removes meshcap from the node: new pods no longer wait for an agent that
+/// will not come back.
+#[test]
+fn deleting_the_daemon_set_uninstalls_and_a_rolling_update_does_not() {
+    require_root();
+    let api = ApiServer::start();
+    let daemon_set = |uid: &str, deleting: bool| {
+        let mut ds = json!({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "meshcap-agent", "namespace": "meshcap-system", "uid": uid},
+            "spec": {"selector": {"matchLabels": {"app": "meshcap-agent"}},
+                     "template": {"metadata": {"labels": {"app": "meshcap-agent"}},
+                                  "spec": {"containers": [{"name": "agent", "image": "meshcap"}]}}},
+        });
+        if deleting {
+            ds["metadata"]["deletionTimestamp"] = json!("2026-11-24T00:00:00Z");
+            ds["metadata"]["finalizers"] = json!(["foregroundDeletion"]);
+        }
+        ds
+    };
+    api.pods.lock().expect("pods").push(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "meshcap-agent-x7k2p", "namespace": "meshcap-system", "uid": "pod-1",
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                          "name": "meshcap-agent", "uid": "ds-1", "controller": true}]},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "agent", "image": "meshcap"}]},
+    }));
+    api.daemon_sets
+        .lock()
+        .expect("daemon sets")
+        .push(daemon_set("ds-1", false));
+    let root = ManifestDir::new();
+    let (conf_dir, bin_dir) = (root.0.join("net.d"), root.0.join("bin"));
+    fs::create_dir_all(&conf_dir).expect("conf dir");
+    let conflist = conf_dir.join("10-bridge.conflist");
+    fs::write(
+        &conflist,
+        json!({"cniVersion": "1.0.0", "name": "k8s", "plugins": [{"type": "bridge"}]}).to_string(),
+    )
+    .expect("primary conflist");
+    let kubeconfig = api.kubeconfig(&root.0);
+    let plugin = binaries().join("meshcap-cni");
+    let env = [
+        ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+        ("MESHCAP_INSTALL_CNI", "true"),
+        ("MESHCAP_CNI_CONF_DIR", conf_dir.to_str().expect("utf-8")),
+        ("MESHCAP_CNI_BIN_DIR", bin_dir.to_str().expect("utf-8")),
+        ("MESHCAP_PLUGIN_BINARY", plugin.to_str().expect("utf-8")),
+        ("MESHCAP_STARTUP_TAINT", ""),
+        ("MESHCAP_POD_NAMESPACE", "meshcap-system"),
+        ("MESHCAP_POD_NAME", "meshcap-agent-x7k2p"),
+    ];
+    let mut agent = Agent::start(
+        Backend::Ebpf,
+        &["--pods", "kube", "--node-name", "node-1"],
+        &env,
+    )
+    .expect("agent");
+    let installed = || {
+        meshcap_entries(&conflist) == 1
+            && bin_dir.join("meshcap-cni").exists()
+            && bin_dir.join("meshcap-agent").exists()
+            && conf_dir.join("meshcap-cni.kubeconfig").exists()
+    };
+    eventually("meshcap installed", installed).expect("installed");
+    let pins = agent.ebpf_config().expect("eBPF").bpffs_dir;
+
+    // A rolling update (the DaemonSet is there), then one after the DaemonSet was replaced
+    // (another uid: its new pods come): nothing is removed.
+    for (uid, when) in [
+        ("ds-1", "a rolling update"),
+        ("ds-2", "a replaced DaemonSet"),
+    ] {
+        *api.daemon_sets.lock().expect("daemon sets") = vec![daemon_set(uid, false)];
+        agent.terminate().expect("SIGTERM");
+        assert!(
+            installed(),
+            "{when}: meshcap stays installed\n{}",
+            agent.log()
+        );
+        assert!(pins.exists(), "{when}: the programs stay");
+        agent.restart().expect("restart");
+    }
+
+    // kubectl delete (foreground): the DaemonSet is being deleted when its pods are stopped.
+    *api.daemon_sets.lock().expect("daemon sets") = vec![daemon_set("ds-1", true)];
+    agent.terminate().expect("SIGTERM");
+    assert_eq!(
+        meshcap_entries(&conflist),
+        0,
+        "the entry is gone: new pods start without meshcap\n{}",
+        agent.log()
+    );
+    for gone in [
+        bin_dir.join("meshcap-cni"),
+        bin_dir.join("meshcap-agent"),
+        conf_dir.join("meshcap-cni.kubeconfig"),
+        pins,
+    ] {
+        assert!(
+            !gone.exists(),
+            "{} is left\n{}",
+            gone.display(),
+            agent.log()
+        );
+    }
 }

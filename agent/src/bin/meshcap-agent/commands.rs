@@ -9,8 +9,7 @@ use std::{
 use anyhow::{Context as _, bail};
 use clap::Args;
 use meshcap_agent::{
-    backend::ebpf,
-    bpf, decide, install,
+    bpf, decide,
     pods::{PodSource, dir::DirPods, kube::KubePods},
     policy, probe, settings,
     status::StatusReport,
@@ -37,44 +36,41 @@ pub fn verify() -> anyhow::Result<()> {
 }
 
 pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
-    if !pins_only {
-        let config = settings::install_config(
+    let config = if pins_only {
+        None
+    } else {
+        Some(settings::install_config(
             |name| std::env::var(name).ok(),
             settings::PLUGIN_SOURCE.into(),
-        )?;
-        install::uninstall(&config)?;
+        )?)
+    };
+    let removed = meshcap_agent::uninstall::node(config.as_ref(), bpffs_dir)?;
+    if let Some((conf_dir, bin_dir)) = &removed.cni {
         println!(
             "removed meshcap-cni from {} and {}",
-            config.cni_conf_dir.display(),
-            config.cni_bin_dir.display()
+            conf_dir.display(),
+            bin_dir.display()
         );
     }
-    let mut kept = Vec::new();
-    for dir in ebpf::layout::versions(bpffs_dir) {
-        if !dir.exists() {
-            continue;
-        }
-        let live = ebpf::layout::live_pods(&dir);
-        if live.is_empty() {
-            ebpf::layout::remove(&dir)?;
-            println!(
-                "detached meshcap's eBPF programs and removed {}",
-                dir.display()
-            );
-        } else {
-            let pods: Vec<String> = live
-                .iter()
-                .map(|p| format!("{}/{}", p.namespace, p.name))
-                .collect();
-            kept.push(format!(
-                "{} still captures {} pod(s): {}",
-                dir.display(),
-                pods.len(),
-                pods.join(", ")
-            ));
-        }
+    for dir in &removed.layouts {
+        println!(
+            "detached meshcap's eBPF programs and removed {}",
+            dir.display()
+        );
     }
-    if !kept.is_empty() {
+    if !removed.kept.is_empty() {
+        let kept: Vec<String> = removed
+            .kept
+            .iter()
+            .map(|(dir, pods)| {
+                format!(
+                    "{} still captures {} pod(s): {}",
+                    dir.display(),
+                    pods.len(),
+                    pods.join(", ")
+                )
+            })
+            .collect();
         bail!(
             "meshcap's eBPF programs stay attached, so those pods keep their capture: {}; \
              restart them (the CNI set-up now installed handles the new ones) and run \

@@ -277,12 +277,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let serve = tokio::spawn(server.serve(capture.clone(), stopped(stop_rx)));
 
     let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
-    let _installer = if args.install_cni {
+    let installer = if args.install_cni {
         Some(start_install(&args, &paths.socket, install_tx)?)
     } else {
         None
     };
-    if let Some((client, node)) = kube_node
+    if let Some((client, node)) = kube_node.clone()
         && !args.startup_taint.is_empty()
     {
         let gate = args.install_cni.then_some(install_rx);
@@ -299,8 +299,57 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     serve.await?;
     http_task.await??;
+    if let (Some((watcher, config)), Some((client, _))) = (installer, kube_node) {
+        // The watcher would put back what an uninstall removes.
+        drop(watcher);
+        uninstall_if_deleted(&client, config, paths.bpffs_dir).await;
+    }
     info!("stopped");
     Ok(())
+}
+
+/// Stopped because meshcap is being deleted from the cluster (its DaemonSet gone or being
+/// deleted, as `kubectl delete -f deploy/` does): removes the plugin from this node, so new pods
+/// no longer wait for an agent that will never come back, and the eBPF programs once no pod
+/// they capture lives. On a rolling update, a restart, an eviction or a drain the DaemonSet is
+/// there and nothing is removed; when the API server cannot be asked, nothing is either.
+async fn uninstall_if_deleted(
+    client: &kube::Client,
+    config: install::InstallConfig,
+    bpffs_dir: PathBuf,
+) {
+    let (Ok(namespace), Ok(pod)) = (
+        std::env::var(settings::POD_NAMESPACE_ENV),
+        std::env::var(settings::POD_NAME_ENV),
+    ) else {
+        return;
+    };
+    let why = match meshcap_agent::uninstall::is_being_deleted(client, &namespace, &pod).await {
+        Ok(Some(why)) => why,
+        Ok(None) => {
+            info!("meshcap stays installed on this node (a restart, an update or a drain)");
+            return;
+        }
+        Err(err) => {
+            warn!(error = %err, "cannot tell whether meshcap is being deleted: it stays installed");
+            return;
+        }
+    };
+    info!(%why, "meshcap is being deleted: uninstalling it from this node");
+    let removed = tokio::task::spawn_blocking(move || {
+        meshcap_agent::uninstall::node(Some(&config), &bpffs_dir)
+    })
+    .await;
+    match removed {
+        Ok(Ok(removed)) => {
+            for (dir, pods) in &removed.kept {
+                warn!(layout = %dir.display(), pods = %pods.join(", "), "eBPF programs kept: pods they capture still run (restart them; a node reboot or `meshcap-agent uninstall` then removes the programs)");
+            }
+            info!(layouts = removed.layouts.len(), "uninstalled");
+        }
+        Ok(Err(err)) => warn!(error = %err, "uninstalling"),
+        Err(err) => warn!(error = %err, "uninstalling"),
+    }
 }
 
 /// How often the backend's warnings are looked for.
@@ -333,7 +382,7 @@ fn start_install(
     args: &RunArgs,
     socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
-) -> anyhow::Result<install::watch::Watcher> {
+) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
     let plugin = match &args.plugin_binary {
         Some(path) => path.clone(),
         None => std::env::current_exe()
@@ -357,7 +406,7 @@ fn start_install(
         PodSourceKind::Dir => config.plugin.pod_dir.clone_from(&args.pod_dir),
     }
     info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
-    Ok(install::watch::spawn(config, status)?)
+    Ok((install::watch::spawn(config.clone(), status)?, config))
 }
 
 /// Removes the node's startup taint once pods can be captured: the agent serves and, when it

@@ -1,0 +1,106 @@
+//! A real uninstall: meshcap's plugin entry, binaries and kubeconfig removed from the node's CNI
+//! set-up, and its eBPF programs detached with their pins once no pod they capture lives.
+//! Never on a restart, an upgrade, a drain or a crash: pods created before the next agent runs
+//! would start uncaptured. Run by `meshcap-agent uninstall`, and by the agent itself when it is
+//! stopped because meshcap is being deleted ([`is_being_deleted`]).
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Pod};
+use kube::Api;
+
+use crate::{
+    backend::ebpf::{EbpfError, layout},
+    install::{self, InstallConfig, InstallError},
+};
+
+/// What an uninstall removed, and what it had to keep.
+#[derive(Debug, Default)]
+pub struct Removed {
+    /// The CNI configuration directory and bin directory cleaned, when they were.
+    pub cni: Option<(PathBuf, PathBuf)>,
+    /// Layout directories detached and removed.
+    pub layouts: Vec<PathBuf>,
+    /// Layout directories kept because pods they capture live: (directory, `ns/name` of each).
+    pub kept: Vec<(PathBuf, Vec<String>)>,
+}
+
+/// Errors of an uninstall.
+#[derive(Debug, thiserror::Error)]
+pub enum UninstallError {
+    /// The CNI set-up could not be cleaned.
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    /// A layout could not be removed.
+    #[error(transparent)]
+    Ebpf(#[from] EbpfError),
+}
+
+/// Removes meshcap from this node: the CNI set-up (`config`, unless `None`: a private agent
+/// installed none), then every eBPF layout version beside `bpffs_dir` none of whose pods lives.
+/// A layout with live pods stays, so those pods keep their capture until they restart.
+///
+/// # Errors
+/// When a file or pin cannot be removed.
+pub fn node(config: Option<&InstallConfig>, bpffs_dir: &Path) -> Result<Removed, UninstallError> {
+    let mut removed = Removed::default();
+    if let Some(config) = config {
+        install::uninstall(config)?;
+        removed.cni = Some((config.cni_conf_dir.clone(), config.cni_bin_dir.clone()));
+    }
+    for dir in layout::versions(bpffs_dir) {
+        if !dir.exists() {
+            continue;
+        }
+        let live = layout::live_pods(&dir);
+        if live.is_empty() {
+            layout::remove(&dir)?;
+            removed.layouts.push(dir);
+        } else {
+            let pods = live
+                .iter()
+                .map(|p| format!("{}/{}", p.namespace, p.name))
+                .collect();
+            removed.kept.push((dir, pods));
+        }
+    }
+    Ok(removed)
+}
+
+/// Why meshcap is being deleted from the cluster, if it is: the DaemonSet that owns the agent's
+/// pod `namespace/pod` is gone, or is being deleted (a foreground deletion). `None` on a rolling
+/// update, a restart, an eviction or a drain (the DaemonSet is there), and when the pod has no
+/// DaemonSet owner (an agent run by hand).
+///
+/// # Errors
+/// When the API server cannot be asked: the caller then keeps everything in place.
+pub async fn is_being_deleted(
+    client: &kube::Client,
+    namespace: &str,
+    pod: &str,
+) -> Result<Option<String>, kube::Error> {
+    let Some(own) = Api::<Pod>::namespaced(client.clone(), namespace)
+        .get_opt(pod)
+        .await?
+    else {
+        return Ok(None);
+    };
+    let Some(owner) = own
+        .metadata
+        .owner_references
+        .unwrap_or_default()
+        .into_iter()
+        .find(|o| o.kind == "DaemonSet")
+    else {
+        return Ok(None);
+    };
+    let daemon_sets = Api::<DaemonSet>::namespaced(client.clone(), namespace);
+    Ok(match daemon_sets.get_opt(&owner.name).await? {
+        None => Some(format!("the DaemonSet {namespace}/{} is gone", owner.name)),
+        Some(ds) if ds.metadata.uid.as_deref() != Some(owner.uid.as_str()) => None,
+        Some(ds) if ds.metadata.deletion_timestamp.is_some() => Some(format!(
+            "the DaemonSet {namespace}/{} is being deleted",
+            owner.name
+        )),
+        Some(_) => None,
+    })
+}
