@@ -15,10 +15,13 @@ use std::{
 };
 
 use meshcap_cni::protocol::{ErrorKind, Op, Outcome, PodAttachment, Reply, Response};
+use tokio::sync::watch;
 use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
     backend::{BackendError, CaptureBackend, PodRef},
+    events::{EventSink, PodObject},
+    install::watch::InstallStatus,
     podnet,
     pods::{PodSource, PodSourceError, Retry},
     policy::{self, SelectConfig, Selection, SkipReason},
@@ -85,6 +88,10 @@ pub struct Capture {
     serving: AtomicBool,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     policies: Mutex<HashMap<String, String>>,
+    /// Where the plugin's installation stands, when this agent installs it: readiness waits
+    /// for the entry to be in place.
+    install: Mutex<Option<watch::Receiver<InstallStatus>>>,
+    events: Mutex<Option<EventSink>>,
 }
 
 impl Capture {
@@ -107,6 +114,8 @@ impl Capture {
             serving: AtomicBool::new(false),
             locks: Mutex::new(HashMap::new()),
             policies: Mutex::new(HashMap::new()),
+            install: Mutex::new(None),
+            events: Mutex::new(None),
         };
         capture.update_captured_gauge();
         capture
@@ -123,7 +132,19 @@ impl Capture {
         self.serving.store(serving, Ordering::Release);
     }
 
-    /// Why the agent is not ready, or `None` when it is.
+    /// Makes readiness wait for the plugin's entry to be in place (this agent installs it).
+    pub fn watch_install(&self, status: watch::Receiver<InstallStatus>) {
+        *lock(&self.install) = Some(status);
+    }
+
+    /// Publishes a Kubernetes Event on each pod whose ADD fails.
+    pub fn publish_events(&self, sink: EventSink) {
+        *lock(&self.events) = Some(sink);
+    }
+
+    /// Why the agent is not ready, or `None` when it is: the backend is open (it is, once this
+    /// exists), the plugin socket serves, the pod source has synced, and the plugin is chained
+    /// into the CNI configuration (when this agent installs it).
     #[must_use]
     pub fn not_ready_reason(&self) -> Option<String> {
         if !self.serving.load(Ordering::Acquire) {
@@ -131,6 +152,12 @@ impl Capture {
         }
         if !self.source.is_ready() {
             return Some(format!("{} has not synced yet", self.source.describe()));
+        }
+        if let Some(install) = lock(&self.install).as_ref() {
+            let status = install.borrow();
+            if !status.is_installed() {
+                return Some(format!("meshcap-cni is not in place: {}", *status));
+            }
         }
         None
     }
@@ -151,6 +178,14 @@ impl Capture {
             _ => info_span!("cni", op = name),
         };
         let started = Instant::now();
+        let failed_add = match &op {
+            Op::Add { pod } => Some(PodObject {
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+                uid: pod.uid.clone(),
+            }),
+            _ => None,
+        };
         let result = self.dispatch(op).instrument(span.clone()).await;
         let _enter = span.enter();
         match result {
@@ -182,6 +217,16 @@ impl Capture {
                 self.metrics.observe(name, "error", started.elapsed());
                 self.metrics.error(name, &reason);
                 warn!(reason, "{}", failure.msg);
+                if let (Some(pod), Some(sink)) = (&failed_add, lock(&self.events).as_ref()) {
+                    let event = match failure.kind {
+                        ErrorKind::InvalidPod => Some("InvalidSidecarAnnotation"),
+                        ErrorKind::Backend => Some("CaptureFailed"),
+                        _ => None,
+                    };
+                    if let Some(event) = event {
+                        sink.warn(pod.clone(), event, "Capture", failure.msg.clone());
+                    }
+                }
                 Response::error(failure.kind, failure.msg, failure.details)
             }
         }
@@ -412,4 +457,11 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
 /// The answer for a pod Istio's CNI plugin would leave alone (ADD and CHECK alike).
 fn skipped(reason: &SkipReason) -> Response {
     Response::ok(Outcome::Skipped, format!("not captured: {reason}"))
+}
+
+/// The value behind `mutex`, also after a panic elsewhere held it (single assignments only).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -10,6 +10,7 @@
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
+//! - [`events`]: Kubernetes Events on pods whose capture failed;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
@@ -42,6 +43,7 @@ pub mod capture;
 pub mod cgroup;
 pub mod crashpoint;
 pub mod decide;
+pub mod events;
 pub mod install;
 pub mod instance;
 pub mod logging;

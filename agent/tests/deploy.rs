@@ -108,6 +108,11 @@ fn rbac_is_exactly_what_the_agent_calls() {
         [
             (s(&[""]), s(&["pods"]), s(&["get", "list", "watch"])),
             (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
+            (
+                s(&["events.k8s.io"]),
+                s(&["events"]),
+                s(&["create", "patch"])
+            ),
         ]
     );
 
@@ -350,4 +355,58 @@ fn the_daemon_set_runs_first_everywhere_with_narrow_capabilities() {
         caps.add.clone().unwrap_or_default(),
         ["SYS_ADMIN", "NET_ADMIN", "NET_RAW", "SYS_RESOURCE"]
     );
+}
+
+#[test]
+fn probes_and_scraping_point_at_the_agents_endpoints() {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use meshcap_agent::api::http;
+
+    let m = manifests();
+    let ds = one(&m.daemon_sets, "DaemonSet");
+    let (_, agent) = agent_container(ds);
+    let listen: std::net::SocketAddr = paths::HTTP_LISTEN.parse().expect("HTTP_LISTEN");
+    let port = i32::from(listen.port());
+    let probe = |which: &str, probe: Option<&k8s_openapi::api::core::v1::Probe>| {
+        let get = probe
+            .and_then(|p| p.http_get.as_ref())
+            .unwrap_or_else(|| panic!("{which}: an httpGet probe"));
+        assert_eq!(get.port, IntOrString::Int(port), "{which}");
+        get.path.clone().unwrap_or_default()
+    };
+    assert_eq!(
+        probe("readinessProbe", agent.readiness_probe.as_ref()),
+        http::READYZ
+    );
+    let liveness = agent.liveness_probe.as_ref();
+    assert_eq!(probe("livenessProbe", liveness), http::HEALTHZ);
+    // Never kills an agent that is merely busy: a minute of silence before a restart.
+    let liveness = liveness.expect("livenessProbe");
+    let silent = liveness.period_seconds.unwrap_or(10) * liveness.failure_threshold.unwrap_or(3);
+    assert!(silent >= 60, "liveness gives up after {silent} s");
+    assert!(liveness.timeout_seconds.unwrap_or(1) >= 5);
+
+    let ports: Vec<_> = agent
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.container_port)
+        .collect();
+    assert_eq!(ports, [port]);
+    let annotations = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.clone())
+        .unwrap_or_default();
+    let scrape: BTreeMap<&str, String> = [
+        ("prometheus.io/scrape", "true".to_owned()),
+        ("prometheus.io/port", port.to_string()),
+        ("prometheus.io/path", http::METRICS.to_owned()),
+    ]
+    .into_iter()
+    .collect();
+    for (key, value) in &scrape {
+        assert_eq!(annotations.get(*key), Some(value), "{key}");
+    }
 }

@@ -8,6 +8,10 @@ use std::{
     fs,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -304,8 +308,14 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     let node = Node::new(Some(&case_dir("calico").join("pre")));
     let original = fs::read(case_dir("calico").join("pre/10-calico.conflist")).expect("pre");
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let watcher = watch::spawn(node.config.clone(), tx).expect("watcher");
+    let writes = Arc::new(AtomicUsize::new(0));
+    let count = writes.clone();
+    let watcher = watch::spawn(node.config.clone(), tx, move || {
+        count.fetch_add(1, Ordering::Relaxed);
+    })
+    .expect("watcher");
     wait_for(&mut rx, InstallStatus::is_installed);
+    assert_eq!(writes.load(Ordering::Relaxed), 1);
     let has_meshcap = |name: &'static str| {
         move |node: &Node| {
             node.conf_dir().join(name).exists()
@@ -346,7 +356,12 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     assert!(has_meshcap("05-cilium.conflist")(&node));
     let before = node.files();
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let restarted = watch::spawn(node.config.clone(), tx).expect("restarted watcher");
+    let rewrites = Arc::new(AtomicUsize::new(0));
+    let count = rewrites.clone();
+    let restarted = watch::spawn(node.config.clone(), tx, move || {
+        count.fetch_add(1, Ordering::Relaxed);
+    })
+    .expect("restarted watcher");
     wait_for(&mut rx, |s| {
         matches!(
             s,
@@ -355,13 +370,16 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     });
     drop(restarted);
     assert_eq!(node.files(), before, "a restart rewrites nothing");
+    assert_eq!(rewrites.load(Ordering::Relaxed), 0);
+    // Each re-insertion above was one write.
+    assert!(writes.load(Ordering::Relaxed) >= 3, "{writes:?}");
 }
 
 #[test]
 fn the_watcher_waits_for_the_primary_cni() {
     let node = Node::new(None);
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let _watcher = watch::spawn(node.config.clone(), tx).expect("watcher");
+    let _watcher = watch::spawn(node.config.clone(), tx, || {}).expect("watcher");
     wait_for(&mut rx, |s| {
         *s == InstallStatus::Conf(ConfState::NoPrimaryConfig)
     });

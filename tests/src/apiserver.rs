@@ -1,6 +1,7 @@
 //! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
 //! list and watch of pods (by field selector, as kube-rs's watcher asks), GET of one pod or
-//! DaemonSet, with real JSON on the real paths; kube-rs is the client.
+//! DaemonSet, and creation of `events.k8s.io/v1` Events, with real JSON on the real paths;
+//! kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
@@ -23,6 +24,8 @@ pub struct ApiServer {
     pub pods: Arc<Mutex<Vec<Value>>>,
     /// The DaemonSets it serves (GET by namespace and name).
     pub daemon_sets: Arc<Mutex<Vec<Value>>>,
+    /// The Events created through it (POST), in order.
+    pub events: Arc<Mutex<Vec<Value>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -37,21 +40,28 @@ impl ApiServer {
         let addr = listener.local_addr().expect("addr").to_string();
         let pods = Arc::new(Mutex::new(Vec::<Value>::new()));
         let daemon_sets = Arc::new(Mutex::new(Vec::<Value>::new()));
+        let events = Arc::new(Mutex::new(Vec::<Value>::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (p, d, s) = (pods.clone(), daemon_sets.clone(), stop.clone());
+        let state = Served {
+            pods: pods.clone(),
+            daemon_sets: daemon_sets.clone(),
+            events: events.clone(),
+            stop: stop.clone(),
+        };
         thread::spawn(move || {
             for stream in listener.incoming().flatten() {
-                if s.load(Ordering::Relaxed) {
+                if state.stop.load(Ordering::Relaxed) {
                     break;
                 }
-                let (p, d, s) = (p.clone(), d.clone(), s.clone());
-                thread::spawn(move || serve_api(stream, &p, &d, &s));
+                let state = state.clone();
+                thread::spawn(move || serve_api(stream, &state));
             }
         });
         Self {
             addr,
             pods,
             daemon_sets,
+            events,
             stop,
         }
     }
@@ -84,23 +94,43 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve_api(
-    mut stream: TcpStream,
-    pods: &Mutex<Vec<Value>>,
-    daemon_sets: &Mutex<Vec<Value>>,
-    stop: &AtomicBool,
-) {
+/// What the server holds, shared by its connections.
+#[derive(Clone)]
+struct Served {
+    pods: Arc<Mutex<Vec<Value>>>,
+    daemon_sets: Arc<Mutex<Vec<Value>>>,
+    events: Arc<Mutex<Vec<Value>>>,
+    stop: Arc<AtomicBool>,
+}
+
+fn serve_api(mut stream: TcpStream, state: &Served) {
+    let (pods, daemon_sets, stop) = (&state.pods, &state.daemon_sets, &state.stop);
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
         return;
     }
+    let mut length = 0;
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
             break;
         }
+        if let Some((name, value)) = header.split_once(':')
+            && name.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
     }
+    let mut body = vec![0; length];
+    if reader.read_exact(&mut body).is_err() {
+        return;
+    }
+    let method = request_line
+        .split_whitespace()
+        .next()
+        .unwrap_or("GET")
+        .to_owned();
     let path = request_line
         .split_whitespace()
         .nth(1)
@@ -117,6 +147,11 @@ fn serve_api(
     };
     let parts: Vec<&str> = route.trim_matches('/').split('/').collect();
     match parts.as_slice() {
+        ["apis", "events.k8s.io", "v1", "namespaces", _, "events"] if method == "POST" => {
+            let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            state.events.lock().expect("events").push(event.clone());
+            respond(&mut stream, "201 Created", &event);
+        }
         ["api", "v1", "pods"] if query.contains("watch=true") || query.contains("watch=1") => {
             // A watch that stays open and quiet; new pods are found by the agent's GET.
             let _ = write!(

@@ -10,7 +10,11 @@ use std::{
     time::Duration,
 };
 
-use meshcap_tests::{agent::binaries, require_root, unique_name};
+use meshcap_tests::{
+    agent::{Agent, Backend, binaries},
+    fixtures::{ManifestDir, eventually},
+    require_root, unique_name,
+};
 use serde_json::{Value, json};
 
 /// A throwaway directory tree, removed on drop.
@@ -130,4 +134,102 @@ fn run_installs_the_plugin_and_leaves_it_in_place_when_it_exits() {
     agent.0.wait().expect("reap the agent");
     assert_eq!(meshcap_entries(&read_json(&primary)).len(), 1);
     assert!(bin_dir.join("meshcap-cni").exists());
+}
+
+/// The value of the sample `name` (no labels) in a Prometheus text exposition.
+fn sample(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok())?
+    })
+}
+
+#[test]
+fn ready_only_once_the_plugin_is_chained() {
+    require_root();
+    let root = Scratch(std::env::temp_dir().join(unique_name("meshcap-ready")));
+    let (conf_dir, bin_dir) = (root.0.join("net.d"), root.0.join("bin"));
+    for dir in [&conf_dir, &bin_dir] {
+        fs::create_dir_all(dir).expect("scratch dirs");
+    }
+    let pods = ManifestDir::new();
+    let (conf, bin) = (
+        conf_dir.to_str().expect("utf-8"),
+        bin_dir.to_str().expect("utf-8"),
+    );
+    // No primary CNI configuration yet (the node's network plugin still starting): the agent
+    // serves, but it is not ready, and says why.
+    let agent = Agent::start(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_INSTALL_CNI", "true"),
+            ("MESHCAP_CNI_CONF_DIR", conf),
+            ("MESHCAP_CNI_BIN_DIR", bin),
+        ],
+    )
+    .expect("agent");
+    thread::sleep(Duration::from_millis(500));
+    let (code, body) = agent.http_get("/readyz").expect("readyz");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("meshcap-cni is not in place"), "{body}");
+    let (_, metrics) = agent.http_get("/metrics").expect("metrics");
+    assert_eq!(
+        sample(&metrics, "meshcap_cni_install_ready"),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(&metrics, "meshcap_cni_installs_total"),
+        Some(0.0),
+        "{metrics}"
+    );
+
+    fs::write(
+        conf_dir.join("10-bridge.conflist"),
+        json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [{"type": "bridge"}]})
+            .to_string(),
+    )
+    .expect("primary conflist");
+    eventually("the agent is ready once it chained meshcap-cni", || {
+        agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    let chained = read_json(&conf_dir.join("10-bridge.conflist"));
+    assert_eq!(meshcap_entries(&chained).len(), 1, "{chained}");
+    let (_, metrics) = agent.http_get("/metrics").expect("metrics");
+    assert_eq!(
+        sample(&metrics, "meshcap_cni_install_ready"),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        sample(&metrics, "meshcap_cni_installs_total"),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    // The entry removed (a primary CNI rewriting its file): not ready until it is back.
+    fs::write(
+        conf_dir.join("10-bridge.conflist"),
+        json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [{"type": "bridge"}]})
+            .to_string(),
+    )
+    .expect("rewrite");
+    eventually("the entry is chained again", || {
+        meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len() == 1
+            && agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
+    })
+    .expect("re-chained");
+    let (_, metrics) = agent.http_get("/metrics").expect("metrics");
+    assert_eq!(
+        sample(&metrics, "meshcap_cni_installs_total"),
+        Some(2.0),
+        "{metrics}"
+    );
 }

@@ -203,6 +203,60 @@ fn kube_source_pod_is_captured_and_released(backend: Backend) {
         &Sandbox::new("shop", &late, &wired.pod),
         "1.1.0",
     );
+
+    // A pod whose capture fails gets a Warning Event naming the annotation and the value, as
+    // `kubectl describe pod` shows it.
+    let broken = unique_name("broken");
+    api.pods.lock().expect("pods").push(sidecar_pod(
+        "shop",
+        &broken,
+        &[("traffic.sidecar.istio.io/includeInboundPorts", "80,http")],
+    ));
+    let pod = Netns::new("mc-e2e-event").expect("netns");
+    let add = cni(
+        "ADD",
+        &Sandbox::new("shop", &broken, &pod),
+        &config("1.0.0", &agent.socket, "10.0.0.2"),
+    )
+    .expect("ADD");
+    assert_eq!(add.stdout["code"], 104, "{add:?}");
+    let mut event = Value::Null;
+    eventually("the agent publishes an Event on the pod", || {
+        let events = api.events.lock().expect("events");
+        event = events
+            .iter()
+            .find(|e| e["regarding"]["name"] == broken.as_str())
+            .cloned()
+            .unwrap_or(Value::Null);
+        !event.is_null()
+    })
+    .expect("event");
+    assert_eq!(
+        (
+            &event["type"],
+            &event["reason"],
+            &event["regarding"]["kind"],
+            &event["regarding"]["namespace"],
+            &event["regarding"]["uid"],
+            &event["reportingController"],
+            &event["reportingInstance"],
+        ),
+        (
+            &json!("Warning"),
+            &json!("InvalidSidecarAnnotation"),
+            &json!("Pod"),
+            &json!("shop"),
+            &json!(format!("uid-{broken}")),
+            &json!("meshcap-agent"),
+            &json!("node-1"),
+        ),
+        "{event}"
+    );
+    let note = event["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("includeInboundPorts") && note.contains("80,http"),
+        "{event}"
+    );
 }
 
 fn api_unreachable_fails_add_closed(backend: Backend) {

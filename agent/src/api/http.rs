@@ -1,12 +1,20 @@
 //! `/healthz` (the process answers), `/readyz` (the agent serves CNI requests: backend open,
-//! pod source synced) and `/metrics` (Prometheus text), on the address given by
-//! `--http-listen`.
+//! socket serving, pod source synced, plugin chained when this agent installs it) and
+//! `/metrics` (Prometheus text), on the address given by `--http-listen`. The DaemonSet's
+//! probes and scrape annotations name these paths (checked by `agent/tests/deploy.rs`).
 use std::{net::SocketAddr, sync::Arc};
 
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use tokio::net::TcpListener;
 
 use crate::capture::Capture;
+
+/// Liveness: answers while the runtime does.
+pub const HEALTHZ: &str = "/healthz";
+/// Readiness: 200 once the agent captures, 503 with the reason until then.
+pub const READYZ: &str = "/readyz";
+/// Prometheus text exposition.
+pub const METRICS: &str = "/metrics";
 
 async fn healthz() -> &'static str {
     "ok\n"
@@ -45,9 +53,9 @@ pub async fn bind(
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let app = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(HEALTHZ, get(healthz))
+        .route(READYZ, get(readyz))
+        .route(METRICS, get(metrics))
         .with_state(capture);
     Ok((local, async move {
         axum::serve(listener, app)

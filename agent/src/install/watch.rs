@@ -38,6 +38,16 @@ pub enum InstallStatus {
     Failed(String),
 }
 
+impl std::fmt::Display for InstallStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Starting => f.write_str("not checked yet"),
+            Self::Conf(state) => write!(f, "{state}"),
+            Self::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}
+
 impl InstallStatus {
     /// Whether meshcap's entry is in place: the node may run pods.
     #[must_use]
@@ -65,13 +75,16 @@ impl std::fmt::Debug for Watcher {
     }
 }
 
-/// Installs once, then keeps re-installing on changes; every outcome is published on `status`.
+/// Installs once, then keeps re-installing on changes; every outcome is published on `status`,
+/// and `on_write` runs after each write of meshcap's entry (a count that the coalescing
+/// `status` channel would lose).
 ///
 /// # Errors
 /// When the directories cannot be created or watched.
 pub fn spawn(
     config: InstallConfig,
     status: watch::Sender<InstallStatus>,
+    on_write: impl Fn() + Send + 'static,
 ) -> Result<Watcher, InstallError> {
     let (tx, rx) = mpsc::channel();
     let events = tx.clone();
@@ -95,7 +108,7 @@ pub fn spawn(
     }
     let thread = thread::Builder::new()
         .name("meshcap-install".to_owned())
-        .spawn(move || run(&config, &rx, &status))
+        .spawn(move || run(&config, &rx, &status, &on_write))
         .map_err(|e| InstallError::io("starting the watcher for", Path::new("."), e))?;
     Ok(Watcher {
         tx,
@@ -117,6 +130,7 @@ fn run(
     config: &InstallConfig,
     rx: &mpsc::Receiver<Message>,
     status: &watch::Sender<InstallStatus>,
+    on_write: &dyn Fn(),
 ) {
     let mut rewrites = VecDeque::new();
     loop {
@@ -126,6 +140,7 @@ fn run(
             path,
         }) = &outcome
         {
+            on_write();
             note_rewrite(&mut rewrites, path);
         }
         let next = match outcome {

@@ -16,6 +16,8 @@ pub struct Metrics {
     errors: Family<Labels, Counter>,
     latency: Family<Labels, Histogram>,
     captured: Family<Labels, Gauge>,
+    install_ready: Gauge,
+    installs: Counter,
 }
 
 impl Default for Metrics {
@@ -58,12 +60,28 @@ impl Metrics {
             "Pods whose traffic is captured, by backend",
             captured.clone(),
         );
+        let install_ready = Gauge::default();
+        registry.register(
+            "cni_install_ready",
+            "Whether meshcap-cni is chained into the node's CNI configuration (1) or not (0); \
+             istio_cni_install_ready",
+            install_ready.clone(),
+        );
+        let installs = Counter::default();
+        registry.register(
+            "cni_installs",
+            "Times this agent wrote meshcap-cni's entry into the CNI configuration \
+             (istio_cni_installs_total)",
+            installs.clone(),
+        );
         Self {
             registry,
             requests,
             errors,
             latency,
             captured,
+            install_ready,
+            installs,
         }
     }
 
@@ -92,6 +110,16 @@ impl Metrics {
         self.captured
             .get_or_create(&vec![("backend", backend.to_owned())])
             .set(i64::try_from(pods).unwrap_or(i64::MAX));
+    }
+
+    /// Records whether the plugin's entry is in place.
+    pub fn set_install_ready(&self, installed: bool) {
+        self.install_ready.set(i64::from(installed));
+    }
+
+    /// Counts one write of the plugin's entry.
+    pub fn count_install(&self) {
+        self.installs.inc();
     }
 
     /// The Prometheus text exposition.

@@ -13,6 +13,7 @@ use meshcap_agent::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     capture::{Capture, Settings},
+    events::EventSink,
     install::{self, watch::InstallStatus},
     paths::AgentPaths,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
@@ -278,10 +279,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
     let installer = if args.install_cni {
-        Some(start_install(&args, &paths.socket, install_tx)?)
+        let metrics = capture.clone();
+        Some(start_install(
+            &args,
+            &paths.socket,
+            install_tx,
+            move || {
+                metrics.metrics().count_install();
+            },
+        )?)
     } else {
         None
     };
+    if installer.is_some() {
+        capture.watch_install(install_rx.clone());
+        tokio::spawn(track_install(capture.clone(), install_rx.clone()));
+    }
+    if let Some((client, node)) = &kube_node {
+        capture.publish_events(EventSink::new(client.clone(), node));
+    }
     if let Some((client, node)) = kube_node.clone()
         && !args.startup_taint.is_empty()
     {
@@ -352,6 +368,17 @@ async fn uninstall_if_deleted(
     }
 }
 
+/// Keeps the install-ready gauge with the installation's state.
+async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<InstallStatus>) {
+    loop {
+        let installed = status.borrow_and_update().is_installed();
+        capture.metrics().set_install_ready(installed);
+        if status.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// How often the backend's warnings are looked for.
 const WARNINGS_EVERY: Duration = Duration::from_secs(60);
 
@@ -382,6 +409,7 @@ fn start_install(
     args: &RunArgs,
     socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
+    on_write: impl Fn() + Send + 'static,
 ) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
     let plugin = match &args.plugin_binary {
         Some(path) => path.clone(),
@@ -406,7 +434,10 @@ fn start_install(
         PodSourceKind::Dir => config.plugin.pod_dir.clone_from(&args.pod_dir),
     }
     info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
-    Ok((install::watch::spawn(config.clone(), status)?, config))
+    Ok((
+        install::watch::spawn(config.clone(), status, on_write)?,
+        config,
+    ))
 }
 
 /// Removes the node's startup taint once pods can be captured: the agent serves and, when it
