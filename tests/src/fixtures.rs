@@ -74,6 +74,16 @@ pub fn sidecar_pod(namespace: &str, name: &str, annotations: &[(&str, &str)]) ->
     })
 }
 
+/// A pod manifest the mesh does not concern: no sidecar.
+#[must_use]
+pub fn plain_pod(namespace: &str, name: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}")},
+        "spec": {"nodeName": "node-1", "containers": [{"name": "app", "image": "app"}]},
+    })
+}
+
 /// Waits until `f` holds (for the agent's asynchronous start-up), at most ~10 s.
 ///
 /// # Errors

@@ -26,8 +26,11 @@ use serde::{Deserialize, Serialize};
 
 pub mod agent;
 pub mod apiserver;
+pub mod containerd;
+pub mod cri;
 pub mod fixtures;
 pub mod kubelet;
+pub mod oci;
 pub mod one_pod;
 pub mod plugin;
 pub mod wired;
@@ -81,6 +84,9 @@ pub fn run(program: &str, args: &[&str]) -> anyhow::Result<String> {
 #[derive(Debug)]
 pub struct Netns {
     name: String,
+    path: PathBuf,
+    /// Made by this test (deleted on drop), or someone else's (a runtime's pod).
+    owned: bool,
 }
 
 impl Netns {
@@ -92,7 +98,11 @@ impl Netns {
     pub fn new(prefix: &str) -> anyhow::Result<Self> {
         let name = unique_name(prefix);
         run("ip", &["netns", "add", &name])?;
-        let ns = Self { name };
+        let ns = Self {
+            path: Path::new("/run/netns").join(&name),
+            name,
+            owned: true,
+        };
         ns.ip(&["link", "set", "lo", "up"])?;
         ns.run_in(|| {
             fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
@@ -101,16 +111,31 @@ impl Netns {
         Ok(ns)
     }
 
+    /// A namespace someone else made (a container runtime's pod), at `path`: used as it is
+    /// and never deleted by this handle. Its [`Self::name`] is the file's name, which `ip -n`
+    /// knows only for a file in `/run/netns`.
+    #[must_use]
+    pub fn existing(path: &Path) -> Self {
+        Self {
+            name: path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            path: path.to_owned(),
+            owned: false,
+        }
+    }
+
     /// The namespace's name for `ip netns`.
     #[must_use]
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// The namespace file (`/run/netns/<name>`).
+    /// The namespace file (`/run/netns/<name>` for one of the test's own).
     #[must_use]
     pub fn path(&self) -> PathBuf {
-        Path::new("/run/netns").join(&self.name)
+        self.path.clone()
     }
 
     /// `ip -n <ns> <args>`.
@@ -146,7 +171,9 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        if let Err(err) = run("ip", &["netns", "del", &self.name]) {
+        if self.owned
+            && let Err(err) = run("ip", &["netns", "del", &self.name])
+        {
             eprintln!("cleanup: {err:#}");
         }
     }
@@ -250,7 +277,25 @@ impl Proc {
         args: &[&str],
         net_admin: bool,
     ) -> anyhow::Result<Self> {
-        Self::spawn_inner(at, program, args, net_admin, Stdio::null())
+        Self::spawn_inner(at, program, args, net_admin, Stdio::null(), None)
+    }
+
+    /// [`Self::spawn`] with stdout and stderr appended to `log` (a daemon's log).
+    ///
+    /// # Errors
+    /// When the log cannot be opened or the process cannot be started.
+    pub fn spawn_logged(
+        at: Placement<'_>,
+        program: &Path,
+        args: &[&str],
+        log: &Path,
+    ) -> anyhow::Result<Self> {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        Self::spawn_inner(at, program, args, false, Stdio::null(), Some(log))
     }
 
     fn spawn_inner(
@@ -259,6 +304,7 @@ impl Proc {
         args: &[&str],
         net_admin: bool,
         stdin: Stdio,
+        log: Option<File>,
     ) -> anyhow::Result<Self> {
         let netns = File::open(at.netns.path())?;
         let procs = at
@@ -271,10 +317,11 @@ impl Proc {
             .transpose()
             .context("opening cgroup.procs")?;
         let mut cmd = Command::new(program);
-        cmd.args(args)
-            .stdin(stdin)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.args(args).stdin(stdin);
+        match log {
+            Some(log) => cmd.stdout(log.try_clone()?).stderr(log),
+            None => cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()),
+        };
         let netns_fd = netns.as_raw_fd();
         let procs_fd = procs.as_ref().map(std::os::fd::AsRawFd::as_raw_fd);
         let (uid, gid) = (at.uid, at.gid);
@@ -527,6 +574,7 @@ impl Held {
             &[target.as_str(), "--hold"],
             false,
             Stdio::piped(),
+            None,
         )?;
         let line = proc.wait_line()?;
         let first = serde_json::from_str(&line).with_context(|| format!("dial said {line:?}"))?;

@@ -15,7 +15,7 @@ use std::{
 use meshcap_tests::{
     agent::binaries,
     apiserver::ApiServer,
-    fixtures::{sidecar_pod, write_manifest},
+    fixtures::{plain_pod, sidecar_pod, write_manifest},
     kubelet::{CniOutput, run_plugin_at},
     require_root, unique_name,
 };
@@ -28,15 +28,6 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
     }
-}
-
-/// A pod the mesh does not concern: no sidecar.
-fn plain_pod(namespace: &str, name: &str) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}")},
-        "spec": {"nodeName": "node-1", "containers": [{"name": "app", "image": "app"}]},
-    })
 }
 
 /// The node's CNI directories with a primary conflist, and the agent's own dirs.

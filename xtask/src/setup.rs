@@ -17,6 +17,13 @@ const PACKAGES: &[&str] = &[
     // binaries for its initramfs.
     "qemu-system-x86",
     "binutils",
+    // The containerd test (tests/tests/containerd.rs): a private containerd 1.6 with runc and
+    // the CNI reference plugins, its pause and app image built from the static busybox. The
+    // package starts no daemon here (no init system runs it); the test starts its own.
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
+    "busybox-static",
 ];
 
 /// The eBPF toolchain: the installed nightly builds the programs with `-Z build-std=core`.

@@ -70,6 +70,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         "integration: binaries ready in {:.0}s",
         started.elapsed().as_secs_f64()
     );
+    for (test, why) in build::HOST_ONLY {
+        eprintln!("integration: not in the VMs (host only, `cargo xtask test`): {test}: {why}");
+    }
 
     let mut failures = Vec::new();
     let mut summary = Vec::new();
