@@ -21,6 +21,7 @@
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
 //!   iptables rendering and an evaluator of the rendered rules;
 //! - [`probe`]: can this kernel run the eBPF backend;
+//! - [`repair`]: Istio's repair controller, for pods that started before their capture;
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
@@ -52,6 +53,7 @@ pub mod podnet;
 pub mod pods;
 pub mod policy;
 pub mod probe;
+pub mod repair;
 pub mod settings;
 pub mod status;
 pub mod taint;

@@ -72,8 +72,57 @@ pub const STARTUP_TAINT: Setting = Setting {
     default: taint::DEFAULT_KEY,
 };
 
+/// `repair.enabled`: run the repair controller (pods that started before their capture).
+pub const REPAIR_ENABLED: Setting = Setting {
+    key: "repair.enabled",
+    env: "MESHCAP_REPAIR_ENABLED",
+    default: "true",
+};
+
+/// `repair.repairPods`: capture a broken pod in place (the default mode; first of the three).
+pub const REPAIR_REPAIR_PODS: Setting = Setting {
+    key: "repair.repairPods",
+    env: "MESHCAP_REPAIR_REPAIR_PODS",
+    default: "true",
+};
+
+/// `repair.deletePods`: delete a broken pod (when `repairPods` is off).
+pub const REPAIR_DELETE_PODS: Setting = Setting {
+    key: "repair.deletePods",
+    env: "MESHCAP_REPAIR_DELETE_PODS",
+    default: "false",
+};
+
+/// `repair.labelPods`: label a broken pod (when the other two are off).
+pub const REPAIR_LABEL_PODS: Setting = Setting {
+    key: "repair.labelPods",
+    env: "MESHCAP_REPAIR_LABEL_PODS",
+    default: "false",
+};
+
+/// `repair.initContainerName`: the init container whose failure marks a broken pod.
+pub const REPAIR_INIT_CONTAINER_NAME: Setting = Setting {
+    key: "repair.initContainerName",
+    env: "MESHCAP_REPAIR_INIT_CONTAINER_NAME",
+    default: "istio-validation",
+};
+
+/// `repair.brokenPodLabelKey`: the label `labelPods` sets.
+pub const REPAIR_BROKEN_POD_LABEL_KEY: Setting = Setting {
+    key: "repair.brokenPodLabelKey",
+    env: "MESHCAP_REPAIR_BROKEN_POD_LABEL_KEY",
+    default: "cni.istio.io/uninitialized",
+};
+
+/// `repair.brokenPodLabelValue`: its value.
+pub const REPAIR_BROKEN_POD_LABEL_VALUE: Setting = Setting {
+    key: "repair.brokenPodLabelValue",
+    env: "MESHCAP_REPAIR_BROKEN_POD_LABEL_VALUE",
+    default: "true",
+};
+
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 8] = [
+pub const ALL: [Setting; 15] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -82,6 +131,13 @@ pub const ALL: [Setting; 8] = [
     LOG_LEVEL,
     MODE,
     STARTUP_TAINT,
+    REPAIR_ENABLED,
+    REPAIR_REPAIR_PODS,
+    REPAIR_DELETE_PODS,
+    REPAIR_LABEL_PODS,
+    REPAIR_INIT_CONTAINER_NAME,
+    REPAIR_BROKEN_POD_LABEL_KEY,
+    REPAIR_BROKEN_POD_LABEL_VALUE,
 ];
 
 /// The node the agent runs on (the downward API's `spec.nodeName`).
@@ -143,6 +199,21 @@ pub enum SettingsError {
     },
 }
 
+/// A boolean setting through `lookup`.
+///
+/// # Errors
+/// When it is not a boolean: names the variable and the value.
+pub fn bool_setting(
+    lookup: &impl Fn(&str) -> Option<String>,
+    setting: Setting,
+) -> Result<bool, SettingsError> {
+    let value = lookup(setting.env).unwrap_or_else(|| setting.default.to_owned());
+    parse_bool(&value).ok_or(SettingsError::NotBool {
+        env: setting.env,
+        value,
+    })
+}
+
 /// The install configuration from these settings, read through `lookup` (e.g.
 /// `|name| std::env::var(name).ok()`); unset variables take the defaults.
 ///
@@ -153,15 +224,11 @@ pub fn install_config(
     plugin_source: std::path::PathBuf,
 ) -> Result<install::InstallConfig, SettingsError> {
     let get = |s: Setting| lookup(s.env).unwrap_or_else(|| s.default.to_owned());
-    let chained = get(CHAINED);
     let mut config = install::InstallConfig::new(plugin_source);
     config.cni_bin_dir = get(CNI_BIN_DIR).into();
     config.cni_conf_dir = get(CNI_CONF_DIR).into();
     config.cni_conf_file_name = Some(get(CNI_CONF_FILE_NAME)).filter(|n| !n.is_empty());
-    config.chained = parse_bool(&chained).ok_or(SettingsError::NotBool {
-        env: CHAINED.env,
-        value: chained.clone(),
-    })?;
+    config.chained = bool_setting(&lookup, CHAINED)?;
     config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
     config.plugin.log_level = get(LOG_LEVEL);
     if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {

@@ -1,7 +1,9 @@
 //! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
-//! list and watch of pods (by field selector, as kube-rs's watcher asks), GET of one pod or
-//! DaemonSet, and creation of `events.k8s.io/v1` Events, with real JSON on the real paths;
-//! kube-rs is the client.
+//! list and watch of pods (filtered by the `spec.nodeName` field selector, as kube-rs's
+//! watcher asks; the watch streams the changes made through [`ApiServer::apply_pod`] after the
+//! resourceVersion it asks from), GET of one pod or DaemonSet, DELETE of a pod with
+//! preconditions, merge PATCH of a pod's labels through `pods/status`, and creation of
+//! `events.k8s.io/v1` Events, with real JSON on the real paths; kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
@@ -26,6 +28,12 @@ pub struct ApiServer {
     pub daemon_sets: Arc<Mutex<Vec<Value>>>,
     /// The Events created through it (POST), in order.
     pub events: Arc<Mutex<Vec<Value>>>,
+    /// The requests that changed pods (`DELETE …/pods/NAME` and `PATCH …/pods/NAME/status`):
+    /// method, path and body, in order.
+    pub writes: Arc<Mutex<Vec<(String, String, Value)>>>,
+    /// Every change a watch streams (`ADDED`, `MODIFIED`, `DELETED` and the pod); a change's
+    /// index + 1 is its resourceVersion.
+    changes: Arc<Mutex<Vec<(String, Value)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -41,11 +49,15 @@ impl ApiServer {
         let pods = Arc::new(Mutex::new(Vec::<Value>::new()));
         let daemon_sets = Arc::new(Mutex::new(Vec::<Value>::new()));
         let events = Arc::new(Mutex::new(Vec::<Value>::new()));
+        let writes = Arc::new(Mutex::new(Vec::new()));
+        let changes = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let state = Served {
             pods: pods.clone(),
             daemon_sets: daemon_sets.clone(),
             events: events.clone(),
+            writes: writes.clone(),
+            changes: changes.clone(),
             stop: stop.clone(),
         };
         thread::spawn(move || {
@@ -62,8 +74,19 @@ impl ApiServer {
             pods,
             daemon_sets,
             events,
+            writes,
+            changes,
             stop,
         }
+    }
+
+    /// Adds `pod`, or replaces the pod of its namespace and name, as a change watches see
+    /// (`ADDED` or `MODIFIED`), with a new resourceVersion.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    pub fn apply_pod(&self, pod: Value) {
+        record(&self.pods, &self.changes, pod);
     }
 
     /// A kubeconfig for it (plain HTTP, no credentials), written into `dir`.
@@ -100,11 +123,53 @@ struct Served {
     pods: Arc<Mutex<Vec<Value>>>,
     daemon_sets: Arc<Mutex<Vec<Value>>>,
     events: Arc<Mutex<Vec<Value>>>,
+    writes: Arc<Mutex<Vec<(String, String, Value)>>>,
+    changes: Arc<Mutex<Vec<(String, Value)>>>,
     stop: Arc<AtomicBool>,
 }
 
+/// Stores `pod` (added or replacing its namesake) with the next resourceVersion and logs the
+/// change.
+fn record(pods: &Mutex<Vec<Value>>, changes: &Mutex<Vec<(String, Value)>>, mut pod: Value) {
+    let mut changes = changes.lock().expect("changes");
+    let mut pods = pods.lock().expect("pods");
+    pod["metadata"]["resourceVersion"] = json!((changes.len() + 1).to_string());
+    let same = |p: &Value| {
+        p["metadata"]["namespace"] == pod["metadata"]["namespace"]
+            && p["metadata"]["name"] == pod["metadata"]["name"]
+    };
+    let kind = if let Some(slot) = pods.iter_mut().find(|p| same(p)) {
+        *slot = pod.clone();
+        "MODIFIED"
+    } else {
+        pods.push(pod.clone());
+        "ADDED"
+    };
+    changes.push((kind.to_owned(), pod));
+}
+
+/// The node a `fieldSelector=spec.nodeName=NODE` query asks for (URL-encoded or not).
+fn node_selected(query: &str) -> Option<String> {
+    query.split('&').find_map(|kv| {
+        let value = kv.strip_prefix("fieldSelector=")?;
+        let value = value.replace("%3D", "=").replace("%3d", "=");
+        value.strip_prefix("spec.nodeName=").map(str::to_owned)
+    })
+}
+
+/// The query parameter `name`'s value.
+fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+}
+
+fn on_node(pod: &Value, node: Option<&str>) -> bool {
+    node.is_none_or(|n| pod["spec"]["nodeName"] == n)
+}
+
 fn serve_api(mut stream: TcpStream, state: &Served) {
-    let (pods, daemon_sets, stop) = (&state.pods, &state.daemon_sets, &state.stop);
+    let (pods, daemon_sets, stop) = (&*state.pods, &*state.daemon_sets, &*state.stop);
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
@@ -152,29 +217,130 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             state.events.lock().expect("events").push(event.clone());
             respond(&mut stream, "201 Created", &event);
         }
-        ["api", "v1", "pods"] if query.contains("watch=true") || query.contains("watch=1") => {
-            // A watch that stays open and quiet; new pods are found by the agent's GET.
+        ["api", "v1", "pods"] if param(query, "watch").is_some_and(|w| w == "true" || w == "1") => {
+            // The changes after the asked resourceVersion, then each new one, for a minute
+            // (kube-rs then watches again from the last it saw).
+            let node = node_selected(query);
+            let mut next: usize = param(query, "resourceVersion")
+                .and_then(|rv| rv.parse().ok())
+                .unwrap_or(0);
             let _ = write!(
                 stream,
                 "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
             );
             let _ = stream.flush();
-            for _ in 0..600 {
+            for _ in 0..12_000 {
                 if stop.load(Ordering::Relaxed) {
                     break;
                 }
-                thread::sleep(Duration::from_millis(100));
+                let pending: Vec<(String, Value)> = {
+                    let changes = state.changes.lock().expect("changes");
+                    let new = changes.get(next..).unwrap_or_default().to_vec();
+                    next = changes.len().max(next);
+                    new
+                };
+                for (kind, pod) in pending {
+                    if on_node(&pod, node.as_deref()) {
+                        let line = format!("{}\n", json!({"type": kind, "object": pod}));
+                        if write!(stream, "{:x}\r\n{line}\r\n", line.len()).is_err() {
+                            return;
+                        }
+                    }
+                }
+                let _ = stream.flush();
+                thread::sleep(Duration::from_millis(5));
             }
         }
         ["api", "v1", "pods"] => {
-            let items: Vec<Value> = pods.lock().expect("pods").clone();
+            let node = node_selected(query);
+            let items: Vec<Value> = pods
+                .lock()
+                .expect("pods")
+                .iter()
+                .filter(|p| on_node(p, node.as_deref()))
+                .cloned()
+                .collect();
+            let version = state.changes.lock().expect("changes").len().to_string();
             respond(
                 &mut stream,
                 "200 OK",
                 &json!({
-                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": items
+                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
                 }),
             );
+        }
+        ["api", "v1", "namespaces", ns, "pods", name] if method == "DELETE" => {
+            let options: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            state.writes.lock().expect("writes").push((
+                method.clone(),
+                route.to_owned(),
+                options.clone(),
+            ));
+            let mut all = pods.lock().expect("pods");
+            let index = all
+                .iter()
+                .position(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name);
+            let conflict = index.is_some_and(|i| {
+                let pre = &options["preconditions"];
+                ["uid", "resourceVersion"]
+                    .iter()
+                    .any(|k| !pre[k].is_null() && pre[k] != all[i]["metadata"][k])
+            });
+            match index {
+                Some(_) if conflict => respond(
+                    &mut stream,
+                    "409 Conflict",
+                    &json!({"kind": "Status", "status": "Failure", "reason": "Conflict", "code": 409,
+                            "message": "Precondition failed"}),
+                ),
+                Some(i) => {
+                    let pod = all.remove(i);
+                    drop(all);
+                    state
+                        .changes
+                        .lock()
+                        .expect("changes")
+                        .push(("DELETED".into(), pod.clone()));
+                    respond(&mut stream, "200 OK", &pod);
+                }
+                None => respond(
+                    &mut stream,
+                    "404 Not Found",
+                    &json!({"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
+                            "message": format!("pods \"{name}\" not found")}),
+                ),
+            }
+        }
+        ["api", "v1", "namespaces", ns, "pods", name, "status"] if method == "PATCH" => {
+            let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            state.writes.lock().expect("writes").push((
+                method.clone(),
+                route.to_owned(),
+                patch.clone(),
+            ));
+            let found = pods
+                .lock()
+                .expect("pods")
+                .iter()
+                .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
+                .cloned();
+            if let Some(mut pod) = found {
+                for (k, v) in patch["metadata"]["labels"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                {
+                    pod["metadata"]["labels"][k] = v.clone();
+                }
+                record(pods, &state.changes, pod.clone());
+                respond(&mut stream, "200 OK", &pod);
+            } else {
+                respond(
+                    &mut stream,
+                    "404 Not Found",
+                    &json!({"kind": "Status", "code": 404}),
+                );
+            }
         }
         ["api", "v1", "namespaces", ns, "pods", name]
         | ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name] => {

@@ -84,6 +84,22 @@ pub fn plain_pod(namespace: &str, name: &str) -> Value {
     })
 }
 
+/// `pod` as kubelet reports it when it started without its capture: address `ip`, and its
+/// `istio-validation` init container crash-looping on exit code 126 (`restarts` times).
+#[must_use]
+pub fn broken_pod(mut pod: Value, ip: &str, restarts: u32) -> Value {
+    pod["status"] = json!({
+        "podIP": ip, "podIPs": [{"ip": ip}],
+        "initContainerStatuses": [{
+            "name": "istio-validation", "image": "proxyv2", "imageID": "", "ready": false,
+            "restartCount": restarts,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 126, "reason": "Error"}},
+        }],
+    });
+    pod
+}
+
 /// Waits until `f` holds (for the agent's asynchronous start-up), at most ~10 s.
 ///
 /// # Errors

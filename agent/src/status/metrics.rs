@@ -18,6 +18,7 @@ pub struct Metrics {
     captured: Family<Labels, Gauge>,
     install_ready: Gauge,
     installs: Counter,
+    repairs: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -74,6 +75,13 @@ impl Metrics {
              (istio_cni_installs_total)",
             installs.clone(),
         );
+        let repairs = Family::<Labels, Counter>::default();
+        registry.register(
+            "cni_repair_pods_repaired",
+            "Broken pods the repair controller acted on, by mode (repair, delete, label) and \
+             result (success, skip, fail); istio_cni_repair_pods_repaired_total",
+            repairs.clone(),
+        );
         Self {
             registry,
             requests,
@@ -82,6 +90,7 @@ impl Metrics {
             captured,
             install_ready,
             installs,
+            repairs,
         }
     }
 
@@ -115,6 +124,16 @@ impl Metrics {
     /// Records whether the plugin's entry is in place.
     pub fn set_install_ready(&self, installed: bool) {
         self.install_ready.set(i64::from(installed));
+    }
+
+    /// Counts one action of the repair controller.
+    pub fn repaired(&self, kind: &str, result: &str) {
+        self.repairs
+            .get_or_create(&vec![
+                ("type", kind.to_owned()),
+                ("result", result.to_owned()),
+            ])
+            .inc();
     }
 
     /// Counts one write of the plugin's entry.

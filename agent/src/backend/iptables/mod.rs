@@ -197,6 +197,22 @@ impl IptablesBackend {
         self.lock().remove(container_id);
     }
 
+    /// What was applied for `pod`, and the id it is recorded under: by the container, else by
+    /// the netns (a pod captured in place by the repair controller is recorded under an id of
+    /// its own, not the runtime's sandbox id).
+    fn recorded(&self, pod: &PodRef) -> Option<(String, Applied)> {
+        let applied = self.lock();
+        applied
+            .get(&pod.container_id)
+            .map(|r| (pod.container_id.clone(), r.clone()))
+            .or_else(|| {
+                applied
+                    .iter()
+                    .find(|(_, r)| same_netns(&r.pod.netns, &pod.netns))
+                    .map(|(id, r)| (id.clone(), r.clone()))
+            })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
         // A panic while holding the map leaves it consistent (single inserts and removes).
         self.applied
@@ -317,7 +333,7 @@ impl CaptureBackend for IptablesBackend {
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some(record) = self.lock().get(&pod.container_id).cloned() else {
+        let Some((recorded_id, record)) = self.recorded(pod) else {
             debug!("nothing applied for this container");
             return Ok(());
         };
@@ -328,7 +344,7 @@ impl CaptureBackend for IptablesBackend {
         };
         if !target.netns.exists() {
             debug!(netns = %target.netns.display(), "netns gone: its rules went with it");
-            self.forget(&pod.container_id);
+            self.forget(&recorded_id);
             return Ok(());
         }
         self.in_netns(&target, |ctx| {
@@ -352,7 +368,7 @@ impl CaptureBackend for IptablesBackend {
             Ok(())
         })?;
         crashpoint::here(crashpoint::IPTABLES_REMOVE_REMOVED);
-        self.forget(&pod.container_id);
+        self.forget(&recorded_id);
         info!("iptables rules removed");
         Ok(())
     }
@@ -364,7 +380,7 @@ impl CaptureBackend for IptablesBackend {
             pod: pod.to_string(),
             missing,
         };
-        let Some(record) = self.lock().get(&pod.container_id).cloned() else {
+        let Some((_, record)) = self.recorded(pod) else {
             return Err(not_captured(
                 "meshcap never applied rules to this container".into(),
             ));
@@ -406,5 +422,17 @@ impl CaptureBackend for IptablesBackend {
             .collect();
         out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
         Ok(out)
+    }
+}
+
+/// Whether two netns paths name the same namespace file (`/run/netns/x` and
+/// `/var/run/netns/x` are one); an empty path names none.
+fn same_netns(a: &Path, b: &Path) -> bool {
+    if a.as_os_str().is_empty() || b.as_os_str().is_empty() {
+        return false;
+    }
+    match (fs::metadata(a), fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => a == b,
     }
 }

@@ -19,6 +19,7 @@ use meshcap_agent::{
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
     policy::SelectConfig,
     probe::{self, ProbeReport},
+    repair::{RepairConfig, Repairer},
     settings, taint,
 };
 use tokio::sync::watch;
@@ -296,7 +297,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tokio::spawn(track_install(capture.clone(), install_rx.clone()));
     }
     if let Some((client, node)) = &kube_node {
-        capture.publish_events(EventSink::new(client.clone(), node));
+        let events = EventSink::new(client.clone(), node);
+        capture.publish_events(events.clone());
+        let config = RepairConfig::from_settings(|name| std::env::var(name).ok())?;
+        if let Some(repairer) = Repairer::new(
+            client.clone(),
+            node.clone(),
+            config,
+            capture.clone(),
+            events,
+            meshcap_agent::paths::NETNS_DIR.into(),
+        ) {
+            tokio::spawn(repairer.run());
+        } else {
+            info!("repair controller off (repair.enabled, or no repair mode set)");
+        }
     }
     if let Some((client, node)) = kube_node.clone()
         && !args.startup_taint.is_empty()
