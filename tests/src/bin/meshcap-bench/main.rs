@@ -13,6 +13,7 @@ use clap::{Parser, Subcommand};
 
 mod pods;
 mod profile;
+mod repair;
 mod report;
 mod run;
 mod setup;

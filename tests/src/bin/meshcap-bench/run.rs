@@ -12,7 +12,7 @@ use meshcap_tests::require_root;
 
 use crate::{
     pods::Node,
-    report::{data_path, footprint, pod_setup, policy_scale},
+    report::{data_path, footprint, pod_setup, policy_scale, repair_in_place},
     workload::Load,
 };
 
@@ -25,6 +25,8 @@ pub(crate) struct Plan {
     pub(crate) plugin_runs: usize,
     /// Pods ADDed (and DELeted) per backend; the agent's RSS is read at 100 and at this.
     pub(crate) setup_pods: usize,
+    /// Broken pods repaired in place per backend.
+    pub(crate) repair_pods: usize,
 }
 
 impl Plan {
@@ -47,6 +49,7 @@ impl Plan {
                 },
                 plugin_runs: 20,
                 setup_pods: 100,
+                repair_pods: 20,
             }
         } else {
             Self {
@@ -66,6 +69,7 @@ impl Plan {
                 },
                 plugin_runs: 200,
                 setup_pods: 1_000,
+                repair_pods: 100,
             }
         }
     }
@@ -82,6 +86,8 @@ pub enum Section {
     Footprint,
     /// ADD/DEL of many pods, agent memory.
     PodSetup,
+    /// A broken pod in the API to its capture in place.
+    Repair,
 }
 
 /// What `meshcap-bench run` was asked for.
@@ -143,6 +149,13 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
             plan.setup_pods
         );
         report.push_str(&pod_setup(&plan)?);
+    }
+    if opts.wants(Section::Repair) {
+        eprintln!(
+            "meshcap-bench: repair in place, {} pods per backend",
+            plan.repair_pods
+        );
+        report.push_str(&repair_in_place(&plan));
     }
     let _ = writeln!(
         report,
