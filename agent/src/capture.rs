@@ -415,8 +415,8 @@ impl Capture {
 
     /// The status report.
     async fn status(&self) -> Result<StatusReport, Failure> {
-        let (captured, programs, warnings) = self
-            .blocking(|b| (b.list(), b.programs(), b.warnings()))
+        let (captured, programs, other_programs, warnings) = self
+            .blocking(|b| (b.list(), b.programs(), b.other_programs(), b.warnings()))
             .await?;
         let captured = captured?;
         let policies = self
@@ -440,8 +440,28 @@ impl Capture {
                 })
                 .collect(),
             programs,
+            other_programs,
             warnings,
         })
+    }
+
+    /// The metrics' text, with the other programs on the backend's hooks as they are now.
+    pub async fn metrics_text(&self) -> String {
+        if let Ok(others) = self.blocking(|b| b.other_programs()).await {
+            self.metrics.set_other_programs(&others);
+        }
+        self.metrics.render()
+    }
+
+    /// The backend's periodic checks: its warnings (which also keep meshcap's programs first
+    /// where they can be moved), and the other programs on its hooks, counted in the metrics.
+    pub async fn check_backend(&self) -> Vec<String> {
+        let Ok((warnings, others)) = self.blocking(|b| (b.warnings(), b.other_programs())).await
+        else {
+            return Vec::new();
+        };
+        self.metrics.set_other_programs(&others);
+        warnings
     }
 }
 

@@ -346,11 +346,15 @@ impl Agent {
     }
 
     /// Starts the agent again with the same arguments (same socket, state and bpffs
-    /// directories), after [`Self::kill`], and waits until it serves.
+    /// directories), after [`Self::kill`] (or, when it still runs, after SIGTERM), and waits
+    /// until it serves.
     ///
     /// # Errors
     /// When it does not come up.
     pub fn restart(&mut self) -> anyhow::Result<()> {
+        if self.is_running() {
+            self.terminate()?;
+        }
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
@@ -387,6 +391,26 @@ impl Agent {
     #[must_use]
     pub fn state_dir(&self) -> PathBuf {
         self.dir.join("state")
+    }
+
+    /// `meshcap-agent status` over its socket, as the report.
+    ///
+    /// # Errors
+    /// When the agent does not answer with a report.
+    pub fn status(&self) -> anyhow::Result<meshcap_agent::status::StatusReport> {
+        use meshcap_cni::protocol::{Op, Reply, Request};
+        let response = meshcap_cni::protocol::call(
+            &self.socket,
+            &Request::new(Op::Status),
+            Duration::from_secs(10),
+        )?;
+        match response.reply {
+            Reply::Ok {
+                report: Some(report),
+                ..
+            } => Ok(serde_json::from_value(report)?),
+            other => bail!("status: {other:?}"),
+        }
     }
 
     /// Whether the agent process still runs.

@@ -33,6 +33,7 @@ pub mod kubelet;
 pub mod oci;
 pub mod one_pod;
 pub mod plugin;
+pub mod socklb;
 pub mod wired;
 
 /// The uid/gid Istio's proxy runs as.

@@ -24,6 +24,16 @@ impl Wired {
     /// When the kernel refuses.
     #[must_use]
     pub fn new(agent: &Agent) -> Self {
+        Self::in_cgroup(agent.cgroup())
+    }
+
+    /// Wires a new pod whose processes go to `cgroup` (the cgroup root an agent started with
+    /// [`Agent::start_in`] attaches to).
+    ///
+    /// # Panics
+    /// When the kernel refuses.
+    #[must_use]
+    pub fn in_cgroup(cgroup: Option<Arc<TestCgroup>>) -> Self {
         let pod = Netns::new("mc-e2e-pod").expect("pod netns");
         let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
         pod.ip(&[
@@ -47,7 +57,7 @@ impl Wired {
         Self {
             pod,
             upstream,
-            cgroup: agent.cgroup(),
+            cgroup,
         }
     }
 

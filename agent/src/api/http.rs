@@ -36,7 +36,7 @@ async fn metrics(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
             "content-type",
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        capture.metrics().render(),
+        capture.metrics_text().await,
     )
 }
 

@@ -60,6 +60,37 @@ pub struct AttachedProgram {
     pub this_agent: bool,
 }
 
+/// Another program on one of the backend's node-wide hooks (a primary CNI's socket load
+/// balancer, say), as the status report and the metrics show it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OtherProgram {
+    /// The backend's program on that hook.
+    pub hook: String,
+    /// The other program's id.
+    pub prog_id: u32,
+    /// Its name.
+    pub name: String,
+    /// Whether it runs before the backend's.
+    pub before: bool,
+}
+
+impl std::fmt::Display for OtherProgram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "program {} ({}) runs {} meshcap's {}",
+            self.prog_id,
+            if self.name.is_empty() {
+                "unnamed"
+            } else {
+                &self.name
+            },
+            if self.before { "before" } else { "after" },
+            self.hook
+        )
+    }
+}
+
 /// Errors of a backend, naming the pod and what failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -140,6 +171,11 @@ pub trait CaptureBackend: Send + Sync {
 
     /// The node-wide programs in place (none for a backend without kernel programs).
     fn programs(&self) -> Vec<AttachedProgram> {
+        Vec::new()
+    }
+
+    /// Other programs on the backend's node-wide hooks, and where they run.
+    fn other_programs(&self) -> Vec<OtherProgram> {
         Vec::new()
     }
 

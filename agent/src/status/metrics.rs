@@ -19,6 +19,7 @@ pub struct Metrics {
     install_ready: Gauge,
     installs: Counter,
     repairs: Family<Labels, Counter>,
+    other_programs: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -82,6 +83,13 @@ impl Metrics {
              result (success, skip, fail); istio_cni_repair_pods_repaired_total",
             repairs.clone(),
         );
+        let other_programs = Family::<Labels, Gauge>::default();
+        registry.register(
+            "other_programs",
+            "Other programs on meshcap's cgroup hooks (a primary CNI's socket load balancer), by \
+             hook and whether they run before or after meshcap's",
+            other_programs.clone(),
+        );
         Self {
             registry,
             requests,
@@ -91,6 +99,7 @@ impl Metrics {
             install_ready,
             installs,
             repairs,
+            other_programs,
         }
     }
 
@@ -124,6 +133,20 @@ impl Metrics {
     /// Records whether the plugin's entry is in place.
     pub fn set_install_ready(&self, installed: bool) {
         self.install_ready.set(i64::from(installed));
+    }
+
+    /// Sets the count of other programs per hook and position.
+    pub fn set_other_programs(&self, others: &[crate::backend::OtherProgram]) {
+        self.other_programs.clear();
+        for other in others {
+            let position = if other.before { "before" } else { "after" };
+            self.other_programs
+                .get_or_create(&vec![
+                    ("hook", other.hook.clone()),
+                    ("position", position.to_owned()),
+                ])
+                .inc();
+        }
     }
 
     /// Counts one action of the repair controller.

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    backend::{AttachedProgram, CapturedPod},
+    backend::{AttachedProgram, CapturedPod, OtherProgram},
     probe::ProbeReport,
 };
 
@@ -34,6 +34,9 @@ pub struct StatusReport {
     /// The node-wide programs in place (eBPF backend).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub programs: Vec<AttachedProgram>,
+    /// Other programs on the node-wide hooks (a primary CNI's), and where they run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_programs: Vec<OtherProgram>,
     /// What is wrong with the captures in place (the backend's warnings).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
@@ -93,6 +96,9 @@ impl StatusReport {
                     " (not this agent's)"
                 }
             );
+        }
+        for other in &self.other_programs {
+            let _ = writeln!(out, "  other {other}");
         }
         for warning in &self.warnings {
             let _ = writeln!(out, "WARNING: {warning}");

@@ -11,6 +11,8 @@
 //! - [`pins`](pins.rs): the pinned layout under one versioned bpffs directory
 //!   ([`EbpfConfig::bpffs_dir`], default `/sys/fs/bpf/meshcap/v3`), the source of truth across
 //!   agent restarts; [`layout`]: every layout version on the node, for uninstall;
+//! - [`order`](order.rs): other programs on the same hooks (a socket load balancer's), and
+//!   meshcap's programs kept first where the kernel can order them;
 //! - [`sys`](sys.rs): the raw `bpf()` calls aya does not offer (links for every hook,
 //!   pinning, queries); [`bpffs`](bpffs.rs) mounts bpffs where there is none; `klog.rs`
 //!   forwards the programs' own log records.
@@ -25,6 +27,7 @@ mod error;
 mod klog;
 pub mod layout;
 mod node;
+mod order;
 mod pins;
 mod pod;
 mod stub;
@@ -42,7 +45,7 @@ pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, unpin_link};
 pub use tc::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, PodRef};
+use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodRef};
 use crate::{podnet, policy::RedirectPolicy};
 
 /// Where the backend attaches and pins.
@@ -189,6 +192,34 @@ impl EbpfBackend {
         programs
     }
 
+    /// Moves meshcap's program first on each hook where another program runs before it and
+    /// changes the original destination; returns those it could not move, and why.
+    fn keep_first(&self) -> Vec<(OtherProgram, String)> {
+        let ahead: Vec<OtherProgram> = self
+            .other_programs()
+            .into_iter()
+            .filter(order::decides_destination)
+            .collect();
+        let mut stuck = Vec::new();
+        for other in ahead {
+            match order::put_first(&self.config.cgroup_root, &self.pins, &other.hook) {
+                Ok(order::Placed::First) => {
+                    tracing::info!(program = %other.hook, other = %other, "moved meshcap's program before the other one");
+                }
+                Ok(order::Placed::CannotOrder) => {
+                    stuck.push((other, "this kernel cannot order cgroup programs".to_owned()));
+                }
+                Err(err) => {
+                    stuck.push((
+                        other,
+                        format!("moving meshcap's program first failed: {err}"),
+                    ));
+                }
+            }
+        }
+        stuck
+    }
+
     /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
     /// of pod configurations, CIDR lists, port lists and interfaces.
     #[must_use]
@@ -286,8 +317,13 @@ impl CaptureBackend for EbpfBackend {
         self.attached()
     }
 
+    fn other_programs(&self) -> Vec<OtherProgram> {
+        order::neighbours(&self.config.cgroup_root, &self.pins)
+    }
+
     fn warnings(&self) -> Vec<String> {
-        self.uncovered()
+        let mut out: Vec<String> = self
+            .uncovered()
             .into_iter()
             .map(|u| {
                 format!(
@@ -298,7 +334,14 @@ impl CaptureBackend for EbpfBackend {
                     self.config.cgroup_root.display()
                 )
             })
-            .collect()
+            .collect();
+        out.extend(self.keep_first().into_iter().map(|(other, why)| {
+            format!(
+                "{other} on {}, and {why}: a destination it rewrites (a socket load balancer's service to backend) reaches Envoy as the original destination; with Cilium set socketLB.hostNamespaceOnly=true (docs/install.md, Primary CNIs)",
+                self.config.cgroup_root.display()
+            )
+        }));
+        out
     }
 
     fn captured_count(&self) -> Result<usize, BackendError> {

@@ -108,9 +108,13 @@ pub(super) fn attach_cgroup_programs(
                 }
             }
         }
-        let link = sys::link_create(fd.as_fd(), &cgroup, attach).map_err(|e| {
-            EbpfError::io(&format!("attaching {name} to {}", cgroup_root.display()), e)
-        })?;
+        // First on the hook where the kernel can order cgroup links (order.rs says why).
+        let link = match super::order::create_first(fd.as_fd(), &cgroup, attach) {
+            Ok(Some(link)) => Ok(link),
+            Ok(None) => sys::link_create(fd.as_fd(), &cgroup, attach),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| EbpfError::io(&format!("attaching {name} to {}", cgroup_root.display()), e))?;
         sys::obj_pin(&link, &pin)
             .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))?;
         tracing::info!(program = name, cgroup = %cgroup_root.display(), "attached");

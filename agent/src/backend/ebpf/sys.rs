@@ -110,6 +110,29 @@ pub fn link_create(
     fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
 }
 
+/// `BPF_F_BEFORE`: with no relative program, before every other one.
+const F_BEFORE: u32 = 1 << 3;
+
+/// [`link_create`] placing the program before every other one on the hook (`BPF_F_BEFORE`
+/// with no relative program: multi-program ordering of cgroup links; 6.18 accepts it, 6.1
+/// and 6.12 answer `EINVAL`). Its own
+/// programs then decide before another's rewrite (a socket load balancer's) is applied.
+///
+/// # Errors
+/// The kernel's refusal: `EINVAL` where cgroup links cannot be ordered.
+pub fn link_create_first(
+    prog: impl AsFd,
+    cgroup: impl AsFd,
+    attach: CgroupAttach,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    // prog_fd, target_fd; attach_type, flags; cgroup.relative_fd (0: none), pad;
+    // cgroup.expected_revision (0: any).
+    attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(fd_u32(cgroup.as_fd())?) << 32);
+    attr.words[1] = u64::from(attach as u32) | (u64::from(F_BEFORE) << 32);
+    fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
+}
+
 /// `BPF_LINK_CREATE` with `BPF_TCX_INGRESS` (Linux 6.6): attaches the classifier `prog` to
 /// the ingress of interface `ifindex` in the calling thread's netns, after every program
 /// already there.
@@ -222,9 +245,7 @@ pub fn link_ids(link: impl AsFd) -> io::Result<(u32, u32)> {
 /// # Errors
 /// When the program is gone or the kernel refuses.
 pub fn prog_tag(id: u32) -> io::Result<String> {
-    let mut attr = Attr::default();
-    attr.words[0] = u64::from(id);
-    let prog = fd_from(bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?)?;
+    let prog = prog_by_id(id)?;
     // struct bpf_prog_info: type (u32), id (u32), tag (8 bytes), ...
     let mut info = [0u32; 4];
     get_info(prog.as_fd(), &mut info)?;
@@ -323,6 +344,65 @@ pub fn prog_count(cgroup: impl AsFd, attach: CgroupAttach) -> io::Result<u32> {
     attr.words[0] = u64::from(fd_u32(cgroup.as_fd())?) | (u64::from(attach as u32) << 32);
     bpf(BPF_PROG_QUERY, &mut attr)?;
     Ok((attr.words[3] & 0xffff_ffff) as u32)
+}
+
+/// `BPF_F_QUERY_EFFECTIVE`: the programs that run for the cgroup, its ancestors' included.
+const F_QUERY_EFFECTIVE: u32 = 1;
+
+/// `BPF_PROG_QUERY` with `BPF_F_QUERY_EFFECTIVE`: the ids of the programs that run on `attach`
+/// for processes in `cgroup`, in the order they run (its own, then its ancestors').
+///
+/// # Errors
+/// The kernel's refusal.
+pub fn effective_prog_ids(cgroup: impl AsFd, attach: CgroupAttach) -> io::Result<Vec<u32>> {
+    // The array may grow between the count and the read: retry with the new count.
+    loop {
+        let mut attr = Attr::default();
+        attr.words[0] = u64::from(fd_u32(cgroup.as_fd())?) | (u64::from(attach as u32) << 32);
+        attr.words[1] = u64::from(F_QUERY_EFFECTIVE);
+        bpf(BPF_PROG_QUERY, &mut attr)?;
+        let count = (attr.words[3] & 0xffff_ffff) as usize;
+        let mut ids = vec![0u32; count];
+        let mut attr = Attr::default();
+        attr.words[0] = u64::from(fd_u32(cgroup.as_fd())?) | (u64::from(attach as u32) << 32);
+        attr.words[1] = u64::from(F_QUERY_EFFECTIVE);
+        attr.words[2] = ids.as_mut_ptr() as u64;
+        attr.words[3] = count as u64;
+        match bpf(BPF_PROG_QUERY, &mut attr) {
+            Ok(_) => {
+                ids.truncate((attr.words[3] & 0xffff_ffff) as usize);
+                return Ok(ids);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// A program's name (the first 15 bytes its loader gave it), by id.
+///
+/// # Errors
+/// When the program is gone or the kernel refuses.
+pub fn prog_name(id: u32) -> io::Result<String> {
+    let prog = prog_by_id(id)?;
+    // struct bpf_prog_info: type, id, tag[8], jited_prog_len, xlated_prog_len,
+    // jited_prog_insns (u64), xlated_prog_insns (u64), load_time (u64), created_by_uid,
+    // nr_map_ids, map_ids (u64), name[16]: the name is at byte 64.
+    let mut info = [0u32; 20];
+    get_info(prog.as_fd(), &mut info)?;
+    let bytes: Vec<u8> = info[16..20].iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    Ok(String::from_utf8_lossy(&bytes[..end]).into_owned())
+}
+
+/// `BPF_PROG_GET_FD_BY_ID`.
+///
+/// # Errors
+/// When the program is gone or the kernel refuses.
+pub fn prog_by_id(id: u32) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    attr.words[0] = u64::from(id);
+    fd_from(bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?)
 }
 
 const BPF_LINK_DETACH: libc::c_long = 34;

@@ -239,7 +239,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         dropped = gone.len(),
         "reconciled with live pods: captures whose netns is gone dropped"
     );
-    tokio::spawn(log_warnings(backend.clone()));
     let capture = Arc::new(Capture::new(
         source,
         backend,
@@ -256,6 +255,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             socket: paths.socket.clone(),
         },
     ));
+    tokio::spawn(log_warnings(capture.clone()));
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -397,17 +397,13 @@ async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<Instal
 /// How often the backend's warnings are looked for.
 const WARNINGS_EVERY: Duration = Duration::from_secs(60);
 
-/// Logs each of the backend's warnings when it first appears (checked every
-/// [`WARNINGS_EVERY`]; `meshcap-agent status` shows the current ones).
-async fn log_warnings(backend: Arc<dyn CaptureBackend>) {
+/// Logs each of the backend's warnings when it first appears (checked at start and every
+/// [`WARNINGS_EVERY`]; `meshcap-agent status` shows the current ones), and keeps the metric
+/// of other programs on its hooks current.
+async fn log_warnings(capture: Arc<Capture>) {
     let mut logged = std::collections::HashSet::new();
     loop {
-        let current = {
-            let backend = backend.clone();
-            tokio::task::spawn_blocking(move || backend.warnings())
-                .await
-                .unwrap_or_default()
-        };
+        let current = capture.check_backend().await;
         for warning in &current {
             if !logged.contains(warning) {
                 warn!("{warning}");
