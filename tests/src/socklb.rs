@@ -1,6 +1,6 @@
 //! A stand-in for a primary CNI's socket load balancer (Cilium's with kube-proxy replacement):
-//! a `cgroup/connect4` program, assembled here, that rewrites one service address into one
-//! backend's, attached as a bpf_link to a cgroup. The coexistence tests put it before, after
+//! a `cgroup/connect4` or `cgroup/sendmsg4` program, assembled here, that rewrites one service
+//! address into one backend's, attached as a bpf_link to a cgroup. The coexistence tests put it before, after
 //! and above meshcap's programs.
 use std::{
     fs, io,
@@ -12,7 +12,16 @@ use std::{
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
-const CGROUP_INET4_CONNECT: u32 = 10;
+
+/// The hook the balancer runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Hook {
+    /// `BPF_CGROUP_INET4_CONNECT`: TCP (and connected UDP) connects.
+    Connect4 = 10,
+    /// `BPF_CGROUP_UDP4_SENDMSG`: unconnected UDP datagrams (DNS).
+    SendMsg4 = 14,
+}
 const F_BEFORE: u32 = 1 << 3;
 
 /// `struct bpf_sock_addr`: `user_ip4` and `user_port` (network order, in a u32).
@@ -55,11 +64,11 @@ fn port(addr: SocketAddrV4) -> i32 {
     i32::from(addr.port().to_be())
 }
 
-/// Loads the program rewriting connects to `from` into `to`.
+/// Loads the program rewriting `hook`'s destination `from` into `to`.
 ///
 /// # Errors
 /// The kernel's refusal.
-pub fn load(from: SocketAddrV4, to: SocketAddrV4) -> io::Result<OwnedFd> {
+pub fn load(hook: Hook, from: SocketAddrV4, to: SocketAddrV4) -> io::Result<OwnedFd> {
     // LDX_W r2 = ctx->user_ip4; JNE32 w2, from, +6; LDX_W r3 = ctx->user_port;
     // JNE32 w3, port, +4; r2 = to; STX_W ctx->user_ip4 = r2; r3 = to port;
     // STX_W ctx->user_port = r3; r0 = 1; exit.
@@ -84,20 +93,20 @@ pub fn load(from: SocketAddrV4, to: SocketAddrV4) -> io::Result<OwnedFd> {
     let name = *b"test_socklb\0\0\0\0\0";
     attr[6] = u64::from_ne_bytes(name[..8].try_into().expect("8 bytes"));
     attr[7] = u64::from_ne_bytes(name[8..].try_into().expect("8 bytes"));
-    attr[8] = u64::from(CGROUP_INET4_CONNECT) << 32;
+    attr[8] = u64::from(hook as u32) << 32;
     bpf(BPF_PROG_LOAD, &mut attr)
 }
 
-/// Attaches `prog` to `cgroup`'s connect4 hook: after the programs there, or before all of
-/// them (`first`, where the kernel can order cgroup links).
+/// Attaches `prog` (loaded for `hook`) to `cgroup`: after the programs there, or before all
+/// of them (`first`, where the kernel can order cgroup links).
 ///
 /// # Errors
 /// The kernel's refusal (`EINVAL` for `first` where it cannot order them).
-pub fn attach(prog: &OwnedFd, cgroup: &Path, first: bool) -> io::Result<OwnedFd> {
+pub fn attach(prog: &OwnedFd, hook: Hook, cgroup: &Path, first: bool) -> io::Result<OwnedFd> {
     let cgroup = fs::File::open(cgroup)?;
     let mut attr = [0u64; 16];
     attr[0] = u64::from(prog.as_raw_fd() as u32) | (u64::from(cgroup.as_raw_fd() as u32) << 32);
-    attr[1] = u64::from(CGROUP_INET4_CONNECT) | (u64::from(if first { F_BEFORE } else { 0 }) << 32);
+    attr[1] = u64::from(hook as u32) | (u64::from(if first { F_BEFORE } else { 0 }) << 32);
     bpf(BPF_LINK_CREATE, &mut attr)
 }
 
@@ -108,10 +117,11 @@ pub fn attach(prog: &OwnedFd, cgroup: &Path, first: bool) -> io::Result<OwnedFd>
 /// When the program cannot be loaded or the kernel refuses for another reason.
 pub fn kernel_orders_cgroup_links(scratch: &Path) -> io::Result<bool> {
     let prog = load(
+        Hook::Connect4,
         SocketAddrV4::new([192, 0, 2, 1].into(), 1),
         SocketAddrV4::new([192, 0, 2, 2].into(), 1),
     )?;
-    match attach(&prog, scratch, true) {
+    match attach(&prog, Hook::Connect4, scratch, true) {
         Ok(_link) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
         Err(e) => Err(e),

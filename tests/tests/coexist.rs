@@ -8,12 +8,14 @@
 use std::{net::SocketAddrV4, sync::Arc};
 
 use meshcap_tests::{
-    PROXY_UID, TestCgroup,
+    PROXY_UID, Placement, TestCgroup,
     agent::{Agent, Backend},
     dial,
     fixtures::{ManifestDir, eventually, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
-    require_root, socklb,
+    require_root,
+    socklb::{self, Hook},
+    start_server,
     wired::Wired,
 };
 
@@ -22,6 +24,7 @@ const BACKEND: &str = "10.0.0.1:80";
 
 fn load_lb() -> std::os::fd::OwnedFd {
     socklb::load(
+        Hook::Connect4,
         SERVICE.parse::<SocketAddrV4>().expect("service"),
         BACKEND.parse::<SocketAddrV4>().expect("backend"),
     )
@@ -45,6 +48,12 @@ struct Captured {
 
 impl Captured {
     fn start(root: &Arc<TestCgroup>) -> Self {
+        Self::start_with(root, sidecar_pod("shop", "web", &[]), false)
+    }
+
+    /// [`Self::start`] with `manifest` for the pod, and Envoy's DNS listener (15053) and a
+    /// DNS upstream (10.0.0.1:53) when `dns`.
+    fn start_with(root: &Arc<TestCgroup>, manifest: serde_json::Value, dns: bool) -> Self {
         let pods = ManifestDir::new();
         let agent = Agent::start_in(
             Backend::Ebpf,
@@ -59,7 +68,7 @@ impl Captured {
         )
         .expect("agent");
         let wired = Wired::in_cgroup(Some(root.clone()));
-        write_manifest(&pods.0, &sidecar_pod("shop", "web", &[]));
+        write_manifest(&pods.0, &manifest);
         let add = cni(
             "ADD",
             &Sandbox::new("shop", "web", &wired.pod),
@@ -67,7 +76,34 @@ impl Captured {
         )
         .expect("ADD");
         assert!(add.success, "{add:?}");
-        let servers = wired.servers();
+        let servers = if dns {
+            (
+                start_server(
+                    wired.in_pod(PROXY_UID),
+                    "envoy",
+                    &[
+                        "tcp:0.0.0.0:15001",
+                        "tcp:0.0.0.0:15006",
+                        // Envoy's DNS proxy listens on loopback, as istio-agent sets it up.
+                        "udp:127.0.0.1:15053",
+                    ],
+                )
+                .expect("stand-in envoy"),
+                start_server(
+                    Placement {
+                        netns: &wired.upstream,
+                        cgroup: None,
+                        uid: 0,
+                        gid: 0,
+                    },
+                    "upstream",
+                    &["udp:10.0.0.1:53"],
+                )
+                .expect("DNS upstream"),
+            )
+        } else {
+            wired.servers()
+        };
         Self {
             agent,
             wired,
@@ -127,7 +163,8 @@ fn a_balancer_attached_before_the_agent() {
     require_root();
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let lb = load_lb();
-    let _link = socklb::attach(&lb, root.path(), false).expect("attaching the balancer");
+    let _link =
+        socklb::attach(&lb, Hook::Connect4, root.path(), false).expect("attaching the balancer");
     let pod = Captured::start(&root);
     if kernel_orders() {
         // meshcap's links are created first on the hook.
@@ -165,7 +202,8 @@ fn a_balancer_attached_after_the_agent() {
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let pod = Captured::start(&root);
     let lb = load_lb();
-    let _link = socklb::attach(&lb, root.path(), false).expect("attaching the balancer");
+    let _link =
+        socklb::attach(&lb, Hook::Connect4, root.path(), false).expect("attaching the balancer");
     assert_service_kept(&pod, "balancer attached after");
     assert_eq!(
         pod.others_on_connect4(),
@@ -185,7 +223,7 @@ fn a_balancer_jumping_ahead_is_overtaken() {
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let mut pod = Captured::start(&root);
     let lb = load_lb();
-    let Ok(_link) = socklb::attach(&lb, root.path(), true) else {
+    let Ok(_link) = socklb::attach(&lb, Hook::Connect4, root.path(), true) else {
         // A kernel that cannot order cgroup links lets no program jump ahead either.
         assert!(
             !kernel_orders(),
@@ -219,7 +257,8 @@ fn a_balancer_on_a_parent_cgroup_runs_after() {
     let parent = TestCgroup::new("mc-coexist-parent").expect("cgroup");
     let root = Arc::new(TestCgroup::new_under(parent.path(), "mc-coexist").expect("child cgroup"));
     let lb = load_lb();
-    let _link = socklb::attach(&lb, parent.path(), false).expect("attaching the balancer");
+    let _link =
+        socklb::attach(&lb, Hook::Connect4, parent.path(), false).expect("attaching the balancer");
     let pod = Captured::start(&root);
     assert_service_kept(&pod, "balancer on the parent cgroup");
     assert_eq!(
@@ -227,4 +266,60 @@ fn a_balancer_on_a_parent_cgroup_runs_after() {
         [("test_socklb".to_owned(), false)]
     );
     assert_eq!(pod.warnings(), Vec::<String>::new());
+}
+
+#[test]
+fn a_dns_balancer_attached_before_the_agent() {
+    require_root();
+    const DNS_SERVICE: &str = "10.96.0.10:53";
+    const DNS_BACKEND: &str = "10.0.0.1:53";
+    let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
+    let lb = socklb::load(
+        Hook::SendMsg4,
+        DNS_SERVICE.parse().expect("service"),
+        DNS_BACKEND.parse().expect("backend"),
+    )
+    .expect("loading the stand-in DNS balancer");
+    let _link =
+        socklb::attach(&lb, Hook::SendMsg4, root.path(), false).expect("attaching the balancer");
+    let mut manifest = sidecar_pod("shop", "web", &[]);
+    manifest["spec"]["containers"][1]["env"] =
+        serde_json::json!([{"name": "ISTIO_META_DNS_CAPTURE", "value": "true"}]);
+    let pod = Captured::start_with(&root, manifest, true);
+    // A resolver's query: an unconnected datagram; it accepts only an answer from the address
+    // it asked.
+    let answer = dial(
+        pod.wired.in_pod(meshcap_tests::APP_UID),
+        &format!("udp:{DNS_SERVICE}"),
+        None,
+    )
+    .expect("dial")
+    .expect("an answer");
+    assert_eq!((answer.server.as_str(), answer.listener), ("envoy", 15053));
+    let seen_from = answer.app_peer.map(|a| a.to_string());
+    let others: Vec<(String, bool)> = pod
+        .agent
+        .status()
+        .expect("status")
+        .other_programs
+        .into_iter()
+        .filter(|o| o.hook == "meshcap_sendmsg4")
+        .map(|o| (o.name, o.before))
+        .collect();
+    if kernel_orders() {
+        assert_eq!(seen_from.as_deref(), Some(DNS_SERVICE), "{answer:?}");
+        assert_eq!(others, [("test_socklb".to_owned(), false)]);
+        assert_eq!(pod.warnings(), Vec::<String>::new());
+    } else {
+        // The answer comes from the backend's address: a resolver drops it. Said in status.
+        assert_eq!(seen_from.as_deref(), Some(DNS_BACKEND), "{answer:?}");
+        assert_eq!(others, [("test_socklb".to_owned(), true)]);
+        let warnings = pod.warnings();
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("runs before meshcap's meshcap_sendmsg4")),
+            "{warnings:?}"
+        );
+    }
 }
