@@ -192,6 +192,13 @@ impl EbpfBackend {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(());
         };
+        // Every ADD pins the pod's directory before it touches the netns or the maps: with
+        // neither, nothing was ever captured here (a pod outside the mesh), and the netns is
+        // left alone.
+        if !self.pins.pod(cookie).exists() && !self.lock().has_pod(cookie) {
+            tracing::debug!(netns_cookie = cookie, "nothing captured in this netns");
+            return Ok(());
+        }
         // Whether the pod may have the TPROXY policy route (TPROXY mode or a rerouted
         // interface): only then (or when nothing says) is it looked for.
         let route = {

@@ -158,6 +158,11 @@ impl Tables {
     /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
     /// there was one. The lists go also when the entry was removed behind meshcap's back (by
     /// the id this agent recorded for the cookie).
+    /// Whether the pod map has an entry for `cookie`.
+    pub(super) fn has_pod(&self, cookie: u64) -> bool {
+        self.pods.get(&cookie, 0).is_ok()
+    }
+
     pub(super) fn remove_pod(&mut self, cookie: u64) -> Result<Option<PodConfig>, EbpfError> {
         let config = self.pods.get(&cookie, 0).ok();
         if config.is_some() {
