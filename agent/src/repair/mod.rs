@@ -22,7 +22,7 @@
 pub mod detect;
 pub mod netns;
 
-use std::{collections::HashMap, net::IpAddr, path::PathBuf, sync::Arc};
+use std::{collections::HashMap, path::PathBuf, sync::Arc};
 
 use futures::StreamExt as _;
 use k8s_openapi::api::core::v1::Pod;
@@ -238,7 +238,7 @@ impl Repairer {
 
     /// Captures the running pod in place: Ok(note) when captured.
     async fn repair(&self, pod: &Pod) -> Result<Option<String>, String> {
-        let ips = pod_ips(pod);
+        let ips = crate::policy::status_pod_ips(pod);
         let dir = self.netns_dir.clone();
         let search = ips.clone();
         let netns = tokio::task::spawn_blocking(move || netns::find(&dir, &search))
@@ -326,28 +326,6 @@ fn key(pod: &Pod) -> (String, String) {
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
     )
-}
-
-/// The pod's addresses from its status (`podIPs`, else `podIP`).
-fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
-    let Some(status) = pod.status.as_ref() else {
-        return Vec::new();
-    };
-    let listed: Vec<IpAddr> = status
-        .pod_ips
-        .iter()
-        .flatten()
-        .filter_map(|p| p.ip.parse().ok())
-        .collect();
-    if listed.is_empty() {
-        status
-            .pod_ip
-            .iter()
-            .filter_map(|ip| ip.parse().ok())
-            .collect()
-    } else {
-        listed
-    }
 }
 
 #[cfg(test)]

@@ -94,7 +94,8 @@ fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::other("NUL in path"))
 }
 
-/// `BPF_LINK_CREATE`: attaches `prog` to the cgroup `cgroup` as a bpf_link.
+/// `BPF_LINK_CREATE`: attaches `prog` to the cgroup `cgroup` as a bpf_link, after the
+/// programs there.
 ///
 /// # Errors
 /// The kernel's refusal.
@@ -103,10 +104,20 @@ pub fn link_create(
     cgroup: impl AsFd,
     attach: CgroupAttach,
 ) -> io::Result<OwnedFd> {
+    cgroup_link_create(prog.as_fd(), cgroup.as_fd(), attach, 0)
+}
+
+fn cgroup_link_create(
+    prog: std::os::fd::BorrowedFd<'_>,
+    cgroup: std::os::fd::BorrowedFd<'_>,
+    attach: CgroupAttach,
+    flags: u32,
+) -> io::Result<OwnedFd> {
     let mut attr = Attr::default();
-    // prog_fd (u32), target_fd (u32), attach_type (u32), flags (u32).
-    attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(fd_u32(cgroup.as_fd())?) << 32);
-    attr.words[1] = u64::from(attach as u32);
+    // prog_fd, target_fd; attach_type, flags; cgroup.relative_fd (0: none), pad;
+    // cgroup.expected_revision (0: any).
+    attr.words[0] = u64::from(fd_u32(prog)?) | (u64::from(fd_u32(cgroup)?) << 32);
+    attr.words[1] = u64::from(attach as u32) | (u64::from(flags) << 32);
     fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
 }
 
@@ -115,8 +126,8 @@ const F_BEFORE: u32 = 1 << 3;
 
 /// [`link_create`] placing the program before every other one on the hook (`BPF_F_BEFORE`
 /// with no relative program: multi-program ordering of cgroup links; 6.18 accepts it, 6.1
-/// and 6.12 answer `EINVAL`). Its own
-/// programs then decide before another's rewrite (a socket load balancer's) is applied.
+/// and 6.12 answer `EINVAL`). meshcap's programs then decide before another's rewrite (a
+/// socket load balancer's) is applied.
 ///
 /// # Errors
 /// The kernel's refusal: `EINVAL` where cgroup links cannot be ordered.
@@ -125,12 +136,7 @@ pub fn link_create_first(
     cgroup: impl AsFd,
     attach: CgroupAttach,
 ) -> io::Result<OwnedFd> {
-    let mut attr = Attr::default();
-    // prog_fd, target_fd; attach_type, flags; cgroup.relative_fd (0: none), pad;
-    // cgroup.expected_revision (0: any).
-    attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(fd_u32(cgroup.as_fd())?) << 32);
-    attr.words[1] = u64::from(attach as u32) | (u64::from(F_BEFORE) << 32);
-    fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
+    cgroup_link_create(prog.as_fd(), cgroup.as_fd(), attach, F_BEFORE)
 }
 
 /// `BPF_LINK_CREATE` with `BPF_TCX_INGRESS` (Linux 6.6): attaches the classifier `prog` to
