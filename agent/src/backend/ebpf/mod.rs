@@ -202,7 +202,13 @@ impl EbpfBackend {
             .collect();
         let mut stuck = Vec::new();
         for other in ahead {
-            match order::put_first(&self.config.cgroup_root, &self.pins, &other.hook) {
+            let Some(&(hook, attach)) = node::CGROUP_PROGRAMS
+                .iter()
+                .find(|(name, _)| *name == other.hook)
+            else {
+                continue;
+            };
+            match order::put_first(&self.config.cgroup_root, &self.pins, hook, attach) {
                 Ok(order::Placed::First) => {
                     tracing::info!(program = %other.hook, other = %other, "moved meshcap's program before the other one");
                 }
@@ -318,7 +324,7 @@ impl CaptureBackend for EbpfBackend {
     }
 
     fn other_programs(&self) -> Vec<OtherProgram> {
-        order::neighbours(&self.config.cgroup_root, &self.pins)
+        order::neighbours(&self.config.cgroup_root, &self.pins, &node::CGROUP_PROGRAMS)
     }
 
     fn warnings(&self) -> Vec<String> {

@@ -15,10 +15,7 @@ use std::{fs, io, os::fd::AsFd as _, path::Path};
 
 use meshcap_common::programs;
 
-use super::{
-    node::CGROUP_PROGRAMS,
-    sys::{self, CgroupAttach},
-};
+use super::sys::{self, CgroupAttach};
 use crate::backend::{OtherProgram, ebpf::Pins};
 
 /// The hooks where a program that runs before meshcap's changes the original destination.
@@ -35,15 +32,19 @@ pub fn decides_destination(other: &OtherProgram) -> bool {
     other.before && DECIDES_DESTINATION.contains(&other.hook.as_str())
 }
 
-/// Every other program on meshcap's hooks at `cgroup_root` (its own and its ancestors'), in
+/// Every other program on meshcap's `hooks` at `cgroup_root` (its own and its ancestors'), in
 /// the order they run relative to meshcap's.
 #[must_use]
-pub fn neighbours(cgroup_root: &Path, pins: &Pins) -> Vec<OtherProgram> {
+pub fn neighbours(
+    cgroup_root: &Path,
+    pins: &Pins,
+    hooks: &[(&'static str, CgroupAttach)],
+) -> Vec<OtherProgram> {
     let Ok(cgroup) = fs::File::open(cgroup_root) else {
         return Vec::new();
     };
     let mut out = Vec::new();
-    for (hook, attach) in CGROUP_PROGRAMS {
+    for &(hook, attach) in hooks {
         let Some(own) = own_prog(pins, hook) else {
             continue;
         };
@@ -78,16 +79,17 @@ pub enum Placed {
     CannotOrder,
 }
 
-/// Re-creates meshcap's link on `hook` before every other program there.
+/// Re-creates meshcap's link on `hook` (attached as `attach`) before every other program
+/// there.
 ///
 /// # Errors
 /// When the link cannot be read, created, pinned or renamed.
-pub fn put_first(cgroup_root: &Path, pins: &Pins, hook: &str) -> io::Result<Placed> {
-    let attach = CGROUP_PROGRAMS
-        .iter()
-        .find(|(name, _)| *name == hook)
-        .map(|(_, attach)| *attach)
-        .ok_or_else(|| io::Error::other(format!("{hook} is not a cgroup program")))?;
+pub fn put_first(
+    cgroup_root: &Path,
+    pins: &Pins,
+    hook: &str,
+    attach: CgroupAttach,
+) -> io::Result<Placed> {
     let pin = pins.link(hook);
     let own = own_prog(pins, hook)
         .ok_or_else(|| io::Error::other(format!("no pinned link at {}", pin.display())))?;
