@@ -287,16 +287,15 @@ fn a_dns_balancer_attached_before_the_agent() {
         serde_json::json!([{"name": "ISTIO_META_DNS_CAPTURE", "value": "true"}]);
     let pod = Captured::start_with(&root, manifest, true);
     // A resolver's query: an unconnected datagram; it accepts only an answer from the address
-    // it asked.
-    let answer = dial(
+    // it asked (meshcap-dial checks it, as glibc's resolver does).
+    let said = meshcap_tests::Proc::spawn(
         pod.wired.in_pod(meshcap_tests::APP_UID),
-        &format!("udp:{DNS_SERVICE}"),
-        None,
+        &meshcap_tests::bin::dial(),
+        &[&format!("udp:{DNS_SERVICE}")],
     )
     .expect("dial")
-    .expect("an answer");
-    assert_eq!((answer.server.as_str(), answer.listener), ("envoy", 15053));
-    let seen_from = answer.app_peer.map(|a| a.to_string());
+    .finish()
+    .expect("dial's answer");
     let others: Vec<(String, bool)> = pod
         .agent
         .status()
@@ -307,12 +306,23 @@ fn a_dns_balancer_attached_before_the_agent() {
         .map(|o| (o.name, o.before))
         .collect();
     if kernel_orders() {
-        assert_eq!(seen_from.as_deref(), Some(DNS_SERVICE), "{answer:?}");
+        let answer: meshcap_tests::Report = serde_json::from_str(said.trim())
+            .unwrap_or_else(|e| panic!("dial said {said:?}: {e}\n{}", pod.agent.log()));
+        assert_eq!((answer.server.as_str(), answer.listener), ("envoy", 15053));
+        assert_eq!(
+            answer.app_peer.map(|a| a.to_string()).as_deref(),
+            Some(DNS_SERVICE),
+            "{answer:?}"
+        );
         assert_eq!(others, [("test_socklb".to_owned(), false)]);
         assert_eq!(pod.warnings(), Vec::<String>::new());
     } else {
-        // The answer comes from the backend's address: a resolver drops it. Said in status.
-        assert_eq!(seen_from.as_deref(), Some(DNS_BACKEND), "{answer:?}");
+        // meshcap saw the backend as the destination, so the answer comes back from the
+        // backend's address, and the resolver drops it. The agent says why.
+        assert_eq!(
+            said.trim(),
+            format!("no-answer: reply came from {DNS_BACKEND}, not {DNS_SERVICE}")
+        );
         assert_eq!(others, [("test_socklb".to_owned(), true)]);
         let warnings = pod.warnings();
         assert!(
