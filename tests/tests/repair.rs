@@ -2,11 +2,7 @@
 //! started without its capture (its `istio-validation` last exited 126) is captured in place in
 //! `repairPods` mode, labelled in `labelPods`, deleted with preconditions in `deletePods`; a
 //! healthy pod, a pod of another node and a pod repaired once are left alone.
-use std::{
-    sync::atomic::{AtomicU8, Ordering},
-    thread,
-    time::Duration,
-};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use meshcap_tests::{
     agent::{Agent, Backend},
@@ -105,10 +101,10 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
         wired.app_dial(),
         ("envoy".to_owned(), Some("10.0.0.1:80".to_owned()))
     );
-    assert_eq!(
-        repairs(&agent),
-        ["meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1"]
-    );
+    // Counted once the controller has its answer, a moment after the capture works.
+    let repaired = ["meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1"];
+    eventually("the repair is counted", || repairs(&agent) == repaired)
+        .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
     let mut event = Value::Null;
     eventually("an Event on the repaired pod", || {
         event = api
@@ -136,11 +132,19 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
     // kubelet restarts the validation (which now passes, but the status still shows the last
     // failure for a moment): repaired once, never again.
     api.apply_pod(broken_pod(sidecar_pod("shop", &name, &[]), &ip, 4));
-    thread::sleep(Duration::from_millis(500));
-    assert_eq!(
-        repairs(&agent),
-        ["meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1"]
-    );
+    // The controller handles changes in order: once a later pod (broken, with no namespace on
+    // the machine: a failed repair) is counted, the change above has been handled too.
+    api.apply_pod(broken_pod(
+        sidecar_pod("shop", &format!("marker-{}", backend.name()), &[]),
+        &unique_ip(),
+        3,
+    ));
+    let after = [
+        "meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"fail\"} 1",
+        "meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1",
+    ];
+    eventually("the later pod is handled", || repairs(&agent) == after)
+        .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
 
     // The runtime's own CHECK and DEL (its sandbox id, the pod's netns) find the capture.
     let sandbox = Sandbox::new("shop", &name, &wired.pod);
@@ -239,10 +243,10 @@ fn delete_pods_deletes_with_preconditions() {
         "{options}"
     );
     assert!(api.pods.lock().expect("pods").is_empty());
-    assert_eq!(
-        repairs(&agent),
-        ["meshcap_cni_repair_pods_repaired_total{type=\"delete\",result=\"success\"} 1"]
-    );
+    // The server has the request before the controller has the answer it counts.
+    let deleted = ["meshcap_cni_repair_pods_repaired_total{type=\"delete\",result=\"success\"} 1"];
+    eventually("the deletion is counted", || repairs(&agent) == deleted)
+        .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
     assert_eq!(
         api.writes.lock().expect("writes").len(),
         1,
