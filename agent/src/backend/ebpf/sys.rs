@@ -126,8 +126,8 @@ const F_BEFORE: u32 = 1 << 3;
 
 /// [`link_create`] placing the program before every other one on the hook (`BPF_F_BEFORE`
 /// with no relative program: multi-program ordering of cgroup links; 6.18 accepts it, 6.1
-/// and 6.12 answer `EINVAL`). meshcap's programs then decide before another's rewrite (a
-/// socket load balancer's) is applied.
+/// answers `EINVAL`). meshcap's programs then decide before another's rewrite (a socket load
+/// balancer's) is applied.
 ///
 /// # Errors
 /// The kernel's refusal: `EINVAL` where cgroup links cannot be ordered.
