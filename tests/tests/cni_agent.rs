@@ -719,17 +719,31 @@ fn restarted_iptables_agent_drops_records_of_gone_pods() {
 /// A second agent on the same state directory (an operator's `run` beside the DaemonSet's)
 /// waits for the first to exit before it opens anything: the backends' state has one writer
 /// (the eBPF backend indexes its maps in memory). Once the first is gone (SIGKILL: the kernel
-/// drops its lock), the second serves.
+/// drops its lock), the second serves. One stopped while it waits (SIGTERM: a rollout moved
+/// on) exits at once, cleanly, having started nothing.
 #[test]
 fn a_second_agent_waits_for_the_first_to_exit() {
     require_root();
     let dir = ManifestDir::new();
     let mut first = dir_agent(Backend::Ebpf, &dir);
     let mut second = first.spawn_beside().expect("second agent");
-    eventually("the second agent reports that it waits", || {
-        second.log().contains("holds this state directory")
+    let mut stopped = first.spawn_beside().expect("third agent");
+    // One log for all three: both agents beside say that they wait.
+    eventually("both agents beside report that they wait", || {
+        first.log().matches("holds this state directory").count() == 2
     })
     .expect("waiting");
+    let status = stopped.terminate().expect("SIGTERM the waiting agent");
+    assert!(
+        status.success(),
+        "a waiting agent stops cleanly on SIGTERM: {status}\n{}",
+        stopped.log()
+    );
+    assert!(
+        stopped.log().contains("nothing was started"),
+        "{}",
+        stopped.log()
+    );
     assert!(
         second.is_running(),
         "the second agent waits, it does not exit"

@@ -187,6 +187,10 @@ fn open_backend(
 
 #[tokio::main]
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Before anything else: a SIGTERM that arrives while the agent starts (a rollout, or the
+    // DaemonSet deleted right after a restart) must end in the same orderly shutdown, not in
+    // the default action that skips the uninstall.
+    let mut shutdown = ShutdownSignal::register()?;
     let mut kube_node = None;
     let source = match args.pods {
         PodSourceKind::Dir => {
@@ -219,14 +223,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tc_attach: args.tc_attach.unwrap_or_default(),
     };
     // Held until the process ends: nothing below may run beside another agent's writes.
-    let state_dir = paths.state_dir.clone();
-    let _instance = tokio::task::spawn_blocking(move || {
-        meshcap_agent::instance::lock(&state_dir, || {
-            warn!(state_dir = %state_dir.display(), "another meshcap-agent holds this state directory: waiting for it to exit");
-        })
-        .with_context(|| format!("locking the state directory {}", state_dir.display()))
-    })
-    .await??;
+    let _instance = tokio::select! {
+        held = lock_state_dir(&paths.state_dir) => held?,
+        () = shutdown.received() => {
+            info!("stopped while waiting for the other agent: nothing was started");
+            return Ok(());
+        }
+    };
     let choice = args.backend;
     let (backend, reason, probe) =
         tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
@@ -325,7 +328,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ));
     }
 
-    shutdown_signal().await?;
+    shutdown.received().await;
     info!("shutting down: no new requests; captured pods stay captured");
     let _ = stop_tx.send(true);
     serve.await?;
@@ -478,13 +481,46 @@ async fn untaint_when_ready(
     }
 }
 
-async fn shutdown_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM"),
-        _ = int.recv() => info!("SIGINT"),
+/// Takes the state directory's lock; while another agent holds it (an operator's `run` beside
+/// the DaemonSet's, or a predecessor still shutting down), says so once and waits.
+async fn lock_state_dir(
+    dir: &std::path::Path,
+) -> anyhow::Result<meshcap_agent::instance::Exclusive> {
+    let mut told = false;
+    loop {
+        if let Some(held) = meshcap_agent::instance::try_lock(dir)
+            .with_context(|| format!("locking the state directory {}", dir.display()))?
+        {
+            return Ok(held);
+        }
+        if !told {
+            warn!(state_dir = %dir.display(), "another meshcap-agent holds this state directory: waiting for it to exit");
+            told = true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Ok(())
+}
+
+/// SIGTERM and SIGINT, caught from the moment the agent starts; a signal that arrives before
+/// the agent waits for it is kept until then.
+struct ShutdownSignal {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    fn register() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("catching SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("catching SIGINT")?,
+        })
+    }
+
+    async fn received(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => info!("SIGTERM"),
+            _ = self.int.recv() => info!("SIGINT"),
+        }
+    }
 }
