@@ -15,7 +15,7 @@ use meshcap_agent::{
     },
     policy::RedirectPolicy,
 };
-use meshcap_common::{FlowKey, OrigDst, maps};
+use meshcap_common::{FlowKey, OrigDst, PodConfig, maps};
 use meshcap_tests::{
     dial, require_root,
     scenario::{EbpfUnderTest, default_policy, tcx_where_supported},
@@ -263,6 +263,69 @@ fn a_failed_add_leaves_nothing_behind() {
     backend.get().check(&r, &policy).expect("check");
     assert!(captured(&node, &pod) && captured_inbound(&node, &pod));
     backend.get().remove(&r).expect("remove");
+}
+
+/// A full map (the node's pod table at its 1,024 entries): the ADD fails naming the limit and
+/// leaves nothing (no pins, no list entries, no capture), the pods already captured keep their
+/// entries, and once there is room the next ADD captures.
+#[test]
+fn a_full_pod_table_fails_the_add_whole() {
+    let (node, pod, policy, r) = serving_pod();
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("backend");
+    let pins = backend.get().config().pins();
+    let open = || {
+        let data = MapData::from_pin(pins.map(maps::PODS)).expect("pinned MESHCAP_PODS");
+        HashMap::<_, u64, PodConfig>::try_from(Map::HashMap(data)).expect("a hash map")
+    };
+    // Other pods' entries, under cookies no netns has, until the kernel says the table is full.
+    let mut table = open();
+    let mut filler = Vec::new();
+    for cookie in (0..u64::MAX).rev() {
+        let config = PodConfig {
+            pod_id: u32::MAX,
+            ..PodConfig::default()
+        };
+        if table.insert(cookie, config, 0).is_err() {
+            break;
+        }
+        filler.push(cookie);
+    }
+    assert_eq!(filler.len(), 1_024, "the table holds 1,024 pods");
+    let lists = |name: &str| entries_of::<meshcap_common::PortKey, u8>(&pins, name);
+    let ports_before = lists(maps::PORTS);
+
+    let err = backend
+        .get()
+        .add(&r, &policy)
+        .expect_err("no room for the pod");
+    assert!(err.to_string().contains("at most 1024 pods"), "{err}");
+    assert!(backend.get().pinned_pods().is_empty(), "no pins of the pod");
+    assert_eq!(lists(maps::PORTS), ports_before, "no list entries left");
+    assert_eq!(
+        open().keys().flatten().count(),
+        1_024,
+        "the others keep theirs"
+    );
+    assert!(!captured(&node, &pod), "a failed ADD captures nothing");
+
+    let mut table = open();
+    for cookie in filler {
+        table.remove(&cookie).expect("removing a filler entry");
+    }
+    backend
+        .get()
+        .add(&r, &policy)
+        .expect("add once there is room");
+    backend.get().check(&r, &policy).expect("check");
+    assert!(captured(&node, &pod));
+    backend.get().remove(&r).expect("remove");
+}
+
+/// Entries in the pinned hash `name`.
+fn entries_of<K: aya::Pod, V: aya::Pod>(pins: &Pins, name: &str) -> usize {
+    let data = MapData::from_pin(pins.map(name)).expect("pinned map");
+    let map: HashMap<_, K, V> = HashMap::try_from(Map::HashMap(data)).expect("a hash map");
+    map.keys().flatten().count()
 }
 
 /// A pod captured with TCX links (where the kernel has TCX), then an agent restarted with the
