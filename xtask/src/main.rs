@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cmd;
 mod demo;
+mod fuzz;
 mod image;
 mod integration;
 mod setup;
@@ -22,16 +23,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker).
+    /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker,
+    /// cargo-fuzz).
     Setup,
     /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
-    /// the real-kernel ones (root), then the end-to-end tests in QEMU on Debian's 6.1 and 6.12
+    /// the real-kernel ones (root), every fuzz target for 30 s, then the end-to-end tests in QEMU on Debian's 6.1 and 6.12
     /// kernels. What CI runs.
     Test {
         /// Stop after the host suite (no QEMU phase).
         #[arg(long)]
         host_only: bool,
     },
+    /// Setup, then run every fuzz target for a bounded time from the corpus in the tree.
+    Fuzz(fuzz::Args),
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
     /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Task::Setup => setup::run(),
         Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
+        Task::Fuzz(args) => setup::run().and_then(|()| fuzz::run(&args)),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
         Task::Bench {

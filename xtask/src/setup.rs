@@ -30,11 +30,14 @@ const PACKAGES: &[&str] = &[
 const NIGHTLY: &str = "nightly";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+/// `cargo xtask fuzz` builds the targets with it.
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
 pub fn run() -> anyhow::Result<()> {
     debian_packages()?;
     nightly_rust_src()?;
     bpf_linker()?;
+    cargo_fuzz()?;
     Ok(())
 }
 
@@ -124,4 +127,27 @@ fn bpf_linker() -> anyhow::Result<()> {
             .args(["--version", BPF_LINKER_VERSION, "bpf-linker"]),
     )
     .context("installing bpf-linker failed (it needs crates.io and llvm-22-dev)")
+}
+
+fn cargo_fuzz() -> anyhow::Result<()> {
+    let version = output(Command::new("cargo").args(["fuzz", "--version"]));
+    if let Some(version) = version.as_deref()
+        && version
+            .split_whitespace()
+            .nth(1)
+            .is_some_and(|v| v == CARGO_FUZZ_VERSION)
+    {
+        eprintln!("setup: {} present", version.trim());
+        return Ok(());
+    }
+    eprintln!("setup: installing cargo-fuzz {CARGO_FUZZ_VERSION}");
+    cmd::run(Command::new("cargo").args([
+        "install",
+        "--locked",
+        "--force",
+        "--version",
+        CARGO_FUZZ_VERSION,
+        "cargo-fuzz",
+    ]))
+    .context("installing cargo-fuzz failed (it needs crates.io)")
 }

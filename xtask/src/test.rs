@@ -3,13 +3,14 @@ use std::{process::Command, time::Instant};
 
 use crate::{
     cmd::{self, root},
-    integration,
+    fuzz, integration,
 };
 
 /// Kernels `cargo xtask test` boots in QEMU after the host suite: every kernel
 /// `cargo xtask integration` supports. Measured on these 2-core machines: 6.1 532 s while other
 /// builds shared the machine, 6.12 305 s on a quieter one; with the host gate's 3 to 5 minutes
-/// the whole run stays near 15 to 25 minutes.
+/// and the fuzz phase's 9 to 10 (a fresh build of the targets takes about 6.5) the whole run
+/// stays near 25 to 35 minutes.
 pub const CI_KERNELS: &[&str] = &["6.1", "6.12"];
 
 pub fn run(host_only: bool) -> anyhow::Result<()> {
@@ -30,7 +31,14 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
         cmd::run(cmd)
     };
     phase("fmt".into(), &mut || {
-        command(Command::new("cargo").args(["+nightly", "fmt", "--all", "--check"]))
+        command(Command::new("cargo").args(["+nightly", "fmt", "--all", "--check"]))?;
+        // The fuzz targets are a workspace of their own.
+        command(
+            Command::new("cargo")
+                .current_dir(root.join("fuzz"))
+                .env_remove("RUSTUP_TOOLCHAIN")
+                .args(["+nightly", "fmt", "--all", "--check"]),
+        )
     })?;
     phase("clippy (host crates)".into(), &mut || {
         // The programs are linted on their own below: skip building them here.
@@ -55,6 +63,25 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
                 .args(["+nightly", "clippy", "--release", "--", "-D", "warnings"]),
         )
     })?;
+    phase("clippy (fuzz targets)".into(), &mut || {
+        // Nightly, as cargo-fuzz builds them; the kernel programs are not needed to lint.
+        command(
+            Command::new("cargo")
+                .current_dir(root.join("fuzz"))
+                .env_remove("RUSTUP_TOOLCHAIN")
+                .env("AYA_BUILD_SKIP", "1")
+                .args([
+                    "+nightly",
+                    "clippy",
+                    "--all-targets",
+                    "--target-dir",
+                    "target/clippy",
+                    "--",
+                    "-D",
+                    "warnings",
+                ]),
+        )
+    })?;
     phase("build (workspace)".into(), &mut || {
         // The whole workspace, as the test phase resolves it: built for two packages alone,
         // their dependencies' features unify differently and the test phase built them again.
@@ -69,6 +96,20 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
                 .args(["test", "--workspace", "--exclude", "meshcap-ebpf"]),
         )
     })?;
+    phase(
+        format!(
+            "fuzz ({} targets, {} s each)",
+            fuzz::TARGETS.len(),
+            fuzz::CI_SECONDS
+        ),
+        &mut || {
+            fuzz::run(&fuzz::Args {
+                seconds: fuzz::CI_SECONDS,
+                runs: None,
+                target: Vec::new(),
+            })
+        },
+    )?;
     if !host_only {
         // The same test binaries, already built above, in QEMU on Debian's kernels.
         phase(
