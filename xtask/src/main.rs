@@ -11,6 +11,7 @@ mod fuzz;
 mod image;
 mod integration;
 mod setup;
+mod soak;
 mod test;
 mod userland;
 
@@ -43,6 +44,9 @@ enum Task {
     /// Setup, build in release, then write the DaemonSet's container image as an OCI archive
     /// (target/image/meshcap-<version>.oci.tar) for skopeo, crane, podman or ctr to push.
     Image(image::Args),
+    /// Setup, build in release, then the chaos soak: pods ADDed and DELeted in parallel with
+    /// connections flowing while the agent is SIGKILLed every few seconds (root).
+    Soak(soak::Args),
     /// Setup, build in release, then benchmark no capture vs Istio's iptables vs eBPF (root).
     Bench {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
@@ -67,6 +71,7 @@ fn main() -> ExitCode {
         Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Fuzz(args) => setup::run().and_then(|()| fuzz::run(&args)),
+        Task::Soak(args) => setup::run().and_then(|()| soak::run(&args)),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
         Task::Bench {
