@@ -13,22 +13,10 @@ pub fn run(
     profile: bool,
     short_only: Option<usize>,
 ) -> anyhow::Result<()> {
+    let release = cmd::build_binaries(true)?;
     let root = root();
-    cmd::run(Command::new("cargo").current_dir(&root).args([
-        "build",
-        "--release",
-        "--quiet",
-        "--package",
-        "meshcap-tests",
-        "--package",
-        "meshcap-cni",
-        "--package",
-        "meshcap-agent",
-        "--bins",
-    ]))?;
     let out_dir = root.join("target/bench");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let release = root.join("target/release");
     let mut bench = Command::new(release.join("meshcap-bench"));
     bench
         // The agent and plugin the bench drives: this release build.

@@ -39,3 +39,26 @@ fn describe(cmd: &Command) -> String {
     }
     text
 }
+
+/// Builds the binaries a run on this machine drives (the agent, the plugin, the tests' runners
+/// and helpers), in release when `release`; returns the directory they are in.
+pub fn build_binaries(release: bool) -> anyhow::Result<PathBuf> {
+    let root = root();
+    let mut cargo = Command::new("cargo");
+    cargo.current_dir(&root).args(["build", "--quiet"]);
+    if release {
+        cargo.arg("--release");
+    }
+    run(cargo.args([
+        "--package",
+        "meshcap-tests",
+        "--package",
+        "meshcap-cni",
+        "--package",
+        "meshcap-agent",
+        "--bins",
+    ]))?;
+    Ok(root
+        .join("target")
+        .join(if release { "release" } else { "debug" }))
+}

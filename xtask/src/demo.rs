@@ -6,17 +6,6 @@ use std::process::Command;
 use crate::cmd::{self, root};
 
 pub fn run() -> anyhow::Result<()> {
-    let root = root();
-    cmd::run(Command::new("cargo").current_dir(&root).args([
-        "build",
-        "--quiet",
-        "--package",
-        "meshcap-tests",
-        "--package",
-        "meshcap-agent",
-        "--package",
-        "meshcap-cni",
-        "--bins",
-    ]))?;
-    cmd::run(Command::new(root.join("target/debug/meshcap-demo")).current_dir(&root))
+    let debug = cmd::build_binaries(false)?;
+    cmd::run(Command::new(debug.join("meshcap-demo")).current_dir(root()))
 }

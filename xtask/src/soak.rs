@@ -25,22 +25,10 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    let release = cmd::build_binaries(true)?;
     let root = root();
-    cmd::run(Command::new("cargo").current_dir(&root).args([
-        "build",
-        "--release",
-        "--quiet",
-        "--package",
-        "meshcap-tests",
-        "--package",
-        "meshcap-cni",
-        "--package",
-        "meshcap-agent",
-        "--bins",
-    ]))?;
     let out_dir = root.join("target/soak");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let release = root.join("target/release");
     let mut soak = Command::new(release.join("meshcap-soak"));
     soak
         // The agent, plugin and helpers the soak drives: this release build.
