@@ -233,3 +233,68 @@ fn ready_only_once_the_plugin_is_chained() {
         "{metrics}"
     );
 }
+
+/// Readiness never runs ahead of the chain: while the first install is still copying the
+/// plugin (seconds on a busy node; here held for as long as the test likes, the plugin binary
+/// being a FIFO the test has not written yet), `/readyz` answers 503 from the agent's first
+/// answer on, and its first 200 comes with meshcap-cni in the runtime's configuration. (CI saw
+/// the agent answer 200 before it had begun to watch its install, a window now closed: the
+/// install's status is watched before the endpoint comes up.)
+#[test]
+fn ready_never_before_the_plugin_is_chained() {
+    require_root();
+    let root = Scratch(std::env::temp_dir().join(unique_name("meshcap-ready-first")));
+    let (conf_dir, bin_dir) = (root.0.join("net.d"), root.0.join("bin"));
+    for dir in [&conf_dir, &bin_dir] {
+        fs::create_dir_all(dir).expect("scratch dirs");
+    }
+    let conflist = conf_dir.join("10-bridge.conflist");
+    fs::write(
+        &conflist,
+        json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [{"type": "bridge"}]})
+            .to_string(),
+    )
+    .expect("primary conflist");
+    let plugin = root.0.join("meshcap-cni");
+    nix::unistd::mkfifo(&plugin, nix::sys::stat::Mode::from_bits_truncate(0o600))
+        .expect("a FIFO for the plugin binary");
+    let pods = ManifestDir::new();
+    let agent = Agent::start(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_INSTALL_CNI", "true"),
+            ("MESHCAP_CNI_CONF_DIR", conf_dir.to_str().expect("utf-8")),
+            ("MESHCAP_CNI_BIN_DIR", bin_dir.to_str().expect("utf-8")),
+            ("MESHCAP_PLUGIN_BINARY", plugin.to_str().expect("utf-8")),
+        ],
+    )
+    .expect("agent");
+    for _ in 0..10 {
+        let (code, body) = agent.http_get("/readyz").expect("readyz");
+        assert_eq!(
+            code,
+            503,
+            "ready while the plugin is still being installed: {body}\n{}",
+            agent.log()
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(meshcap_entries(&read_json(&conflist)).len(), 0);
+    fs::write(
+        &plugin,
+        fs::read(binaries().join("meshcap-cni")).expect("the plugin binary"),
+    )
+    .expect("the plugin, through the FIFO");
+    eventually("the agent is ready once it chained meshcap-cni", || {
+        agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    let chained = read_json(&conflist);
+    assert_eq!(meshcap_entries(&chained).len(), 1, "{chained}");
+}

@@ -259,6 +259,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
     ));
     tokio::spawn(log_warnings(capture.clone()));
+    // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
+    // the socket come up before the first install ends (copying the binaries can take seconds),
+    // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
+    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
+    if args.install_cni {
+        capture.watch_install(install_rx.clone());
+    }
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -281,7 +288,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     capture.set_serving(true);
     let serve = tokio::spawn(server.serve(capture.clone(), stopped(stop_rx)));
 
-    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
     let installer = if args.install_cni {
         let metrics = capture.clone();
         Some(start_install(
@@ -296,7 +302,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         None
     };
     if installer.is_some() {
-        capture.watch_install(install_rx.clone());
         tokio::spawn(track_install(capture.clone(), install_rx.clone()));
     }
     if let Some((client, node)) = &kube_node {
