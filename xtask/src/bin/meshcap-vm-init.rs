@@ -1,6 +1,6 @@
 //! PID 1 of `cargo xtask integration`'s VMs: mounts what the tests need (proc, sysfs, devtmpfs,
 //! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs every test of the
-//! binaries in `/tests.list` (one process per test, `/jobs` at a time, every output line
+//! binaries in `/tests.list` that `/tests.filter` selects (one process per test, `/jobs` at a time, every output line
 //! prefixed with the binary's name), prints one line per binary and one result line, and
 //! powers the VM off.
 use std::{
@@ -100,6 +100,13 @@ struct Progress {
 /// binaries.
 fn run_tests() -> (u32, u32) {
     let list = fs::read_to_string("/tests.list").unwrap_or_default();
+    // `cargo xtask integration --test F`: only tests whose `binary::test` contains an F.
+    let filter = fs::read_to_string("/tests.filter").unwrap_or_default();
+    let filter: Vec<&str> = filter.lines().filter(|l| !l.is_empty()).collect();
+    let wanted = |binary: &str, test: &str| {
+        let name = format!("{binary}::{test}");
+        filter.is_empty() || filter.iter().any(|f| name.contains(f))
+    };
     let mut queue = Vec::new();
     let mut progress = BTreeMap::new();
     for binary in list.lines().filter(|l| !l.is_empty()) {
@@ -107,6 +114,7 @@ fn run_tests() -> (u32, u32) {
         let entry: &mut Progress = progress.entry(binary.to_owned()).or_default();
         match list_tests(binary) {
             Ok(tests) => {
+                let tests: Vec<String> = tests.into_iter().filter(|t| wanted(binary, t)).collect();
                 entry.left = tests.len();
                 if tests.is_empty() {
                     println!("meshcap-vm: done {binary}: ok in 0s");

@@ -158,22 +158,6 @@ pub fn boot(
             }
         }
     }
-    let outcome = boot_once(label, vmlinuz, initrd, log, timeout, false)?
-        .with_context(|| format!("{label}: the VM never started its init"))?;
-    if !outcome.locked_up {
-        return Ok(outcome);
-    }
-    // Seen once in CI on 6.1 under TCG: both vCPUs stuck (a kworker and ksoftirqd) with RCU
-    // reporting timer wake-ups that never came. Kept, said loudly, and booted once more; a
-    // second lock-up fails the run.
-    let kept = log.with_extension("locked-up.log");
-    fs::rename(log, &kept).with_context(|| format!("keeping {}", log.display()))?;
-    eprintln!(
-        "integration: {label}: THE GUEST KERNEL LOCKED UP ({}); console log with its stack \
-         traces kept in {}; booting it once more",
-        outcome.result,
-        kept.display()
-    );
     boot_once(label, vmlinuz, initrd, log, timeout, false)?
         .with_context(|| format!("{label}: the VM never started its init"))
 }
