@@ -123,6 +123,8 @@ macro_rules! test_on_both_backends {
 /// Its stderr goes to a file ([`Self::log`]), printed when the test panics.
 pub struct Agent {
     child: Child,
+    /// The `meshcap-agent` executable [`Self::restart`] starts.
+    exe: PathBuf,
     dir: PathBuf,
     backend: Backend,
     args: Vec<String>,
@@ -183,9 +185,11 @@ impl Agent {
             }
             Backend::Iptables => (None, None, None),
         };
-        let child = spawn(&dir, &args, &socket, &http, env)?;
+        let exe = binaries().join("meshcap-agent");
+        let child = spawn(&exe, &dir, &args, &socket, &http, env)?;
         let mut agent = Self {
             child,
+            exe,
             dir,
             backend,
             args,
@@ -218,7 +222,8 @@ impl Agent {
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         Ok(Self {
-            child: spawn(&self.dir, &self.args, &socket, &http, &env)?,
+            child: spawn(&self.exe, &self.dir, &self.args, &socket, &http, &env)?,
+            exe: self.exe.clone(),
             dir: self.dir.clone(),
             backend: self.backend,
             args: self.args.clone(),
@@ -360,8 +365,21 @@ impl Agent {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        self.child = spawn(&self.dir, &self.args, &self.socket, &self.http, &env)?;
+        self.child = spawn(
+            &self.exe,
+            &self.dir,
+            &self.args,
+            &self.socket,
+            &self.http,
+            &env,
+        )?;
         self.wait_ready()
+    }
+
+    /// Makes the next [`Self::restart`] start `exe` instead (another build of the agent, as an
+    /// upgrade or a rollback does).
+    pub fn set_exe(&mut self, exe: &Path) {
+        exe.clone_into(&mut self.exe);
     }
 
     /// Sets (`Some`) or removes (`None`) an environment variable for the next
@@ -452,6 +470,7 @@ fn signal(child: &Child, signal: nix::sys::signal::Signal) -> anyhow::Result<()>
 }
 
 fn spawn(
+    exe: &Path,
     dir: &Path,
     args: &[String],
     socket: &Path,
@@ -462,7 +481,7 @@ fn spawn(
         .create(true)
         .append(true)
         .open(dir.join("agent.log"))?;
-    Command::new(binaries().join("meshcap-agent"))
+    Command::new(exe)
         .arg("run")
         .args(args)
         .args([

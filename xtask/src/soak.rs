@@ -1,5 +1,6 @@
-//! `cargo xtask soak [--minutes N] [--pods N] [--kill-every S] [--backend B]`: builds meshcap in
-//! release and runs the chaos soak (tests/src/bin/meshcap-soak.rs), which prints its report
+//! `cargo xtask soak [--minutes N] [--pods N] [--kill-every S] [--backend B] [--one-build]`:
+//! builds meshcap in release (and the agent in debug, the other build restarts alternate
+//! with) and runs the chaos soak (tests/src/bin/meshcap-soak.rs), which prints its report
 //! and writes it to `target/soak/results.md`. A measurement like the benchmark, not part of
 //! `cargo xtask test`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
 use std::process::Command;
@@ -22,10 +23,19 @@ pub struct Args {
     /// Only this backend (ebpf or iptables); both by default.
     #[arg(long)]
     pub backend: Option<String>,
+    /// Restart the same build every time (by default restarts alternate between the release
+    /// and the debug build of the agent: every other restart an upgrade, the next a rollback).
+    #[arg(long)]
+    pub one_build: bool,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let release = cmd::build_binaries(true)?;
+    let other = if args.one_build {
+        None
+    } else {
+        Some(cmd::build_binaries(false)?.join("meshcap-agent"))
+    };
     let root = root();
     let out_dir = root.join("target/soak");
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
@@ -43,6 +53,9 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         .arg(out_dir.join("results.md"));
     if let Some(backend) = &args.backend {
         soak.arg("--backend").arg(backend);
+    }
+    if let Some(other) = &other {
+        soak.arg("--other-agent").arg(other);
     }
     cmd::run(&mut soak)
 }

@@ -47,6 +47,10 @@ struct Cli {
     /// half times it); 0 never kills it (a run for the agent's footprint over time).
     #[arg(long, default_value_t = 6)]
     kill_every: u64,
+    /// Another build of `meshcap-agent`: restarts alternate between it and the one in
+    /// `MESHCAP_BIN_DIR`, so every other restart is an upgrade and the next a rollback.
+    #[arg(long)]
+    other_agent: Option<PathBuf>,
     /// Only this backend (`ebpf` or `iptables`); both by default.
     #[arg(long)]
     backend: Option<String>,
@@ -75,6 +79,13 @@ fn main() -> anyhow::Result<()> {
         cli.kill_every,
         cli.kill_every / 2
     );
+    if let Some(other) = &cli.other_agent {
+        let _ = writeln!(
+            report,
+            "Restarts alternate between this build of the agent and {} (upgrade, rollback).",
+            other.display()
+        );
+    }
     for backend in backends {
         eprintln!(
             "meshcap-soak: {} for {:.1} min",
@@ -178,6 +189,10 @@ fn soak(cli: &Cli, backend: Backend) -> anyhow::Result<Soaked> {
     let killer = {
         let (agent, pid, done) = (agent.clone(), pid.clone(), done.clone());
         let every = cli.kill_every * 1000;
+        let builds = [
+            Some(meshcap_tests::agent::binaries().join("meshcap-agent")),
+            cli.other_agent.clone(),
+        ];
         thread::spawn(move || -> anyhow::Result<u64> {
             let mut rng = Rng::seeded(1);
             let mut kills = 0;
@@ -190,6 +205,9 @@ fn soak(cli: &Cli, backend: Backend) -> anyhow::Result<Soaked> {
                 agent.kill()?;
                 kills += 1;
                 thread::sleep(Duration::from_millis(rng.below(500)));
+                if let Some(exe) = &builds[usize::from(kills % 2 == 1)] {
+                    agent.set_exe(exe);
+                }
                 agent.restart()?;
                 pid.store(agent.pid(), Ordering::Relaxed);
             }
