@@ -38,6 +38,20 @@ pub struct Outcome {
     pub report: Report,
     /// The guest kernel reported a soft lockup (and was stopped).
     pub locked_up: bool,
+    /// After a soft lockup: the BPF functions in the stacks the guest printed (every CPU's,
+    /// `softlockup_all_cpu_backtrace`), JIT-ed programs included; empty when none ran there.
+    pub bpf_frames: Vec<String>,
+}
+
+/// The functions of a stack trace line that belong to BPF: JIT-ed programs (`bpf_prog_<tag>_
+/// <name>`), the BPF core, helpers and maps (`bpf_lru_*`, `htab_*`), cgroup and TC hooks
+/// (`__cgroup_bpf_run_*`, `cls_bpf_classify`, `tcx_*`).
+fn bpf_frames(line: &str) -> impl Iterator<Item = &str> {
+    line.split_whitespace()
+        .filter_map(|token| token.split_once('+').map(|(name, _)| name))
+        .filter(|name| {
+            name.contains("bpf") || name.starts_with("htab_") || name.starts_with("tcx_")
+        })
 }
 
 /// What one test binary did, read off the console (the init prefixes its lines `name| `).
@@ -211,9 +225,12 @@ fn boot_once(
     // panic=-1: reboot at once on a panic, which -no-reboot turns into QEMU exiting.
     // mitigations=off: under emulation, page-table isolation's address-space switch on every
     // syscall flushes QEMU's software TLB; the tests make many syscalls and guard no secrets.
+    // softlockup_all_cpu_backtrace: a soft lockup prints every CPU's stack, not only the stuck
+    // one's, so whatever holds what the stuck CPU waits for is in the log too.
     .args([
         "-append",
-        "console=ttyS0 panic=-1 oops=panic rdinit=/init loglevel=5 noapic mitigations=off",
+        "console=ttyS0 panic=-1 oops=panic rdinit=/init loglevel=5 noapic mitigations=off \
+         softlockup_all_cpu_backtrace=1",
     ])
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
@@ -237,6 +254,7 @@ fn boot_once(
     let mut log_file = File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let (mut result, mut panicked, mut alive, mut kvm_failed) = (None, false, false, false);
     let mut locked_up_at = None;
+    let mut frames = Vec::new();
     let mut report = Report::default();
     let deadline = started + timeout;
     let alive_deadline = started + if kvm { KVM_ALIVE_WITHIN } else { timeout };
@@ -267,6 +285,13 @@ fn boot_once(
                 if line.contains("BUG: soft lockup") {
                     panicked = true;
                     locked_up_at.get_or_insert_with(Instant::now);
+                }
+                if locked_up_at.is_some() {
+                    for frame in bpf_frames(&line) {
+                        if !frames.iter().any(|f| f == frame) {
+                            frames.push(frame.to_owned());
+                        }
+                    }
                 }
                 alive |= line.contains(ALIVE);
                 report.line(&line);
@@ -314,12 +339,32 @@ fn boot_once(
         elapsed,
         report,
         locked_up: locked_up_at.is_some(),
+        bpf_frames: frames,
     }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bpf_frames_are_found_in_stack_lines() {
+        let frames = |line| bpf_frames(line).collect::<Vec<_>>();
+        assert_eq!(
+            frames(" bpf_prog_6deef7357e7b4530_meshcap_connect4+0x5c/0x1000"),
+            ["bpf_prog_6deef7357e7b4530_meshcap_connect4"]
+        );
+        assert_eq!(
+            frames(" ? htab_lru_map_update_elem+0x1a/0x2c0"),
+            ["htab_lru_map_update_elem"]
+        );
+        assert_eq!(
+            frames(" __cgroup_bpf_run_filter_sock_addr+0x10e/0x2b0"),
+            ["__cgroup_bpf_run_filter_sock_addr"]
+        );
+        assert!(frames(" __do_softirq+0xc5/0x2a3").is_empty());
+        assert!(frames("RIP: 0010:native_safe_halt+0xb/0x10").is_empty());
+    }
 
     #[test]
     fn report_reads_verdicts_and_failed_tests_off_the_console() {
