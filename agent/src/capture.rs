@@ -463,6 +463,44 @@ impl Capture {
         self.metrics.set_other_programs(&others);
         warnings
     }
+
+    /// Drops the captures whose network namespace went without a DEL this agent saw (their
+    /// runtime's DEL came while an earlier agent was down or dying, and the netns went after
+    /// this one started): otherwise their pins and map entries, or iptables records, would
+    /// stay until the next start. Each is dropped under its container's request lock and only
+    /// if its netns is still gone there; what cannot be dropped is logged and tried again on
+    /// the next call. Returns how many were dropped.
+    pub async fn drop_gone(&self) -> usize {
+        let gone = match self.blocking(|b| b.gone()).await {
+            Ok(Ok(gone)) => gone,
+            Ok(Err(err)) => {
+                warn!(error = %err, "looking for captures whose netns is gone");
+                return 0;
+            }
+            Err(failure) => {
+                warn!(error = %failure.msg, "looking for captures whose netns is gone");
+                return 0;
+            }
+        };
+        let mut dropped = 0;
+        for pod in gone {
+            let (id, name) = (pod.container_id.clone(), pod.to_string());
+            let work = self.blocking(move |b| b.drop_if_gone(&pod));
+            match self.locked(&id, work).await {
+                Ok(Ok(done)) => dropped += usize::from(done),
+                Ok(Err(err)) => {
+                    warn!(pod = %name, container = %id, error = %err, "dropping the capture of a pod whose netns is gone")
+                }
+                Err(failure) => {
+                    warn!(pod = %name, container = %id, error = %failure.msg, "dropping the capture of a pod whose netns is gone")
+                }
+            }
+        }
+        if dropped > 0 {
+            self.update_captured_gauge();
+        }
+        dropped
+    }
 }
 
 fn pod_ref(pod: &PodAttachment) -> PodRef {

@@ -205,6 +205,22 @@ pub trait CaptureBackend: Send + Sync {
     /// # Errors
     /// When the state cannot be read or an entry cannot be dropped.
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError>;
+
+    /// The captured pods whose network namespace no longer exists, while the agent runs:
+    /// their runtime's DEL came while an earlier agent was down or dying (the plugin lets such
+    /// a DEL succeed) and the netns went after this agent started. Nothing is removed.
+    ///
+    /// # Errors
+    /// When the state cannot be read.
+    fn gone(&self) -> Result<Vec<PodRef>, BackendError>;
+
+    /// Drops `pod`'s capture if its network namespace is still gone, and says whether it did.
+    /// The caller holds the container's request lock, so an ADD that captured the container
+    /// anew since [`Self::gone`] looked is seen here and kept.
+    ///
+    /// # Errors
+    /// When an entry cannot be dropped.
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError>;
 }
 
 /// Which backend the agent uses.

@@ -59,6 +59,9 @@ struct Cli {
     out: Option<PathBuf>,
 }
 
+/// How often the soak's agent looks for captures whose netns went without a DEL it saw.
+const GONE_CHECK: Duration = Duration::from_secs(10);
+
 /// Where every pod's app connects: the upstream behind its `eth0`.
 const SERVICE: &str = "10.0.0.1:80";
 
@@ -174,6 +177,8 @@ fn soak(cli: &Cli, backend: Backend) -> anyhow::Result<Soaked> {
             "dir",
             "--pod-dir",
             dir.0.to_str().context("a UTF-8 manifest directory")?,
+            "--gone-check-seconds",
+            &GONE_CHECK.as_secs().to_string(),
         ],
         &[],
     )?;
@@ -283,12 +288,23 @@ fn soak(cli: &Cli, backend: Backend) -> anyhow::Result<Soaked> {
         .map_err(|_| anyhow::anyhow!("the agent is still shared"))?
         .into_inner()
         .map_err(|_| anyhow::anyhow!("the agent's lock is poisoned"))?;
-    let mut left = agent.ebpf_leftovers()?;
-    let records = std::fs::read_dir(agent.state_dir().join("iptables"))
-        .map(|entries| entries.count())
-        .unwrap_or(0);
-    if records > 0 {
-        left.push(format!("{records} iptables records"));
+    // A pod whose DEL got no answer and whose netns went after the agent's last start is
+    // dropped by the agent's next look for gone netns (`--gone-check-seconds`): wait for it.
+    let leftovers = || -> anyhow::Result<Vec<String>> {
+        let mut left = agent.ebpf_leftovers()?;
+        let records = std::fs::read_dir(agent.state_dir().join("iptables"))
+            .map(|entries| entries.count())
+            .unwrap_or(0);
+        if records > 0 {
+            left.push(format!("{records} iptables records"));
+        }
+        Ok(left)
+    };
+    let until = Instant::now() + 2 * GONE_CHECK + Duration::from_secs(5);
+    let mut left = leftovers()?;
+    while !left.is_empty() && Instant::now() < until {
+        thread::sleep(Duration::from_millis(500));
+        left = leftovers()?;
     }
     Ok(Soaked {
         counts,

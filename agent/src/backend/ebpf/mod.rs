@@ -319,6 +319,28 @@ impl CaptureBackend for EbpfBackend {
         Ok(gone)
     }
 
+    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        let live = podnet::live_cookies();
+        Ok(self
+            .pinned_pods()
+            .into_iter()
+            .filter(|pod| !live.contains(&pod.netns_cookie))
+            .map(|pod| pod.pod_ref())
+            .collect())
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        let Some(cookie) = self.find_cookie(pod) else {
+            return Ok(false);
+        };
+        if podnet::live_cookies().contains(&cookie) {
+            return Ok(false);
+        }
+        Self::remove(self, pod)?;
+        tracing::info!(pod = %pod, container = %pod.container_id, netns_cookie = cookie, "netns gone without a DEL this agent saw: entries and pins dropped");
+        Ok(true)
+    }
+
     fn programs(&self) -> Vec<AttachedProgram> {
         self.attached()
     }

@@ -280,7 +280,7 @@ impl EbpfBackend {
 
     /// The pod's cookie: as the pins record it (indexed), else from its netns while it
     /// exists.
-    fn find_cookie(&self, pod: &PodRef) -> Option<u64> {
+    pub(super) fn find_cookie(&self, pod: &PodRef) -> Option<u64> {
         self.lock()
             .cookie(&pins::pod_record_name(pod))
             .or_else(|| podnet::cookie_of(&pod.netns).ok())

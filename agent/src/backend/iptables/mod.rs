@@ -331,6 +331,28 @@ impl CaptureBackend for IptablesBackend {
         Ok(gone)
     }
 
+    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self
+            .lock()
+            .values()
+            .filter(|record| !record.pod.netns.exists())
+            .map(|record| record.pod.clone())
+            .collect())
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        let Some((id, record)) = self.recorded(pod) else {
+            return Ok(false);
+        };
+        if record.pod.netns.exists() {
+            return Ok(false);
+        }
+        // The rules lived in the netns and went with it: only the record is left.
+        self.forget(&id);
+        info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
+        Ok(true)
+    }
+
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
         let Some((recorded_id, record)) = self.recorded(pod) else {

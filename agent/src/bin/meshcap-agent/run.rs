@@ -58,6 +58,10 @@ pub struct RunArgs {
     /// Milliseconds between two lookups.
     #[arg(long, default_value_t = 500)]
     pod_lookup_interval_ms: u64,
+    /// Seconds between two looks for captures whose netns went without a DEL this agent saw
+    /// (a DEL that came while an earlier agent was down); they are dropped.
+    #[arg(long, default_value_t = 60)]
+    gone_check_seconds: u64,
     /// Namespaces never captured (also decided by the plugin; repeat or comma-separate).
     #[arg(long, env = settings::EXCLUDE_NAMESPACES.env, value_delimiter = ',', default_value = settings::EXCLUDE_NAMESPACES.default)]
     exclude_namespaces: Vec<String>,
@@ -259,6 +263,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
     ));
     tokio::spawn(log_warnings(capture.clone()));
+    tokio::spawn(drop_gone(
+        capture.clone(),
+        Duration::from_secs(args.gone_check_seconds.max(1)),
+    ));
     // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
     // the socket come up before the first install ends (copying the binaries can take seconds),
     // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
@@ -398,6 +406,23 @@ async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<Instal
         capture.metrics().set_install_ready(installed);
         if status.changed().await.is_err() {
             return;
+        }
+    }
+}
+
+/// Drops, every `every`, the captures whose netns went without a DEL this agent saw (see
+/// [`Capture::drop_gone`]); the start-up reconciliation has done it once already.
+async fn drop_gone(capture: Arc<Capture>, every: Duration) {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let dropped = capture.drop_gone().await;
+        if dropped > 0 {
+            info!(
+                dropped,
+                "dropped the captures of pods whose netns went without a DEL"
+            );
         }
     }
 }
