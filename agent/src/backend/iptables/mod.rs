@@ -317,12 +317,7 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone: Vec<PodRef> = self
-            .lock()
-            .values()
-            .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod.clone())
-            .collect();
+        let gone = self.gone()?;
         for pod in &gone {
             // The rules lived in the netns and went with it: only the record is left.
             self.forget(&pod.container_id);
