@@ -210,22 +210,18 @@ fn run_kernel(
     while outcomes.len() < boots + usize::from(retried) {
         let boot = outcomes.len() + 1;
         let outcome = qemu::boot(&label, &kernel.vmlinuz, &initrd, &log, timeout)?;
-        let locked_up = outcome.locked_up;
+        let (locked_up, frames) = (outcome.locked_up, outcome.bpf_frames.join(", "));
         outcomes.push(outcome);
         if !locked_up {
             continue;
         }
         let kept = log.with_extension(format!("boot{boot}.locked-up.log"));
         fs::rename(&log, &kept).with_context(|| format!("keeping {}", log.display()))?;
-        let frames = &outcomes
-            .last()
-            .map(|o| o.bpf_frames.join(", "))
-            .unwrap_or_default();
         eprintln!(
             "integration: {label}: THE GUEST KERNEL LOCKED UP on boot {boot}; console log \
              with every CPU's stack kept in {}; BPF in the stacks: {}",
             kept.display(),
-            if frames.is_empty() { "none" } else { frames }
+            if frames.is_empty() { "none" } else { &frames }
         );
         // Seen once in CI on 6.1 under TCG, never reproduced since (docs/development.md): a
         // single boot whose lock-up has no BPF function on any CPU's stack is booted once
