@@ -1,7 +1,8 @@
 //! Can this kernel run the eBPF backend? Checks what the embedded programs actually use: their
 //! program types, the helpers their instructions call (read from the object itself, so the
-//! list never goes stale), and a trial load of every program, which also validates their
-//! expected attach types. The iptables backend is chosen when anything fails, and the reason
+//! list never goes stale), the socket option the backend reads each pod's netns cookie with,
+//! and a trial load of every program, which also validates their expected attach types. Every
+//! answer is the kernel's own: no version number is consulted. The iptables backend is chosen when anything fails, and the reason
 //! is logged and shown in `meshcap-agent status`.
 use std::collections::BTreeSet;
 
@@ -12,7 +13,7 @@ use aya::{
 use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
 
-use crate::{backend::ebpf, bpf};
+use crate::{backend::ebpf, bpf, podnet};
 
 /// One probed feature.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -188,6 +189,13 @@ pub fn run() -> ProbeReport {
     report.push(
         "helper BPF_FUNC_tail_call in the pods' TC stubs".into(),
         is_helper_supported(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_tail_call)
+            .map_err(|e| e.to_string()),
+    );
+    // Not a BPF feature, but the backend keys each pod by its netns cookie, read this way.
+    report.push(
+        "socket option SO_NETNS_COOKIE (a pod's netns cookie)".into(),
+        podnet::current_cookie()
+            .map(|_| true)
             .map_err(|e| e.to_string()),
     );
     let trial = bpf::open().map_err(|e| e.to_string()).and_then(|mut ebpf| {
