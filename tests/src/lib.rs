@@ -8,7 +8,7 @@
 
 use std::{
     fs::{self, File},
-    io::{BufReader, Read as _},
+    io::{BufReader, Read as _, Write as _},
     net::SocketAddr,
     os::{fd::AsRawFd as _, unix::process::CommandExt as _},
     path::{Path, PathBuf},
@@ -61,6 +61,58 @@ pub fn require_root() {
         "this test needs root (it loads BPF programs into the kernel and creates network \
          namespaces and cgroups); run it as root, e.g. `sudo -E cargo xtask test`"
     );
+}
+
+/// Whether this kernel runs the eBPF backend, as the agent's probe answers, checked against what
+/// the runner says of the kernel: `MESHCAP_EBPF=unsupported` (set by `cargo xtask integration`
+/// on kernels below the eBPF path's floor) or, unset, that it must run it. A test that needs the
+/// eBPF backend calls this first; where the backend cannot run, this checks instead that it
+/// refuses to load and prints why, and the test goes on with nothing else: it never skips on
+/// its own judgement, and a probe that disagrees with the runner fails it.
+///
+/// # Panics
+/// When the probe and the runner disagree, or the programs load where the probe says no.
+#[must_use]
+pub fn ebpf_runs_here() -> bool {
+    use meshcap_agent::{bpf, probe};
+    static ANSWER: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    require_root();
+    let answer = ANSWER.get_or_init(|| {
+        let report = probe::run();
+        if report.ok() {
+            Ok(())
+        } else {
+            Err(report.failures())
+        }
+    });
+    let expected = std::env::var("MESHCAP_EBPF").as_deref() != Ok("unsupported");
+    match (answer, expected) {
+        (Ok(()), true) => true,
+        (Err(why), true) => panic!(
+            "the probe says this kernel cannot run the eBPF backend ({why}); the runner expects \
+             it to (set MESHCAP_EBPF=unsupported on a kernel below its floor, docs/ebpf.md)"
+        ),
+        (Ok(()), false) => panic!(
+            "MESHCAP_EBPF=unsupported, but the probe finds every feature of the eBPF backend"
+        ),
+        (Err(why), false) => {
+            let loaded = bpf::open()
+                .map_err(|e| e.to_string())
+                .and_then(|mut ebpf| bpf::load_all(&mut ebpf).map_err(|e| e.to_string()));
+            assert!(
+                loaded.is_err(),
+                "the probe says no ({why}), yet every program loaded"
+            );
+            // Straight to the stderr fd, past the test harness's capture: the VM's report
+            // counts these lines.
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "meshcap-tests: eBPF backend unsupported here ({why}); checked that its \
+                 programs are refused, and nothing else"
+            );
+            false
+        }
+    }
 }
 
 /// Runs a command to completion and fails with its stderr when it does not succeed.

@@ -161,6 +161,9 @@ fn assert_service_kept(pod: &Captured, when: &str) {
 #[test]
 fn a_balancer_attached_before_the_agent() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let lb = load_lb();
     let _link =
@@ -199,6 +202,9 @@ fn a_balancer_attached_before_the_agent() {
 #[test]
 fn a_balancer_attached_after_the_agent() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let pod = Captured::start(&root);
     let lb = load_lb();
@@ -220,6 +226,9 @@ fn a_balancer_attached_after_the_agent() {
 #[test]
 fn a_balancer_jumping_ahead_is_overtaken() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));
     let mut pod = Captured::start(&root);
     let lb = load_lb();
@@ -254,6 +263,9 @@ fn a_balancer_jumping_ahead_is_overtaken() {
 #[test]
 fn a_balancer_on_a_parent_cgroup_runs_after() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     let parent = TestCgroup::new("mc-coexist-parent").expect("cgroup");
     let root = Arc::new(TestCgroup::new_under(parent.path(), "mc-coexist").expect("child cgroup"));
     let lb = load_lb();
@@ -271,6 +283,9 @@ fn a_balancer_on_a_parent_cgroup_runs_after() {
 #[test]
 fn a_dns_balancer_attached_before_the_agent() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     const DNS_SERVICE: &str = "10.96.0.10:53";
     const DNS_BACKEND: &str = "10.0.0.1:53";
     let root = Arc::new(TestCgroup::new("mc-coexist").expect("cgroup"));

@@ -48,9 +48,9 @@ impl Drop for Instance {
     }
 }
 
-#[test]
-fn an_instance_name_gives_a_private_agent_its_own_everything() {
-    require_root();
+/// Starts `meshcap-agent run --backend <backend> --instance <fresh name>` with an empty pod
+/// directory, reads its status report and stops it (SIGTERM, by pid).
+fn private_agent(backend: &str) -> (Instance, Value) {
     let name = unique_name("t");
     let instance = Instance {
         run_dir: PathBuf::from(format!("/var/run/meshcap-{name}")),
@@ -64,7 +64,7 @@ fn an_instance_name_gives_a_private_agent_its_own_everything() {
         .args([
             "run",
             "--backend",
-            "ebpf",
+            backend,
             "--pods",
             "dir",
             "--instance",
@@ -85,7 +85,44 @@ fn an_instance_name_gives_a_private_agent_its_own_everything() {
         nix::sys::signal::Signal::SIGTERM,
     );
     let _ = child.wait();
-    let report = report.expect("the private agent serves");
+    (instance, report.expect("the private agent serves"))
+}
+
+#[test]
+fn auto_runs_the_backend_the_kernel_can_run() {
+    require_root();
+    let (_instance, report) = private_agent("auto");
+    let reason = report["backend_reason"].as_str().unwrap_or_default();
+    if meshcap_tests::ebpf_runs_here() {
+        assert_eq!(report["backend"], "ebpf", "{report}");
+        assert!(reason.contains("passed every probe"), "{reason}");
+        return;
+    }
+    assert_eq!(report["backend"], "iptables", "{report}");
+    // Each missing feature named from the kernel's own answers, not only as a failed load.
+    let failed: Vec<String> = meshcap_agent::probe::run()
+        .checks
+        .into_iter()
+        .filter(|c| !c.ok && !c.what.starts_with("trial load"))
+        .map(|c| c.what)
+        .collect();
+    assert!(
+        !failed.is_empty(),
+        "the probe must name what this kernel lacks: {reason}"
+    );
+    for what in &failed {
+        assert!(reason.contains(what.as_str()), "{what} not in {reason}");
+    }
+}
+
+#[test]
+fn an_instance_name_gives_a_private_agent_its_own_everything() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let (instance, report) = private_agent("ebpf");
+    let socket = instance.run_dir.join("agent.sock");
     assert_eq!(report["backend"], "ebpf");
     assert_eq!(report["socket"], socket.display().to_string());
     assert!(
@@ -104,6 +141,9 @@ fn an_instance_name_gives_a_private_agent_its_own_everything() {
 #[test]
 fn a_pod_process_outside_the_programs_cgroup_is_reported() {
     require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
     let pod = OnePod::new(Backend::Ebpf, None);
     let add = pod.cni("ADD");
     assert!(add.success, "ADD: {add:?}");
