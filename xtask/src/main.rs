@@ -28,8 +28,8 @@ enum Task {
     /// cargo-fuzz).
     Setup,
     /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
-    /// the real-kernel ones (root), every fuzz target for 30 s, then the end-to-end tests in QEMU on Debian's 6.1 and 6.12
-    /// kernels. What CI runs.
+    /// the real-kernel ones (root), every fuzz target for 30 s, then the end-to-end tests in QEMU
+    /// on Debian's 5.10, 6.1 and 6.12 kernels. What CI runs.
     Test {
         /// Stop after the host suite (no QEMU phase).
         #[arg(long)]
@@ -39,7 +39,7 @@ enum Task {
     Fuzz(fuzz::Args),
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
-    /// Setup, then the end-to-end tests inside QEMU on Debian's 6.1 and 6.12 cloud kernels.
+    /// Setup, then the end-to-end tests inside QEMU on Debian's 5.10, 6.1 and 6.12 cloud kernels.
     Integration(integration::Args),
     /// Setup, build in release, then write the DaemonSet's container image as an OCI archive
     /// (target/image/meshcap-<version>.oci.tar) for skopeo, crane, podman or ctr to push.

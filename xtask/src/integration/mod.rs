@@ -1,5 +1,6 @@
 //! `cargo xtask integration`: the end-to-end tests (`tests/tests/*.rs`, whatever exists) inside
-//! QEMU on Debian's cloud kernels, so older verifiers, netlink TC and TCX are all covered.
+//! QEMU on Debian's cloud kernels, so older verifiers, netlink TC and TCX are all covered, and a
+//! kernel below the eBPF floor (5.10) proves the iptables fallback.
 //!
 //! Per kernel: fetch its package (`apt-get download`, cached), build an initramfs in Rust
 //! (newc cpio) holding a small init, the test binaries, the modules they need and the
@@ -23,7 +24,7 @@ mod qemu;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Kernel series to test (Debian cloud kernels).
-    #[arg(long = "kernel", default_values = ["6.1", "6.12"])]
+    #[arg(long = "kernel", default_values = ["5.10", "6.1", "6.12"])]
     kernels: Vec<String>,
     /// Where kernel packages and build products are kept between runs.
     #[arg(long, default_value = "target/integration")]
@@ -101,6 +102,17 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bail!("integration failed on kernel(s) {}", failures.join(", "));
     }
     Ok(())
+}
+
+/// The oldest kernel the eBPF backend runs on (docs/ebpf.md: `bpf_get_netns_cookie` in
+/// sock_ops and cgroup_sockopt programs, 5.15); older ones run the iptables fallback.
+const EBPF_FLOOR: (u32, u32) = (5, 15);
+
+/// Whether the tests must find the eBPF backend usable on a kernel of `series`.
+fn runs_ebpf(series: &str) -> bool {
+    let mut parts = series.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    version >= EBPF_FLOOR
 }
 
 /// One kernel's boots: its release and each boot's outcome (a lock-up's log kept beside).
@@ -192,6 +204,10 @@ fn run_kernel(
     }
     archive.file("modules.list", 0o644, list.as_bytes());
     archive.file("jobs", 0o644, format!("{}\n", args.jobs).as_bytes());
+    // The tests' oracle, not the agent's (which probes): see `meshcap_tests::ebpf_runs_here`.
+    if !runs_ebpf(series) {
+        archive.file("ebpf.unsupported", 0o644, b"");
+    }
     let filter: String = args.tests.iter().map(|t| format!("{t}\n")).collect();
     archive.file("tests.filter", 0o644, filter.as_bytes());
     archive.file(

@@ -65,7 +65,13 @@ pub struct Binary {
     pub failed: Vec<String>,
     /// Seconds the binary ran, from the init's verdict.
     pub seconds: Option<u64>,
+    /// Tests that found the eBPF backend unsupported on this kernel (as the runner expected)
+    /// and so only checked that its programs are refused (`meshcap_tests::ebpf_runs_here`).
+    pub ebpf_refused: usize,
 }
+
+/// What `meshcap_tests::ebpf_runs_here` prints where the eBPF backend cannot run.
+const EBPF_REFUSED: &str = "meshcap-tests: eBPF backend unsupported here";
 
 /// Every test binary of one boot, in start order.
 #[derive(Default)]
@@ -97,6 +103,9 @@ impl Report {
                 binary.verdict = Some(verdict.to_owned());
             }
         } else if let Some((name, out)) = line.split_once("| ") {
+            if out.starts_with(EBPF_REFUSED) {
+                self.binary(name).ebpf_refused += 1;
+            }
             let Some(test) = out.strip_prefix("test ") else {
                 return;
             };
@@ -130,6 +139,12 @@ impl Report {
                 );
                 if !b.failed.is_empty() {
                     line.push_str(&format!(" ({})", b.failed.join(", ")));
+                }
+                if b.ebpf_refused > 0 {
+                    line.push_str(&format!(
+                        "; {} found the eBPF backend unsupported and checked it is refused",
+                        b.ebpf_refused
+                    ));
                 }
                 line
             })
@@ -375,6 +390,7 @@ mod tests {
             "probe| test auto_chooses_ebpf ... ok",
             "scenarios| test ebpf_rows ... FAILED",
             "scenarios| test iptables_rows ... ok",
+            "scenarios| meshcap-tests: eBPF backend unsupported here (helper …); checked …",
             "meshcap-vm: done probe: ok in 1s",
             "meshcap-vm: done scenarios: FAILED (exit code 101) in 300s",
             "meshcap-vm: running cni_agent",
@@ -384,7 +400,8 @@ mod tests {
         assert_eq!(
             report.lines(),
             [
-                "scenarios: FAILED (exit code 101) in 300s: 1 passed, 1 failed (ebpf_rows)",
+                "scenarios: FAILED (exit code 101) in 300s: 1 passed, 1 failed (ebpf_rows); 1 \
+                 found the eBPF backend unsupported and checked it is refused",
                 "probe: ok in 1s: 1 passed, 0 failed",
                 "cni_agent: did not finish: 0 passed, 0 failed",
             ]
