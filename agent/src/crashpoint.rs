@@ -11,8 +11,10 @@
 pub const ENV: &str = "MESHCAP_CRASH_AT";
 
 /// Every point, for the tests to iterate over.
-pub const POINTS: [&str; 9] = [
+pub const POINTS: [&str; 11] = [
     EBPF_ADD_PINNED,
+    EBPF_ADD_QDISC,
+    EBPF_ADD_FILTER,
     EBPF_ADD_ATTACHED,
     EBPF_ADD_LISTS,
     EBPF_ADD_IFACES,
@@ -25,6 +27,11 @@ pub const POINTS: [&str; 9] = [
 
 /// eBPF ADD: the pod's record pinned, nothing attached yet.
 pub const EBPF_ADD_PINNED: &str = "ebpf-add-pinned";
+/// eBPF ADD: the clsact qdisc added to an interface (netlink TC), meshcap's filter not yet.
+pub const EBPF_ADD_QDISC: &str = "ebpf-add-qdisc";
+/// eBPF ADD: meshcap's filter attached on an interface (netlink TC), its record not yet
+/// pinned.
+pub const EBPF_ADD_FILTER: &str = "ebpf-add-filter";
 /// eBPF ADD: its stubs attached, no map entry written.
 pub const EBPF_ADD_ATTACHED: &str = "ebpf-add-attached";
 /// eBPF ADD (and update): its lists written under a fresh pod id, no pod entry (for an update,

@@ -27,6 +27,8 @@ fn points(backend: Backend) -> (&'static [&'static str], &'static [&'static str]
         Backend::Ebpf => (
             &[
                 crashpoint::EBPF_ADD_PINNED,
+                crashpoint::EBPF_ADD_QDISC,
+                crashpoint::EBPF_ADD_FILTER,
                 crashpoint::EBPF_ADD_ATTACHED,
                 crashpoint::EBPF_ADD_LISTS,
                 crashpoint::EBPF_ADD_IFACES,
@@ -44,6 +46,22 @@ fn points(backend: Backend) -> (&'static [&'static str], &'static [&'static str]
             &[crashpoint::IPTABLES_REMOVE_REMOVED],
         ),
     }
+}
+
+/// A crash point added to the agent is one these tests kill it at.
+#[test]
+fn every_crash_point_is_exercised() {
+    let mut exercised: Vec<&str> = [Backend::Ebpf, Backend::Iptables]
+        .into_iter()
+        .flat_map(|backend| {
+            let (add, del) = points(backend);
+            add.iter().chain(del).copied()
+        })
+        .collect();
+    exercised.sort_unstable();
+    let mut all = crashpoint::POINTS.to_vec();
+    all.sort_unstable();
+    assert_eq!(exercised, all);
 }
 
 fn an_interrupted_add_leaves_a_pod_that_add_captures_and_del_releases(backend: Backend) {

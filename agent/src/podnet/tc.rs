@@ -72,31 +72,37 @@ fn failed(what: String) -> impl FnOnce(io::Error) -> PodNetError {
     move |source| PodNetError::Netlink { what, source }
 }
 
-/// Attaches `prog` (a direct-action classifier named `name`) on the ingress of interface
-/// `ifindex`: adds the clsact qdisc when there is none, then creates meshcap's filter, or
-/// replaces its program (atomically) when a previous run left one without a record.
+/// Adds the `clsact` qdisc to interface `ifindex` when it has none: whether meshcap added it
+/// (only then may it remove it, see [`release_qdisc`]).
 ///
 /// # Errors
 /// When the kernel refuses, e.g. because another qdisc than clsact holds the ingress handle.
-pub fn attach(
+pub fn add_qdisc(netlink: &mut Netlink, ifindex: u32, ifname: &str) -> Result<bool, PodNetError> {
+    match netlink.request(
+        RouteNetlinkMessage::NewQueueDiscipline(clsact(ifindex)),
+        NLM_F_CREATE | NLM_F_EXCL,
+    ) {
+        Ok(_) => Ok(true),
+        Err(e) if errno(&e) == Some(libc::EEXIST) => Ok(false),
+        Err(e) => Err(failed(format!("tc qdisc add dev {ifname} clsact"))(e)),
+    }
+}
+
+/// Attaches `prog` (a direct-action classifier named `name`) at meshcap's place on the
+/// ingress of interface `ifindex`, whose clsact qdisc [`add_qdisc`] made sure of
+/// (`created_qdisc`: whether it added it), or replaces its program (atomically) when a
+/// previous run left one without a record.
+///
+/// # Errors
+/// When the kernel refuses.
+pub fn add_filter(
     netlink: &mut Netlink,
     ifindex: u32,
     ifname: &str,
+    created_qdisc: bool,
     prog: impl AsFd,
     name: &str,
 ) -> Result<Filter, PodNetError> {
-    let qdisc = TcMessage::from_parts(
-        header(ifindex, CLSACT_HANDLE, TcHandle::CLSACT, 0),
-        vec![TcAttribute::Kind("clsact".into())],
-    );
-    let created_qdisc = match netlink.request(
-        RouteNetlinkMessage::NewQueueDiscipline(qdisc),
-        NLM_F_CREATE | NLM_F_EXCL,
-    ) {
-        Ok(_) => true,
-        Err(e) if errno(&e) == Some(libc::EEXIST) => false,
-        Err(e) => return Err(failed(format!("tc qdisc add dev {ifname} clsact"))(e)),
-    };
     let filter = Filter {
         priority: PRIORITY,
         handle: HANDLE,
@@ -221,10 +227,42 @@ pub fn detach(
             _ => {}
         }
     }
-    if !filter.created_qdisc {
-        return Ok(());
+    if filter.created_qdisc {
+        release_qdisc(netlink, ifindex, ifname)?;
     }
-    // Another tool's filters (either direction) mean the qdisc is shared by now.
+    Ok(())
+}
+
+/// Deletes a filter at meshcap's place that was attached under the name `name` (its record
+/// was removed behind meshcap's back, or an attach was cut short before recording it), then
+/// the clsact qdisc when `created_qdisc` says meshcap may have added it and no filter is left
+/// on it. Whether anything was there to delete.
+///
+/// # Errors
+/// When the kernel refuses.
+pub fn detach_named(
+    netlink: &mut Netlink,
+    ifindex: u32,
+    ifname: &str,
+    name: &str,
+    created_qdisc: bool,
+) -> Result<bool, PodNetError> {
+    let found = find_named(netlink, ifindex, ifname, name)?;
+    if let Some((filter, id)) = found {
+        detach(netlink, ifindex, ifname, id, filter)?;
+    }
+    if created_qdisc {
+        release_qdisc(netlink, ifindex, ifname)?;
+    }
+    Ok(found.is_some())
+}
+
+/// Deletes the clsact qdisc of `ifindex` when no filter (either direction) is left on it:
+/// another tool's filters mean it is shared by now. An absent one is fine.
+///
+/// # Errors
+/// When the kernel refuses.
+pub fn release_qdisc(netlink: &mut Netlink, ifindex: u32, ifname: &str) -> Result<(), PodNetError> {
     for parent in [INGRESS, EGRESS] {
         let left = filters(netlink, ifindex, parent)
             .map_err(failed(format!("tc filter show dev {ifname}")))?;
@@ -232,16 +270,19 @@ pub fn detach(
             return Ok(());
         }
     }
-    let qdisc = TcMessage::from_parts(
-        header(ifindex, CLSACT_HANDLE, TcHandle::CLSACT, 0),
-        vec![TcAttribute::Kind("clsact".into())],
-    );
-    match netlink.request(RouteNetlinkMessage::DelQueueDiscipline(qdisc), 0) {
+    match netlink.request(RouteNetlinkMessage::DelQueueDiscipline(clsact(ifindex)), 0) {
         Err(e) if !matches!(errno(&e), Some(libc::ENOENT | libc::EINVAL)) => {
             Err(failed(format!("tc qdisc del dev {ifname} clsact"))(e))
         }
         _ => Ok(()),
     }
+}
+
+fn clsact(ifindex: u32) -> TcMessage {
+    TcMessage::from_parts(
+        header(ifindex, CLSACT_HANDLE, TcHandle::CLSACT, 0),
+        vec![TcAttribute::Kind("clsact".into())],
+    )
 }
 
 fn header(ifindex: u32, handle: TcHandle, parent: TcHandle, info: u32) -> TcHeader {

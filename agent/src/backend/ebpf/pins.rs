@@ -9,7 +9,10 @@
 //! pods/<cookie>/pod@<namespace>@<name>@<id>/    which pod a netns cookie belongs to
 //! pods/<cookie>/tc-<ifname>/filter@<pref>@<handle>@<own|shared>-qdisc
 //!                                              its netlink TC filter (the default): the
-//!                                              pinned stub, or, with TCX (Linux 6.6+):
+//!                                              pinned stub
+//! pods/<cookie>/tc-<ifname>/qdisc-intent/      while attaching, before the filter is
+//!                                              recorded: meshcap may have added the
+//!                                              clsact qdisc; or, with TCX (Linux 6.6+):
 //! pods/<cookie>/tc-<ifname>                    the pod's TCX link
 //! ```
 use std::{
@@ -19,6 +22,11 @@ use std::{
 
 use super::sys;
 use crate::{backend::PodRef, podnet::tc::Filter};
+
+/// The directory in a netlink TC record that says, until the filter's own record is pinned,
+/// that meshcap may have added the interface's clsact qdisc (written ahead of the netlink
+/// request, so that an agent killed before the record exists leaves nothing unrecorded).
+pub const QDISC_INTENT: &str = "qdisc-intent";
 
 /// A pod the backend captures, as the pins record it.
 #[derive(Clone, Debug, PartialEq, Eq)]

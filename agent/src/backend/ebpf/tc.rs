@@ -13,9 +13,12 @@ use super::{
     pins::{self, filter_record_name, parse_filter_record_name},
     stub, sys,
 };
-use crate::podnet::{
-    self, Visit,
-    tc::{self, Filter},
+use crate::{
+    crashpoint,
+    podnet::{
+        self, Visit,
+        tc::{self, Filter},
+    },
 };
 
 /// How pods' inbound stubs are attached to their interfaces.
@@ -33,7 +36,8 @@ pub enum TcAttach {
 }
 
 /// Attaches the pod's `stub` on the ingress of interface `ifindex` (`ifname`) in the visited
-/// netns, and records it at `record`. Nothing is left attached without its record.
+/// netns, and records it at `record`. Nothing is left attached without its record, even when
+/// the agent is killed half-way.
 ///
 /// # Errors
 /// When the kernel refuses the attachment or the pin.
@@ -57,29 +61,57 @@ pub fn attach(
                 )
             })
         }
-        TcAttach::Netlink => {
-            let netlink = visit.netlink()?;
-            let filter = tc::attach(netlink, ifindex, ifname, stub, stub::NAME)?;
-            let pinned = fs::create_dir(record)
-                .and_then(|()| sys::obj_pin(stub, &record.join(filter_record_name(&filter))));
-            if let Err(e) = pinned {
-                let _ = fs::remove_dir(record);
-                let _ = tc::detach(
-                    netlink,
-                    ifindex,
-                    ifname,
-                    sys::prog_id(stub).unwrap_or(0),
-                    filter,
-                );
-                return Err(EbpfError::io(
-                    &format!(
-                        "recording the TC filter of {ifname} at {}",
-                        record.display()
-                    ),
-                    e,
-                ));
-            }
+        TcAttach::Netlink => attach_netlink(visit, stub, ifindex, ifname, record),
+    }
+}
+
+/// The netlink filter, written ahead: the record's directory and its qdisc intent are pinned
+/// before the kernel is asked for anything, so that an agent killed at any instant leaves a
+/// record for whatever it attached ([`detach`] finishes the job). The intent stays only while
+/// meshcap may own the qdisc without a filter record saying so.
+fn attach_netlink(
+    visit: &mut Visit,
+    stub: BorrowedFd<'_>,
+    ifindex: u32,
+    ifname: &str,
+    record: &Path,
+) -> Result<(), EbpfError> {
+    let recording = |e| {
+        EbpfError::io(
+            &format!(
+                "recording the TC filter of {ifname} at {}",
+                record.display()
+            ),
+            e,
+        )
+    };
+    let intent = record.join(pins::QDISC_INTENT);
+    fs::create_dir(record).map_err(recording)?;
+    if let Err(e) = fs::create_dir(&intent) {
+        let _ = fs::remove_dir(record);
+        return Err(recording(e));
+    }
+    let attached = visit.netlink().and_then(|netlink| {
+        let created_qdisc = tc::add_qdisc(netlink, ifindex, ifname)?;
+        if !created_qdisc {
+            let _ = fs::remove_dir(&intent);
+        }
+        crashpoint::here(crashpoint::EBPF_ADD_QDISC);
+        tc::add_filter(netlink, ifindex, ifname, created_qdisc, stub, stub::NAME)
+    });
+    let pinned = attached.map_err(EbpfError::from).and_then(|filter| {
+        crashpoint::here(crashpoint::EBPF_ADD_FILTER);
+        sys::obj_pin(stub, &record.join(filter_record_name(&filter))).map_err(recording)
+    });
+    match pinned {
+        Ok(()) => {
+            // The filter record says whose the qdisc is from now on.
+            let _ = fs::remove_dir(&intent);
             Ok(())
+        }
+        Err(err) => {
+            detach(visit, ifname, record);
+            Err(err)
         }
     }
 }
@@ -102,13 +134,18 @@ fn read_netlink_record(record: &Path) -> Result<(Filter, u32), String> {
 /// and nothing else uses it.
 pub fn detach(visit: &mut Visit, ifname: &str, record: &Path) {
     if record.is_dir() {
-        if let (Ok((filter, id)), Ok(ifindex)) = (
-            read_netlink_record(record),
-            nix::net::if_::if_nametoindex(ifname),
-        ) {
+        if let Ok(ifindex) = nix::net::if_::if_nametoindex(ifname) {
             let detached = visit
                 .netlink()
-                .and_then(|netlink| tc::detach(netlink, ifindex, ifname, id, filter));
+                .and_then(|netlink| match read_netlink_record(record) {
+                    Ok((filter, id)) => tc::detach(netlink, ifindex, ifname, id, filter),
+                    // An attach cut short before its filter was recorded: the filter by its place
+                    // and name, and the qdisc if the intent says meshcap may have added it.
+                    Err(_) => {
+                        let own_qdisc = record.join(pins::QDISC_INTENT).is_dir();
+                        tc::detach_named(netlink, ifindex, ifname, stub::NAME, own_qdisc).map(drop)
+                    }
+                });
             if let Err(err) = detached {
                 tracing::warn!(interface = ifname, error = %err, "detaching the TC filter");
             }
@@ -135,14 +172,9 @@ pub fn detach_unrecorded(visit: &mut Visit, records: &[(String, PathBuf)]) {
         if records.iter().any(|(name, _)| *name == ifname) {
             continue;
         }
-        let removed = visit.netlink().and_then(|netlink| {
-            match tc::find_named(netlink, ifindex, &ifname, stub::NAME)? {
-                Some((filter, id)) => {
-                    tc::detach(netlink, ifindex, &ifname, id, filter).map(|()| true)
-                }
-                None => Ok(false),
-            }
-        });
+        let removed = visit
+            .netlink()
+            .and_then(|netlink| tc::detach_named(netlink, ifindex, &ifname, stub::NAME, false));
         match removed {
             Ok(true) => {
                 tracing::warn!(interface = %ifname, "removed meshcap's TC filter, whose record was gone")
