@@ -362,6 +362,13 @@ impl Agent {
         if self.is_running() {
             self.terminate()?;
         }
+        // A killed agent leaves its socket file behind: gone, it cannot pass for the new
+        // agent's in `wait_ready` (a request sent to it would find nothing listening, and a
+        // DEL would succeed without the agent ever seeing it).
+        match std::fs::remove_file(&self.socket) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+            _ => {}
+        }
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
