@@ -306,7 +306,7 @@ fn fail(failure: Failure, name: &str) -> CniError {
             ),
             details: UNREACHABLE.to_owned(),
         },
-        Failure::NoAnswer(err @ CallError::Timeout { .. }) => {
+        Failure::NoAnswer(err @ (CallError::Timeout { .. } | CallError::Interrupted { .. })) => {
             CniError::new(code::TRY_AGAIN_LATER, format!("{err} ({name})"))
         }
         Failure::NoAnswer(err @ CallError::Protocol { .. }) => {
@@ -434,6 +434,12 @@ mod tests {
             assert!(out.success, "reset {reset}: {out:?}");
             let out = run_with(&add_env("default", "web"), &c);
             assert!(!out.success, "reset {reset}: ADD must fail closed");
+            let err = out.stdout.expect("the CNI error");
+            assert_eq!(err["code"], 11, "reset {reset}: a transient failure: {err}");
+            assert!(
+                err["msg"].as_str().is_some_and(|m| m.contains("went away")),
+                "reset {reset}: {err}"
+            );
             agent.join().expect("agent thread");
             let _ = std::fs::remove_file(&socket);
         }

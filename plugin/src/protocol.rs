@@ -412,7 +412,18 @@ pub enum CallError {
         /// The timeout.
         timeout: Duration,
     },
-    /// The exchange broke (connection reset, malformed answer).
+    /// The agent closed or reset the connection before answering: it died or restarted in
+    /// the middle of the request.
+    #[error("meshcap-agent at {path} went away before answering (did it restart?): {source}")]
+    Interrupted {
+        /// The socket path.
+        path: PathBuf,
+        /// How the connection ended.
+        #[source]
+        source: io::Error,
+    },
+    /// The agent answered something that is not an answer (malformed, too large, another
+    /// protocol version).
     #[error("talking to meshcap-agent at {path}: {source}")]
     Protocol {
         /// The socket path.
@@ -434,7 +445,7 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
         path: path.clone(),
         source,
     })?;
-    let protocol = |source: ProtocolError| match &source {
+    let protocol = |source: ProtocolError| match source {
         ProtocolError::Io(e)
             if matches!(
                 e.kind(),
@@ -446,7 +457,11 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
                 timeout,
             }
         }
-        _ => CallError::Protocol {
+        ProtocolError::Io(source) => CallError::Interrupted {
+            path: path.clone(),
+            source,
+        },
+        source => CallError::Protocol {
             path: path.clone(),
             source,
         },

@@ -2,8 +2,8 @@
 //! (at the named points of `meshcap_agent::crashpoint`, where the test build's agent kills
 //! itself with SIGKILL), on both backends. After each kill:
 //!
-//! - the plugin's ADD fails (kubelet retries) and its DEL succeeds, wherever the conversation
-//!   broke;
+//! - the plugin's ADD fails with code 11, try again later (kubelet retries), and its DEL
+//!   succeeds, wherever the conversation broke;
 //! - the next agent start reaches a state where the pod is either fully captured as its policy
 //!   says or fully released: the runtime's DEL releases it, an ADD captures it whole, and
 //!   nothing is left that nothing refers to (pins, map entries, TC filters, qdiscs, iptables
@@ -73,6 +73,10 @@ fn an_interrupted_add_leaves_a_pod_that_add_captures_and_del_releases(backend: B
         assert!(
             !add.success,
             "{point}: ADD succeeded though the agent died: {add:?}"
+        );
+        assert_eq!(
+            add.stdout["code"], 11,
+            "{point}: an agent gone mid-request is a transient failure: {add:?}"
         );
         scene.restart_after_crash(point);
         if point == crashpoint::EBPF_ADD_LISTS {
