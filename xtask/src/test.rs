@@ -7,10 +7,10 @@ use crate::{
 };
 
 /// Kernels `cargo xtask test` boots in QEMU after the host suite: every kernel
-/// `cargo xtask integration` supports. Measured on these 2-core machines (docs/development.md):
-/// 6.1 388 s and 6.12 316 s under TCG, 5.10 119 s under KVM (below the eBPF floor: the iptables
-/// tests in full, the eBPF ones only check the refusal); with the host gate's 6 to 7 minutes and
-/// the fuzz phase's 9 the whole run stays near 32 to 35 minutes.
+/// `cargo xtask integration` supports. Measured on these 2-core machines, a clean clone under
+/// TCG (docs/development.md): 5.10 124 s (below the eBPF floor: the iptables tests in full, the
+/// eBPF ones only check the refusal), 6.1 296 s, 6.12 309 s; with the host gate's 6 to 7
+/// minutes and the fuzz phase's 9 to 11 the whole run takes about 30 minutes.
 pub const CI_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
 
 pub fn run(host_only: bool) -> anyhow::Result<()> {
