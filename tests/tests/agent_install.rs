@@ -214,23 +214,32 @@ fn ready_only_once_the_plugin_is_chained() {
         "{metrics}"
     );
 
-    // The entry removed (a primary CNI rewriting its file): not ready until it is back.
+    // The entry removed (a primary CNI rewriting its file): chained again, and counted. The
+    // count follows the write (it counts writes that happened), so the file can show the entry
+    // a moment before the counter does: wait for both, then check the count stopped at two.
     fs::write(
         conf_dir.join("10-bridge.conflist"),
         json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [{"type": "bridge"}]})
             .to_string(),
     )
     .expect("rewrite");
-    eventually("the entry is chained again", || {
+    let installs = || {
+        agent
+            .http_get("/metrics")
+            .ok()
+            .and_then(|(_, metrics)| sample(&metrics, "meshcap_cni_installs_total"))
+    };
+    eventually("the entry is chained again and counted", || {
         meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len() == 1
             && agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
+            && installs() == Some(2.0)
     })
-    .expect("re-chained");
-    let (_, metrics) = agent.http_get("/metrics").expect("metrics");
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(installs(), Some(2.0), "one removal, one re-install");
     assert_eq!(
-        sample(&metrics, "meshcap_cni_installs_total"),
-        Some(2.0),
-        "{metrics}"
+        meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len(),
+        1
     );
 }
 
