@@ -5,6 +5,7 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    thread,
     time::Instant,
 };
 
@@ -277,8 +278,17 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
             setup::run(backend, &pods, &rss_at)
         })
         .collect();
-    drop(pods);
     let first = SETUP_LATENCY_PODS.min(plan.setup_pods);
+    let cpus = thread::available_parallelism().map_or(1, usize::from);
+    let spinners = 2 * cpus;
+    let busy: Vec<_> = [Backend::Iptables, Backend::Ebpf]
+        .into_iter()
+        .map(|backend| {
+            eprintln!("  {}, busy", backend.name());
+            setup::run_busy(backend, &pods[..first], spinners)
+        })
+        .collect();
+    drop(pods);
     let mut out = format!(
         "\n## Pod set-up and agent memory\n\nThe real `meshcap-cni` binary run as kubelet runs it (CNI \
          environment, configuration with `prevResult` on stdin) against a running \
@@ -308,6 +318,30 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
             human(del50),
             human(del99),
             human(add99_all)
+        );
+    }
+    let _ = write!(
+        out,
+        "\nThe same, {first} pods, with the machine busy: {spinners} threads spinning at the \
+         agent's priority on {cpus} CPUs for the whole run (a load average of about \
+         {spinners}):\n\n| backend | ADD p50 ms | ADD p99 ms | DEL p50 ms | DEL p99 ms \
+         |\n|---|---|---|---|---|\n",
+    );
+    for r in &busy {
+        if let Some(why) = &r.unavailable {
+            let _ = writeln!(out, "| {} | n/a: {why} | | | |", r.backend.name());
+            continue;
+        }
+        let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
+        let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            r.backend.name(),
+            human(add50),
+            human(add99),
+            human(del50),
+            human(del99)
         );
     }
     let _ = write!(

@@ -6,6 +6,7 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::atomic::{AtomicBool, Ordering},
     thread,
     time::{Duration, Instant},
 };
@@ -214,6 +215,24 @@ pub fn run(backend: Backend, pods: &[Netns], rss_at: &[usize]) -> SetupResult {
         result.unavailable = Some(format!("{err:#}"));
     }
     result
+}
+
+/// [`run`] with the machine kept busy: `spinners` threads burning CPU at the agent's priority
+/// for the whole run (on 2 CPUs, 4 spinners hold the load average near 4, a node at work).
+pub fn run_busy(backend: Backend, pods: &[Netns], spinners: usize) -> SetupResult {
+    let stop = AtomicBool::new(false);
+    thread::scope(|scope| {
+        for _ in 0..spinners {
+            scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+        }
+        let result = run(backend, pods, &[]);
+        stop.store(true, Ordering::Relaxed);
+        result
+    })
 }
 
 fn measure(pods: &[Netns], rss_at: &[usize], result: &mut SetupResult) -> anyhow::Result<()> {
