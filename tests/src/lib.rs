@@ -201,15 +201,12 @@ impl Netns {
         run("ip", &all)
     }
 
-    /// Runs `f` on a fresh thread that has entered this namespace (setns only affects the
-    /// calling thread; the test's own threads stay where they are).
+    /// Runs `f` with the calling thread inside this namespace, and brings it back (setns only
+    /// affects the calling thread; the test's other threads stay where they are).
     ///
     /// # Errors
     /// When the namespace cannot be entered, or `f` fails.
-    pub fn run_in<T: Send>(
-        &self,
-        f: impl FnOnce() -> anyhow::Result<T> + Send,
-    ) -> anyhow::Result<T> {
+    pub fn run_in<T>(&self, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
         meshcap_agent::podnet::run_in(&self.path(), |_| f())?
     }
 

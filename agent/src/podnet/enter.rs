@@ -1,12 +1,12 @@
-//! Entering a network namespace (on a dedicated thread, with the caller's span) and learning
-//! its cookie, the key of every per-pod BPF map.
+//! Entering a network namespace (the calling thread visits, and returns) and learning its
+//! cookie, the key of every per-pod BPF map.
 use std::{
     collections::HashSet,
     fs::{self, File},
     io,
     os::{fd::AsRawFd as _, unix::fs::MetadataExt as _},
+    panic::{self, AssertUnwindSafe},
     path::{Path, PathBuf},
-    thread,
 };
 
 use nix::sched::{CloneFlags, setns};
@@ -16,33 +16,45 @@ use super::{PodNetError, Visit};
 /// `SO_NETNS_COOKIE` (Linux 5.14), not yet in every libc.
 const SO_NETNS_COOKIE: libc::c_int = 71;
 
-/// Runs `f` on a new thread that has entered the network namespace at `path`, in the caller's
-/// tracing span, and returns what it returns. The caller's thread never changes namespace.
+/// This thread's own network namespace, to return to after a visit (`/proc/self` would name the
+/// main thread's).
+const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
+
+/// Runs `f` with the calling thread inside the network namespace at `path`, and returns what it
+/// returns, the thread back in the namespace it was in (visits nest).
+///
+/// The calling thread enters, rather than a thread spawned per visit: a visit is a few
+/// netlink requests, and under load each thread handed over costs a wait for a CPU (BENCHMARKS.md,
+/// ADD with the machine busy). `setns` moves only the calling thread, and `f` is synchronous,
+/// so nothing else runs on the thread while it is inside. A thread that cannot return is never
+/// left to do the agent's later work in a pod's namespace: the agent aborts instead (its
+/// state survives a crash at any point; docs/lifecycle.md).
 ///
 /// # Errors
-/// When the namespace cannot be opened or entered, or `f` panics.
-pub fn run_in<T: Send>(
-    path: &Path,
-    f: impl FnOnce(&mut Visit) -> T + Send,
-) -> Result<T, PodNetError> {
-    let file = File::open(path).map_err(|source| PodNetError::Open {
+/// When the namespace cannot be opened or entered, or `f` panics (the thread returns first).
+pub fn run_in<T>(path: &Path, f: impl FnOnce(&mut Visit) -> T) -> Result<T, PodNetError> {
+    let target = File::open(path).map_err(|source| PodNetError::Open {
         path: path.to_owned(),
         source,
     })?;
-    let span = tracing::Span::current();
-    thread::scope(|scope| {
-        scope
-            .spawn(move || {
-                let _entered = span.enter();
-                setns(&file, CloneFlags::CLONE_NEWNET).map_err(|source| PodNetError::Enter {
-                    path: path.to_owned(),
-                    source,
-                })?;
-                Ok(f(&mut Visit::default()))
-            })
-            .join()
-            .map_err(|_| PodNetError::Panicked(path.to_owned()))?
-    })
+    let home = File::open(THREAD_NETNS).map_err(|source| PodNetError::Io {
+        what: format!("opening {THREAD_NETNS}"),
+        source,
+    })?;
+    setns(&target, CloneFlags::CLONE_NEWNET).map_err(|source| PodNetError::Enter {
+        path: path.to_owned(),
+        source,
+    })?;
+    let ran = panic::catch_unwind(AssertUnwindSafe(|| f(&mut Visit::default())));
+    if let Err(err) = setns(&home, CloneFlags::CLONE_NEWNET) {
+        tracing::error!(
+            netns = %path.display(),
+            "cannot leave the pod's network namespace ({err}): aborting rather than working \
+             in it"
+        );
+        std::process::abort();
+    }
+    ran.map_err(|_| PodNetError::Panicked(path.to_owned()))
 }
 
 /// The cookie of the calling thread's network namespace.

@@ -1,8 +1,8 @@
 //! Everything meshcap does inside a pod's network namespace, for both backends.
 //!
-//! [`run_in`] enters the namespace on a dedicated thread (never a tokio worker: `setns` only
-//! changes the calling thread), carrying the caller's tracing span, so every log line of the
-//! visit names the pod. The closure gets a [`Visit`], whose one netlink socket
+//! [`run_in`] takes the calling thread into the namespace and back (`setns` moves only the
+//! calling thread; callers are blocking-pool threads, never tokio workers), so every log line
+//! of the visit stays in the caller's span and names the pod. The closure gets a [`Visit`], whose one netlink socket
 //! ([`netlink::Netlink`], synchronous, opened on first use) serves every request of the visit:
 //! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
 //! routes) and [`tc`] (the inbound TC filter).
@@ -42,7 +42,7 @@ pub enum PodNetError {
         source: nix::Error,
     },
     /// The closure run inside panicked.
-    #[error("the thread inside network namespace {0} panicked")]
+    #[error("the work inside network namespace {0} panicked")]
     Panicked(PathBuf),
     /// A syscall inside the namespace failed (a socket, the cookie, the interface list, a
     /// sysctl).

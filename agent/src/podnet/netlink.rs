@@ -1,6 +1,6 @@
 //! One synchronous rtnetlink socket for one visit to a pod's network namespace: requests are
-//! sent and their answers read on the calling thread, which is already the namespace's own
-//! dedicated thread ([`super::run_in`]). No async runtime is built per request or per visit
+//! sent and their answers read on the calling thread, which is inside the namespace for the
+//! visit ([`super::run_in`]). No async runtime is built per request or per visit
 //! (the socket belongs to the netns it was opened in, so it cannot be shared across pods).
 use std::io;
 

@@ -85,7 +85,7 @@ impl EbpfConfig {
 }
 
 /// The eBPF capture backend. Cheap to call concurrently: map updates are serialised, netns
-/// work runs on dedicated threads.
+/// work runs on each calling thread (which enters the pod's netns and returns).
 pub struct EbpfBackend {
     config: EbpfConfig,
     pins: Pins,
