@@ -213,24 +213,33 @@ pub fn detach(
     filter: Filter,
 ) -> Result<(), PodNetError> {
     if find(netlink, ifindex, ifname, filter)? == Some(prog_id) {
-        let message = TcMessage::from_parts(
-            header(ifindex, filter.handle.into(), INGRESS, filter.info()),
-            vec![TcAttribute::Kind("bpf".into())],
-        );
-        match netlink.request(RouteNetlinkMessage::DelTrafficFilter(message), 0) {
-            Err(e) if errno(&e) != Some(libc::ENOENT) => {
-                return Err(failed(format!(
-                    "tc filter del dev {ifname} ingress pref {} handle {:#x} bpf",
-                    filter.priority, filter.handle
-                ))(e));
-            }
-            _ => {}
-        }
+        delete_filter(netlink, ifindex, ifname, filter)?;
     }
     if filter.created_qdisc {
         release_qdisc(netlink, ifindex, ifname)?;
     }
     Ok(())
+}
+
+/// Deletes the `bpf` filter at `filter`'s place on the ingress of `ifindex`, whatever it runs
+/// (the caller has checked); an absent one is fine.
+fn delete_filter(
+    netlink: &mut Netlink,
+    ifindex: u32,
+    ifname: &str,
+    filter: Filter,
+) -> Result<(), PodNetError> {
+    let message = TcMessage::from_parts(
+        header(ifindex, filter.handle.into(), INGRESS, filter.info()),
+        vec![TcAttribute::Kind("bpf".into())],
+    );
+    match netlink.request(RouteNetlinkMessage::DelTrafficFilter(message), 0) {
+        Err(e) if errno(&e) != Some(libc::ENOENT) => Err(failed(format!(
+            "tc filter del dev {ifname} ingress pref {} handle {:#x} bpf",
+            filter.priority, filter.handle
+        ))(e)),
+        _ => Ok(()),
+    }
 }
 
 /// Deletes a filter at meshcap's place that was attached under the name `name` (its record
@@ -248,8 +257,8 @@ pub fn detach_named(
     created_qdisc: bool,
 ) -> Result<bool, PodNetError> {
     let found = find_named(netlink, ifindex, ifname, name)?;
-    if let Some((filter, id)) = found {
-        detach(netlink, ifindex, ifname, id, filter)?;
+    if let Some((filter, _)) = found {
+        delete_filter(netlink, ifindex, ifname, filter)?;
     }
     if created_qdisc {
         release_qdisc(netlink, ifindex, ifname)?;
