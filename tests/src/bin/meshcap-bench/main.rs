@@ -2,7 +2,8 @@
 //!
 //! - `meshcap-bench run [--quick] [--out FILE]`: builds throwaway pods, one per capture mode,
 //!   runs interleaved rounds in them and prints Markdown tables (medians, ratios of medians);
-//! - `meshcap-bench proxy --listen ADDR [--cpu N]`: the stand-in proxy (see [`workload`]);
+//! - `meshcap-bench proxy --listen ADDR [--cpu N] [--upstream ADDR]`: the stand-in proxy,
+//!   forwarding to an upstream when given one (see [`workload`]);
 //! - `meshcap-bench client --target ADDR [--cpu N] ...`: the app; prints one JSON line.
 //!
 //! A benchmark, not a test: it asserts nothing about speed.
@@ -60,6 +61,9 @@ enum Command {
         cpu: Option<usize>,
         #[arg(long, default_value_t = 4)]
         threads: usize,
+        /// Forward every connection to this upstream, as Envoy's outbound hop does.
+        #[arg(long)]
+        upstream: Option<std::net::SocketAddrV4>,
     },
     /// The app: short connections, one persistent connection, bulk.
     Client {
@@ -75,6 +79,9 @@ enum Command {
         pingpong: usize,
         #[arg(long, default_value_t = 0)]
         bulk: u64,
+        /// Bytes per request and per response.
+        #[arg(long, default_value_t = workload::MSG)]
+        size: usize,
     },
 }
 
@@ -101,11 +108,12 @@ fn main() -> anyhow::Result<()> {
             listen,
             cpu,
             threads,
+            upstream,
         } => {
             if let Some(cpu) = cpu {
                 workload::pin_to(cpu)?;
             }
-            workload::proxy(listen, threads)
+            workload::proxy(listen, threads, upstream)
         }
         Command::Client {
             target,
@@ -114,6 +122,7 @@ fn main() -> anyhow::Result<()> {
             warmup,
             pingpong,
             bulk,
+            size,
         } => {
             if let Some(cpu) = cpu {
                 workload::pin_to(cpu)?;
@@ -123,6 +132,7 @@ fn main() -> anyhow::Result<()> {
                 warmup,
                 pingpong,
                 bulk,
+                size,
             };
             let measured = workload::client(target, load).context("client")?;
             println!("{}", serde_json::to_string(&measured)?);

@@ -27,10 +27,17 @@ pub(crate) const APP_UID: u32 = 1000;
 pub(crate) const SERVICE: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
 /// Where the app dials when nothing captures: the proxy itself.
 pub(crate) const PROXY_DIRECT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 15001);
+/// The server a forwarding proxy sends every connection on to (the service's endpoint), in
+/// the pod: loopback, which neither backend captures, so both hops are the proxy's.
+pub(crate) const UPSTREAM: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 18080);
+/// The server's uid and gid: neither the app's nor the proxy's.
+const SERVER_UID: u32 = 1001;
 
 /// How a pod's traffic reaches its proxy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
+    /// No proxy at all: the app dials the server (the mesh hop's floor).
+    NoProxy,
     /// Nothing captures: the app dials the proxy port.
     Direct,
     /// Istio's rule set, applied with iptables-restore in the pod netns.
@@ -42,6 +49,7 @@ pub(crate) enum Mode {
 impl Mode {
     pub(crate) fn label(self) -> &'static str {
         match self {
+            Self::NoProxy => "no proxy",
             Self::Direct => "no capture",
             Self::Iptables => "iptables",
             Self::Ebpf => "eBPF",
@@ -106,7 +114,7 @@ impl Node {
         excludes: &[String],
     ) -> anyhow::Result<f64> {
         match (mode, &self.ebpf) {
-            (Mode::Direct, _) => Ok(0.0),
+            (Mode::NoProxy | Mode::Direct, _) => Ok(0.0),
             (Mode::Iptables, _) => self.iptables.add(netns, netns.name(), excludes),
             (Mode::Ebpf, Ok(agent)) => agent.add(netns, netns.name(), excludes),
             (Mode::Ebpf, Err(why)) => bail!("no eBPF backend: {why}"),
@@ -146,11 +154,14 @@ impl Node {
     }
 }
 
-/// One throwaway pod. Fields drop in order: the proxy first, then the cgroup, then the netns.
+/// One throwaway pod. Fields drop in order: the proxy first, then the server, the cgroup, the
+/// netns.
 pub(crate) struct Pod {
     pub(crate) label: String,
     pub(crate) target: SocketAddrV4,
     pub(crate) _proxy: Proc,
+    /// The proxy's upstream, when it forwards.
+    pub(crate) _server: Option<Proc>,
     pub(crate) cgroup: TestCgroup,
     pub(crate) netns: Netns,
     /// The agent's ADD (plugin spawn to exit), ms; 0 without one.
@@ -158,12 +169,35 @@ pub(crate) struct Pod {
 }
 
 impl Pod {
+    /// A pod whose proxy answers every connection itself (the capture's cost alone).
     pub(crate) fn new(
         mode: Mode,
         excludes: &[String],
         exe: &Path,
         cpu: usize,
         node: &Node,
+    ) -> anyhow::Result<Self> {
+        Self::start(mode, excludes, exe, cpu, node, false)
+    }
+
+    /// A pod whose proxy forwards every connection to a server in the pod ([`UPSTREAM`]), as
+    /// Envoy's outbound hop does.
+    pub(crate) fn forwarding(
+        mode: Mode,
+        exe: &Path,
+        cpu: usize,
+        node: &Node,
+    ) -> anyhow::Result<Self> {
+        Self::start(mode, &[], exe, cpu, node, true)
+    }
+
+    fn start(
+        mode: Mode,
+        excludes: &[String],
+        exe: &Path,
+        cpu: usize,
+        node: &Node,
+        forward: bool,
     ) -> anyhow::Result<Self> {
         let netns = pod_netns()?;
         let add_ms = node.add(mode, &netns, excludes)?;
@@ -174,27 +208,45 @@ impl Pod {
         };
         let cgroup = TestCgroup::new_under(parent, "mcb-pod")?;
         let cpu = cpu.to_string();
-        let mut proxy = Proc::spawn(
-            Placement {
-                netns: &netns,
-                cgroup: Some(&cgroup),
-                uid: PROXY_UID,
-                gid: PROXY_UID,
-            },
-            exe,
-            &["proxy", "--listen", "0.0.0.0:15001", "--cpu", &cpu],
-        )?;
-        let line = proxy.wait_line()?;
-        ensure!(line == "ready", "the proxy said {line:?}");
-        let target = if mode == Mode::Direct {
-            PROXY_DIRECT
+        let spawn = |uid: u32, args: &[&str]| -> anyhow::Result<Proc> {
+            let mut proc = Proc::spawn(
+                Placement {
+                    netns: &netns,
+                    cgroup: Some(&cgroup),
+                    uid,
+                    gid: uid,
+                },
+                exe,
+                args,
+            )?;
+            let line = proc.wait_line()?;
+            ensure!(line == "ready", "{args:?} said {line:?}");
+            Ok(proc)
+        };
+        let upstream = UPSTREAM.to_string();
+        let server = if forward {
+            Some(spawn(
+                SERVER_UID,
+                &["proxy", "--listen", &upstream, "--cpu", &cpu],
+            )?)
         } else {
-            SERVICE
+            None
+        };
+        let mut proxy_args = vec!["proxy", "--listen", "0.0.0.0:15001", "--cpu", &cpu];
+        if forward {
+            proxy_args.extend(["--upstream", &upstream]);
+        }
+        let proxy = spawn(PROXY_UID, &proxy_args)?;
+        let target = match mode {
+            Mode::NoProxy => UPSTREAM,
+            Mode::Direct => PROXY_DIRECT,
+            Mode::Iptables | Mode::Ebpf => SERVICE,
         };
         Ok(Self {
             label: mode.label().to_owned(),
             target,
             _proxy: proxy,
+            _server: server,
             cgroup,
             netns,
             add_ms,
@@ -216,6 +268,8 @@ impl Pod {
             load.pingpong.to_string(),
             "--bulk".to_owned(),
             load.bulk.to_string(),
+            "--size".to_owned(),
+            load.size.to_string(),
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = Proc::spawn(

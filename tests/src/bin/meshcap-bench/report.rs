@@ -142,6 +142,105 @@ pub(crate) fn data_path(
     Ok(out)
 }
 
+/// Message sizes of the mesh hop: a small RPC, a typical API response, a large one.
+pub(crate) const HOP_SIZES: [usize; 3] = [64, 1024, 64 * 1024];
+
+/// The mesh hop: app → proxy → server, the proxy forwarding every connection to its upstream
+/// as Envoy does, beside the app dialling the server with no proxy at all. Per round, every
+/// size runs over every mode in a rotated order.
+pub(crate) fn mesh_hop(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+    let mut modes = vec![Mode::NoProxy];
+    modes.extend(node.modes());
+    let pods: Vec<Pod> = modes
+        .iter()
+        .map(|&m| Pod::forwarding(m, exe, cpu, node))
+        .collect::<anyhow::Result<_>>()?;
+    // results[size][pod]: one measurement per round.
+    let mut results = vec![vec![Vec::new(); pods.len()]; HOP_SIZES.len()];
+    for round in 0..plan.hop_rounds {
+        for (s, &size) in HOP_SIZES.iter().enumerate() {
+            let load = Load {
+                size,
+                bulk: if s == 0 { plan.hop_load.bulk } else { 0 },
+                ..plan.hop_load
+            };
+            for k in 0..pods.len() {
+                let i = (round + k) % pods.len();
+                results[s][i].push(pods[i].measure(exe, cpu, load)?);
+            }
+        }
+        eprintln!("  round {}/{} done", round + 1, plan.hop_rounds);
+    }
+    let mut out = format!(
+        "\n## Mesh hop\n\nThe app's request through the proxy to a server, as a mesh hop is: \
+         the stand-in proxy forwards every connection it accepts to the server (127.0.0.1:18080 \
+         in the pod, uid 1001) over a connection of its own (uid 1337, which neither backend \
+         captures), passes each request on and each answer back. *no proxy*: the app dials the \
+         server. *no capture*: the app dials the proxy. {} interleaved rounds; per round, mode \
+         and message size: {} short connections (after {} warm-up: connect, one request and \
+         one response of that size, close), {} round trips on one connection, and with 64 B \
+         messages {} MiB bulk through the proxy. Cells: median ±half the round-to-round \
+         range; ratios are ratios of medians.\n",
+        plan.hop_rounds,
+        plan.hop_load.short,
+        plan.hop_load.warmup,
+        plan.hop_load.pingpong,
+        plan.hop_load.bulk >> 20
+    );
+    let ratios = if modes.len() == 4 {
+        vec![(1, 0), (2, 1), (3, 1), (3, 2)]
+    } else {
+        vec![(1, 0), (2, 1)]
+    };
+    type Metric = fn(&Measured) -> f64;
+    for (s, &size) in HOP_SIZES.iter().enumerate() {
+        let mut metrics: Vec<(&str, Metric)> = vec![
+            ("short conn/s", |m| m.short_per_s),
+            ("short p50 µs", |m| m.short_p50_us),
+            ("short p99 µs", |m| m.short_p99_us),
+            ("ping-pong p50 µs", |m| m.pingpong_p50_us),
+            ("ping-pong p99 µs", |m| m.pingpong_p99_us),
+        ];
+        if s == 0 {
+            metrics.push(("bulk Gbit/s", |m| m.bulk_gbit_s));
+        }
+        let table = Table {
+            columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+            ratios: ratios.clone(),
+            rows: metrics
+                .iter()
+                .map(|(name, f)| {
+                    (
+                        (*name).to_owned(),
+                        results[s].iter().map(|r| column(r, f)).collect(),
+                    )
+                })
+                .collect(),
+        };
+        let _ = write!(out, "\n{} messages:\n\n{}", bytes(size), table.markdown());
+    }
+    out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
+    for (i, pod) in pods.iter().enumerate() {
+        let runs = results.iter().flat_map(|by_pod| &by_pod[i]);
+        let (ok, all) = runs.fold((0, 0), |(ok, all), m| {
+            (ok + m.original_dst_ok, all + m.short)
+        });
+        let _ = write!(out, " {} {ok} of {all};", pod.label);
+    }
+    out.pop();
+    out.push_str(".\n");
+    Ok(out)
+}
+
+/// `64 B`, `1 KiB`, `64 KiB`.
+fn bytes(n: usize) -> String {
+    if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{} KiB", n / 1024)
+    } else {
+        format!("{n} B")
+    }
+}
+
 pub(crate) fn policy_scale(
     plan: &Plan,
     exe: &Path,

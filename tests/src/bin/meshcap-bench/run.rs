@@ -12,14 +12,18 @@ use meshcap_tests::require_root;
 
 use crate::{
     pods::Node,
-    report::{data_path, footprint, pod_setup, policy_scale, repair_in_place},
-    workload::Load,
+    report::{data_path, footprint, mesh_hop, pod_setup, policy_scale, repair_in_place},
+    workload::{Load, MSG},
 };
 
 /// How much work a run does.
 pub(crate) struct Plan {
     pub(crate) rounds: usize,
     pub(crate) load: Load,
+    /// Rounds of the mesh hop (each runs every message size).
+    pub(crate) hop_rounds: usize,
+    /// The mesh hop's load per message size (bulk with the smallest only).
+    pub(crate) hop_load: Load,
     pub(crate) scale_rounds: usize,
     pub(crate) scale_load: Load,
     pub(crate) plugin_runs: usize,
@@ -39,6 +43,15 @@ impl Plan {
                     warmup: 200,
                     pingpong: 20_000,
                     bulk: 512 << 20,
+                    size: MSG,
+                },
+                hop_rounds: 3,
+                hop_load: Load {
+                    short: 1_500,
+                    warmup: 100,
+                    pingpong: 3_000,
+                    bulk: 256 << 20,
+                    size: MSG,
                 },
                 scale_rounds: 5,
                 scale_load: Load {
@@ -46,6 +59,7 @@ impl Plan {
                     warmup: 100,
                     pingpong: 0,
                     bulk: 0,
+                    size: MSG,
                 },
                 plugin_runs: 20,
                 setup_pods: 100,
@@ -59,6 +73,15 @@ impl Plan {
                     warmup: 1_000,
                     pingpong: 100_000,
                     bulk: 1 << 30,
+                    size: MSG,
+                },
+                hop_rounds: 7,
+                hop_load: Load {
+                    short: 5_000,
+                    warmup: 300,
+                    pingpong: 10_000,
+                    bulk: 512 << 20,
+                    size: MSG,
                 },
                 scale_rounds: 7,
                 scale_load: Load {
@@ -66,6 +89,7 @@ impl Plan {
                     warmup: 500,
                     pingpong: 0,
                     bulk: 0,
+                    size: MSG,
                 },
                 plugin_runs: 200,
                 setup_pods: 1_000,
@@ -80,6 +104,8 @@ impl Plan {
 pub enum Section {
     /// No capture vs iptables vs eBPF: short connections, ping-pong, bulk.
     DataPath,
+    /// App → forwarding proxy → server, with 64 B, 1 KiB and 64 KiB messages.
+    MeshHop,
     /// Short connections with growing exclude lists.
     PolicyScale,
     /// Map memory and the plugin's size and start time.
@@ -119,14 +145,20 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
             warmup: plan.load.warmup,
             pingpong: 0,
             bulk: 0,
+            size: MSG,
         };
     }
     let cpu = opts.cpu;
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(opts, cpu);
-    let node = if [Section::DataPath, Section::PolicyScale, Section::Footprint]
-        .into_iter()
-        .any(|section| opts.wants(section))
+    let node = if [
+        Section::DataPath,
+        Section::MeshHop,
+        Section::PolicyScale,
+        Section::Footprint,
+    ]
+    .into_iter()
+    .any(|section| opts.wants(section))
     {
         Some(Node::new()?)
     } else {
@@ -135,6 +167,10 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::DataPath)) {
         eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
         report.push_str(&data_path(&plan, &exe, cpu, node, opts.profile)?);
+    }
+    if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::MeshHop)) {
+        eprintln!("meshcap-bench: mesh hop, {} rounds", plan.hop_rounds);
+        report.push_str(&mesh_hop(&plan, &exe, cpu, node)?);
     }
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::PolicyScale)) {
         eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);

@@ -1,11 +1,14 @@
 //! The two ends of the data path: a stand-in proxy that recovers the original destination as
-//! Envoy does, and an app that measures short connections, one persistent connection and bulk
-//! throughput against it.
+//! Envoy does (and, given an upstream, forwards to it as Envoy does), and an app that measures
+//! short connections, one persistent connection and bulk throughput against it.
 //!
-//! Wire format: every message is [`MSG`] bytes. The first byte of a connection's first message
-//! says what it is: [`ECHO`] (the proxy echoes every message, with the original destination it
-//! recovered written into bytes 1..7 of its first answer) or [`BULK`] (the proxy discards
-//! everything until EOF, then answers with the byte count as 8 little-endian bytes).
+//! Wire format: every message is the connection's message size, at least [`MSG`] bytes. The
+//! first message of a connection is a header: byte 0 says what the connection is, [`ECHO`]
+//! (every message is answered with itself, the first answer carrying the original destination
+//! the proxy recovered in bytes 1..7) or [`BULK`] (everything is discarded until EOF, then
+//! answered with the byte count as 8 little-endian bytes); bytes 8..12 hold the message size
+//! (u32, little-endian). A forwarding proxy passes every message to its upstream and every
+//! answer back, writing the original destination into the first answer itself.
 use std::{
     io::{Read as _, Write as _},
     mem::MaybeUninit,
@@ -18,7 +21,8 @@ use std::{
 use anyhow::{Context as _, ensure};
 use serde::{Deserialize, Serialize};
 
-/// Bytes per request and per response.
+/// The smallest message (and the header's size): bytes per request and per response unless a
+/// load says more.
 pub const MSG: usize = 64;
 const ECHO: u8 = b'E';
 const BULK: u8 = b'B';
@@ -44,8 +48,14 @@ pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
 }
 
 /// The stand-in proxy: `threads` threads accepting on one listener, each serving a connection
-/// to its end before accepting the next. Prints `ready` once listening; runs until killed.
-pub fn proxy(listen: SocketAddr, threads: usize) -> anyhow::Result<()> {
+/// to its end before accepting the next; with an `upstream`, each connection is forwarded to
+/// it over a connection of its own (Envoy's outbound hop). Prints `ready` once listening; runs
+/// until killed.
+pub fn proxy(
+    listen: SocketAddr,
+    threads: usize,
+    upstream: Option<SocketAddrV4>,
+) -> anyhow::Result<()> {
     let listener = TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
     println!("ready");
     std::io::stdout().flush()?;
@@ -54,7 +64,7 @@ pub fn proxy(listen: SocketAddr, threads: usize) -> anyhow::Result<()> {
             let listener = listener.try_clone()?;
             Ok(thread::spawn(move || {
                 for stream in listener.incoming().flatten() {
-                    let _ = serve(stream);
+                    let _ = serve(stream, upstream);
                 }
             }))
         })
@@ -65,33 +75,73 @@ pub fn proxy(listen: SocketAddr, threads: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(mut stream: TcpStream) -> anyhow::Result<()> {
+/// A connection's header: its kind and message size.
+fn read_header(stream: &mut TcpStream) -> anyhow::Result<(Vec<u8>, usize)> {
+    let mut msg = vec![0u8; MSG];
+    stream.read_exact(&mut msg)?;
+    let size = u32::from_le_bytes([msg[8], msg[9], msg[10], msg[11]]) as usize;
+    ensure!(size >= MSG, "message size {size} below {MSG}");
+    msg.resize(size, 0);
+    stream.read_exact(&mut msg[MSG..])?;
+    Ok((msg, size))
+}
+
+fn serve(mut stream: TcpStream, upstream: Option<SocketAddrV4>) -> anyhow::Result<()> {
     stream.set_nodelay(true)?;
     // What Envoy does first on every accepted outbound connection.
     let original = original_dst(stream.as_raw_fd());
-    let mut msg = [0u8; MSG];
-    stream.read_exact(&mut msg)?;
+    let (mut msg, size) = read_header(&mut stream)?;
+    let mut next = match upstream {
+        Some(addr) => {
+            let upstream = TcpStream::connect(addr).with_context(|| format!("upstream {addr}"))?;
+            upstream.set_nodelay(true)?;
+            Some(upstream)
+        }
+        None => None,
+    };
     if msg[0] == BULK {
         let mut buf = vec![0u8; CHUNK];
-        let mut total = MSG as u64;
+        let mut total = size as u64;
+        if let Some(upstream) = next.as_mut() {
+            upstream.write_all(&msg)?;
+        }
         loop {
             let n = stream.read(&mut buf)?;
             if n == 0 {
                 break;
             }
             total += n as u64;
+            if let Some(upstream) = next.as_mut() {
+                upstream.write_all(&buf[..n])?;
+            }
         }
-        stream.write_all(&total.to_le_bytes())?;
+        let mut ack = total.to_le_bytes();
+        if let Some(upstream) = next.as_mut() {
+            upstream.shutdown(std::net::Shutdown::Write)?;
+            upstream.read_exact(&mut ack)?;
+        }
+        stream.write_all(&ack)?;
         return Ok(());
     }
-    if let Some(addr) = original {
-        msg[1..5].copy_from_slice(&addr.ip().octets());
-        msg[5..7].copy_from_slice(&addr.port().to_be_bytes());
-    }
+    let mut exchange = |msg: &mut [u8]| -> std::io::Result<()> {
+        if let Some(upstream) = next.as_mut() {
+            upstream.write_all(msg)?;
+            upstream.read_exact(msg)?;
+        }
+        Ok(())
+    };
+    exchange(&mut msg)?;
+    // What this proxy recovered, not what an upstream wrote there: nothing is zeros.
+    let (ip, port) = original.map_or(([0; 4], 0), |addr| (addr.ip().octets(), addr.port()));
+    msg[1..5].copy_from_slice(&ip);
+    msg[5..7].copy_from_slice(&port.to_be_bytes());
     stream.write_all(&msg)?;
     loop {
         match stream.read_exact(&mut msg) {
-            Ok(()) => stream.write_all(&msg)?,
+            Ok(()) => {
+                exchange(&mut msg)?;
+                stream.write_all(&msg)?;
+            }
             Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(err) => return Err(err.into()),
         }
@@ -134,6 +184,8 @@ pub struct Load {
     pub pingpong: usize,
     /// Bytes of bulk transfer (0: skip).
     pub bulk: u64,
+    /// Bytes per request and per response, at least [`MSG`].
+    pub size: usize,
 }
 
 /// What one client run measured.
@@ -159,15 +211,16 @@ pub struct Measured {
 
 /// Runs `load` against `target` and returns what it measured.
 pub fn client(target: SocketAddrV4, load: Load) -> anyhow::Result<Measured> {
+    ensure!(load.size >= MSG, "message size {} below {MSG}", load.size);
     for _ in 0..load.warmup {
-        short_connection(target)?;
+        short_connection(target, load.size)?;
     }
     let mut latencies = Vec::with_capacity(load.short);
     let mut original_dst_ok = 0;
     let start = Instant::now();
     for _ in 0..load.short {
         let begin = Instant::now();
-        let original = short_connection(target)?;
+        let original = short_connection(target, load.size)?;
         latencies.push(begin.elapsed());
         if original == Some(target) {
             original_dst_ok += 1;
@@ -183,7 +236,7 @@ pub fn client(target: SocketAddrV4, load: Load) -> anyhow::Result<Measured> {
         ..Measured::default()
     };
     if load.pingpong > 0 {
-        let mut rtts = pingpong(target, load.pingpong)?;
+        let mut rtts = pingpong(target, load.pingpong, load.size)?;
         measured.pingpong_p50_us = percentile_us(&mut rtts, 50.0);
         measured.pingpong_p99_us = percentile_us(&mut rtts, 99.0);
     }
@@ -193,12 +246,20 @@ pub fn client(target: SocketAddrV4, load: Load) -> anyhow::Result<Measured> {
     Ok(measured)
 }
 
-/// Connect, one request/response, close. Returns the original destination the proxy saw.
-fn short_connection(target: SocketAddrV4) -> anyhow::Result<Option<SocketAddrV4>> {
+/// The first message of an echo connection: kind and size in its header.
+fn echo_header(size: usize) -> anyhow::Result<Vec<u8>> {
+    let mut msg = vec![0u8; size];
+    msg[0] = ECHO;
+    msg[8..12].copy_from_slice(&u32::try_from(size)?.to_le_bytes());
+    Ok(msg)
+}
+
+/// Connect, one request/response of `size` bytes each, close. Returns the original
+/// destination the proxy saw.
+fn short_connection(target: SocketAddrV4, size: usize) -> anyhow::Result<Option<SocketAddrV4>> {
     let mut stream = TcpStream::connect(target).with_context(|| format!("connecting {target}"))?;
     stream.set_nodelay(true)?;
-    let mut msg = [0u8; MSG];
-    msg[0] = ECHO;
+    let mut msg = echo_header(size)?;
     stream.write_all(&msg)?;
     stream.read_exact(&mut msg)?;
     let ip = Ipv4Addr::new(msg[1], msg[2], msg[3], msg[4]);
@@ -206,11 +267,10 @@ fn short_connection(target: SocketAddrV4) -> anyhow::Result<Option<SocketAddrV4>
     Ok((port != 0).then(|| SocketAddrV4::new(ip, port)))
 }
 
-fn pingpong(target: SocketAddrV4, rounds: usize) -> anyhow::Result<Vec<Duration>> {
+fn pingpong(target: SocketAddrV4, rounds: usize, size: usize) -> anyhow::Result<Vec<Duration>> {
     let mut stream = TcpStream::connect(target)?;
     stream.set_nodelay(true)?;
-    let mut msg = [0u8; MSG];
-    msg[0] = ECHO;
+    let mut msg = echo_header(size)?;
     let mut rtts = Vec::with_capacity(rounds);
     // The first exchange carries the connection set-up: not a steady-state round trip.
     stream.write_all(&msg)?;
@@ -228,6 +288,7 @@ fn bulk(target: SocketAddrV4, bytes: u64) -> anyhow::Result<f64> {
     let mut stream = TcpStream::connect(target)?;
     let mut header = [0u8; MSG];
     header[0] = BULK;
+    header[8..12].copy_from_slice(&u32::try_from(MSG)?.to_le_bytes());
     let chunk = vec![0x5au8; CHUNK];
     let start = Instant::now();
     stream.write_all(&header)?;
