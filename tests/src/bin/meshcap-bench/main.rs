@@ -4,7 +4,8 @@
 //!   runs interleaved rounds in them and prints Markdown tables (medians, ratios of medians);
 //! - `meshcap-bench proxy --listen ADDR [--cpu N] [--upstream ADDR]`: the stand-in proxy,
 //!   forwarding to an upstream when given one (see [`workload`]);
-//! - `meshcap-bench client --target ADDR [--cpu N] ...`: the app; prints one JSON line.
+//! - `meshcap-bench client --target ADDR [--cpu N] ...`: the app; prints one JSON line;
+//! - `meshcap-bench spin --threads N`: busy work for pod set-up under load.
 //!
 //! A benchmark, not a test: it asserts nothing about speed.
 use std::{net::SocketAddr, path::PathBuf};
@@ -65,6 +66,11 @@ enum Command {
         #[arg(long)]
         upstream: Option<std::net::SocketAddrV4>,
     },
+    /// Busy work: threads spinning until killed (pod set-up with the machine busy).
+    Spin {
+        #[arg(long)]
+        threads: usize,
+    },
     /// The app: short connections, one persistent connection, bulk.
     Client {
         #[arg(long)]
@@ -115,6 +121,7 @@ fn main() -> anyhow::Result<()> {
             }
             workload::proxy(listen, threads, upstream)
         }
+        Command::Spin { threads } => setup::spin(threads),
         Command::Client {
             target,
             cpu,

@@ -380,11 +380,15 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
     let first = SETUP_LATENCY_PODS.min(plan.setup_pods);
     let cpus = thread::available_parallelism().map_or(1, usize::from);
     let spinners = 2 * cpus;
-    let busy: Vec<_> = [Backend::Iptables, Backend::Ebpf]
+    let busy: Vec<_> = [setup::Busy::OwnCgroup, setup::Busy::SameGroup]
         .into_iter()
-        .map(|backend| {
-            eprintln!("  {}, busy", backend.name());
-            setup::run_busy(backend, &pods[..first], spinners)
+        .flat_map(|busy| [Backend::Iptables, Backend::Ebpf].map(|backend| (busy, backend)))
+        .map(|(busy, backend)| {
+            eprintln!("  {}, busy ({busy:?})", backend.name());
+            (
+                busy,
+                setup::run_busy(backend, &pods[..first], spinners, busy),
+            )
         })
         .collect();
     drop(pods);
@@ -421,21 +425,27 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
     }
     let _ = write!(
         out,
-        "\nThe same, {first} pods, with the machine busy: {spinners} threads spinning at the \
-         agent's priority on {cpus} CPUs for the whole run (a load average of about \
-         {spinners}):\n\n| backend | ADD p50 ms | ADD p99 ms | DEL p50 ms | DEL p99 ms \
-         |\n|---|---|---|---|---|\n",
+        "\nThe same, {first} pods, with the machine busy: {spinners} threads spinning at normal \
+         priority on {cpus} CPUs for the whole run (a load average of about {spinners}), in a \
+         CPU cgroup of their own as kubelet places every pod (*busy pods*), or in the \
+         scheduling group of the plugin's parent and the agent (*busy, same group*: each \
+         spinner competes with them one for one):\n\n| load | backend | ADD p50 ms | ADD p99 \
+         ms | DEL p50 ms | DEL p99 ms |\n|---|---|---|---|---|---|\n"
     );
-    for r in &busy {
+    for (busy, r) in &busy {
+        let load = match busy {
+            setup::Busy::OwnCgroup => "busy pods",
+            setup::Busy::SameGroup => "busy, same group",
+        };
         if let Some(why) = &r.unavailable {
-            let _ = writeln!(out, "| {} | n/a: {why} | | | |", r.backend.name());
+            let _ = writeln!(out, "| {load} | {} | n/a: {why} | | | |", r.backend.name());
             continue;
         }
         let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
         let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} |",
+            "| {load} | {} | {} | {} | {} | {} |",
             r.backend.name(),
             human(add50),
             human(add99),

@@ -6,7 +6,6 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    sync::atomic::{AtomicBool, Ordering},
     thread,
     time::{Duration, Instant},
 };
@@ -217,22 +216,107 @@ pub fn run(backend: Backend, pods: &[Netns], rss_at: &[usize]) -> SetupResult {
     result
 }
 
-/// [`run`] with the machine kept busy: `spinners` threads burning CPU at the agent's priority
-/// for the whole run (on 2 CPUs, 4 spinners hold the load average near 4, a node at work).
-pub fn run_busy(backend: Backend, pods: &[Netns], spinners: usize) -> SetupResult {
-    let stop = AtomicBool::new(false);
-    thread::scope(|scope| {
-        for _ in 0..spinners {
-            scope.spawn(|| {
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            });
+/// Where the busy work runs, beside the runtime and the agent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Busy {
+    /// In a CPU cgroup of its own, as kubelet places every pod: the scheduler shares the CPUs
+    /// between it and the rest fairly, as on a node.
+    OwnCgroup,
+    /// In the runtime's own scheduling group: every spinner competes with the plugin and the
+    /// agent one for one (the worst case).
+    SameGroup,
+}
+
+/// [`run`] with the machine kept busy: a `meshcap-bench spin` process with `spinners` threads
+/// burning CPU at normal priority for the whole run, placed as `busy` says (on 2 CPUs, 4
+/// spinners hold the load average near 4).
+pub fn run_busy(backend: Backend, pods: &[Netns], spinners: usize, busy: Busy) -> SetupResult {
+    let spun = Spinners::start(spinners, busy);
+    match spun {
+        Ok(_spinners) => run(backend, pods, &[]),
+        Err(err) => SetupResult {
+            backend,
+            unavailable: Some(format!("{err:#}")),
+            add_ms: Vec::new(),
+            del_ms: Vec::new(),
+            rss_kib: Vec::new(),
+        },
+    }
+}
+
+/// The spinning process, and the CPU cgroup it was moved to; both go on drop.
+struct Spinners {
+    child: std::process::Child,
+    cgroup: Option<PathBuf>,
+}
+
+impl Spinners {
+    fn start(threads: usize, busy: Busy) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("locating meshcap-bench")?;
+        let child = Command::new(exe)
+            .args(["spin", "--threads", &threads.to_string()])
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting meshcap-bench spin")?;
+        let mut spinners = Self {
+            child,
+            cgroup: None,
+        };
+        if busy == Busy::OwnCgroup {
+            let root = cpu_cgroup_root()?;
+            let dir = root.join(format!("mcb-busy-{}", spinners.child.id()));
+            fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            spinners.cgroup = Some(dir.clone());
+            fs::write(dir.join("cgroup.procs"), spinners.child.id().to_string())
+                .with_context(|| format!("moving the spinners into {}", dir.display()))?;
         }
-        let result = run(backend, pods, &[]);
-        stop.store(true, Ordering::Relaxed);
-        result
-    })
+        Ok(spinners)
+    }
+}
+
+impl Drop for Spinners {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(dir) = &self.cgroup {
+            let _ = fs::remove_dir(dir);
+        }
+    }
+}
+
+/// A hierarchy with the CPU controller: cgroup v1's `cpu`, or a v2 root that offers `cpu` to
+/// its children.
+fn cpu_cgroup_root() -> anyhow::Result<PathBuf> {
+    let v1 = Path::new("/sys/fs/cgroup/cpu");
+    if v1.join("cpu.shares").exists() {
+        return Ok(v1.to_owned());
+    }
+    let v2 = Path::new("/sys/fs/cgroup");
+    let offered = fs::read_to_string(v2.join("cgroup.subtree_control")).unwrap_or_default();
+    ensure!(
+        offered.split_whitespace().any(|c| c == "cpu"),
+        "no cgroup hierarchy with the cpu controller (neither {} nor {} offering cpu)",
+        v1.display(),
+        v2.display()
+    );
+    Ok(v2.to_owned())
+}
+
+/// `meshcap-bench spin`: `threads` threads spinning until the process is killed, or its parent
+/// dies (a benchmark killed part-way leaves nothing spinning).
+pub fn spin(threads: usize) -> ! {
+    // SAFETY: PR_SET_PDEATHSIG takes a signal number; no pointers are involved.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    for _ in 1..threads {
+        thread::spawn(|| {
+            loop {
+                std::hint::spin_loop();
+            }
+        });
+    }
+    loop {
+        std::hint::spin_loop();
+    }
 }
 
 fn measure(pods: &[Netns], rss_at: &[usize], result: &mut SetupResult) -> anyhow::Result<()> {
