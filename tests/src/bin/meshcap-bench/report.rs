@@ -409,17 +409,12 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
             let _ = writeln!(out, "| {} | n/a: {why} | | | | |", r.backend.name());
             continue;
         }
-        let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
-        let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
         let (_, add99_all) = setup::SetupResult::percentiles(&r.add_ms, r.add_ms.len());
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} |",
             r.backend.name(),
-            human(add50),
-            human(add99),
-            human(del50),
-            human(del99),
+            latency_cells(r, first),
             human(add99_all)
         );
     }
@@ -441,16 +436,11 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
             let _ = writeln!(out, "| {load} | {} | n/a: {why} | | | |", r.backend.name());
             continue;
         }
-        let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
-        let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
         let _ = writeln!(
             out,
-            "| {load} | {} | {} | {} | {} | {} |",
+            "| {load} | {} | {} |",
             r.backend.name(),
-            human(add50),
-            human(add99),
-            human(del50),
-            human(del99)
+            latency_cells(r, first)
         );
     }
     let _ = write!(
@@ -474,6 +464,19 @@ pub(crate) fn pod_setup(plan: &Plan) -> anyhow::Result<String> {
         out.push('\n');
     }
     Ok(out)
+}
+
+/// ADD p50, ADD p99, DEL p50 and DEL p99 over the first `first` pods, as table cells.
+fn latency_cells(r: &setup::SetupResult, first: usize) -> String {
+    let (add50, add99) = setup::SetupResult::percentiles(&r.add_ms, first);
+    let (del50, del99) = setup::SetupResult::percentiles(&r.del_ms, first);
+    format!(
+        "{} | {} | {} | {}",
+        human(add50),
+        human(add99),
+        human(del50),
+        human(del99)
+    )
 }
 
 pub(crate) fn sibling(exe: &Path, name: &str) -> PathBuf {
