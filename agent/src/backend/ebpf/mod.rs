@@ -35,7 +35,7 @@ mod sys;
 mod tables;
 mod tc;
 
-use std::{os::fd::OwnedFd, path::PathBuf, sync::Mutex};
+use std::{collections::HashSet, os::fd::OwnedFd, path::PathBuf, sync::Mutex};
 
 pub use coverage::Uncovered;
 pub use encode::{Entries, encode};
@@ -95,6 +95,10 @@ pub struct EbpfBackend {
     kernel_log: Mutex<Option<klog::KernelLog>>,
     /// The ids of the programs this process loaded and put in place, by name.
     loaded: Vec<(&'static str, u32)>,
+    /// The netns cookies [`CaptureBackend::gone`] last found dead. A netns never comes back
+    /// and its cookie is never given to another, so dropping one of these needs no second walk
+    /// of every namespace on the node.
+    found_gone: Mutex<HashSet<u64>>,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -140,6 +144,7 @@ impl EbpfBackend {
             tables: Mutex::new(tables),
             kernel_log: Mutex::new(kernel_log),
             loaded,
+            found_gone: Mutex::default(),
         })
     }
 
@@ -269,6 +274,12 @@ impl EbpfBackend {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+
+    fn found_gone(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.found_gone
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 impl CaptureBackend for EbpfBackend {
@@ -298,7 +309,7 @@ impl CaptureBackend for EbpfBackend {
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
         let live = podnet::live_cookies();
         let mut gone = Vec::new();
-        let mut pinned = std::collections::HashSet::new();
+        let mut pinned = HashSet::new();
         for pod in self.pinned_pods() {
             if live.contains(&pod.netns_cookie) {
                 pinned.insert(pod.netns_cookie);
@@ -321,19 +332,22 @@ impl CaptureBackend for EbpfBackend {
 
     fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
         let live = podnet::live_cookies();
-        Ok(self
+        let gone: Vec<_> = self
             .pinned_pods()
             .into_iter()
             .filter(|pod| !live.contains(&pod.netns_cookie))
-            .map(|pod| pod.pod_ref())
-            .collect())
+            .collect();
+        *self.found_gone() = gone.iter().map(|pod| pod.netns_cookie).collect();
+        Ok(gone.into_iter().map(|pod| pod.pod_ref()).collect())
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(false);
         };
-        if podnet::live_cookies().contains(&cookie) {
+        // The container captured anew since `gone` looked has another cookie: walk for that.
+        let known_gone = self.found_gone().contains(&cookie);
+        if !known_gone && podnet::live_cookies().contains(&cookie) {
             return Ok(false);
         }
         Self::remove(self, pod)?;
