@@ -6,6 +6,7 @@
 //! backend's blocking work runs on tokio's blocking pool.
 use std::{
     collections::HashMap,
+    panic::{self, AssertUnwindSafe},
     path::PathBuf,
     sync::{
         Arc, Mutex,
@@ -15,7 +16,10 @@ use std::{
 };
 
 use meshcap_cni::protocol::{ErrorKind, Op, Outcome, PodAttachment, Reply, Response};
-use tokio::sync::watch;
+use tokio::{
+    runtime::{Handle, RuntimeFlavor},
+    sync::watch,
+};
 use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
@@ -294,16 +298,13 @@ impl Capture {
         out
     }
 
-    /// Runs a blocking backend call on the blocking pool.
+    /// Runs a blocking backend call ([`off_the_runtime`]).
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&dyn CaptureBackend) -> T + Send + 'static,
     ) -> Result<T, Failure> {
         let backend = self.backend.clone();
-        let span = tracing::Span::current();
-        tokio::task::spawn_blocking(move || span.in_scope(|| f(backend.as_ref())))
-            .await
-            .map_err(|e| Failure::new(ErrorKind::Internal, format!("backend task failed: {e}")))
+        off_the_runtime(move || f(backend.as_ref())).await
     }
 
     /// The pod's decision: skip (with the reason) or capture with a policy.
@@ -319,26 +320,23 @@ impl Capture {
             .await?;
         let ips = if pod.ips.is_empty() {
             let netns = PathBuf::from(&pod.netns);
-            tokio::task::spawn_blocking(move || {
-                podnet::run_in(&netns, |_| podnet::global_addresses())
-            })
-            .await
-            .map_err(|e| Failure::new(ErrorKind::Internal, e.to_string()))?
-            .map_err(|e| {
-                Failure::new(
-                    ErrorKind::BadRequest,
-                    format!("pod {}/{}: {e}", pod.namespace, pod.name),
-                )
-            })?
-            .map_err(|e| {
-                Failure::new(
-                    ErrorKind::Internal,
-                    format!(
-                        "pod {}/{}: listing addresses in {}: {e}",
-                        pod.namespace, pod.name, pod.netns
-                    ),
-                )
-            })?
+            off_the_runtime(move || podnet::run_in(&netns, |_| podnet::global_addresses()))
+                .await?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::BadRequest,
+                        format!("pod {}/{}: {e}", pod.namespace, pod.name),
+                    )
+                })?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "pod {}/{}: listing addresses in {}: {e}",
+                            pod.namespace, pod.name, pod.netns
+                        ),
+                    )
+                })?
         } else {
             pod.ips.clone()
         };
@@ -501,6 +499,32 @@ impl Capture {
         }
         dropped
     }
+}
+
+/// Runs blocking work (netns visits, netlink, BPF, iptables-restore) for async code, in the
+/// caller's span. On a multi-thread runtime (the agent's) the calling worker does it itself
+/// (`block_in_place`: the worker's other tasks move to another thread), so a request is not
+/// handed to the blocking pool and back: on a busy node each hand-over is a wait for a CPU
+/// (BENCHMARKS.md, pod set-up with the machine busy). A current-thread runtime cannot spare its
+/// thread: there the work goes to the blocking pool. Either way the work is not interrupted
+/// once it runs (the request timeout bounds the waits around it), and a panic in it is this
+/// request's internal error.
+async fn off_the_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Failure> {
+    let span = tracing::Span::current();
+    let failed = |e: &dyn std::fmt::Display| {
+        Failure::new(ErrorKind::Internal, format!("backend task failed: {e}"))
+    };
+    if Handle::current().runtime_flavor() == RuntimeFlavor::MultiThread {
+        return tokio::task::block_in_place(|| {
+            panic::catch_unwind(AssertUnwindSafe(|| span.in_scope(f)))
+        })
+        .map_err(|_| failed(&"it panicked"));
+    }
+    tokio::task::spawn_blocking(move || span.in_scope(f))
+        .await
+        .map_err(|e| failed(&e))
 }
 
 fn pod_ref(pod: &PodAttachment) -> PodRef {

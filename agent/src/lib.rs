@@ -29,7 +29,8 @@
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
 //! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
-//! the [`policy::RedirectPolicy`] to the backend on tokio's blocking pool. The eBPF backend
+//! the [`policy::RedirectPolicy`] to the backend, run by the request's own worker thread
+//! (`block_in_place`). The eBPF backend
 //! ([`backend::ebpf`]) encodes the policy into map entries, visits the pod's network namespace
 //! once ([`podnet::run_in`]) to learn its cookie, interfaces and routes and attach its inbound
 //! TC stub, then writes the pod's lists and, last, its `MESHCAP_PODS` entry, which makes the

@@ -2,8 +2,8 @@
 //! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback).
 //!
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
-//! netlink or BPF): the agent calls them through `tokio::task::spawn_blocking`, never on a
-//! runtime worker.
+//! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
+//! blocking pool), never as plain async work.
 use std::{fmt, path::PathBuf};
 
 use serde::{Deserialize, Serialize};

@@ -1,9 +1,10 @@
 //! Everything meshcap does inside a pod's network namespace, for both backends.
 //!
 //! [`run_in`] takes the calling thread into the namespace and back (`setns` moves only the
-//! calling thread; callers are blocking-pool threads, never tokio workers), so every log line
-//! of the visit stays in the caller's span and names the pod. The closure gets a [`Visit`], whose one netlink socket
-//! ([`netlink::Netlink`], synchronous, opened on first use) serves every request of the visit:
+//! calling thread; callers run synchronous work, so nothing else runs on it meanwhile), so
+//! every log line of the visit stays in the caller's span and names the pod. The closure gets
+//! a [`Visit`], whose one netlink socket ([`netlink::Netlink`], synchronous, opened on first
+//! use) serves every request of the visit:
 //! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
 //! routes) and [`tc`] (the inbound TC filter).
 //!
