@@ -3,7 +3,7 @@
 //! ADD looks the pod up (bounded retries), asks the policy module whether and how Istio would
 //! capture it, and applies that with the backend; DEL removes; CHECK re-derives the policy and
 //! asks the backend whether it is in place. Requests for one container are serialized; the
-//! backend's blocking work runs on tokio's blocking pool.
+//! backend's blocking work runs on the request's own worker thread (`off_the_runtime`).
 use std::{
     collections::HashMap,
     panic::{self, AssertUnwindSafe},

@@ -30,12 +30,12 @@
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
 //! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
 //! the [`policy::RedirectPolicy`] to the backend, run by the request's own worker thread
-//! (`block_in_place`). The eBPF backend
-//! ([`backend::ebpf`]) encodes the policy into map entries, visits the pod's network namespace
-//! once ([`podnet::run_in`]) to learn its cookie, interfaces and routes and attach its inbound
-//! TC stub, then writes the pod's lists and, last, its `MESHCAP_PODS` entry, which makes the
-//! node-wide programs act on it. The iptables backend renders Istio's rules
-//! ([`policy::RedirectPolicy::render`]) and restores them in the same kind of visit.
+//! (`block_in_place`). The eBPF backend ([`backend::ebpf`]) encodes the policy into map
+//! entries, visits the pod's network namespace once ([`podnet::run_in`]) to learn its cookie,
+//! interfaces and routes and attach its inbound TC stub, then writes the pod's lists and,
+//! last, its `MESHCAP_PODS` entry, which makes the node-wide programs act on it. The iptables
+//! backend renders Istio's rules ([`policy::RedirectPolicy::render`]) and restores them in the
+//! same kind of visit.
 //! Dependencies point one way: api → capture → backend → podnet and policy.
 
 pub mod api;

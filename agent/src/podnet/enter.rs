@@ -28,7 +28,7 @@ const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
 /// ADD with the machine busy). `setns` moves only the calling thread, and `f` is synchronous,
 /// so nothing else runs on the thread while it is inside. A thread that cannot return is never
 /// left to do the agent's later work in a pod's namespace: the agent aborts instead (its
-/// state survives a crash at any point; docs/lifecycle.md).
+/// state survives a crash at any point; docs/reliability.md).
 ///
 /// # Errors
 /// When the namespace cannot be opened or entered, or `f` panics (the thread returns first).
