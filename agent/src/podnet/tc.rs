@@ -161,41 +161,28 @@ pub fn find(
     }))
 }
 
-/// The program id of a `bpf` filter at meshcap's place ([`PRIORITY`], [`HANDLE`]) on the
-/// ingress of `ifindex` that was attached under the name `name`, with where it is: meshcap's
-/// filter even when nothing records it (its record was removed behind meshcap's back). Whether
-/// meshcap added the qdisc is unknown then: the filter's place says it did not.
-///
-/// # Errors
-/// When the filters cannot be listed.
-pub fn find_named(
+/// Whether a `bpf` filter at meshcap's place ([`PRIORITY`], [`HANDLE`]) on the ingress of
+/// `ifindex` runs a program named `name`: meshcap's filter even when nothing records it (its
+/// record was removed behind meshcap's back, or an attach was cut short before recording it).
+/// The kernel reports a program's name beside its id, so a named filter is one with a program.
+fn has_named(
     netlink: &mut Netlink,
     ifindex: u32,
     ifname: &str,
     name: &str,
-) -> Result<Option<(Filter, u32)>, PodNetError> {
+) -> Result<bool, PodNetError> {
     let filters = filters(netlink, ifindex, INGRESS)
         .map_err(failed(format!("tc filter show dev {ifname} ingress")))?;
-    let place = Filter {
-        priority: PRIORITY,
-        handle: HANDLE,
-        created_qdisc: false,
-    };
-    Ok(filters.iter().find_map(|found| {
+    Ok(filters.iter().any(|found| {
         let at_place = found.header.handle == TcHandle::from(HANDLE)
             && found.header.info >> 16 == u32::from(PRIORITY);
-        let options = found.attributes.iter().find_map(|a| match a {
-            TcAttribute::Options(options) => Some(options),
-            _ => None,
-        })?;
-        let named = options
-            .iter()
-            .any(|o| matches!(o, TcOption::Bpf(TcFilterBpfOption::ProgName(n)) if n == name));
-        let id = options.iter().find_map(|o| match o {
-            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
-            _ => None,
-        })?;
-        (at_place && named).then_some((place, id))
+        let named = found.attributes.iter().any(|a| match a {
+            TcAttribute::Options(options) => options
+                .iter()
+                .any(|o| matches!(o, TcOption::Bpf(TcFilterBpfOption::ProgName(n)) if n == name)),
+            _ => false,
+        });
+        at_place && named
     }))
 }
 
@@ -256,14 +243,19 @@ pub fn detach_named(
     name: &str,
     created_qdisc: bool,
 ) -> Result<bool, PodNetError> {
-    let found = find_named(netlink, ifindex, ifname, name)?;
-    if let Some((filter, _)) = found {
-        delete_filter(netlink, ifindex, ifname, filter)?;
+    let found = has_named(netlink, ifindex, ifname, name)?;
+    if found {
+        let place = Filter {
+            priority: PRIORITY,
+            handle: HANDLE,
+            created_qdisc,
+        };
+        delete_filter(netlink, ifindex, ifname, place)?;
     }
     if created_qdisc {
         release_qdisc(netlink, ifindex, ifname)?;
     }
-    Ok(found.is_some())
+    Ok(found)
 }
 
 /// Deletes the clsact qdisc of `ifindex` when no filter (either direction) is left on it:
