@@ -74,6 +74,23 @@ pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
         .collect()
 }
 
+/// Ambient's reading of `istio.io/reroute-virtual-interfaces` (Istio's node agent,
+/// `getPodLevelTrafficOverrides`): entries separated by `,` and trimmed, blank entries
+/// skipped. Each name must still be an interface name (meshcap's check: Istio writes any
+/// string into `-i`, and `iptables-restore` then fails the pod). Returns the offending entry.
+pub fn parse_ambient_interface_list(value: &str) -> Result<Vec<String>, String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(|name| {
+            is_interface_name(name)
+                .then(|| name.to_owned())
+                .ok_or_else(|| name.to_owned())
+        })
+        .collect()
+}
+
 fn is_interface_name(name: &str) -> bool {
     let mut bytes = name.bytes();
     name.len() <= 15
@@ -130,5 +147,18 @@ mod tests {
         assert!(parse_interface_list("abcdefghijklmnop").is_err());
         assert_eq!(parse_interface_list("eth1,,eth2"), Err(String::new()));
         assert!(parse_interface_list("eth 1").is_err());
+    }
+
+    #[test]
+    fn ambient_interfaces() {
+        assert_eq!(
+            parse_ambient_interface_list(" eth1,, net-2 ,"),
+            Ok(vec!["eth1".into(), "net-2".into()])
+        );
+        assert_eq!(parse_ambient_interface_list(" "), Ok(vec![]));
+        assert_eq!(
+            parse_ambient_interface_list("eth1,1eth"),
+            Err("1eth".into())
+        );
     }
 }

@@ -9,11 +9,14 @@
 //! - [`RedirectPolicy::render`] writes Istio's exact iptables rules ([`IptablesRules`]), and
 //!   [`RuleEvaluator`] parses and walks rendered rules: an oracle independent of the model, to
 //!   check the eBPF decision and [`RedirectPolicy::decide`] against;
-//! - [`PolicyRoutes`]: the policy routes and `lo` addresses a capture needs besides rules.
+//! - [`PolicyRoutes`]: the policy routes and `lo` addresses a capture needs besides rules;
+//! - [`ambient`]: ambient mode's enrollment ([`ambient::enroll`]) and its in-pod policy, whose
+//!   [`ambient::InpodPolicy::render`] writes Istio's exact in-pod rules ([`InpodRules`]).
 //!
 //! Everything here is pure: no I/O, no kernel.
 
 mod addr;
+pub mod ambient;
 pub mod annotations;
 mod decide;
 mod error;
@@ -28,7 +31,7 @@ mod routes;
 pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use error::{ManifestError, PolicyError};
 pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
-pub use iptables::IptablesRules;
+pub use iptables::{InpodRules, IptablesRules};
 pub use manifest::parse_pod_manifest;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};

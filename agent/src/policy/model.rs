@@ -104,6 +104,21 @@ pub struct PodRef {
     pub name: String,
 }
 
+impl PodRef {
+    /// `pod`'s namespace and name.
+    #[must_use]
+    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
+        Self {
+            namespace: pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_owned()),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
 impl fmt::Display for PodRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)

@@ -45,7 +45,7 @@ pub fn select(
     config: &SelectConfig,
 ) -> Result<Selection, PolicyError> {
     let skip = |reason| Ok(Selection::Skip { reason });
-    let pod_ref = pod_ref(pod);
+    let pod_ref = PodRef::of(pod);
     if config.exclude_namespaces.contains(&pod_ref.namespace) {
         return skip(SkipReason::ExcludedNamespace(pod_ref.namespace));
     }
@@ -101,17 +101,6 @@ pub fn select(
     Ok(Selection::Capture {
         policy: Box::new(policy),
     })
-}
-
-fn pod_ref(pod: &Pod) -> PodRef {
-    PodRef {
-        namespace: pod
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".to_owned()),
-        name: pod.metadata.name.clone().unwrap_or_default(),
-    }
 }
 
 fn annotations(pod: &Pod) -> &BTreeMap<String, String> {
@@ -184,7 +173,7 @@ impl RedirectPolicy {
     /// # Errors
     /// The first invalid input, in the order Istio checks them.
     pub fn from_pod(pod: &Pod, pod_ips: &[IpAddr]) -> Result<Self, PolicyError> {
-        let pod_ref = pod_ref(pod);
+        let pod_ref = PodRef::of(pod);
         let annotations = annotations(pod);
         let proxy = ProxyInfo::of(pod);
         let reader = Reader {

@@ -101,36 +101,113 @@ pub fn status(socket: &Path, json: bool) -> anyhow::Result<()> {
     }
 }
 
-pub fn show_policy(
-    path: &Path,
-    ips: &[IpAddr],
+/// `meshcap-agent policy`: a pod and the node's settings that decide its capture.
+#[derive(Args)]
+pub struct PolicyArgs {
+    /// The pod manifest, YAML or JSON (`kubectl get pod NAME -o yaml`).
+    #[arg(long, value_name = "FILE")]
+    pod: PathBuf,
+    /// The pod's addresses (default: the manifest's `status.podIPs`).
+    #[arg(long = "ip", value_name = "ADDR")]
+    ips: Vec<IpAddr>,
+    /// Namespaces whose pods are never captured.
+    #[arg(long = "exclude-namespace", value_name = "NAMESPACE", default_values_t = policy::SelectConfig::default().exclude_namespaces)]
     exclude_namespaces: Vec<String>,
+    /// Decide as a node with ambient mode on (Istio's `ambient.enabled`): an enrolled pod gets
+    /// ztunnel's in-pod capture, any other pod the sidecar decision.
+    #[arg(long)]
+    ambient: bool,
+    /// A label of the pod's namespace (ambient enrollment reads them), repeated.
+    #[arg(long = "namespace-label", value_name = "KEY=VALUE", value_parser = label)]
+    namespace_labels: Vec<(String, String)>,
+    /// Istio's `ambient.dnsCapture`.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    ambient_dns_capture: bool,
+    /// Istio's `ambient.ipv6`.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    ambient_ipv6: bool,
+    /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
+    /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
+    #[arg(long, value_enum, default_value_t)]
     format: PolicyFormat,
-) -> anyhow::Result<()> {
+}
+
+fn label(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(key, value)| (key.to_owned(), value.to_owned()))
+        .ok_or_else(|| format!("{text:?} is not KEY=VALUE"))
+}
+
+pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
+    let path = &args.pod;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let pod = policy::parse_pod_manifest(&text).with_context(|| path.display().to_string())?;
-    let ips = if ips.is_empty() {
+    let ips = if args.ips.is_empty() {
         policy::status_pod_ips(&pod)
     } else {
-        ips.to_vec()
+        args.ips.clone()
     };
-    let selection = policy::select(&pod, &ips, &policy::SelectConfig { exclude_namespaces })?;
-    match format {
-        PolicyFormat::Json => println!("{}", serde_json::to_string_pretty(&selection)?),
-        PolicyFormat::Iptables => match selection {
-            policy::Selection::Skip { reason } => println!("# not captured: {reason}"),
-            policy::Selection::Capture { policy } => {
-                let rules = policy.render();
-                print!("{}", rules.v4);
-                if let Some(v6) = rules.v6 {
-                    println!("# ip6tables-restore");
-                    print!("{v6}");
+    let enrollment = if args.ambient {
+        let mut config = policy::ambient::AmbientConfig::default();
+        config.dns_capture = args.ambient_dns_capture;
+        config.ipv6 = args.ambient_ipv6;
+        let namespace_labels = args.namespace_labels.iter().cloned().collect();
+        let enrollment =
+            policy::ambient::enroll(&pod, &namespace_labels, &args.exclude_namespaces, &config)?;
+        if let policy::ambient::Enrollment::Enrolled { policy, .. } = &enrollment {
+            match args.format {
+                PolicyFormat::Json => print_json(&serde_json::json!({ "ambient": enrollment }))?,
+                PolicyFormat::Iptables => {
+                    let rules = policy.render();
+                    print_restore(&rules.v4, rules.v6.as_deref());
                 }
             }
+            return Ok(());
+        }
+        Some(enrollment)
+    } else {
+        None
+    };
+    let config = policy::SelectConfig {
+        exclude_namespaces: args.exclude_namespaces.clone(),
+    };
+    let selection = policy::select(&pod, &ips, &config)?;
+    match args.format {
+        PolicyFormat::Json => match enrollment {
+            Some(ambient) => print_json(&serde_json::json!({
+                "ambient": ambient,
+                "sidecar": selection,
+            }))?,
+            None => print_json(&selection)?,
         },
+        PolicyFormat::Iptables => {
+            if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
+                println!("# not enrolled in ambient mode: {reason}");
+            }
+            match selection {
+                policy::Selection::Skip { reason } => println!("# not captured: {reason}"),
+                policy::Selection::Capture { policy } => {
+                    let rules = policy.render();
+                    print_restore(&rules.v4, rules.v6.as_deref());
+                }
+            }
+        }
     }
     Ok(())
+}
+
+fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+fn print_restore(v4: &str, v6: Option<&str>) {
+    print!("{v4}");
+    if let Some(v6) = v6 {
+        println!("# ip6tables-restore");
+        print!("{v6}");
+    }
 }
 
 /// `meshcap-agent decide`: the plugin's inputs.

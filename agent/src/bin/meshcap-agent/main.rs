@@ -3,10 +3,10 @@
 mod commands;
 mod run;
 
-use std::{net::IpAddr, path::PathBuf, process::ExitCode};
+use std::{path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use meshcap_agent::{backend::ebpf, logging, policy, settings};
+use meshcap_agent::{backend::ebpf, logging, settings};
 use run::RunArgs;
 
 #[derive(Parser)]
@@ -59,25 +59,11 @@ enum Command {
     Decide(commands::DecideArgs),
     /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
     /// redirect policy, or the exact iptables rules.
-    Policy {
-        /// The pod manifest, YAML or JSON (`kubectl get pod NAME -o yaml`).
-        #[arg(long, value_name = "FILE")]
-        pod: PathBuf,
-        /// The pod's addresses (default: the manifest's `status.podIPs`).
-        #[arg(long = "ip", value_name = "ADDR")]
-        ips: Vec<IpAddr>,
-        /// Namespaces whose pods are never captured.
-        #[arg(long = "exclude-namespace", value_name = "NAMESPACE", default_values_t = policy::SelectConfig::default().exclude_namespaces)]
-        exclude_namespaces: Vec<String>,
-        /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
-        /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
-        #[arg(long, value_enum, default_value_t)]
-        format: PolicyFormat,
-    },
+    Policy(commands::PolicyArgs),
 }
 
 #[derive(Clone, Copy, Default, ValueEnum)]
-enum PolicyFormat {
+pub enum PolicyFormat {
     #[default]
     Json,
     Iptables,
@@ -97,12 +83,7 @@ fn main() -> ExitCode {
         } => commands::uninstall(&bpffs_dir, pins_only),
         Command::Run(args) => run::run(*args),
         Command::Status { socket, json } => commands::status(&socket, json),
-        Command::Policy {
-            pod,
-            ips,
-            exclude_namespaces,
-            format,
-        } => commands::show_policy(&pod, &ips, exclude_namespaces, format),
+        Command::Policy(args) => commands::show_policy(&args),
         Command::Probe => commands::probe_kernel(),
         Command::Decide(args) => commands::decide(&args),
     };

@@ -5,8 +5,10 @@
 use serde::{Deserialize, Serialize};
 
 mod builder;
+mod inpod;
 
 use builder::{BOTH, Builder, Families, IP, V4, V6, restore_text};
+pub use inpod::InpodRules;
 
 use super::{
     model::{

@@ -1,0 +1,624 @@
+//! Ambient mode's decisions, as Istio's CNI node agent makes them: whether a pod is enrolled
+//! (`cni/pkg/util/enablement_selector.go`, `cni/pkg/plugin/plugin.go`, the informers'
+//! ztunnel exclusion) and the pod's own overrides of its in-pod rules
+//! (`cni/pkg/nodeagent/net.go`, `getPodLevelTrafficOverrides`), as one [`InpodPolicy`].
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, Ipv6Addr},
+};
+
+use k8s_openapi::{
+    api::core::v1::Pod,
+    apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement},
+};
+use serde::{Deserialize, Serialize};
+
+use super::{
+    annotations::{parse_ambient_interface_list, parse_go_bool},
+    error::PolicyError,
+    model::{PodRef, keys},
+};
+
+/// Annotation and label names of ambient mode, exactly as Istio spells them.
+pub mod ambient_keys {
+    /// Label on a pod or namespace: `ambient` enrolls, `none` (on the pod) opts out.
+    pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+    /// Written by the node agent: `enabled` once captured, `pending` while it is not yet;
+    /// istiod reads it to send HBONE to the pod.
+    pub const REDIRECTION: &str = "ambient.istio.io/redirection";
+    /// A boolean: true leaves inbound traffic alone ("ingress mode").
+    pub const BYPASS_INBOUND_CAPTURE: &str = "ambient.istio.io/bypass-inbound-capture";
+    /// A boolean: overrides `ambient.dnsCapture` for the pod.
+    pub const DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
+}
+
+/// The label ztunnel's own pods carry (`app=ztunnel`, in the system namespace).
+const ZTUNNEL_APP: &str = "ztunnel";
+
+/// Mark ztunnel sets on its own sockets (`SO_MARK`): never captured.
+pub const ZTUNNEL_MARK: u32 = 0x539;
+/// The mask Istio's rules match [`ZTUNNEL_MARK`] under.
+pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
+/// Connection mark of connections ztunnel's marked packets belong to, and the policy route's
+/// `ip rule fwmark` that sends their replies back to ztunnel.
+pub const CONNECTION_MARK: u32 = 0x111;
+/// The mask of [`CONNECTION_MARK`].
+pub const CONNECTION_MARK_MASK: u32 = 0xfff;
+/// ztunnel's outbound listener in the pod.
+pub const ZTUNNEL_OUTBOUND_PORT: u16 = 15001;
+/// ztunnel's plaintext inbound listener in the pod.
+pub const ZTUNNEL_INBOUND_PLAINTEXT_PORT: u16 = 15006;
+/// ztunnel's HBONE listener: reached at the pod's address, never redirected.
+pub const ZTUNNEL_INBOUND_PORT: u16 = 15008;
+/// ztunnel's DNS proxy in the pod.
+pub const ZTUNNEL_DNS_PORT: u16 = 15053;
+
+/// The source address kubelet's probes are SNAT-ed to on the node (Istio's
+/// `HOST_PROBE_SNAT_ADDRESS` / `HOST_PROBE_V6_SNAT_ADDRESS`), so the pod's rules can let them
+/// through uncaptured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostProbeSnat {
+    /// IPv4 (169.254.7.127).
+    pub v4: Ipv4Addr,
+    /// IPv6 (fd16:9254:7127:1337:ffff:ffff:ffff:ffff).
+    pub v6: Ipv6Addr,
+}
+
+impl Default for HostProbeSnat {
+    fn default() -> Self {
+        Self {
+            v4: Ipv4Addr::new(169, 254, 7, 127),
+            v6: Ipv6Addr::new(
+                0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+            ),
+        }
+    }
+}
+
+/// One of Istio's `ambient.enablementSelectors`: a pod is enrolled when its labels match
+/// `podSelector` and its namespace's labels match `namespaceSelector` (an empty selector
+/// matches everything).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EnablementSelector {
+    /// Against the pod's labels.
+    #[serde(default)]
+    pub pod_selector: LabelSelector,
+    /// Against the pod's namespace's labels.
+    #[serde(default)]
+    pub namespace_selector: LabelSelector,
+}
+
+impl EnablementSelector {
+    /// Istio's chart default: the pod labelled `istio.io/dataplane-mode=ambient`, or its
+    /// namespace so labelled and the pod not labelled `none`.
+    #[must_use]
+    pub fn istio_defaults() -> Vec<Self> {
+        let label = |value: &str| {
+            Some(BTreeMap::from([(
+                ambient_keys::DATAPLANE_MODE.to_owned(),
+                value.to_owned(),
+            )]))
+        };
+        vec![
+            Self {
+                pod_selector: LabelSelector {
+                    match_labels: label("ambient"),
+                    match_expressions: None,
+                },
+                namespace_selector: LabelSelector::default(),
+            },
+            Self {
+                pod_selector: LabelSelector {
+                    match_labels: None,
+                    match_expressions: Some(vec![LabelSelectorRequirement {
+                        key: ambient_keys::DATAPLANE_MODE.to_owned(),
+                        operator: "NotIn".to_owned(),
+                        values: Some(vec!["none".to_owned()]),
+                    }]),
+                },
+                namespace_selector: LabelSelector {
+                    match_labels: label("ambient"),
+                    match_expressions: None,
+                },
+            },
+        ]
+    }
+}
+
+/// A selector that cannot be compiled, as Kubernetes' `LabelSelectorAsSelector` refuses it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("ambient.enablementSelectors[{index}]: {reason}")]
+pub struct SelectorError {
+    /// Which selector.
+    pub index: usize,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Operator {
+    In,
+    NotIn,
+    Exists,
+    DoesNotExist,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Requirement {
+    key: String,
+    operator: Operator,
+    values: BTreeSet<String>,
+}
+
+/// A compiled label selector: every requirement must hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Selector(Vec<Requirement>);
+
+impl Selector {
+    fn compile(selector: &LabelSelector) -> Result<Self, String> {
+        let mut requirements = Vec::new();
+        for (key, value) in selector.match_labels.iter().flatten() {
+            requirements.push(Requirement {
+                key: key.clone(),
+                operator: Operator::In,
+                values: BTreeSet::from([value.clone()]),
+            });
+        }
+        for expression in selector.match_expressions.iter().flatten() {
+            let values: BTreeSet<String> = expression.values.iter().flatten().cloned().collect();
+            let operator = match expression.operator.as_str() {
+                "In" => Operator::In,
+                "NotIn" => Operator::NotIn,
+                "Exists" => Operator::Exists,
+                "DoesNotExist" => Operator::DoesNotExist,
+                other => return Err(format!("{other:?} is not a selector operator")),
+            };
+            let wants_values = matches!(operator, Operator::In | Operator::NotIn);
+            if wants_values == values.is_empty() {
+                return Err(format!(
+                    "{} on key {:?} takes {} values",
+                    expression.operator,
+                    expression.key,
+                    if wants_values { "one or more" } else { "no" }
+                ));
+            }
+            requirements.push(Requirement {
+                key: expression.key.clone(),
+                operator,
+                values,
+            });
+        }
+        if let Some(empty) = requirements.iter().find(|r| r.key.is_empty()) {
+            return Err(format!("an empty key ({:?})", empty.operator));
+        }
+        Ok(Self(requirements))
+    }
+
+    fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.0.iter().all(|r| {
+            let value = labels.get(&r.key);
+            match r.operator {
+                Operator::In => value.is_some_and(|v| r.values.contains(v)),
+                Operator::NotIn => value.is_none_or(|v| !r.values.contains(v)),
+                Operator::Exists => value.is_some(),
+                Operator::DoesNotExist => value.is_none(),
+            }
+        })
+    }
+}
+
+/// Istio's `ambient.*` values meshcap reads, with the chart's defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AmbientConfig {
+    /// `ambient.enablementSelectors`, as given.
+    pub enablement_selectors: Vec<EnablementSelector>,
+    compiled: Vec<(Selector, Selector)>,
+    /// `ambient.dnsCapture` (true): DNS to ztunnel's DNS proxy unless the pod says otherwise.
+    pub dns_capture: bool,
+    /// `ambient.ipv6` (true): IPv6 rules in every enrolled pod.
+    pub ipv6: bool,
+    /// The namespace ztunnel runs in (`istio-system`).
+    pub system_namespace: String,
+    /// Where kubelet's probes come from, as the pod sees them.
+    pub host_probe_snat: HostProbeSnat,
+}
+
+impl AmbientConfig {
+    /// The chart's defaults with these selectors.
+    ///
+    /// # Errors
+    /// A selector Kubernetes would refuse.
+    pub fn new(enablement_selectors: Vec<EnablementSelector>) -> Result<Self, SelectorError> {
+        let compiled = enablement_selectors
+            .iter()
+            .enumerate()
+            .map(|(index, s)| {
+                let compile = |selector| {
+                    Selector::compile(selector).map_err(|reason| SelectorError { index, reason })
+                };
+                Ok((compile(&s.pod_selector)?, compile(&s.namespace_selector)?))
+            })
+            .collect::<Result<_, SelectorError>>()?;
+        Ok(Self {
+            enablement_selectors,
+            compiled,
+            dns_capture: true,
+            ipv6: true,
+            system_namespace: "istio-system".to_owned(),
+            host_probe_snat: HostProbeSnat::default(),
+        })
+    }
+
+    /// Whether any selector matches `pod_labels` and `namespace_labels` (Istio's `Matches`
+    /// without its host-network and sidecar exclusions, which [`enroll`] makes).
+    fn selects(
+        &self,
+        pod_labels: &BTreeMap<String, String>,
+        namespace_labels: &BTreeMap<String, String>,
+    ) -> bool {
+        self.compiled
+            .iter()
+            .any(|(pod, namespace)| pod.matches(pod_labels) && namespace.matches(namespace_labels))
+    }
+}
+
+impl Default for AmbientConfig {
+    /// Istio's chart defaults.
+    fn default() -> Self {
+        Self::new(EnablementSelector::istio_defaults())
+            .expect("Istio's default enablement selectors compile")
+    }
+}
+
+/// What ambient mode does with a pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "decision")]
+pub enum Enrollment {
+    /// Left out of ambient mode (and why).
+    NotEnrolled {
+        /// Why not.
+        reason: NotEnrolledReason,
+    },
+    /// Enrolled: its traffic goes to ztunnel under this policy.
+    Enrolled {
+        /// The in-pod policy.
+        policy: InpodPolicy,
+        /// Annotations Istio ignores as meshcap does (a boolean that is not one), to log.
+        ignored: Vec<IgnoredAnnotation>,
+    },
+}
+
+/// Why a pod is not enrolled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(rename_all = "snake_case", tag = "reason", content = "value")]
+pub enum NotEnrolledReason {
+    /// The namespace is in the agent's excluded namespaces.
+    #[error("namespace {0} is excluded")]
+    ExcludedNamespace(String),
+    /// `spec.hostNetwork: true`: there is no pod network namespace to capture in.
+    #[error("the pod uses the host network")]
+    HostNetwork,
+    /// The pod has a sidecar (`sidecar.istio.io/status`): sidecar mode captures it.
+    #[error("the pod has a sidecar")]
+    Sidecar,
+    /// The pod is ztunnel itself.
+    #[error("the pod is ztunnel")]
+    Ztunnel,
+    /// No enablement selector matches the pod and its namespace.
+    #[error("no ambient enablement selector matches the pod and its namespace")]
+    NotSelected,
+}
+
+/// A pod annotation Istio ignores because its value is not a boolean.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IgnoredAnnotation {
+    /// The annotation.
+    pub key: String,
+    /// Its value.
+    pub value: String,
+}
+
+/// What an enrolled pod's in-pod capture does: Istio's `AmbientConfig` and the pod's
+/// `PodLevelOverrides`, resolved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InpodPolicy {
+    /// Inbound TCP goes to ztunnel's 15006 (false: `bypass-inbound-capture`, ingress mode).
+    pub inbound: bool,
+    /// DNS (UDP and TCP port 53) goes to ztunnel's 15053.
+    pub dns: bool,
+    /// Interfaces whose inbound TCP is treated as outbound (`reroute-virtual-interfaces`).
+    pub virtual_interfaces: Vec<String>,
+    /// IPv6 rules beside IPv4 (`ambient.ipv6`, node-wide as in Istio).
+    pub ipv6: bool,
+    /// The probes' source addresses, let through uncaptured.
+    pub host_probe_snat: HostProbeSnat,
+}
+
+/// Decides, as Istio's plugin and node agent do, whether `pod` (whose namespace carries
+/// `namespace_labels`) is enrolled in ambient mode, and if so with which policy.
+///
+/// # Errors
+/// An enrolled pod whose `istio.io/reroute-virtual-interfaces` names something that is not an
+/// interface.
+pub fn enroll(
+    pod: &Pod,
+    namespace_labels: &BTreeMap<String, String>,
+    exclude_namespaces: &[String],
+    config: &AmbientConfig,
+) -> Result<Enrollment, PolicyError> {
+    let not = |reason| Ok(Enrollment::NotEnrolled { reason });
+    let pod_ref = PodRef::of(pod);
+    if exclude_namespaces.contains(&pod_ref.namespace) {
+        return not(NotEnrolledReason::ExcludedNamespace(pod_ref.namespace));
+    }
+    if pod.spec.as_ref().and_then(|s| s.host_network) == Some(true) {
+        return not(NotEnrolledReason::HostNetwork);
+    }
+    let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+    if annotations.contains_key(keys::STATUS) {
+        return not(NotEnrolledReason::Sidecar);
+    }
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    if pod_ref.namespace == config.system_namespace
+        && labels.get("app").map(String::as_str) == Some(ZTUNNEL_APP)
+    {
+        return not(NotEnrolledReason::Ztunnel);
+    }
+    if !config.selects(&labels, namespace_labels) {
+        return not(NotEnrolledReason::NotSelected);
+    }
+
+    let mut ignored = Vec::new();
+    let mut boolean = |key: &str| {
+        let value = annotations.get(key)?;
+        let parsed = parse_go_bool(value);
+        if parsed.is_none() {
+            ignored.push(IgnoredAnnotation {
+                key: key.to_owned(),
+                value: value.clone(),
+            });
+        }
+        parsed
+    };
+    let inbound = !boolean(ambient_keys::BYPASS_INBOUND_CAPTURE).unwrap_or(false);
+    let dns = boolean(ambient_keys::DNS_CAPTURE).unwrap_or(config.dns_capture);
+    let virtual_interfaces = match annotations.get(keys::REROUTE_VIRTUAL_INTERFACES) {
+        None => Vec::new(),
+        Some(value) => {
+            parse_ambient_interface_list(value).map_err(|entry| PolicyError::InvalidInterface {
+                pod: pod_ref.clone(),
+                key: keys::REROUTE_VIRTUAL_INTERFACES,
+                value: value.clone(),
+                entry,
+            })?
+        }
+    };
+    Ok(Enrollment::Enrolled {
+        policy: InpodPolicy {
+            inbound,
+            dns,
+            virtual_interfaces,
+            ipv6: config.ipv6,
+            host_probe_snat: config.host_probe_snat,
+        },
+        ignored,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    use super::*;
+
+    fn pod(namespace: &str, labels: &[(&str, &str)], annotations: &[(&str, &str)]) -> Pod {
+        let map = |pairs: &[(&str, &str)]| {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let mut pod = Pod::default();
+        pod.metadata.name = Some("app".to_owned());
+        pod.metadata.namespace = Some(namespace.to_owned());
+        pod.metadata.labels = Some(map(labels));
+        pod.metadata.annotations = Some(map(annotations));
+        pod
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn decide(pod: &Pod, namespace: &[(&str, &str)]) -> Enrollment {
+        enroll(
+            pod,
+            &labels(namespace),
+            &["kube-system".to_owned()],
+            &AmbientConfig::default(),
+        )
+        .unwrap()
+    }
+
+    fn reason(enrollment: Enrollment) -> Option<NotEnrolledReason> {
+        match enrollment {
+            Enrollment::NotEnrolled { reason } => Some(reason),
+            Enrollment::Enrolled { .. } => None,
+        }
+    }
+
+    const AMBIENT: (&str, &str) = (ambient_keys::DATAPLANE_MODE, "ambient");
+    const NONE: (&str, &str) = (ambient_keys::DATAPLANE_MODE, "none");
+
+    #[test]
+    fn the_pod_label_or_the_namespace_label_enrolls_and_the_pods_none_wins() {
+        assert_eq!(reason(decide(&pod("a", &[AMBIENT], &[]), &[])), None);
+        assert_eq!(reason(decide(&pod("a", &[], &[]), &[AMBIENT])), None);
+        assert_eq!(reason(decide(&pod("a", &[AMBIENT], &[]), &[NONE])), None);
+        assert_eq!(
+            reason(decide(&pod("a", &[NONE], &[]), &[AMBIENT])),
+            Some(NotEnrolledReason::NotSelected)
+        );
+        assert_eq!(
+            reason(decide(&pod("a", &[], &[]), &[])),
+            Some(NotEnrolledReason::NotSelected)
+        );
+        let other = (ambient_keys::DATAPLANE_MODE, "sidecar");
+        assert_eq!(
+            reason(decide(&pod("a", &[other], &[]), &[])),
+            Some(NotEnrolledReason::NotSelected)
+        );
+    }
+
+    #[test]
+    fn host_network_sidecar_ztunnel_and_excluded_namespaces_are_never_enrolled() {
+        let mut host = pod("a", &[AMBIENT], &[]);
+        host.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            host_network: Some(true),
+            ..Default::default()
+        });
+        assert_eq!(
+            reason(decide(&host, &[])),
+            Some(NotEnrolledReason::HostNetwork)
+        );
+        let sidecar = pod("a", &[AMBIENT], &[(keys::STATUS, "{}")]);
+        assert_eq!(
+            reason(decide(&sidecar, &[])),
+            Some(NotEnrolledReason::Sidecar)
+        );
+        let ztunnel = pod("istio-system", &[("app", "ztunnel")], &[]);
+        assert_eq!(
+            reason(decide(&ztunnel, &[AMBIENT])),
+            Some(NotEnrolledReason::Ztunnel)
+        );
+        let namesake = pod("apps", &[("app", "ztunnel")], &[]);
+        assert_eq!(reason(decide(&namesake, &[AMBIENT])), None);
+        assert_eq!(
+            reason(decide(&pod("kube-system", &[AMBIENT], &[]), &[])),
+            Some(NotEnrolledReason::ExcludedNamespace("kube-system".into()))
+        );
+    }
+
+    #[test]
+    fn pod_overrides_resolve_against_the_node_settings() {
+        let policy =
+            |annotations: &[(&str, &str)]| match decide(&pod("a", &[AMBIENT], annotations), &[]) {
+                Enrollment::Enrolled { policy, ignored } => (policy, ignored),
+                other => panic!("{other:?}"),
+            };
+        let (default, ignored) = policy(&[]);
+        assert!(default.inbound && default.dns && default.ipv6 && ignored.is_empty());
+        assert!(
+            !policy(&[(ambient_keys::BYPASS_INBOUND_CAPTURE, "True")])
+                .0
+                .inbound
+        );
+        assert!(!policy(&[(ambient_keys::DNS_CAPTURE, "0")]).0.dns);
+        let (dns, ignored) = policy(&[(ambient_keys::DNS_CAPTURE, "yes")]);
+        assert!(dns.dns, "a value that is not a boolean is ignored");
+        assert_eq!(
+            ignored,
+            [IgnoredAnnotation {
+                key: ambient_keys::DNS_CAPTURE.into(),
+                value: "yes".into()
+            }]
+        );
+        let virt = policy(&[(keys::REROUTE_VIRTUAL_INTERFACES, "eth1,, eth2 ")]).0;
+        assert_eq!(virt.virtual_interfaces, ["eth1", "eth2"]);
+    }
+
+    #[test]
+    fn a_bad_interface_name_fails_naming_the_pod_the_annotation_and_the_value() {
+        let pod = pod(
+            "a",
+            &[AMBIENT],
+            &[(keys::REROUTE_VIRTUAL_INTERFACES, "eth1,-j ACCEPT")],
+        );
+        let err = enroll(&pod, &BTreeMap::new(), &[], &AmbientConfig::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "pod a/app: annotation istio.io/reroute-virtual-interfaces: \"eth1,-j ACCEPT\" is \
+             not an interface list: \"-j ACCEPT\" is not an interface name"
+        );
+    }
+
+    fn expression(key: &str, operator: &str, values: &[&str]) -> LabelSelectorRequirement {
+        LabelSelectorRequirement {
+            key: key.to_owned(),
+            operator: operator.to_owned(),
+            values: Some(values.iter().map(|v| (*v).to_owned()).collect()),
+        }
+    }
+
+    fn selecting(
+        expressions: Vec<LabelSelectorRequirement>,
+    ) -> Result<AmbientConfig, SelectorError> {
+        AmbientConfig::new(vec![EnablementSelector {
+            pod_selector: LabelSelector {
+                match_labels: None,
+                match_expressions: Some(expressions),
+            },
+            namespace_selector: LabelSelector::default(),
+        }])
+    }
+
+    #[test]
+    fn selector_operators_as_kubernetes_reads_them() {
+        let config = selecting(vec![
+            expression("mesh", "Exists", &[]),
+            expression("legacy", "DoesNotExist", &[]),
+            expression("tier", "In", &["web", "api"]),
+            expression("stage", "NotIn", &["test"]),
+        ])
+        .unwrap();
+        let selects = |pairs: &[(&str, &str)]| config.selects(&labels(pairs), &BTreeMap::new());
+        assert!(selects(&[("mesh", ""), ("tier", "api")]));
+        assert!(selects(&[
+            ("mesh", "x"),
+            ("tier", "web"),
+            ("stage", "prod")
+        ]));
+        assert!(!selects(&[("tier", "web")]));
+        assert!(!selects(&[("mesh", ""), ("tier", "db")]));
+        assert!(!selects(&[("mesh", ""), ("tier", "web"), ("legacy", "1")]));
+        assert!(!selects(&[
+            ("mesh", ""),
+            ("tier", "web"),
+            ("stage", "test")
+        ]));
+    }
+
+    #[test]
+    fn a_selector_kubernetes_refuses_is_an_error_naming_it() {
+        let err = |expressions| selecting(expressions).unwrap_err().to_string();
+        assert_eq!(
+            err(vec![expression("a", "In", &[])]),
+            "ambient.enablementSelectors[0]: In on key \"a\" takes one or more values"
+        );
+        assert_eq!(
+            err(vec![expression("a", "Exists", &["x"])]),
+            "ambient.enablementSelectors[0]: Exists on key \"a\" takes no values"
+        );
+        assert_eq!(
+            err(vec![expression("a", "Equals", &["x"])]),
+            "ambient.enablementSelectors[0]: \"Equals\" is not a selector operator"
+        );
+    }
+
+    #[test]
+    fn the_selectors_read_as_istio_values_write_them() {
+        let yaml = r#"[
+            {"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}},
+            {"podSelector": {"matchExpressions": [
+                {"key": "istio.io/dataplane-mode", "operator": "NotIn", "values": ["none"]}]},
+             "namespaceSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}}
+        ]"#;
+        let read: Vec<EnablementSelector> = serde_json::from_str(yaml).unwrap();
+        assert_eq!(read, EnablementSelector::istio_defaults());
+    }
+}
