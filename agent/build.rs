@@ -1,12 +1,14 @@
-//! Builds the kernel programs (ebpf/meshcap-ebpf) with the installed nightly and embeds them.
+//! Builds the kernel programs (ebpf/meshcap-ebpf) with the installed nightly and embeds them,
+//! and generates the ZDS messages (ztunnel's protocol, `proto/zds/zds.proto`) with prost.
 //!
-//! `AYA_BUILD_SKIP=1` skips the build (lint-only runs); the agent then embeds an empty object
-//! and fails at load time with a message saying so.
+//! `AYA_BUILD_SKIP=1` skips the kernel programs (lint-only runs); the agent then embeds an
+//! empty object and fails at load time with a message saying so.
 use std::{env, fs, path::PathBuf};
 
 use anyhow::Context as _;
 
 fn main() -> anyhow::Result<()> {
+    zds_messages()?;
     let out = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR not set")?);
     let object = out.join("meshcap");
     println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
@@ -37,4 +39,15 @@ fn main() -> anyhow::Result<()> {
     .context(
         "building the eBPF programs failed; run `cargo xtask setup` (nightly rust-src, bpf-linker)",
     )
+}
+
+/// `istio.workload.zds` as Rust types, compiled with protox (a protobuf compiler in Rust, so
+/// no protoc is needed).
+fn zds_messages() -> anyhow::Result<()> {
+    println!("cargo:rerun-if-changed=proto/zds/zds.proto");
+    let descriptors =
+        protox::compile(["zds.proto"], ["proto/zds"]).context("compiling proto/zds/zds.proto")?;
+    prost_build::Config::new()
+        .compile_fds(descriptors)
+        .context("generating the ZDS messages")
 }

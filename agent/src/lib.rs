@@ -25,7 +25,8 @@
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
-//! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted.
+//! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted;
+//! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
 //! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
@@ -59,3 +60,4 @@ pub mod settings;
 pub mod status;
 pub mod taint;
 pub mod uninstall;
+pub mod ztunnel;

@@ -561,6 +561,12 @@ pub mod bin {
     pub fn dial() -> PathBuf {
         sibling("meshcap-dial")
     }
+
+    /// The stand-in ztunnel.
+    #[must_use]
+    pub fn ztunnel() -> PathBuf {
+        sibling("meshcap-ztunnel")
+    }
 }
 
 /// Starts a stand-in server in `at`, listening on every `(proto, address)` given (e.g.
@@ -589,10 +595,23 @@ pub fn start_server(at: Placement<'_>, name: &str, listen: &[&str]) -> anyhow::R
 /// # Errors
 /// When the client cannot run or prints garbage.
 pub fn dial(at: Placement<'_>, target: &str, bind: Option<&str>) -> anyhow::Result<Option<Report>> {
-    let mut args = vec![target];
-    if let Some(bind) = bind {
-        args.extend_from_slice(&["--bind", bind]);
+    match bind {
+        Some(bind) => dial_with(at, target, &["--bind", bind]),
+        None => dial_with(at, target, &[]),
     }
+}
+
+/// [`dial`] with more of `meshcap-dial`'s options (`--bind ADDR`, `--mark N`).
+///
+/// # Errors
+/// When the client cannot run or prints garbage.
+pub fn dial_with(
+    at: Placement<'_>,
+    target: &str,
+    options: &[&str],
+) -> anyhow::Result<Option<Report>> {
+    let mut args = vec![target];
+    args.extend_from_slice(options);
     let out = Proc::spawn(at, &bin::dial(), &args)?.finish()?;
     let line = out.trim();
     if line.starts_with("no-answer") {

@@ -3,6 +3,8 @@
 //! connects (or sends one datagram), prints the one-line answer of whoever took it, or
 //! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
 //!
+//! `--mark N` sets `SO_MARK` on the socket (as ztunnel marks its own, 0x539).
+//!
 //! With `--hold` (TCP) it keeps the connection: every line read from stdin is sent, and the
 //! answer line printed, until stdin closes (or `no-answer: <why>` and exit on a failure).
 use std::{
@@ -13,7 +15,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, socket};
+use nix::sys::socket::{
+    AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket, sockopt,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -24,10 +28,19 @@ fn main() -> anyhow::Result<()> {
         .context("usage: meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]")?;
     let mut bind_to = None;
     let mut hold = false;
+    let mut mark = None;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
             "--hold" => hold = true,
+            "--mark" => {
+                let text = args.next().context("--mark needs a value")?;
+                let parsed = match text.strip_prefix("0x") {
+                    Some(hex) => u32::from_str_radix(hex, 16),
+                    None => text.parse(),
+                };
+                mark = Some(parsed.with_context(|| format!("bad mark {text}"))?);
+            }
             other => bail!("unknown argument {other}"),
         }
     }
@@ -40,10 +53,10 @@ fn main() -> anyhow::Result<()> {
         .transpose()?;
     if hold {
         anyhow::ensure!(proto == "tcp", "--hold is for tcp");
-        return hold_tcp(addr);
+        return hold_tcp(addr, mark);
     }
     let answer = match proto {
-        "tcp" => tcp(addr, bind_to).and_then(|(line, reader)| {
+        "tcp" => tcp(addr, bind_to, mark).and_then(|(line, reader)| {
             let stream = reader.get_ref();
             Ok(with_own_view(
                 &line,
@@ -51,8 +64,8 @@ fn main() -> anyhow::Result<()> {
                 stream.peer_addr()?,
             ))
         }),
-        "udp" => udp(addr, bind_to, false),
-        "udpc" => udp(addr, bind_to, true),
+        "udp" => udp(addr, bind_to, false, mark),
+        "udpc" => udp(addr, bind_to, true, mark),
         other => bail!("unknown protocol {other}"),
     };
     match answer {
@@ -90,8 +103,8 @@ fn parse_bind(text: &str, v6: bool) -> anyhow::Result<SocketAddr> {
 }
 
 /// The `--hold` loop: the first answer, then one answer per stdin line.
-fn hold_tcp(addr: SocketAddr) -> anyhow::Result<()> {
-    let (first, mut reader) = match tcp(addr, None) {
+fn hold_tcp(addr: SocketAddr, mark: Option<u32>) -> anyhow::Result<()> {
+    let (first, mut reader) = match tcp(addr, None, mark) {
         Ok(answer) => answer,
         Err(err) => {
             println!("no-answer: {err:#}");
@@ -124,20 +137,25 @@ fn hold_tcp(addr: SocketAddr) -> anyhow::Result<()> {
 fn tcp(
     addr: SocketAddr,
     bind_to: Option<SocketAddr>,
+    mark: Option<u32>,
 ) -> anyhow::Result<(String, BufReader<TcpStream>)> {
-    let stream = match bind_to {
-        None => TcpStream::connect_timeout(&addr, TIMEOUT)?,
-        Some(local) => {
-            let family = if addr.is_ipv4() {
-                AddressFamily::Inet
-            } else {
-                AddressFamily::Inet6
-            };
-            let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-            bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
-            connect(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
-            TcpStream::from(fd)
+    let stream = if bind_to.is_none() && mark.is_none() {
+        TcpStream::connect_timeout(&addr, TIMEOUT)?
+    } else {
+        let family = if addr.is_ipv4() {
+            AddressFamily::Inet
+        } else {
+            AddressFamily::Inet6
+        };
+        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+        if let Some(mark) = mark {
+            setsockopt(&fd, sockopt::Mark, &mark)?;
         }
+        if let Some(local) = bind_to {
+            bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
+        }
+        connect(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
+        TcpStream::from(fd)
     };
     stream.set_read_timeout(Some(TIMEOUT))?;
     let mut line = String::new();
@@ -150,13 +168,21 @@ fn tcp(
 /// One datagram; `connected`: `connect` (without a `bind` first, unless `--bind`) then
 /// `send`/`recv_from`, as glibc's and Go's resolvers do; unconnected: `bind` to the wildcard
 /// address then `sendto`, as musl's does.
-fn udp(addr: SocketAddr, bind_to: Option<SocketAddr>, connected: bool) -> anyhow::Result<String> {
+fn udp(
+    addr: SocketAddr,
+    bind_to: Option<SocketAddr>,
+    connected: bool,
+    mark: Option<u32>,
+) -> anyhow::Result<String> {
     let family = if addr.is_ipv4() {
         AddressFamily::Inet
     } else {
         AddressFamily::Inet6
     };
     let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    if let Some(mark) = mark {
+        setsockopt(&fd, sockopt::Mark, &mark)?;
+    }
     let wildcard = SocketAddr::new(
         if addr.is_ipv4() {
             std::net::Ipv4Addr::UNSPECIFIED.into()

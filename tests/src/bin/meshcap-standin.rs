@@ -6,6 +6,10 @@
 //! peer addresses, and what `getsockopt(SO_ORIGINAL_DST)` says — exactly what Envoy and
 //! Istio's validation probe rely on. Runs until killed.
 //!
+//! `--mark N` sets `SO_MARK` on every socket (ztunnel marks its own with 0x539, which the
+//! in-pod rules of ambient mode never capture); `--reuseport` sets `SO_REUSEPORT`, with which
+//! an old and a new ztunnel both listen in a pod during ztunnel's rolling update.
+//!
 //! A TCP listener written `tcp:ADDR:PORT+hold` keeps each connection open (one thread per
 //! connection) and answers every line the client sends with that line, a space and a fresh
 //! report (its `original_dst` asked again), until the client closes: a long-lived connection
@@ -27,11 +31,15 @@ const SO_ORIGINAL_DST: libc::c_int = 80;
 fn main() -> anyhow::Result<()> {
     let mut name = String::from("server");
     let mut listens = Vec::new();
+    let mut mark = None;
+    let mut reuse_port = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--name" => name = args.next().context("--name needs a value")?,
             "--listen" => listens.push(args.next().context("--listen needs a value")?),
+            "--mark" => mark = Some(parse_mark(&args.next().context("--mark needs a value")?)?),
+            "--reuseport" => reuse_port = true,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -53,11 +61,12 @@ fn main() -> anyhow::Result<()> {
         let name = name.clone();
         match proto {
             "tcp" => {
-                let listener = bind_tcp(addr, mode == Mode::Transparent)?;
+                let options = Options { mark, reuse_port };
+                let listener = bind_tcp(addr, mode == Mode::Transparent, options)?;
                 handles.push(thread::spawn(move || serve_tcp(&name, &listener, mode)));
             }
             "udp" => {
-                let socket = bind_udp(addr)?;
+                let socket = bind_udp(addr, Options { mark, reuse_port })?;
                 handles.push(thread::spawn(move || serve_udp(&name, &socket)));
             }
             other => bail!("unknown protocol {other}"),
@@ -71,9 +80,39 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Socket options every listener gets.
+#[derive(Clone, Copy)]
+struct Options {
+    mark: Option<u32>,
+    reuse_port: bool,
+}
+
+impl Options {
+    fn apply(self, fd: &std::os::fd::OwnedFd) -> anyhow::Result<()> {
+        use nix::sys::socket::{setsockopt, sockopt};
+        if let Some(mark) = self.mark {
+            // Accepted connections inherit it.
+            setsockopt(fd, sockopt::Mark, &mark)?;
+        }
+        if self.reuse_port {
+            setsockopt(fd, sockopt::ReusePort, &true)?;
+        }
+        Ok(())
+    }
+}
+
+/// `1337` or `0x539`.
+fn parse_mark(text: &str) -> anyhow::Result<u32> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.with_context(|| format!("bad mark {text}"))
+}
+
 /// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
 /// them by accident.
-fn bind_tcp(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> {
+fn bind_tcp(addr: SocketAddr, transparent: bool, options: Options) -> anyhow::Result<TcpListener> {
     use nix::sys::socket::{
         AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
         socket, sockopt,
@@ -85,6 +124,7 @@ fn bind_tcp(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> 
     };
     let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
     setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    options.apply(&fd)?;
     if addr.is_ipv6() {
         setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
     }
@@ -100,7 +140,7 @@ fn bind_tcp(addr: SocketAddr, transparent: bool) -> anyhow::Result<TcpListener> 
 }
 
 /// As [`bind_tcp`]: IPv6 wildcards are v6-only.
-fn bind_udp(addr: SocketAddr) -> anyhow::Result<UdpSocket> {
+fn bind_udp(addr: SocketAddr, options: Options) -> anyhow::Result<UdpSocket> {
     use nix::sys::socket::{
         AddressFamily, SockFlag, SockType, SockaddrStorage, bind, setsockopt, socket, sockopt,
     };
@@ -113,6 +153,7 @@ fn bind_udp(addr: SocketAddr) -> anyhow::Result<UdpSocket> {
     if addr.is_ipv6() {
         setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
     }
+    options.apply(&fd)?;
     bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
         .with_context(|| format!("binding udp {addr}"))?;
     Ok(UdpSocket::from(fd))
