@@ -477,7 +477,7 @@ fn tproxy_inbound() {
         },
         Verdict::Pass,
     );
-    let route = policy.render().routes.tproxy.expect("policy route");
+    let route = policy.render().routes.mark_route.expect("policy route");
     assert_eq!((route.mark, route.table), (1337, 133));
 }
 
@@ -496,7 +496,7 @@ fn tproxy_outbound_marks_proxy_loopback_traffic() {
         ("sidecar.istio.io/interceptionMode", "TPROXY"),
         ("traffic.sidecar.istio.io/includeInboundPorts", ""),
     ]);
-    assert!(no_inbound.render().routes.tproxy.is_none());
+    assert!(no_inbound.render().routes.mark_route.is_none());
     expect(&no_inbound, &inbound(POD_IP, 8080, "eth0"), Verdict::Pass);
 }
 
@@ -661,7 +661,7 @@ fn dual_stack_and_per_family_include_lists() {
     let route_families = annotated(&[("sidecar.istio.io/interceptionMode", "TPROXY")])
         .render()
         .routes
-        .tproxy
+        .mark_route
         .unwrap()
         .families;
     assert_eq!(route_families, [policy::Family::V4]);

@@ -87,7 +87,10 @@ fn goldens_match_table_by_table() {
 #[test]
 fn tproxy_goldens_carry_the_policy_route() {
     for pod in ["tproxy", "custom-uid-tproxy"] {
-        let route = render(pod).routes.tproxy.expect("a TPROXY policy route");
+        let route = render(pod)
+            .routes
+            .mark_route
+            .expect("a TPROXY policy route");
         assert_eq!(
             (route.mark, route.table, route.families),
             (1337, 133, vec![Family::V4])

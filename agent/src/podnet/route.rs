@@ -1,8 +1,9 @@
 //! Routing inside a pod's netns, over the visit's netlink socket: the policy routes a capture
-//! needs ([`PolicyRoutes`]: Istio's TPROXY rule and table, `ip rule add fwmark 1337 lookup 133`
-//! and `ip route add local default dev lo table 133` per family, as `tools/common/tproxy`
-//! installs them, and addresses on `lo`), and the main table's routes (`excludeInterfaces`
-//! needs to know which prefixes leave by which device).
+//! needs ([`PolicyRoutes`]: a mark route — Istio's TPROXY rule and table, `ip rule add fwmark
+//! 1337 lookup 133` and `ip route add local default dev lo table 133` per family, as
+//! `tools/common/tproxy` installs them, or ambient mode's `fwmark 0x111/0xfff pref 32764 lookup
+//! 100` — and addresses on `lo`), and the main table's routes (`excludeInterfaces` needs to
+//! know which prefixes leave by which device).
 use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -23,7 +24,7 @@ use super::{
     Interface, PodNetError,
     netlink::{Netlink, errno},
 };
-use crate::policy::{Family, IpPrefix, PolicyRoutes, TPROXY_MARK, TPROXY_ROUTE_TABLE};
+use crate::policy::{Family, IpPrefix, MarkRoute, PolicyRoutes};
 
 /// `lo` is always interface 1 in a network namespace.
 const LOOPBACK_INDEX: u32 = 1;
@@ -61,12 +62,12 @@ pub fn update(
     old: &PolicyRoutes,
     new: &PolicyRoutes,
 ) -> Result<(), PodNetError> {
-    let (old_families, new_families) = (families(old), families(new));
-    for family in &new_families {
-        ensure(netlink, *family)?;
+    let wanted = pairs(new);
+    for (route, family) in &wanted {
+        ensure(netlink, route, *family)?;
     }
-    for family in old_families.iter().filter(|f| !new_families.contains(f)) {
-        remove(netlink, *family)?;
+    for (route, family) in pairs(old).iter().filter(|pair| !wanted.contains(pair)) {
+        remove(netlink, route, *family)?;
     }
     for prefix in &new.loopback_addresses {
         add_loopback(netlink, prefix)?;
@@ -81,7 +82,7 @@ pub fn update(
     Ok(())
 }
 
-/// What of `routes`' TPROXY rule and route is missing, if anything.
+/// What of `routes`' mark rule and route is missing, if anything.
 ///
 /// # Errors
 /// When the kernel cannot be asked.
@@ -89,15 +90,17 @@ pub fn missing(
     netlink: &mut Netlink,
     routes: &PolicyRoutes,
 ) -> Result<Option<String>, PodNetError> {
-    for family in families(routes) {
-        if our_rules(netlink, family)?.is_empty() {
+    for (route, family) in pairs(routes) {
+        if our_rules(netlink, &route, family)?.is_empty() {
             return Ok(Some(format!(
-                "ip rule fwmark {TPROXY_MARK} lookup {TPROXY_ROUTE_TABLE} ({family:?})"
+                "ip rule {} ({family:?})",
+                route.describe_rule()
             )));
         }
-        if !has_tproxy_route(netlink, family)? {
+        if !has_local_route(netlink, &route, family)? {
             return Ok(Some(format!(
-                "route local default dev lo table {TPROXY_ROUTE_TABLE} ({family:?})"
+                "route local default dev lo table {} ({family:?})",
+                route.table
             )));
         }
     }
@@ -148,11 +151,13 @@ pub fn main_table(
     Ok(out)
 }
 
-fn families(routes: &PolicyRoutes) -> Vec<Family> {
+/// The mark route of `routes` with each family it is installed in.
+fn pairs(routes: &PolicyRoutes) -> Vec<(MarkRoute, Family)> {
     routes
-        .tproxy
-        .as_ref()
-        .map_or_else(Vec::new, |t| t.families.clone())
+        .mark_route
+        .iter()
+        .flat_map(|route| route.families.iter().map(|family| (route.clone(), *family)))
+        .collect()
 }
 
 /// The table a route or rule is in: the attribute when the table number needs one, else the
@@ -168,8 +173,8 @@ fn table(route: &RouteMessage) -> u32 {
         .unwrap_or_else(|| u32::from(route.header.table))
 }
 
-/// `local default dev lo table 133` of one family.
-fn tproxy_route(family: Family) -> RouteMessage {
+/// `local default dev lo table TABLE` of one family.
+fn local_route(mark_route: &MarkRoute, family: Family) -> RouteMessage {
     let mut route = RouteMessage::default();
     route.header.address_family = address_family(family);
     route.header.protocol = RouteProtocol::Static;
@@ -177,52 +182,60 @@ fn tproxy_route(family: Family) -> RouteMessage {
     route.header.kind = RouteType::Local;
     route.header.table = RouteHeader::RT_TABLE_UNSPEC;
     route.attributes = vec![
-        RouteAttribute::Table(TPROXY_ROUTE_TABLE),
+        RouteAttribute::Table(mark_route.table),
         RouteAttribute::Oif(LOOPBACK_INDEX),
     ];
     route
 }
 
-/// `fwmark 1337 lookup 133` of one family.
-fn tproxy_rule(family: Family) -> RuleMessage {
+/// `fwmark MARK[/MASK] [pref PRIORITY] lookup TABLE` of one family.
+fn mark_rule(route: &MarkRoute, family: Family) -> RuleMessage {
     let mut rule = RuleMessage::default();
     rule.header.family = address_family(family);
     rule.header.table = RouteHeader::RT_TABLE_UNSPEC;
     rule.header.action = RuleAction::ToTable;
     rule.attributes = vec![
-        RuleAttribute::FwMark(TPROXY_MARK),
-        RuleAttribute::Table(TPROXY_ROUTE_TABLE),
+        RuleAttribute::FwMark(route.mark),
+        RuleAttribute::Table(route.table),
     ];
+    if let Some(mask) = route.mask {
+        rule.attributes.push(RuleAttribute::FwMask(mask));
+    }
+    if let Some(priority) = route.priority {
+        rule.attributes.push(RuleAttribute::Priority(priority));
+    }
     rule
 }
 
 /// Installs the rule and route of one family (present already is fine).
-fn ensure(netlink: &mut Netlink, family: Family) -> Result<(), PodNetError> {
+fn ensure(netlink: &mut Netlink, route: &MarkRoute, family: Family) -> Result<(), PodNetError> {
     match netlink.request(
-        RouteNetlinkMessage::NewRule(tproxy_rule(family)),
+        RouteNetlinkMessage::NewRule(mark_rule(route, family)),
         NLM_F_CREATE | NLM_F_EXCL,
     ) {
         Err(e) if errno(&e) != Some(libc::EEXIST) => {
             return Err(failed(format!(
-                "ip rule add fwmark {TPROXY_MARK} lookup {TPROXY_ROUTE_TABLE} ({family:?})"
+                "ip rule add {} ({family:?})",
+                route.describe_rule()
             ))(e));
         }
         _ => {}
     }
     match netlink.request(
-        RouteNetlinkMessage::NewRoute(tproxy_route(family)),
+        RouteNetlinkMessage::NewRoute(local_route(route, family)),
         NLM_F_CREATE | NLM_F_EXCL,
     ) {
         Err(e) if errno(&e) != Some(libc::EEXIST) => Err(failed(format!(
-            "ip route add local default dev lo table {TPROXY_ROUTE_TABLE} ({family:?})"
+            "ip route add local default dev lo table {} ({family:?})",
+            route.table
         ))(e)),
         _ => Ok(()),
     }
 }
 
 /// Removes the rule and route of one family (absent already is fine).
-fn remove(netlink: &mut Netlink, family: Family) -> Result<(), PodNetError> {
-    for rule in our_rules(netlink, family)? {
+fn remove(netlink: &mut Netlink, route: &MarkRoute, family: Family) -> Result<(), PodNetError> {
+    for rule in our_rules(netlink, route, family)? {
         match netlink.request(RouteNetlinkMessage::DelRule(rule), 0) {
             Err(e) if !matches!(errno(&e), Some(libc::ENOENT | libc::ESRCH)) => {
                 return Err(failed("ip rule del")(e));
@@ -230,16 +243,21 @@ fn remove(netlink: &mut Netlink, family: Family) -> Result<(), PodNetError> {
             _ => {}
         }
     }
-    match netlink.request(RouteNetlinkMessage::DelRoute(tproxy_route(family)), 0) {
+    match netlink.request(RouteNetlinkMessage::DelRoute(local_route(route, family)), 0) {
         Err(e) if !matches!(errno(&e), Some(libc::ENOENT | libc::ESRCH)) => Err(failed(format!(
-            "ip route del local default table {TPROXY_ROUTE_TABLE}"
+            "ip route del local default table {}",
+            route.table
         ))(e)),
         _ => Ok(()),
     }
 }
 
 /// Our rules of one family, as the kernel lists them.
-fn our_rules(netlink: &mut Netlink, family: Family) -> Result<Vec<RuleMessage>, PodNetError> {
+fn our_rules(
+    netlink: &mut Netlink,
+    route: &MarkRoute,
+    family: Family,
+) -> Result<Vec<RuleMessage>, PodNetError> {
     let mut query = RuleMessage::default();
     query.header.family = address_family(family);
     let answers = netlink
@@ -253,11 +271,9 @@ fn our_rules(netlink: &mut Netlink, family: Family) -> Result<Vec<RuleMessage>, 
         })
         .filter(|r| {
             r.header.family == address_family(family)
-                && r.attributes.contains(&RuleAttribute::FwMark(TPROXY_MARK))
-                && (r
-                    .attributes
-                    .contains(&RuleAttribute::Table(TPROXY_ROUTE_TABLE))
-                    || u32::from(r.header.table) == TPROXY_ROUTE_TABLE)
+                && r.attributes.contains(&RuleAttribute::FwMark(route.mark))
+                && (r.attributes.contains(&RuleAttribute::Table(route.table))
+                    || u32::from(r.header.table) == route.table)
         })
         .collect())
 }
@@ -281,12 +297,16 @@ fn routes(netlink: &mut Netlink, family: Family) -> Result<Vec<RouteMessage>, Po
         .collect())
 }
 
-/// Whether table 133 holds the local default route of one family.
-fn has_tproxy_route(netlink: &mut Netlink, family: Family) -> Result<bool, PodNetError> {
+/// Whether the route's table holds the local default route of one family.
+fn has_local_route(
+    netlink: &mut Netlink,
+    route: &MarkRoute,
+    family: Family,
+) -> Result<bool, PodNetError> {
     Ok(routes(netlink, family)?.iter().any(|r| {
         r.header.kind == RouteType::Local
             && r.header.destination_prefix_length == 0
-            && table(r) == TPROXY_ROUTE_TABLE
+            && table(r) == route.table
     }))
 }
 

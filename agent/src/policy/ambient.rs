@@ -45,6 +45,10 @@ pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
 pub const CONNECTION_MARK: u32 = 0x111;
 /// The mask of [`CONNECTION_MARK`].
 pub const CONNECTION_MARK_MASK: u32 = 0xfff;
+/// The routing table of ambient mode's mark route (`local default dev lo table 100`).
+pub const AMBIENT_ROUTE_TABLE: u32 = 100;
+/// The priority of ambient mode's `ip rule`.
+pub const AMBIENT_RULE_PRIORITY: u32 = 32764;
 /// ztunnel's outbound listener in the pod.
 pub const ZTUNNEL_OUTBOUND_PORT: u16 = 15001;
 /// ztunnel's plaintext inbound listener in the pod.

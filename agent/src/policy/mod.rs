@@ -11,7 +11,7 @@
 //!   check the eBPF decision and [`RedirectPolicy::decide`] against;
 //! - [`PolicyRoutes`]: the policy routes and `lo` addresses a capture needs besides rules;
 //! - [`ambient`]: ambient mode's enrollment ([`ambient::enroll`]) and its in-pod policy, whose
-//!   [`ambient::InpodPolicy::render`] writes Istio's exact in-pod rules ([`InpodRules`]).
+//!   [`ambient::InpodPolicy::render`] writes Istio's exact in-pod rules.
 //!
 //! Everything here is pure: no I/O, no kernel.
 
@@ -31,9 +31,9 @@ mod routes;
 pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use error::{ManifestError, PolicyError};
 pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
-pub use iptables::{InpodRules, IptablesRules};
+pub use iptables::IptablesRules;
 pub use manifest::parse_pod_manifest;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
 pub use pod::{SelectConfig, select, status_pod_ips};
-pub use routes::{PolicyRoutes, TproxyRoute};
+pub use routes::{MarkRoute, PolicyRoutes};

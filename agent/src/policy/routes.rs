@@ -1,5 +1,6 @@
-//! What a policy needs besides packet rules, set up over netlink in the pod's netns: the
-//! TPROXY policy route and addresses on `lo`. Both backends install it (through
+//! What a policy needs besides packet rules, set up over netlink in the pod's netns: a
+//! policy route by packet mark (TPROXY's, or ambient mode's for replies to ztunnel) and
+//! addresses on `lo`. Both backends install it (through
 //! `crate::podnet::route`); the iptables backend's rules rely on it exactly as Istio's do.
 use std::net::IpAddr;
 
@@ -7,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     INBOUND_PASSTHROUGH_V6,
+    ambient::{AMBIENT_ROUTE_TABLE, AMBIENT_RULE_PRIORITY, CONNECTION_MARK, CONNECTION_MARK_MASK},
     model::{Family, IpPrefix, TPROXY_MARK, TPROXY_ROUTE_TABLE},
 };
 
@@ -14,37 +16,81 @@ use super::{
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PolicyRoutes {
     /// TPROXY mode with inbound capture: `ip rule add fwmark 1337 lookup 133` and
-    /// `ip route add local default dev lo table 133`, per family.
-    pub tproxy: Option<TproxyRoute>,
+    /// `ip route add local default dev lo table 133`, per family; ambient mode: `ip rule add
+    /// fwmark 0x111/0xfff pref 32764 lookup 100` and `local default dev lo table 100`.
+    #[serde(alias = "tproxy")]
+    pub mark_route: Option<MarkRoute>,
     /// Addresses to add to `lo`: `::6/128` (the IPv6 inbound passthrough source) when the pod
     /// has IPv6; IPv4 needs none (127.0.0.0/8 is all on `lo`).
     pub loopback_addresses: Vec<IpPrefix>,
 }
 
-/// The TPROXY policy route.
+/// A policy route by packet mark: packets with the mark are delivered locally (`ip rule
+/// fwmark MARK[/MASK] [pref PRIORITY] lookup TABLE` and `ip route add local default dev lo
+/// table TABLE`, per family).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TproxyRoute {
-    /// The `ip rule` fwmark (1337).
+pub struct MarkRoute {
+    /// The `ip rule` fwmark.
     pub mark: u32,
-    /// The routing table holding `local default dev lo` (133).
+    /// Its mask (none: the whole mark).
+    #[serde(default)]
+    pub mask: Option<u32>,
+    /// The rule's priority (none: the kernel picks one).
+    #[serde(default)]
+    pub priority: Option<u32>,
+    /// The routing table holding `local default dev lo`.
     pub table: u32,
     /// The families to install both in (IPv4, and IPv6 when the pod has it).
     pub families: Vec<Family>,
 }
 
-impl TproxyRoute {
-    /// Istio's route (mark 1337, table 133) in IPv4, and IPv6 when `ipv6`.
+fn families(ipv6: bool) -> Vec<Family> {
+    let mut families = vec![Family::V4];
+    if ipv6 {
+        families.push(Family::V6);
+    }
+    families
+}
+
+impl MarkRoute {
+    /// Istio's TPROXY route (mark 1337, table 133) in IPv4, and IPv6 when `ipv6`.
     #[must_use]
-    pub fn new(ipv6: bool) -> Self {
-        let mut families = vec![Family::V4];
-        if ipv6 {
-            families.push(Family::V6);
-        }
+    pub fn tproxy(ipv6: bool) -> Self {
         Self {
             mark: TPROXY_MARK,
+            mask: None,
+            priority: None,
             table: TPROXY_ROUTE_TABLE,
-            families,
+            families: families(ipv6),
         }
+    }
+
+    /// Istio's in-pod route of ambient mode (`fwmark 0x111/0xfff pref 32764 lookup 100`,
+    /// `cni/pkg/iptables/iptables_linux.go`): replies to ztunnel's connections, which carry
+    /// the connection mark, go back to ztunnel.
+    #[must_use]
+    pub fn ambient(ipv6: bool) -> Self {
+        Self {
+            mark: CONNECTION_MARK,
+            mask: Some(CONNECTION_MARK_MASK),
+            priority: Some(AMBIENT_RULE_PRIORITY),
+            table: AMBIENT_ROUTE_TABLE,
+            families: families(ipv6),
+        }
+    }
+
+    /// `fwmark 1337 lookup 133`, as `ip rule` shows it.
+    #[must_use]
+    pub fn describe_rule(&self) -> String {
+        let mask = self.mask.map(|m| format!("/{m:#x}")).unwrap_or_default();
+        let priority = self
+            .priority
+            .map(|p| format!(" pref {p}"))
+            .unwrap_or_default();
+        format!(
+            "fwmark {:#x}{mask}{priority} lookup {}",
+            self.mark, self.table
+        )
     }
 }
 
@@ -53,7 +99,7 @@ impl PolicyRoutes {
     #[must_use]
     pub fn tproxy(ipv6: bool) -> Self {
         Self {
-            tproxy: Some(TproxyRoute::new(ipv6)),
+            mark_route: Some(MarkRoute::tproxy(ipv6)),
             loopback_addresses: Vec::new(),
         }
     }
@@ -62,7 +108,7 @@ impl PolicyRoutes {
     #[must_use]
     pub fn passthrough6() -> Self {
         Self {
-            tproxy: None,
+            mark_route: None,
             loopback_addresses: IpPrefix::new(IpAddr::V6(INBOUND_PASSTHROUGH_V6), 128)
                 .into_iter()
                 .collect(),
@@ -72,6 +118,6 @@ impl PolicyRoutes {
     /// Whether there is nothing to install.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.tproxy.is_none() && self.loopback_addresses.is_empty()
+        self.mark_route.is_none() && self.loopback_addresses.is_empty()
     }
 }

@@ -14,7 +14,7 @@ use crate::{
     backend::PodRef,
     crashpoint,
     podnet::{self, PodNet, Visit},
-    policy::{PolicyRoutes, RedirectPolicy, TproxyRoute},
+    policy::{MarkRoute, PolicyRoutes, RedirectPolicy},
 };
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
@@ -72,7 +72,7 @@ impl EbpfBackend {
                 PolicyRoutes::default()
             };
             if tproxy || reroute {
-                routes.tproxy = Some(TproxyRoute::new(ipv6));
+                routes.mark_route = Some(MarkRoute::tproxy(ipv6));
             }
             if !routes.is_empty() {
                 podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;

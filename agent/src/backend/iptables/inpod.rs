@@ -231,7 +231,7 @@ impl Ctx<'_> {
                 }
             }
         }
-        if rules.routes.tproxy.is_none() {
+        if rules.routes.mark_route.is_none() {
             return Ok(None);
         }
         let pod = self.pod.clone();

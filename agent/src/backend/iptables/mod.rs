@@ -70,6 +70,9 @@ struct Applied {
     #[serde(default)]
     replacing: Vec<IptablesRules>,
     mode: InterceptionMode,
+    /// Ambient mode's in-pod rules (ztunnel's), not a sidecar's.
+    #[serde(default)]
+    ambient: bool,
 }
 
 impl Applied {
@@ -229,6 +232,120 @@ impl IptablesBackend {
         self.locks.join(format!("{id}.lock"))
     }
 
+    /// Applies an ambient pod's in-pod rules ([`crate::policy::ambient::InpodPolicy::render`]),
+    /// with the same records, rollback and crash consistency as a sidecar pod's.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::add`].
+    #[tracing::instrument(name = "iptables_add_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    pub fn add_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
+        self.apply(pod, rules, InterceptionMode::Redirect, true)
+    }
+
+    /// Whether an ambient pod's in-pod rules are in place.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::check`].
+    #[tracing::instrument(name = "iptables_check_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    pub fn check_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
+        self.verify(pod, rules)
+    }
+
+    /// Applies `rules` to the pod's netns, recorded (ahead) so that a DEL, an ADD or a
+    /// restarted agent removes whatever of them is there.
+    fn apply(
+        &self,
+        pod: &PodRef,
+        rules: &IptablesRules,
+        mode: InterceptionMode,
+        ambient: bool,
+    ) -> Result<(), BackendError> {
+        let previous = self.lock().get(&pod.container_id).cloned();
+        if let Some(prev) = &previous
+            && prev.rules == *rules
+            && prev.replacing.is_empty()
+            && self.verify(pod, rules).is_ok()
+        {
+            debug!("already captured with these rules");
+            return Ok(());
+        }
+        let choice = self.flavour;
+        let record = self.in_netns(pod, |ctx| {
+            let flavour = previous
+                .as_ref()
+                .map_or_else(|| ctx.detect(choice), |p| p.flavour);
+            // Written ahead: from here on the netns may hold the old rules, the new ones or a
+            // mix (an agent killed part-way), and the record says so, so that whoever comes
+            // next (a DEL, an ADD, a restarted agent) removes whatever of them is there.
+            let intent = Applied {
+                pod: pod.clone(),
+                flavour,
+                rules: rules.clone(),
+                replacing: previous
+                    .iter()
+                    .flat_map(Applied::rule_sets)
+                    .filter(|r| *r != rules)
+                    .cloned()
+                    .collect(),
+                mode,
+                ambient,
+            };
+            self.save(&intent)?;
+            self.lock().insert(pod.container_id.clone(), intent.clone());
+            let old = previous
+                .as_ref()
+                .filter(|p| p.replacing.is_empty())
+                .map(|p| &p.rules);
+            if let Err(err) = ctx.swap(flavour, old, rules) {
+                // The netns is not as recorded: rules removed behind meshcap's back, or the
+                // leftovers of an interrupted call. What is there of every rule set the record
+                // names goes, then the new set is applied whole.
+                warn!(error = %err, "the pod's rules are not as recorded: removing what is left and applying them afresh");
+                for set in intent.rule_sets() {
+                    ctx.scrub(flavour, set)?;
+                }
+                ctx.swap(flavour, None, rules)?;
+            }
+            Ok(intent)
+        })?;
+        crashpoint::here(crashpoint::IPTABLES_ADD_APPLIED);
+        let record = Applied {
+            replacing: Vec::new(),
+            ..record
+        };
+        self.save(&record)?;
+        info!(flavour = ?record.flavour, %mode, ambient, "iptables rules applied");
+        self.lock().insert(pod.container_id.clone(), record);
+        Ok(())
+    }
+
+    /// Whether the pod's netns holds `rules` as recorded.
+    fn verify(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
+        let not_captured = |missing: String| BackendError::NotCaptured {
+            pod: pod.to_string(),
+            missing,
+        };
+        let Some((_, record)) = self.recorded(pod) else {
+            return Err(not_captured(
+                "meshcap never applied rules to this container".into(),
+            ));
+        };
+        if !record.replacing.is_empty() {
+            return Err(not_captured(
+                "an earlier ADD or update did not finish (ADD again)".into(),
+            ));
+        }
+        if record.rules != *rules {
+            return Err(not_captured(
+                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
+            ));
+        }
+        match self.in_netns(pod, |ctx| ctx.first_missing(record.flavour, rules))? {
+            None => Ok(()),
+            Some(missing) => Err(not_captured(missing)),
+        }
+    }
+
     fn in_netns<T: Send>(
         &self,
         pod: &PodRef,
@@ -257,63 +374,7 @@ impl CaptureBackend for IptablesBackend {
 
     #[tracing::instrument(name = "iptables_add", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        let rules = policy.render();
-        let previous = self.lock().get(&pod.container_id).cloned();
-        if let Some(prev) = &previous
-            && prev.rules == rules
-            && prev.replacing.is_empty()
-            && self.check(pod, policy).is_ok()
-        {
-            debug!("already captured with these rules");
-            return Ok(());
-        }
-        let choice = self.flavour;
-        let record = self.in_netns(pod, |ctx| {
-            let flavour = previous
-                .as_ref()
-                .map_or_else(|| ctx.detect(choice), |p| p.flavour);
-            // Written ahead: from here on the netns may hold the old rules, the new ones or a
-            // mix (an agent killed part-way), and the record says so, so that whoever comes
-            // next (a DEL, an ADD, a restarted agent) removes whatever of them is there.
-            let intent = Applied {
-                pod: pod.clone(),
-                flavour,
-                rules: rules.clone(),
-                replacing: previous
-                    .iter()
-                    .flat_map(Applied::rule_sets)
-                    .filter(|r| **r != rules)
-                    .cloned()
-                    .collect(),
-                mode: policy.mode,
-            };
-            self.save(&intent)?;
-            self.lock().insert(pod.container_id.clone(), intent.clone());
-            let old = previous
-                .as_ref()
-                .filter(|p| p.replacing.is_empty())
-                .map(|p| &p.rules);
-            if let Err(err) = ctx.swap(flavour, old, &rules) {
-                // The netns is not as recorded: rules removed behind meshcap's back, or the
-                // leftovers of an interrupted call. What is there of every rule set the record
-                // names goes, then the new set is applied whole.
-                warn!(error = %err, "the pod's rules are not as recorded: removing what is left and applying them afresh");
-                for set in intent.rule_sets() {
-                    ctx.scrub(flavour, set)?;
-                }
-                ctx.swap(flavour, None, &rules)?;
-            }
-            Ok(intent)
-        })?;
-        crashpoint::here(crashpoint::IPTABLES_ADD_APPLIED);
-        let record = Applied {
-            replacing: Vec::new(),
-            ..record
-        };
-        self.save(&record)?;
-        info!(flavour = ?record.flavour, mode = %policy.mode, "iptables rules applied");
-        self.lock().insert(pod.container_id.clone(), record);
-        Ok(())
+        self.apply(pod, &policy.render(), policy.mode, false)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
@@ -392,30 +453,7 @@ impl CaptureBackend for IptablesBackend {
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        let rules = policy.render();
-        let not_captured = |missing: String| BackendError::NotCaptured {
-            pod: pod.to_string(),
-            missing,
-        };
-        let Some((_, record)) = self.recorded(pod) else {
-            return Err(not_captured(
-                "meshcap never applied rules to this container".into(),
-            ));
-        };
-        if !record.replacing.is_empty() {
-            return Err(not_captured(
-                "an earlier ADD or update did not finish (ADD again)".into(),
-            ));
-        }
-        if record.rules != rules {
-            return Err(not_captured(
-                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
-            ));
-        }
-        match self.in_netns(pod, |ctx| ctx.first_missing(record.flavour, &rules))? {
-            None => Ok(()),
-            Some(missing) => Err(not_captured(missing)),
-        }
+        self.verify(pod, &policy.render())
     }
 
     fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
@@ -427,7 +465,11 @@ impl CaptureBackend for IptablesBackend {
                 backend: self.name().to_owned(),
                 summary: format!(
                     "{} via {}{}",
-                    a.mode,
+                    if a.ambient {
+                        "ambient (ztunnel)".to_owned()
+                    } else {
+                        a.mode.to_string()
+                    },
                     a.flavour.binary(false, ""),
                     if a.rules.family(Family::V6).is_some() {
                         ", IPv4+IPv6"

@@ -1,42 +1,40 @@
 //! Istio's in-pod rules for an ambient pod (`cni/pkg/iptables/iptables.go`,
 //! `AppendInpodRules`): the same rules, in the same order within each table, as
-//! `iptables-restore` input.
+//! `iptables-restore` input, and the mark route they rely on (`iptables_linux.go`).
 
 use super::{
-    HOST_LOOPBACK, ISTIO_OUTPUT, MANGLE, NAT, OUTPUT, PREROUTING, RAW,
+    HOST_LOOPBACK, ISTIO_OUTPUT, IptablesRules, MANGLE, NAT, OUTPUT, PREROUTING, RAW,
     builder::{BOTH, Builder, IP, restore_text},
 };
-use crate::policy::ambient::{
-    CONNECTION_MARK, CONNECTION_MARK_MASK, InpodPolicy, ZTUNNEL_DNS_PORT,
-    ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
-    ZTUNNEL_OUTBOUND_PORT,
+use crate::policy::{
+    MarkRoute, PolicyRoutes,
+    ambient::{
+        CONNECTION_MARK, CONNECTION_MARK_MASK, InpodPolicy, ZTUNNEL_DNS_PORT,
+        ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+        ZTUNNEL_OUTBOUND_PORT,
+    },
 };
 
 /// The in-pod prerouting chain.
 const ISTIO_PRERT: &str = "ISTIO_PRERT";
 
-/// The rules of one family's `iptables-restore` input for an ambient pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct InpodRules {
-    /// `iptables-restore --noflush` input.
-    pub v4: String,
-    /// `ip6tables-restore --noflush` input, when the policy has IPv6.
-    pub v6: Option<String>,
-}
-
 impl InpodPolicy {
     /// Istio's in-pod rules for this policy.
     #[must_use]
-    pub fn render(&self) -> InpodRules {
+    pub fn render(&self) -> IptablesRules {
         let mut b = Builder {
             v4: Vec::new(),
             v6: Vec::new(),
             ipv6: self.ipv6,
         };
         self.build(&mut b);
-        InpodRules {
+        IptablesRules {
             v4: restore_text(&b.v4),
             v6: self.ipv6.then(|| restore_text(&b.v6)),
+            routes: PolicyRoutes {
+                mark_route: Some(MarkRoute::ambient(self.ipv6)),
+                loopback_addresses: Vec::new(),
+            },
         }
     }
 

@@ -8,7 +8,6 @@ mod builder;
 mod inpod;
 
 use builder::{BOTH, Builder, Families, IP, V4, V6, restore_text};
-pub use inpod::InpodRules;
 
 use super::{
     model::{
@@ -16,7 +15,7 @@ use super::{
         InterceptionMode, IpRanges, OUTBOUND_CAPTURE_PORT, OUTBOUND_MARK, PortSelection,
         RedirectPolicy, TPROXY_MARK,
     },
-    routes::{PolicyRoutes, TproxyRoute},
+    routes::{MarkRoute, PolicyRoutes},
 };
 
 /// A policy rendered for the iptables backend.
@@ -57,7 +56,7 @@ impl RedirectPolicy {
             PolicyRoutes::default()
         };
         if self.mode == InterceptionMode::Tproxy && !self.include_inbound_ports.is_none() {
-            routes.tproxy = Some(TproxyRoute::new(self.ipv6));
+            routes.mark_route = Some(MarkRoute::tproxy(self.ipv6));
         }
         IptablesRules {
             v4: restore_text(&builder.v4),
