@@ -1,8 +1,9 @@
 //! The agent's core: a plugin request in, a capture decision applied, a response out.
 //!
 //! ADD looks the pod up (bounded retries), asks the policy module whether and how Istio would
-//! capture it, and applies that with the backend; DEL removes; CHECK re-derives the policy and
-//! asks the backend whether it is in place. Requests for one container are serialized; the
+//! capture it — enrolled in ambient mode (when the node runs it, [`crate::ambient`]) or with
+//! its sidecar — and applies that with the backend; DEL removes; CHECK re-derives the policy
+//! and asks the backend whether it is in place. Requests for one container are serialized; the
 //! backend's blocking work runs on the request's own worker thread (`off_the_runtime`).
 use std::{
     collections::HashMap,
@@ -23,12 +24,16 @@ use tokio::{
 use tracing::{Instrument as _, error, info, info_span, warn};
 
 use crate::{
+    ambient::{Ambient, AmbientError},
     backend::{BackendError, CaptureBackend, PodRef},
     events::{EventSink, PodObject},
     install::watch::InstallStatus,
     podnet,
     pods::{PodSource, PodSourceError, Retry},
-    policy::{self, SelectConfig, Selection, SkipReason},
+    policy::{
+        self, RedirectPolicy, SelectConfig, Selection, SkipReason,
+        ambient::{Enrollment, InpodPolicy},
+    },
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
 };
@@ -71,6 +76,29 @@ impl From<PodSourceError> for Failure {
     }
 }
 
+impl From<AmbientError> for Failure {
+    fn from(err: AmbientError) -> Self {
+        match err {
+            AmbientError::Rules(err) => err.into(),
+            other => Self::new(ErrorKind::Backend, other.to_string()),
+        }
+    }
+}
+
+/// What a pod gets.
+enum Decision {
+    /// Left alone.
+    Skip(SkipReason),
+    /// Its sidecar's capture.
+    Sidecar(Box<RedirectPolicy>),
+    /// Ambient mode's in-pod capture, handed to ztunnel.
+    Ambient {
+        policy: InpodPolicy,
+        uid: String,
+        service_account: String,
+    },
+}
+
 impl From<BackendError> for Failure {
     fn from(err: BackendError) -> Self {
         let kind = match err {
@@ -96,6 +124,8 @@ pub struct Capture {
     /// for the entry to be in place.
     install: Mutex<Option<watch::Receiver<InstallStatus>>>,
     events: Mutex<Option<EventSink>>,
+    /// Ambient mode, when this node runs it.
+    ambient: Mutex<Option<Arc<Ambient>>>,
 }
 
 impl Capture {
@@ -120,6 +150,7 @@ impl Capture {
             policies: Mutex::new(HashMap::new()),
             install: Mutex::new(None),
             events: Mutex::new(None),
+            ambient: Mutex::new(None),
         };
         capture.update_captured_gauge();
         capture
@@ -139,6 +170,15 @@ impl Capture {
     /// Makes readiness wait for the plugin's entry to be in place (this agent installs it).
     pub fn watch_install(&self, status: watch::Receiver<InstallStatus>) {
         *lock(&self.install) = Some(status);
+    }
+
+    /// Runs ambient mode: pods its selectors enroll are captured for ztunnel.
+    pub fn serve_ambient(&self, ambient: Arc<Ambient>) {
+        *lock(&self.ambient) = Some(ambient);
+    }
+
+    fn ambient(&self) -> Option<Arc<Ambient>> {
+        lock(&self.ambient).clone()
     }
 
     /// Publishes a Kubernetes Event on each pod whose ADD fails.
@@ -307,8 +347,9 @@ impl Capture {
         off_the_runtime(move || f(backend.as_ref())).await
     }
 
-    /// The pod's decision: skip (with the reason) or capture with a policy.
-    async fn select(&self, pod: &PodAttachment) -> Result<Selection, Failure> {
+    /// The pod's decision: skip (with the reason), ambient mode's capture (a node that runs it
+    /// asks first, as Istio's plugin does) or its sidecar's.
+    async fn decide(&self, pod: &PodAttachment) -> Result<Decision, Failure> {
         let found = self
             .source
             .get(
@@ -340,14 +381,64 @@ impl Capture {
         } else {
             pod.ips.clone()
         };
-        policy::select(&found, &ips, &self.settings.select)
-            .map_err(|e| Failure::new(ErrorKind::InvalidPod, e.to_string()))
+        if let Some(ambient) = self.ambient() {
+            let labels = self
+                .source
+                .namespace_labels(&pod.namespace)
+                .await
+                .map_err(|reason| {
+                    Failure::new(
+                        ErrorKind::PodSourceUnavailable,
+                        format!("pod {}/{}: {reason}", pod.namespace, pod.name),
+                    )
+                })?;
+            let exclude = &self.settings.select.exclude_namespaces;
+            match policy::ambient::enroll(&found, &labels, exclude, ambient.config()) {
+                Err(e) => return Err(Failure::new(ErrorKind::InvalidPod, e.to_string())),
+                Ok(Enrollment::Enrolled { policy, ignored }) => {
+                    for annotation in ignored {
+                        warn!(
+                            annotation = annotation.key,
+                            value = annotation.value,
+                            "not a boolean: ignored, as Istio does"
+                        );
+                    }
+                    let uid = pod
+                        .uid
+                        .clone()
+                        .or_else(|| found.metadata.uid.clone())
+                        .unwrap_or_default();
+                    let service_account = found
+                        .spec
+                        .as_ref()
+                        .and_then(|spec| spec.service_account_name.clone())
+                        .unwrap_or_else(|| "default".to_owned());
+                    return Ok(Decision::Ambient {
+                        policy,
+                        uid,
+                        service_account,
+                    });
+                }
+                Ok(Enrollment::NotEnrolled { .. }) => {}
+            }
+        }
+        match policy::select(&found, &ips, &self.settings.select)
+            .map_err(|e| Failure::new(ErrorKind::InvalidPod, e.to_string()))?
+        {
+            Selection::Skip { reason } => Ok(Decision::Skip(reason)),
+            Selection::Capture { policy } => Ok(Decision::Sidecar(policy)),
+        }
     }
 
     async fn add(&self, pod: PodAttachment) -> Result<Response, Failure> {
-        let policy = match self.select(&pod).await? {
-            Selection::Skip { reason } => return Ok(skipped(&reason)),
-            Selection::Capture { policy } => policy,
+        let policy = match self.decide(&pod).await? {
+            Decision::Skip(reason) => return Ok(skipped(&reason)),
+            Decision::Ambient {
+                policy,
+                uid,
+                service_account,
+            } => return self.enroll(&pod, policy, uid, service_account).await,
+            Decision::Sidecar(policy) => policy,
         };
         let target = pod_ref(&pod);
         let summary = policy.summary();
@@ -364,8 +455,44 @@ impl Capture {
         ))
     }
 
+    async fn enroll(
+        &self,
+        pod: &PodAttachment,
+        policy: InpodPolicy,
+        uid: String,
+        service_account: String,
+    ) -> Result<Response, Failure> {
+        let ambient = self.ambient().ok_or_else(|| {
+            Failure::new(
+                ErrorKind::Internal,
+                "ambient mode is not running on this node",
+            )
+        })?;
+        let target = pod_ref(pod);
+        {
+            let (ambient, target) = (ambient.clone(), target.clone());
+            off_the_runtime(move || ambient.add(&target, &uid, &service_account, &policy))
+                .await??;
+        }
+        if let Err(err) = ambient.annotate_enrolled(&target).await {
+            let undo = ambient.clone();
+            if let Err(undone) = off_the_runtime(move || undo.remove(&target)).await? {
+                warn!(error = %undone, "undoing the enrollment of a pod that could not be annotated");
+            }
+            return Err(err.into());
+        }
+        Ok(Response::ok(
+            Outcome::Captured,
+            "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod",
+        ))
+    }
+
     async fn del(&self, pod: PodAttachment) -> Result<Response, Failure> {
         let target = pod_ref(&pod);
+        if let Some(ambient) = self.ambient() {
+            let target = target.clone();
+            off_the_runtime(move || ambient.remove(&target)).await??;
+        }
         self.blocking(move |b| b.remove(&target)).await??;
         self.policies
             .lock()
@@ -376,9 +503,20 @@ impl Capture {
     }
 
     async fn check(&self, pod: PodAttachment) -> Result<Response, Failure> {
-        let policy = match self.select(&pod).await? {
-            Selection::Skip { reason } => return Ok(skipped(&reason)),
-            Selection::Capture { policy } => policy,
+        let policy = match self.decide(&pod).await? {
+            Decision::Skip(reason) => return Ok(skipped(&reason)),
+            Decision::Ambient { policy, .. } => {
+                let ambient = self.ambient().ok_or_else(|| {
+                    Failure::new(
+                        ErrorKind::Internal,
+                        "ambient mode is not running on this node",
+                    )
+                })?;
+                let target = pod_ref(&pod);
+                off_the_runtime(move || ambient.check(&target, &policy)).await??;
+                return Ok(Response::ok(Outcome::Checked, "in-pod capture is in place"));
+            }
+            Decision::Sidecar(policy) => policy,
         };
         let target = pod_ref(&pod);
         self.blocking(move |b| b.check(&target, &policy)).await??;
@@ -386,8 +524,28 @@ impl Capture {
     }
 
     async fn gc(&self, valid: &[String]) -> Result<Response, Failure> {
-        let captured = self.blocking(|b| b.list()).await??;
         let mut removed = 0;
+        if let Some(ambient) = self.ambient() {
+            let enrolled = {
+                let ambient = ambient.clone();
+                off_the_runtime(move || ambient.list()).await??
+            };
+            for stale in enrolled
+                .into_iter()
+                .filter(|c| !valid.contains(&c.pod.container_id))
+            {
+                let (pod, id) = (stale.pod.clone(), stale.pod.container_id.clone());
+                let ambient = ambient.clone();
+                let work = off_the_runtime(move || ambient.remove(&pod));
+                match self.locked(&id, work).await? {
+                    Ok(()) => removed += 1,
+                    Err(err) => {
+                        error!(container = %id, error = %err, "GC could not remove a stale ambient enrollment")
+                    }
+                }
+            }
+        }
+        let captured = self.blocking(|b| b.list()).await??;
         for stale in captured
             .into_iter()
             .filter(|c| !valid.contains(&c.pod.container_id))
@@ -416,7 +574,10 @@ impl Capture {
         let (captured, programs, other_programs, warnings) = self
             .blocking(|b| (b.list(), b.programs(), b.other_programs(), b.warnings()))
             .await?;
-        let captured = captured?;
+        let mut captured = captured?;
+        if let Some(ambient) = self.ambient() {
+            captured.extend(off_the_runtime(move || ambient.list()).await??);
+        }
         let policies = self
             .policies
             .lock()
@@ -469,18 +630,27 @@ impl Capture {
     /// if its netns is still gone there; what cannot be dropped is logged and tried again on
     /// the next call. Returns how many were dropped.
     pub async fn drop_gone(&self) -> usize {
+        let mut dropped = 0;
+        if let Some(ambient) = self.ambient() {
+            match off_the_runtime(move || ambient.prune_gone()).await {
+                Ok(Ok(gone)) => dropped += gone.len(),
+                Ok(Err(err)) => warn!(error = %err, "dropping ambient pods whose netns is gone"),
+                Err(failure) => {
+                    warn!(error = %failure.msg, "dropping ambient pods whose netns is gone")
+                }
+            }
+        }
         let gone = match self.blocking(|b| b.gone()).await {
             Ok(Ok(gone)) => gone,
             Ok(Err(err)) => {
                 warn!(error = %err, "looking for captures whose netns is gone");
-                return 0;
+                return dropped;
             }
             Err(failure) => {
                 warn!(error = %failure.msg, "looking for captures whose netns is gone");
-                return 0;
+                return dropped;
             }
         };
-        let mut dropped = 0;
         for pod in gone {
             let (id, name) = (pod.container_id.clone(), pod.to_string());
             let work = self.blocking(move |b| b.drop_if_gone(&pod));

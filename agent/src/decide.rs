@@ -2,14 +2,18 @@
 //! agent does not (crash loop, image pull failure, eviction). The same lookup and the same
 //! [`policy::select`] as an ADD through the agent, once and without retries, so that a pod the
 //! mesh does not concern starts and one it does fails closed (docs/install.md, "Agent
-//! outage"). A pod whose annotations do not parse is the mesh's: it fails closed too.
+//! outage"). A pod whose annotations do not parse is the mesh's: it fails closed too. On a node
+//! that runs ambient mode, a pod ambient mode enrolls is the mesh's as well.
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::{
     pods::{PodSource, PodSourceError, Retry},
-    policy::{self, SelectConfig, Selection},
+    policy::{
+        self, SelectConfig, Selection,
+        ambient::{AmbientConfig, Enrollment},
+    },
 };
 
 /// What the plugin knows of the pod.
@@ -25,6 +29,8 @@ pub struct Request {
     pub ips: Vec<IpAddr>,
     /// Namespaces never captured.
     pub exclude_namespaces: Vec<String>,
+    /// Ambient mode, when the node runs it.
+    pub ambient: Option<AmbientConfig>,
 }
 
 /// The answer, one JSON line on stdout.
@@ -58,6 +64,33 @@ pub async fn decide(source: &PodSource, request: &Request) -> Result<Decision, P
     } else {
         request.ips.clone()
     };
+    if let Some(ambient) = &request.ambient {
+        let labels = source
+            .namespace_labels(&request.namespace)
+            .await
+            .map_err(|reason| PodSourceError::Unavailable {
+                namespace: request.namespace.clone(),
+                name: request.name.clone(),
+                source_name: source.describe(),
+                attempts: 1,
+                reason,
+            })?;
+        match policy::ambient::enroll(&pod, &labels, &request.exclude_namespaces, ambient) {
+            Ok(Enrollment::Enrolled { .. }) => {
+                return Ok(Decision {
+                    capture: true,
+                    reason: "ambient mode enrolls it: ztunnel must capture its traffic".to_owned(),
+                });
+            }
+            Err(err) => {
+                return Ok(Decision {
+                    capture: true,
+                    reason: err.to_string(),
+                });
+            }
+            Ok(Enrollment::NotEnrolled { .. }) => {}
+        }
+    }
     let config = SelectConfig {
         exclude_namespaces: request.exclude_namespaces.clone(),
     };

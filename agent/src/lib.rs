@@ -1,6 +1,7 @@
 //! meshcap-agent: the node daemon that captures sidecar pods' traffic.
 //!
 //! Layout, one concern per module:
+//! - [`ambient`]: ambient mode: an enrolled pod's in-pod rules and its hand-over to ztunnel;
 //! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection)
 //!   and the health, readiness and metrics endpoint;
 //! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`) behind
@@ -39,6 +40,7 @@
 //! same kind of visit.
 //! Dependencies point one way: api → capture → backend → podnet and policy.
 
+pub mod ambient;
 pub mod api;
 pub mod backend;
 pub mod bpf;

@@ -25,6 +25,9 @@ pub const BPFFS: &str = "/sys/fs/bpf";
 /// mounted at a separate path and handed to the agent as its cgroup root.
 pub const HOST_CGROUP_ROOT: &str = "/host/sys/fs/cgroup";
 
+/// Where ztunnel finds the agent's ZDS socket (ambient mode; Istio's `/var/run/ztunnel`).
+pub const ZTUNNEL_DIR: &str = "/var/run/ztunnel";
+
 /// Where container runtimes create pod network namespaces; the CNI `CNI_NETNS` paths are here.
 pub const NETNS_DIR: &str = "/var/run/netns";
 

@@ -121,8 +121,38 @@ pub const REPAIR_BROKEN_POD_LABEL_VALUE: Setting = Setting {
     default: "true",
 };
 
+/// `ambient.enabled`: capture pods enrolled in ambient mode for ztunnel.
+pub const AMBIENT_ENABLED: Setting = Setting {
+    key: "ambient.enabled",
+    env: "MESHCAP_AMBIENT_ENABLED",
+    default: "false",
+};
+
+/// `ambient.dnsCapture`: DNS of enrolled pods to ztunnel's DNS proxy (unless a pod says not).
+pub const AMBIENT_DNS_CAPTURE: Setting = Setting {
+    key: "ambient.dnsCapture",
+    env: "MESHCAP_AMBIENT_DNS_CAPTURE",
+    default: "true",
+};
+
+/// `ambient.ipv6`: IPv6 in-pod rules beside IPv4.
+pub const AMBIENT_IPV6: Setting = Setting {
+    key: "ambient.ipv6",
+    env: "MESHCAP_AMBIENT_IPV6",
+    default: "true",
+};
+
+/// `ambient.enablementSelectors`: which pods ambient mode enrolls (JSON; Istio's chart default:
+/// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the
+/// pod says `none`).
+pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
+    key: "ambient.enablementSelectors",
+    env: "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS",
+    default: r#"[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]"#,
+};
+
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 15] = [
+pub const ALL: [Setting; 19] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -138,6 +168,10 @@ pub const ALL: [Setting; 15] = [
     REPAIR_INIT_CONTAINER_NAME,
     REPAIR_BROKEN_POD_LABEL_KEY,
     REPAIR_BROKEN_POD_LABEL_VALUE,
+    AMBIENT_ENABLED,
+    AMBIENT_DNS_CAPTURE,
+    AMBIENT_IPV6,
+    AMBIENT_ENABLEMENT_SELECTORS,
 ];
 
 /// The node the agent runs on (the downward API's `spec.nodeName`).
@@ -197,6 +231,16 @@ pub enum SettingsError {
         /// Its value.
         value: String,
     },
+    /// A JSON setting is not JSON.
+    #[error("{env}: {value:?} is not JSON: {reason}")]
+    NotJson {
+        /// The variable.
+        env: &'static str,
+        /// Its value.
+        value: String,
+        /// The parser's complaint.
+        reason: String,
+    },
 }
 
 /// A boolean setting through `lookup`.
@@ -233,6 +277,15 @@ pub fn install_config(
     config.plugin.log_level = get(LOG_LEVEL);
     if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
         config.plugin.agent_pod_namespace = namespace;
+    }
+    if bool_setting(&lookup, AMBIENT_ENABLED)? {
+        let value = get(AMBIENT_ENABLEMENT_SELECTORS);
+        let selectors = serde_json::from_str(&value).map_err(|e| SettingsError::NotJson {
+            env: AMBIENT_ENABLEMENT_SELECTORS.env,
+            value: value.clone(),
+            reason: e.to_string(),
+        })?;
+        config.plugin.ambient_selectors = Some(selectors);
     }
     Ok(config)
 }

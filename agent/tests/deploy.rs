@@ -107,6 +107,7 @@ fn rbac_is_exactly_what_the_agent_calls() {
         rules,
         [
             (s(&[""]), s(&["pods"]), s(&["get", "list", "watch"])),
+            (s(&[""]), s(&["namespaces"]), s(&["get"])),
             (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
             (
                 s(&["events.k8s.io"]),
@@ -305,6 +306,7 @@ fn the_daemon_set_mounts_what_the_agent_expects() {
             paths::NETNS_DIR,
             want(paths::NETNS_DIR, &to_container, true),
         ),
+        (paths::ZTUNNEL_DIR, want(paths::ZTUNNEL_DIR, &host, false)),
     ]
     .into_iter()
     .collect();
@@ -312,6 +314,10 @@ fn the_daemon_set_mounts_what_the_agent_expects() {
     assert!(
         Path::new(paths::AGENT_SOCKET).starts_with(paths::RUN_DIR),
         "the plugin reaches the socket through the run dir"
+    );
+    assert!(
+        Path::new(meshcap_agent::ztunnel::DEFAULT_SOCKET).starts_with(paths::ZTUNNEL_DIR),
+        "ztunnel reaches the ZDS socket through its dir"
     );
     // The ConfigMap's directories are where the DaemonSet mounts them.
     let data = one(&m.config_maps, "ConfigMap")

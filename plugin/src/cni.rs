@@ -108,7 +108,9 @@ pub struct NetConf {
 ///   "agent_pod_prefix": "meshcap-agent-",
 ///   "log_level": "info",
 ///   "timeout_seconds": 30,
-///   "kubeconfig": "/etc/cni/net.d/meshcap-cni.kubeconfig"
+///   "kubeconfig": "/etc/cni/net.d/meshcap-cni.kubeconfig",
+///   "ambient_enabled": false,
+///   "enablement_selectors": [{"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}}]
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,6 +132,12 @@ pub struct PluginConfig {
     /// ...or from this manifest directory (standalone). Neither: every pod that is not
     /// excluded here fails closed.
     pub pod_dir: Option<PathBuf>,
+    /// The node runs ambient mode (Istio's `ambient_enabled`): deciding without the agent
+    /// enrolls pods as it would.
+    pub ambient_enabled: bool,
+    /// Ambient mode's enablement selectors (Istio's `enablement_selectors`), passed on as
+    /// they are.
+    pub enablement_selectors: Option<Value>,
 }
 
 impl Default for PluginConfig {
@@ -143,6 +151,8 @@ impl Default for PluginConfig {
             timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
             kubeconfig: None,
             pod_dir: None,
+            ambient_enabled: false,
+            enablement_selectors: None,
         }
     }
 }
@@ -167,13 +177,15 @@ impl PluginConfig {
             "timeout_seconds" => self.timeout_seconds = parse(key, value)?,
             "kubeconfig" => self.kubeconfig = Some(parse(key, value)?),
             "pod_dir" => self.pod_dir = Some(parse(key, value)?),
+            "ambient_enabled" => self.ambient_enabled = parse(key, value)?,
+            "enablement_selectors" => self.enablement_selectors = Some(value),
             _ => {
                 return Err(CniError {
                     code: code::INVALID_CONFIG,
                     msg: format!("meshcap-cni configuration: unknown key {key:?}"),
                     details: "meshcap-cni's keys: agent_socket, exclude_namespaces, \
                               agent_pod_namespace, agent_pod_prefix, log_level, timeout_seconds, \
-                              kubeconfig, pod_dir"
+                              kubeconfig, pod_dir, ambient_enabled, enablement_selectors"
                         .to_owned(),
                 });
             }

@@ -72,6 +72,12 @@ pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decisio
     for ns in &conf.exclude_namespaces {
         cmd.args(["--exclude-namespace", ns]);
     }
+    if conf.ambient_enabled {
+        cmd.arg("--ambient");
+        if let Some(selectors) = &conf.enablement_selectors {
+            cmd.args(["--enablement-selectors", &selectors.to_string()]);
+        }
+    }
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("running {}: {e}", decider.display()))?;

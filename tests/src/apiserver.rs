@@ -1,8 +1,8 @@
 //! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
 //! list and watch of pods (filtered by the `spec.nodeName` field selector, as kube-rs's
 //! watcher asks; the watch streams the changes made through [`ApiServer::apply_pod`] after the
-//! resourceVersion it asks from), GET of one pod or DaemonSet, DELETE of a pod with
-//! preconditions, merge PATCH of a pod's labels through `pods/status`, and creation of
+//! resourceVersion it asks from), GET of one pod, DaemonSet or Namespace, DELETE of a pod with
+//! preconditions, merge PATCH of a pod's labels and annotations through `pods/status`, and creation of
 //! `events.k8s.io/v1` Events, with real JSON on the real paths; kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
@@ -26,6 +26,8 @@ pub struct ApiServer {
     pub pods: Arc<Mutex<Vec<Value>>>,
     /// The DaemonSets it serves (GET by namespace and name).
     pub daemon_sets: Arc<Mutex<Vec<Value>>>,
+    /// The Namespaces it serves (GET by name).
+    pub namespaces: Arc<Mutex<Vec<Value>>>,
     /// The Events created through it (POST), in order.
     pub events: Arc<Mutex<Vec<Value>>>,
     /// The requests that changed pods (`DELETE …/pods/NAME` and `PATCH …/pods/NAME/status`):
@@ -48,6 +50,7 @@ impl ApiServer {
         let addr = listener.local_addr().expect("addr").to_string();
         let pods = Arc::new(Mutex::new(Vec::<Value>::new()));
         let daemon_sets = Arc::new(Mutex::new(Vec::<Value>::new()));
+        let namespaces = Arc::new(Mutex::new(Vec::<Value>::new()));
         let events = Arc::new(Mutex::new(Vec::<Value>::new()));
         let writes = Arc::new(Mutex::new(Vec::new()));
         let changes = Arc::new(Mutex::new(Vec::new()));
@@ -55,6 +58,7 @@ impl ApiServer {
         let state = Served {
             pods: pods.clone(),
             daemon_sets: daemon_sets.clone(),
+            namespaces: namespaces.clone(),
             events: events.clone(),
             writes: writes.clone(),
             changes: changes.clone(),
@@ -73,6 +77,7 @@ impl ApiServer {
             addr,
             pods,
             daemon_sets,
+            namespaces,
             events,
             writes,
             changes,
@@ -122,6 +127,7 @@ impl Drop for ApiServer {
 struct Served {
     pods: Arc<Mutex<Vec<Value>>>,
     daemon_sets: Arc<Mutex<Vec<Value>>>,
+    namespaces: Arc<Mutex<Vec<Value>>>,
     events: Arc<Mutex<Vec<Value>>>,
     writes: Arc<Mutex<Vec<(String, String, Value)>>>,
     changes: Arc<Mutex<Vec<(String, Value)>>>,
@@ -325,12 +331,10 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
                 .cloned();
             if let Some(mut pod) = found {
-                for (k, v) in patch["metadata"]["labels"]
-                    .as_object()
-                    .into_iter()
-                    .flatten()
-                {
-                    pod["metadata"]["labels"][k] = v.clone();
+                for field in ["labels", "annotations"] {
+                    for (k, v) in patch["metadata"][field].as_object().into_iter().flatten() {
+                        pod["metadata"][field][k] = v.clone();
+                    }
                 }
                 record(pods, &state.changes, pod.clone());
                 respond(&mut stream, "200 OK", &pod);
@@ -340,6 +344,26 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                     "404 Not Found",
                     &json!({"kind": "Status", "code": 404}),
                 );
+            }
+        }
+        ["api", "v1", "namespaces", name] => {
+            let found = state
+                .namespaces
+                .lock()
+                .expect("namespaces")
+                .iter()
+                .find(|n| n["metadata"]["name"] == *name)
+                .cloned();
+            match found {
+                Some(namespace) => respond(&mut stream, "200 OK", &namespace),
+                None => respond(
+                    &mut stream,
+                    "404 Not Found",
+                    &json!({
+                        "apiVersion": "v1", "kind": "Status", "status": "Failure",
+                        "message": format!("namespaces \"{name}\" not found"), "reason": "NotFound", "code": 404
+                    }),
+                ),
             }
         }
         ["api", "v1", "namespaces", ns, "pods", name]

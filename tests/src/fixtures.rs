@@ -13,7 +13,8 @@ use serde_json::{Value, json};
 use crate::{Netns, unique_name};
 
 /// The iptables state of a netns that mentions Istio (chains or jumps), from both
-/// implementations, and its ip rules for table 133: empty when nothing is left.
+/// implementations, and its ip rules for tables 133 (TPROXY) and 100 (ambient mode): empty
+/// when nothing is left.
 ///
 /// # Errors
 /// When the tools cannot run.
@@ -35,7 +36,7 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
     out.extend(
         rules
             .lines()
-            .filter(|l| l.contains("lookup 133"))
+            .filter(|l| l.contains("lookup 133") || l.contains("lookup 100"))
             .map(str::to_owned),
     );
     // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).

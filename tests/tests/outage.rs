@@ -204,3 +204,53 @@ fn with_the_agent_down_only_mesh_pods_wait_manifest_source() {
     assert_eq!(conf["pod_dir"], json!(pods));
     decides_as_the_agent_would(&node, &conf);
 }
+
+/// On a node that runs ambient mode, a pod ambient mode enrolls (its label, or its
+/// namespace's) is the mesh's too: it waits for the agent rather than start uncaptured.
+#[test]
+fn with_the_agent_down_ambient_pods_wait_too() {
+    require_root();
+    let node = Node::new();
+    let pods = node.root.0.join("pods");
+    fs::create_dir_all(&pods).expect("pod dir");
+    let label = |mut pod: Value, value: &str| {
+        pod["metadata"]["labels"] = json!({"istio.io/dataplane-mode": value});
+        pod
+    };
+    write_manifest(&pods, &plain_pod("shop", "plain"));
+    write_manifest(&pods, &label(plain_pod("shop", "mesh"), "ambient"));
+    write_manifest(&pods, &plain_pod("enrolled", "by-namespace"));
+    write_manifest(&pods, &label(plain_pod("enrolled", "opted-out"), "none"));
+    fs::write(
+        pods.join("namespace.yaml"),
+        "kind: Namespace\nmetadata: {name: enrolled, labels: {istio.io/dataplane-mode: ambient}}\n",
+    )
+    .expect("namespace manifest");
+    let socket = node.root.0.join("ztunnel.sock");
+    let conf = node.install_then_kill(
+        &["--pods", "dir", "--pod-dir", pods.to_str().expect("utf-8")],
+        &[
+            ("MESHCAP_AMBIENT_ENABLED", Path::new("true")),
+            ("MESHCAP_ZTUNNEL_SOCKET", &socket),
+        ],
+    );
+    assert_eq!(conf["ambient_enabled"], json!(true), "{conf}");
+    assert!(conf["enablement_selectors"].is_array(), "{conf}");
+    for (namespace, name, waits) in [
+        ("shop", "plain", false),
+        ("shop", "mesh", true),
+        ("enrolled", "by-namespace", true),
+        ("enrolled", "opted-out", false),
+    ] {
+        let (out, _) = node.add(&conf, namespace, name);
+        assert_eq!(!out.success, waits, "{namespace}/{name}: {out:?}");
+        if waits {
+            assert_eq!(out.stdout["code"], 11);
+            assert!(
+                out.msg().contains("ambient mode enrolls it"),
+                "{}",
+                out.msg()
+            );
+        }
+    }
+}

@@ -78,6 +78,9 @@ pub struct PluginSettings {
     pub kubeconfig: Option<PathBuf>,
     /// ...or from this manifest directory (`pod_dir`, standalone mode).
     pub pod_dir: Option<PathBuf>,
+    /// The node runs ambient mode with these enablement selectors (`ambient_enabled`,
+    /// `enablement_selectors`), so that the plugin decides as the agent does without it.
+    pub ambient_selectors: Option<Value>,
 }
 
 impl Default for PluginSettings {
@@ -91,6 +94,7 @@ impl Default for PluginSettings {
             timeout: Duration::from_secs(meshcap_cni::cni::DEFAULT_TIMEOUT_SECONDS),
             kubeconfig: None,
             pod_dir: None,
+            ambient_selectors: None,
         }
     }
 }
@@ -113,6 +117,10 @@ impl PluginSettings {
         }
         if let Some(dir) = &self.pod_dir {
             entry["pod_dir"] = json!(dir);
+        }
+        if let Some(selectors) = &self.ambient_selectors {
+            entry["ambient_enabled"] = json!(true);
+            entry["enablement_selectors"] = selectors.clone();
         }
         entry
     }

@@ -1,7 +1,10 @@
 //! Pods from a directory of manifests (`*.yaml`, `*.yml`, `*.json`; several YAML documents per
 //! file and `kind: List` are fine), for running without a cluster. Read on every lookup, so a
 //! manifest written just before the CNI ADD is seen.
-use std::path::{Path, PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::Value;
@@ -25,6 +28,19 @@ impl DirPods {
 
     pub(super) fn describe(&self) -> String {
         format!("pod manifest directory {}", self.dir.display())
+    }
+
+    /// The labels of `namespace`, from a `kind: Namespace` manifest in the directory (none:
+    /// no labels; standalone namespaces need not be declared).
+    pub(super) async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<BTreeMap<String, String>, String> {
+        let dir = self.dir.clone();
+        let namespace = namespace.to_owned();
+        tokio::task::spawn_blocking(move || namespace_labels(&dir, &namespace))
+            .await
+            .unwrap_or_else(|e| Err(format!("reading manifests: {e}")))
     }
 
     pub(super) async fn lookup(&self, namespace: &str, name: &str) -> Lookup {
@@ -71,22 +87,55 @@ fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), String> {
     Ok(())
 }
 
+/// The manifest files of `dir`, in name order.
+fn manifests(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let mut paths: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|path| {
+            path.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+        })
+        .collect();
+    paths.sort();
+    Ok(paths)
+}
+
+fn namespace_labels(dir: &Path, namespace: &str) -> Result<BTreeMap<String, String>, String> {
+    for path in manifests(dir)? {
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        let Ok(documents) = manifest::documents(&text) else {
+            continue;
+        };
+        for document in documents {
+            if document.get("kind").and_then(Value::as_str) != Some("Namespace")
+                || document.pointer("/metadata/name").and_then(Value::as_str) != Some(namespace)
+            {
+                continue;
+            }
+            let labels = document
+                .pointer("/metadata/labels")
+                .cloned()
+                .unwrap_or(Value::Null);
+            return serde_json::from_value::<Option<BTreeMap<String, String>>>(labels)
+                .map(Option::unwrap_or_default)
+                .map_err(|e| format!("namespace {namespace} in {}: labels: {e}", path.display()));
+        }
+    }
+    Ok(BTreeMap::new())
+}
+
 fn find(dir: &Path, namespace: &str, name: &str) -> Lookup {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) => return Lookup::Failed(format!("reading {}: {e}", dir.display())),
+    let paths = match manifests(dir) {
+        Ok(paths) => paths,
+        Err(reason) => return Lookup::Failed(reason),
     };
     let mut broken = Vec::new();
-    let mut paths: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
-    paths.sort();
     for path in paths {
-        let is_manifest = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
-        if !is_manifest {
-            continue;
-        }
         let parsed = std::fs::read_to_string(&path)
             .map_err(|e| e.to_string())
             .and_then(|text| pods_in(&text));
@@ -146,6 +195,19 @@ items:
     fn a_broken_pod_is_named() {
         let err = pods_in("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n").unwrap_err();
         assert!(err.contains("pod web"), "{err}");
+    }
+
+    #[test]
+    fn namespace_labels_come_from_namespace_manifests() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("ns.yaml"),
+            "kind: Namespace\nmetadata: {name: mesh, labels: {istio.io/dataplane-mode: ambient}}\n",
+        )
+        .unwrap();
+        let labels = namespace_labels(dir.path(), "mesh").unwrap();
+        assert_eq!(labels["istio.io/dataplane-mode"], "ambient");
+        assert!(namespace_labels(dir.path(), "other").unwrap().is_empty());
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! Pods from the Kubernetes API: a watch (kube-rs reflector) of the pods scheduled to this
 //! node, and a GET when the store has not seen a pod yet (the watch can lag the CNI ADD).
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, Ordering},
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::{
     Api, Client,
     runtime::{WatchStreamExt as _, reflector, reflector::ObjectRef, watcher},
@@ -81,6 +84,20 @@ impl KubePods {
 
     pub(super) fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Acquire)
+    }
+
+    /// The labels of `namespace` (a GET: namespaces change rarely and ADDs of ambient pods
+    /// are the only readers).
+    pub(super) async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<BTreeMap<String, String>, String> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        match api.get_opt(namespace).await {
+            Ok(Some(found)) => Ok(found.metadata.labels.unwrap_or_default()),
+            Ok(None) => Err(format!("namespace {namespace} not found")),
+            Err(err) => Err(format!("namespace {namespace}: {err}")),
+        }
     }
 
     pub(super) async fn lookup(&self, namespace: &str, name: &str) -> Lookup {

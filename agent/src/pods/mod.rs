@@ -2,7 +2,7 @@
 //! a GET when the watch has not seen a pod yet) or a directory of pod manifests ([`dir`],
 //! standalone). Either way a lookup retries a bounded number of times: at CNI ADD the pod
 //! may be seconds old.
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
 use tracing::debug;
@@ -85,6 +85,20 @@ impl PodSource {
         match self {
             Self::Kube(k) => k.is_ready(),
             Self::Dir(_) => true,
+        }
+    }
+
+    /// The labels of `namespace` (ambient enrollment reads them).
+    ///
+    /// # Errors
+    /// When the source cannot be asked, or (the API) has no such namespace.
+    pub async fn namespace_labels(
+        &self,
+        namespace: &str,
+    ) -> Result<BTreeMap<String, String>, String> {
+        match self {
+            Self::Kube(k) => k.namespace_labels(namespace).await,
+            Self::Dir(d) => d.namespace_labels(namespace).await,
         }
     }
 

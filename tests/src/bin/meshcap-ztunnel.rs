@@ -9,8 +9,9 @@
 //! line per message and acks it: `add UID NETNS-INODE NAMESPACE/NAME` once the pod's listeners
 //! are up, `keep UID`, `del UID` once they are gone, `snapshot_sent` (after dropping the pods
 //! the snapshot did not name, as ztunnel does), and `refused UID` for a pod it was told to
-//! refuse (or one handed without a network namespace). It exits when the agent closes the
-//! socket; its listeners die with it.
+//! refuse (or one handed without a network namespace). As ztunnel does, it outlives the agent:
+//! when the agent closes the socket (a restart) it connects again, keeps serving its pods, and
+//! drops those the new snapshot does not name. Its listeners die with it.
 use std::{
     collections::{HashMap, HashSet},
     io::{BufRead as _, BufReader, IoSliceMut, Write as _},
@@ -69,20 +70,42 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let path = socket_path.context("--socket is required")?;
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
-    connect(fd.as_raw_fd(), &UnixAddr::new(path.as_str())?)
-        .with_context(|| format!("connecting to {path}"))?;
+    let mut served: HashMap<String, Served> = HashMap::new();
+    loop {
+        let fd = connect_when_listening(&path)?;
+        serve_connection(&fd, &refuse, &mut served)?;
+    }
+}
+
+/// Connects to the agent's socket, waiting for it to be there (an agent restarting).
+fn connect_when_listening(path: &str) -> anyhow::Result<OwnedFd> {
+    loop {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )?;
+        match connect(fd.as_raw_fd(), &UnixAddr::new(path)?) {
+            Ok(()) => return Ok(fd),
+            Err(nix::errno::Errno::ENOENT | nix::errno::Errno::ECONNREFUSED) => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(err) => return Err(err).with_context(|| format!("connecting to {path}")),
+        }
+    }
+}
+
+/// One connection: hello, then every request acked, until the agent closes it.
+fn serve_connection(
+    fd: &OwnedFd,
+    refuse: &HashSet<String>,
+    served: &mut HashMap<String, Served>,
+) -> anyhow::Result<()> {
     let hello = ZdsHello {
         version: Version::V1.into(),
     };
     send(fd.as_raw_fd(), &hello.encode_to_vec(), MsgFlags::empty())?;
-
-    let mut served: HashMap<String, Served> = HashMap::new();
     let mut in_snapshot: Option<HashSet<String>> = Some(HashSet::new());
     loop {
         let Some((request, netns)) = receive(fd.as_raw_fd())? else {
@@ -96,7 +119,9 @@ fn main() -> anyhow::Result<()> {
                 match (netns, refuse.contains(&add.uid)) {
                     (Some(netns), false) => {
                         let inode = netns_inode(&netns)?;
-                        served.insert(add.uid.clone(), serve(&netns)?);
+                        if !served.contains_key(&add.uid) {
+                            served.insert(add.uid.clone(), serve(&netns)?);
+                        }
                         say(&format!("add {} {inode} {pod}", add.uid));
                     }
                     _ => {

@@ -228,6 +228,12 @@ pub struct DecideArgs {
     /// Namespaces never captured.
     #[arg(long = "exclude-namespace", value_name = "NAMESPACE")]
     exclude_namespaces: Vec<String>,
+    /// The node runs ambient mode (the plugin's `ambient_enabled`).
+    #[arg(long)]
+    ambient: bool,
+    /// Ambient mode's enablement selectors, JSON (default: Istio's).
+    #[arg(long, value_name = "JSON")]
+    enablement_selectors: Option<String>,
     /// Ask the API server with this kubeconfig.
     #[arg(long, conflicts_with = "pod_dir", required_unless_present = "pod_dir")]
     kubeconfig: Option<PathBuf>,
@@ -261,12 +267,23 @@ pub async fn decide(args: &DecideArgs) -> anyhow::Result<()> {
         }
         (None, None) => bail!("--kubeconfig or --pod-dir is required"),
     };
+    let ambient = if args.ambient {
+        let selectors = match &args.enablement_selectors {
+            Some(text) => serde_json::from_str(text)
+                .with_context(|| format!("--enablement-selectors {text:?}"))?,
+            None => policy::ambient::EnablementSelector::istio_defaults(),
+        };
+        Some(policy::ambient::AmbientConfig::new(selectors)?)
+    } else {
+        None
+    };
     let request = decide::Request {
         namespace: args.namespace.clone(),
         name: args.name.clone(),
         uid: args.uid.clone(),
         ips: args.ips.clone(),
         exclude_namespaces: args.exclude_namespaces.clone(),
+        ambient,
     };
     let decision = decide::decide(&source, &request).await?;
     println!("{}", serde_json::to_string(&decision)?);

@@ -6,6 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
+    ambient::Ambient,
     api::{Server, ServerConfig, http},
     backend::{
         BackendChoice, CaptureBackend,
@@ -17,10 +18,13 @@ use meshcap_agent::{
     install::{self, watch::InstallStatus},
     paths::AgentPaths,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
-    policy::SelectConfig,
+    policy::{
+        SelectConfig,
+        ambient::{AmbientConfig, EnablementSelector},
+    },
     probe::{self, ProbeReport},
     repair::{RepairConfig, Repairer},
-    settings, taint,
+    settings, taint, ztunnel,
 };
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -114,6 +118,35 @@ pub struct RunArgs {
     /// Connections served at once.
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
+    /// Where ztunnel connects in ambient mode (`ambient.enabled`; Istio's
+    /// `ZTUNNEL_UDS_ADDRESS`).
+    #[arg(long, env = "MESHCAP_ZTUNNEL_SOCKET", default_value = ztunnel::DEFAULT_SOCKET)]
+    ztunnel_socket: PathBuf,
+}
+
+/// Istio's `ambient.*` values from the environment the DaemonSet maps them to: `None` when
+/// ambient mode is off.
+fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    if !settings::bool_setting(&lookup, settings::AMBIENT_ENABLED)? {
+        return Ok(None);
+    }
+    let selectors = settings::AMBIENT_ENABLEMENT_SELECTORS;
+    let text = lookup(selectors.env).unwrap_or_else(|| selectors.default.to_owned());
+    let parsed: Vec<EnablementSelector> = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: {text:?} is not a list of enablement selectors",
+            selectors.env
+        )
+    })?;
+    let mut config = AmbientConfig::new(parsed).with_context(|| selectors.env.to_owned())?;
+    config.dns_capture = settings::bool_setting(&lookup, settings::AMBIENT_DNS_CAPTURE)?;
+    config.ipv6 = settings::bool_setting(&lookup, settings::AMBIENT_IPV6)?;
+    if let Some(namespace) = lookup(settings::POD_NAMESPACE_ENV) {
+        // ztunnel runs in the namespace Istio is installed in, which is this agent's.
+        config.system_namespace = namespace;
+    }
+    Ok(Some(config))
 }
 
 /// Where this agent keeps what it owns, every path resolved.
@@ -246,6 +279,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         dropped = gone.len(),
         "reconciled with live pods: captures whose netns is gone dropped"
     );
+    let ambient = match ambient_config()? {
+        None => None,
+        Some(config) => {
+            let (state_dir, flavour, socket) = (
+                paths.state_dir.clone(),
+                args.iptables_flavour,
+                args.ztunnel_socket.clone(),
+            );
+            let api = kube_node.as_ref().map(|(client, _)| client.clone());
+            let ambient = tokio::task::spawn_blocking(move || {
+                Ambient::open(config, &state_dir, flavour, &socket, api)
+            })
+            .await?
+            .context("starting ambient mode")?;
+            info!(ztunnel_socket = %args.ztunnel_socket.display(), "ambient mode on: enrolled pods are captured for ztunnel");
+            Some(Arc::new(ambient))
+        }
+    };
     let capture = Arc::new(Capture::new(
         source,
         backend,
@@ -262,6 +313,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             socket: paths.socket.clone(),
         },
     ));
+    if let Some(ambient) = ambient {
+        capture.serve_ambient(ambient);
+    }
     tokio::spawn(log_warnings(capture.clone()));
     tokio::spawn(drop_gone(
         capture.clone(),

@@ -1,0 +1,337 @@
+//! Ambient mode on this node, as Istio's node agent runs it (`cni/pkg/nodeagent/`): an
+//! enrolled pod gets Istio's in-pod rules in its network namespace, then is handed to ztunnel
+//! over ZDS ([`crate::ztunnel`]), which opens its listeners inside it and acks.
+//!
+//! The rules are applied by the iptables machinery sidecar pods use (records written ahead,
+//! rollback, crash consistency, CHECK against the kernel), in a state directory of their own
+//! and whichever backend serves the node's sidecar pods: the in-kernel path for ambient pods
+//! is still to come (issue 18). Beside each record, what ztunnel must be told about the pod
+//! (its uid, name, namespace and service account) is kept, so that a ztunnel that connects
+//! later, or to a restarted agent, is sent every enrolled pod in the snapshot.
+//!
+//! Last, the pod is annotated `ambient.istio.io/redirection: enabled` (through `pods/status`,
+//! as Istio does): istiod reads it to send the pod HBONE.
+//!
+//! A pod is enrolled whole or not at all: when ztunnel is not connected, refuses the pod or
+//! does not answer, or the annotation cannot be written, what was done is undone and the ADD
+//! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
+//! opened. DEL tells every ztunnel and always completes.
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::{
+    backend::{
+        BackendError, CaptureBackend as _, CapturedPod, PodRef,
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+    },
+    policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
+    ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
+};
+
+/// What went wrong enrolling or removing an ambient pod.
+#[derive(Debug, thiserror::Error)]
+pub enum AmbientError {
+    /// The in-pod rules could not be applied, checked or removed.
+    #[error(transparent)]
+    Rules(#[from] BackendError),
+    /// ztunnel did not take the pod (its rules were removed again).
+    #[error("pod {pod}: ztunnel did not take the pod: {source}")]
+    Ztunnel {
+        /// The pod.
+        pod: String,
+        /// What ztunnel (or its socket) said.
+        source: ZdsError,
+    },
+    /// The pod's `ambient.istio.io/redirection` annotation could not be written (its
+    /// enrollment was undone).
+    #[error("pod {pod}: annotating it {annotation}=enabled: {reason}")]
+    Annotation {
+        /// The pod.
+        pod: String,
+        /// The annotation.
+        annotation: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The agent's own state could not be written.
+    #[error("{path}: {reason}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What ztunnel is told about an enrolled pod, kept per container.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Workload {
+    uid: String,
+    name: String,
+    namespace: String,
+    service_account: String,
+    netns: PathBuf,
+}
+
+impl Workload {
+    fn info(&self) -> WorkloadInfo {
+        WorkloadInfo {
+            name: self.name.clone(),
+            namespace: self.namespace.clone(),
+            service_account: self.service_account.clone(),
+        }
+    }
+}
+
+/// Ambient mode: the settings, the in-pod rules and ztunnel.
+pub struct Ambient {
+    config: AmbientConfig,
+    rules: IptablesBackend,
+    workloads: PathBuf,
+    ztunnel: ZtunnelServer,
+    /// The API server, where pods are annotated (none: standalone).
+    api: Option<kube::Client>,
+}
+
+impl Ambient {
+    /// Opens the in-pod rules' records under `state_dir/ambient` and serves ztunnel at
+    /// `socket`; enrolled pods are annotated through `api` when given.
+    ///
+    /// # Errors
+    /// When the state directory or the socket cannot be set up.
+    pub fn open(
+        config: AmbientConfig,
+        state_dir: &Path,
+        flavour: FlavourChoice,
+        socket: &Path,
+        api: Option<kube::Client>,
+    ) -> Result<Self, AmbientError> {
+        let state_dir = state_dir.join("ambient");
+        let rules = IptablesBackend::new(&IptablesConfig {
+            state_dir: state_dir.clone(),
+            flavour,
+        })?;
+        let workloads = state_dir.join("workloads");
+        fs::create_dir_all(&workloads).map_err(|e| state(&workloads, &e))?;
+        // Pods whose netns went while no agent ran: no ztunnel is to be told about them.
+        for pod in rules.prune_gone()? {
+            remove_file(&workload_path(&workloads, &pod.container_id));
+        }
+        if let Some(parent) = socket.parent() {
+            fs::create_dir_all(parent).map_err(|e| state(parent, &e))?;
+        }
+        let snapshot = {
+            let workloads = workloads.clone();
+            move || snapshot(&workloads)
+        };
+        let ztunnel = ZtunnelServer::start(socket, snapshot).map_err(|e| AmbientError::State {
+            path: socket.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            config,
+            rules,
+            workloads,
+            ztunnel,
+            api,
+        })
+    }
+
+    /// The ambient settings.
+    #[must_use]
+    pub const fn config(&self) -> &AmbientConfig {
+        &self.config
+    }
+
+    /// Enrolls a pod: its in-pod rules, then ztunnel, which must ack.
+    ///
+    /// # Errors
+    /// When the rules cannot be applied or ztunnel does not take the pod; nothing of the pod's
+    /// enrollment is left then.
+    pub fn add(
+        &self,
+        pod: &PodRef,
+        uid: &str,
+        service_account: &str,
+        policy: &InpodPolicy,
+    ) -> Result<(), AmbientError> {
+        let workload = Workload {
+            uid: uid.to_owned(),
+            name: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            service_account: service_account.to_owned(),
+            netns: pod.netns.clone(),
+        };
+        let path = self.workload_path(&pod.container_id);
+        let bytes = serde_json::to_vec(&workload).map_err(|e| state(&path, &e))?;
+        fs::write(&path, bytes).map_err(|e| state(&path, &e))?;
+        let handed = self
+            .rules
+            .add_ambient(pod, &policy.render())
+            .map_err(AmbientError::from)
+            .and_then(|()| {
+                let netns = fs::File::open(&pod.netns).map_err(|e| state(&pod.netns, &e))?;
+                self.ztunnel
+                    .add(uid, workload.info(), std::os::fd::AsFd::as_fd(&netns))
+                    .map_err(|source| AmbientError::Ztunnel {
+                        pod: pod.to_string(),
+                        source,
+                    })
+            });
+        if let Err(err) = handed {
+            if let Err(undo) = self.rules.remove(pod) {
+                warn!(pod = %pod, error = %undo, "removing the rules of a pod ztunnel did not take");
+            }
+            remove_file(&path);
+            return Err(err);
+        }
+        info!(pod = %pod, uid, "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod");
+        Ok(())
+    }
+
+    /// Writes `ambient.istio.io/redirection: enabled` on an enrolled pod (Istio's
+    /// `AnnotateEnrolledPod`, through `pods/status`); nothing without an API server.
+    ///
+    /// # Errors
+    /// When the API server refuses or cannot be reached.
+    pub async fn annotate_enrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
+        let Some(client) = &self.api else {
+            return Ok(());
+        };
+        let patch = serde_json::json!({
+            "metadata": {"annotations": {ambient_keys::REDIRECTION: "enabled"}}
+        });
+        Api::<Pod>::namespaced(client.clone(), &pod.namespace)
+            .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| AmbientError::Annotation {
+                pod: pod.to_string(),
+                annotation: ambient_keys::REDIRECTION,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Whether `pod`'s in-pod rules are in place.
+    ///
+    /// # Errors
+    /// When they are not, or cannot be checked.
+    pub fn check(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), AmbientError> {
+        Ok(self.rules.check_ambient(pod, &policy.render())?)
+    }
+
+    /// Removes a pod from ambient mode, if it was enrolled: every ztunnel is told (a failure
+    /// is logged: ztunnel drops a pod whose namespace is gone on its own), then its rules go.
+    ///
+    /// # Errors
+    /// When its rules cannot be removed from a netns that is still there.
+    pub fn remove(&self, pod: &PodRef) -> Result<(), AmbientError> {
+        let path = self.workload_path(&pod.container_id);
+        let Some(workload) = read_workload(&path) else {
+            return Ok(self.rules.remove(pod)?);
+        };
+        if let Err(err) = self.ztunnel.delete(&workload.uid) {
+            warn!(pod = %pod, uid = workload.uid, error = %err, "telling ztunnel the pod is gone");
+        }
+        self.rules.remove(pod)?;
+        remove_file(&path);
+        info!(pod = %pod, uid = workload.uid, "removed from ambient mode");
+        Ok(())
+    }
+
+    /// The enrolled pods.
+    ///
+    /// # Errors
+    /// As the backends' `list`.
+    pub fn list(&self) -> Result<Vec<CapturedPod>, AmbientError> {
+        Ok(self.rules.list()?)
+    }
+
+    /// Drops the enrollments of pods whose netns is gone without a DEL this agent saw.
+    ///
+    /// # Errors
+    /// When the records cannot be read.
+    pub fn prune_gone(&self) -> Result<Vec<PodRef>, AmbientError> {
+        let gone = self.rules.prune_gone()?;
+        for pod in &gone {
+            let path = self.workload_path(&pod.container_id);
+            if let Some(workload) = read_workload(&path)
+                && let Err(err) = self.ztunnel.delete(&workload.uid)
+            {
+                warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
+            }
+            remove_file(&path);
+        }
+        Ok(gone)
+    }
+
+    fn workload_path(&self, container_id: &str) -> PathBuf {
+        workload_path(&self.workloads, container_id)
+    }
+}
+
+/// The record of what ztunnel is told about one container's pod.
+fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
+    // Container IDs are hex from the runtime, but never trust a file name.
+    let safe: String = container_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    workloads.join(format!("{safe}.json"))
+}
+
+/// Every enrolled pod, for a connecting ztunnel: with its netns when it is still there.
+fn snapshot(workloads: &Path) -> Vec<Enrolled> {
+    let Ok(entries) = fs::read_dir(workloads) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| read_workload(&entry.path()))
+        .map(|workload| Enrolled {
+            uid: workload.uid.clone(),
+            workload: workload.info(),
+            netns: fs::File::open(&workload.netns).ok().map(Into::into),
+        })
+        .collect()
+}
+
+fn read_workload(path: &Path) -> Option<Workload> {
+    let bytes = fs::read(path).ok()?;
+    match serde_json::from_slice(&bytes) {
+        Ok(workload) => Some(workload),
+        Err(err) => {
+            warn!(path = %path.display(), error = %err, "ignoring an unreadable ambient record");
+            None
+        }
+    }
+}
+
+fn remove_file(path: &Path) {
+    if let Err(err) = fs::remove_file(path)
+        && err.kind() != std::io::ErrorKind::NotFound
+    {
+        warn!(path = %path.display(), error = %err, "removing an ambient record");
+    }
+}
+
+fn state(path: &Path, err: &impl std::fmt::Display) -> AmbientError {
+    AmbientError::State {
+        path: path.to_owned(),
+        reason: err.to_string(),
+    }
+}

@@ -1,0 +1,324 @@
+//! Ambient mode end to end, playing kubelet: an agent with `ambient.enabled` (each test on both
+//! backends: ambient pods get Istio's in-pod rules whichever serves sidecar pods), a stand-in
+//! ztunnel (`meshcap-ztunnel`) connected to its ZDS socket, and the real `meshcap-cni` ADDing
+//! a pod labelled `istio.io/dataplane-mode=ambient` on a scenario node. The pod's traffic must
+//! then go where Istio's in-pod rules send it: outbound TCP to ztunnel's 15001 with the
+//! original destination, inbound to 15006, HBONE's 15008 and kubelet's SNAT-ed probes left
+//! alone, DNS to 15053, ztunnel's own marked sockets never captured. An agent restart and a
+//! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
+//! ztunnel the ADD fails whole.
+use std::path::{Path, PathBuf};
+
+use meshcap_tests::{
+    APP_UID, Netns, Placement, Proc, Report,
+    agent::{Agent, Backend},
+    apiserver::ApiServer,
+    bin, dial, dial_with,
+    fixtures::{ManifestDir, leftovers, write_manifest},
+    kubelet::{Sandbox, cni, config},
+    require_root, start_server, unique_name,
+    world::{Node, Pod},
+};
+use serde_json::{Value, json};
+
+meshcap_tests::test_on_both_backends!(
+    an_ambient_pod_is_captured_for_ztunnel_and_released,
+    without_ztunnel_an_ambient_add_fails_whole,
+    with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
+);
+
+/// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
+const PROBE_SOURCE: &str = "169.254.7.127";
+
+fn ambient_pod(name: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "shop",
+            "uid": format!("uid-{name}"),
+            "labels": {"istio.io/dataplane-mode": "ambient"},
+        },
+        "spec": {
+            "serviceAccountName": "web",
+            "containers": [{"name": "app", "image": "app"}],
+        },
+    })
+}
+
+/// A throwaway directory for ztunnel's socket, removed on drop.
+struct SocketDir(PathBuf);
+
+impl SocketDir {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("meshcap-ztunnel"));
+        std::fs::create_dir_all(&dir).expect("socket dir");
+        Self(dir)
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.0.join("ztunnel.sock")
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn ambient_agent(backend: Backend, pods: &ManifestDir, socket: &Path) -> Agent {
+    let socket = socket.to_str().expect("utf-8");
+    Agent::start(
+        backend,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket),
+        ],
+    )
+    .expect("agent")
+}
+
+/// A stand-in ztunnel, connected and sent its snapshot (`expected`, then `snapshot_sent`).
+fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
+    let socket = socket.to_str().expect("utf-8");
+    let mut zt = Proc::spawn(node.client(), &bin::ztunnel(), &["--socket", socket])
+        .expect("meshcap-ztunnel");
+    for line in expected {
+        assert_eq!(&zt.wait_line().expect("ztunnel"), line);
+    }
+    assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    zt
+}
+
+fn inode(netns: &Netns) -> u64 {
+    std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(netns.path()).expect("netns"))
+}
+
+fn app(pod: &Pod) -> Placement<'_> {
+    Placement {
+        netns: &pod.netns,
+        cgroup: None,
+        uid: APP_UID,
+        gid: APP_UID,
+    }
+}
+
+fn answer(report: Option<Report>) -> (String, u16, Option<String>) {
+    let report = report.expect("an answer");
+    (
+        report.server,
+        report.listener,
+        report.original_dst.map(|a| a.to_string()),
+    )
+}
+
+/// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners.
+fn captured_as_istio_does(node: &Node, pod: &Pod) {
+    let (peer, me) = (pod.peer_v4(), pod.v4());
+    let outbound = answer(dial(app(pod), &format!("tcp:{peer}:80"), None).expect("dial"));
+    assert_eq!(
+        outbound,
+        ("ztunnel".into(), 15001, Some(format!("{peer}:80"))),
+        "outbound TCP goes to ztunnel with its original destination"
+    );
+    let zt_own = Placement {
+        uid: 0,
+        gid: 0,
+        ..app(pod)
+    };
+    let own = dial_with(zt_own, &format!("tcp:{peer}:80"), &["--mark", "0x539"]).expect("dial");
+    assert_eq!(
+        answer(own).0,
+        "peer",
+        "ztunnel's own (marked) connection is not captured"
+    );
+    let dns = dial(app(pod), &format!("udp:{peer}:53"), None).expect("dial");
+    assert_eq!(
+        answer(dns).1,
+        15053,
+        "DNS goes to ztunnel's DNS proxy (and the answer seems to come from the resolver)"
+    );
+    let inbound = answer(dial(node.client(), &format!("tcp:{me}:8080"), None).expect("dial"));
+    assert_eq!(
+        inbound,
+        ("ztunnel".into(), 15006, Some(format!("{me}:8080"))),
+        "inbound TCP goes to ztunnel's plaintext listener"
+    );
+    let hbone = answer(dial(node.client(), &format!("tcp:{me}:15008"), None).expect("dial"));
+    assert_eq!(
+        (hbone.0.as_str(), hbone.1),
+        ("ztunnel", 15008),
+        "HBONE is reached at the pod's address"
+    );
+    let probe = dial(node.client(), &format!("tcp:{me}:8080"), Some(PROBE_SOURCE)).expect("dial");
+    assert_eq!(
+        answer(probe).0,
+        "app",
+        "kubelet's SNAT-ed probe reaches the app uncaptured"
+    );
+}
+
+fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    node.netns
+        .ip(&["addr", "add", &format!("{PROBE_SOURCE}/32"), "dev", "lo"])
+        .expect("probe source");
+    let pod = node.add_pod(false).expect("pod");
+    let _app = start_server(app(&pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    write_manifest(&pods.0, &ambient_pod("web"));
+    let mut agent = ambient_agent(backend, &pods, &sockets.socket());
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    assert_eq!(
+        answer(dial(app(&pod), &format!("tcp:{}:80", pod.peer_v4()), None).expect("dial")).0,
+        "peer",
+        "before ADD nothing is captured"
+    );
+
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    captured_as_istio_does(&node, &pod);
+    let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
+    assert!(check.success, "CHECK failed: {check:?}");
+    let status = agent.status().expect("status");
+    assert!(
+        status
+            .pods
+            .iter()
+            .any(|p| p.captured.summary.starts_with("ambient (ztunnel)")),
+        "{status:?}"
+    );
+
+    // The agent restarts: ztunnel connects to the new one and is sent the pod in the
+    // snapshot; the pod stays captured throughout.
+    agent.restart().expect("restart");
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    captured_as_istio_does(&node, &pod);
+    // ztunnel restarts: the new one is sent the pod.
+    drop(zt);
+    let mut zt = ztunnel(&node, &sockets.socket(), &[added]);
+    captured_as_istio_does(&node, &pod);
+
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(
+        answer(dial(app(&pod), &format!("tcp:{}:80", pod.peer_v4()), None).expect("dial")).0,
+        "peer",
+        "after DEL nothing is captured"
+    );
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+    let again = cni("DEL", &sandbox, &conf).expect("second DEL");
+    assert!(again.success, "DEL is idempotent: {again:?}");
+}
+
+fn without_ztunnel_an_ambient_add_fails_whole(backend: Backend) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    write_manifest(&pods.0, &ambient_pod("web"));
+    let agent = ambient_agent(backend, &pods, &sockets.socket());
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(!add.success, "no ztunnel, no ambient pod: {add:?}");
+    assert!(
+        add.msg().contains("shop/web") && add.msg().contains("no ztunnel is connected"),
+        "{}",
+        add.msg()
+    );
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new(),
+        "the rules were taken out again"
+    );
+    let _ztunnel = ztunnel(&node, &sockets.socket(), &[]);
+    let retried = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(
+        retried.success,
+        "kubelet's retry succeeds once ztunnel is there: {retried:?}"
+    );
+}
+
+/// From the API server, as in a cluster: the namespace's label enrolls the pod (no label on
+/// the pod), and once ztunnel serves it the pod is annotated
+/// `ambient.istio.io/redirection: enabled` through `pods/status`, which istiod reads.
+fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Backend) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let sockets = SocketDir::new();
+    let api = ApiServer::start();
+    let mut manifest = ambient_pod("web");
+    manifest["metadata"]["labels"] = json!({});
+    manifest["spec"]["nodeName"] = json!("node-1");
+    api.apply_pod(manifest);
+    api.namespaces.lock().expect("namespaces").push(json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}},
+    }));
+    let kubeconfig = api.kubeconfig(&sockets.0);
+    let socket = sockets.socket();
+    let agent = Agent::start(
+        backend,
+        &["--pods", "kube", "--node-name", "node-1"],
+        &[
+            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            ("MESHCAP_STARTUP_TAINT", ""),
+        ],
+    )
+    .expect("agent");
+    let mut zt = ztunnel(&node, &socket, &[]);
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    assert_eq!(
+        zt.wait_line().expect("ztunnel"),
+        format!("add uid-web {} shop/web", inode(&pod.netns))
+    );
+    let served = api.pods.lock().expect("pods")[0].clone();
+    assert_eq!(
+        served["metadata"]["annotations"]["ambient.istio.io/redirection"], "enabled",
+        "{served}"
+    );
+    let patches: Vec<_> = api
+        .writes
+        .lock()
+        .expect("writes")
+        .iter()
+        .map(|(method, path, _)| format!("{method} {path}"))
+        .collect();
+    assert!(
+        patches.contains(&"PATCH /api/v1/namespaces/shop/pods/web/status".to_owned()),
+        "{patches:?}"
+    );
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+}
