@@ -18,6 +18,7 @@ const HELPERS: &[&str] = &[
     "meshcap-cni",
     "meshcap-standin",
     "meshcap-dial",
+    "meshcap-ztunnel",
 ];
 
 /// Tests that run on the host only, with the reason printed by every `integration` run: what
@@ -32,7 +33,8 @@ pub const HOST_ONLY: &[(&str, &str)] = &[(
 pub struct Binaries {
     /// Test executables of `tests/tests/*.rs`, by test name.
     pub tests: Vec<(String, PathBuf)>,
-    /// The agent, the plugin and the harness's helpers (stand-in Envoy, dial client).
+    /// The agent, the plugin and the harness's helpers (stand-in Envoy, dial client, stand-in
+    /// ztunnel).
     pub helpers: Vec<PathBuf>,
     /// The VM's init.
     pub init: PathBuf,
