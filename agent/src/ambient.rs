@@ -31,6 +31,7 @@ use crate::{
     backend::{
         BackendError, CaptureBackend as _, CapturedPod, PodRef,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+        record_file_name,
     },
     policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
     ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
@@ -280,18 +281,7 @@ impl Ambient {
 
 /// The record of what ztunnel is told about one container's pod.
 fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
-    // Container IDs are hex from the runtime, but never trust a file name.
-    let safe: String = container_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    workloads.join(format!("{safe}.json"))
+    workloads.join(record_file_name(container_id))
 }
 
 /// Every enrolled pod, for a connecting ztunnel: with its netns when it is still there.

@@ -174,6 +174,28 @@ fn on_node(pod: &Value, node: Option<&str>) -> bool {
     node.is_none_or(|n| pod["spec"]["nodeName"] == n)
 }
 
+/// One JSON response, and the connection closed.
+fn respond(stream: &mut TcpStream, code: &str, body: &Value) {
+    let body = body.to_string();
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+/// The API server's answer for an object it does not have.
+fn not_found(stream: &mut TcpStream, name: &str) {
+    respond(
+        stream,
+        "404 Not Found",
+        &json!({
+            "apiVersion": "v1", "kind": "Status", "status": "Failure",
+            "message": format!("\"{name}\" not found"), "reason": "NotFound", "code": 404
+        }),
+    );
+}
+
 fn serve_api(mut stream: TcpStream, state: &Served) {
     let (pods, daemon_sets, stop) = (&*state.pods, &*state.daemon_sets, &*state.stop);
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
@@ -208,14 +230,6 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
         .unwrap_or("/")
         .to_owned();
     let (route, query) = path.split_once('?').unwrap_or((&path, ""));
-    let respond = |stream: &mut TcpStream, code: &str, body: &Value| {
-        let body = body.to_string();
-        let _ = write!(
-            stream,
-            "HTTP/1.1 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-    };
     let parts: Vec<&str> = route.trim_matches('/').split('/').collect();
     match parts.as_slice() {
         ["apis", "events.k8s.io", "v1", "namespaces", _, "events"] if method == "POST" => {
@@ -356,14 +370,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .cloned();
             match found {
                 Some(namespace) => respond(&mut stream, "200 OK", &namespace),
-                None => respond(
-                    &mut stream,
-                    "404 Not Found",
-                    &json!({
-                        "apiVersion": "v1", "kind": "Status", "status": "Failure",
-                        "message": format!("namespaces \"{name}\" not found"), "reason": "NotFound", "code": 404
-                    }),
-                ),
+                None => not_found(&mut stream, name),
             }
         }
         ["api", "v1", "namespaces", ns, "pods", name]
@@ -377,14 +384,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .cloned();
             match found {
                 Some(pod) => respond(&mut stream, "200 OK", &pod),
-                None => respond(
-                    &mut stream,
-                    "404 Not Found",
-                    &json!({
-                        "apiVersion": "v1", "kind": "Status", "status": "Failure",
-                        "message": format!("\"{name}\" not found"), "reason": "NotFound", "code": 404
-                    }),
-                ),
+                None => not_found(&mut stream, name),
             }
         }
         _ => respond(

@@ -138,6 +138,23 @@ pub enum BackendError {
     Ebpf(#[from] ebpf::EbpfError),
 }
 
+/// A file name for what is recorded about one container: its id as the runtime gave it (hex,
+/// in practice), anything else in it replaced, so that no id names a path elsewhere.
+#[must_use]
+pub fn record_file_name(container_id: &str) -> String {
+    let safe: String = container_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{safe}.json")
+}
+
 /// A way of capturing a pod's traffic. Implementations are shared between threads.
 pub trait CaptureBackend: Send + Sync {
     /// The backend's name: `ebpf` or `iptables`.

@@ -142,12 +142,7 @@ fn tcp(
     let stream = if bind_to.is_none() && mark.is_none() {
         TcpStream::connect_timeout(&addr, TIMEOUT)?
     } else {
-        let family = if addr.is_ipv4() {
-            AddressFamily::Inet
-        } else {
-            AddressFamily::Inet6
-        };
-        let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+        let fd = socket(family(addr), SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
         if let Some(mark) = mark {
             setsockopt(&fd, sockopt::Mark, &mark)?;
         }
@@ -174,12 +169,12 @@ fn udp(
     connected: bool,
     mark: Option<u32>,
 ) -> anyhow::Result<String> {
-    let family = if addr.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = socket(family, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None)?;
+    let fd = socket(
+        family(addr),
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
     if let Some(mark) = mark {
         setsockopt(&fd, sockopt::Mark, &mark)?;
     }
@@ -213,4 +208,12 @@ fn udp(
     }
     let peer = if connected { socket.peer_addr()? } else { from };
     Ok(with_own_view(&line, socket.local_addr()?, peer))
+}
+
+fn family(addr: SocketAddr) -> AddressFamily {
+    if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    }
 }

@@ -157,18 +157,7 @@ impl IptablesBackend {
     }
 
     fn record_path(&self, container_id: &str) -> PathBuf {
-        // Container IDs are hex from the runtime, but never trust a file name.
-        let safe: String = container_id
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        self.records.join(format!("{safe}.json"))
+        self.records.join(super::record_file_name(container_id))
     }
 
     fn save(&self, record: &Applied) -> Result<(), BackendError> {

@@ -50,6 +50,15 @@ pub(super) struct Builder {
 }
 
 impl Builder {
+    /// No rules yet; IPv6 ones kept only when `ipv6`.
+    pub(super) const fn new(ipv6: bool) -> Self {
+        Self {
+            v4: Vec::new(),
+            v6: Vec::new(),
+            ipv6,
+        }
+    }
+
     /// Adds `rule` (arguments as `iptables` takes them, after `head`) to each family's rules,
     /// with [`IP`] replaced by `ip`'s address of that family.
     fn push(

@@ -22,11 +22,7 @@ impl InpodPolicy {
     /// Istio's in-pod rules for this policy.
     #[must_use]
     pub fn render(&self) -> IptablesRules {
-        let mut b = Builder {
-            v4: Vec::new(),
-            v6: Vec::new(),
-            ipv6: self.ipv6,
-        };
+        let mut b = Builder::new(self.ipv6);
         self.build(&mut b);
         IptablesRules {
             v4: restore_text(&b.v4),

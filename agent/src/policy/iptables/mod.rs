@@ -44,11 +44,7 @@ impl RedirectPolicy {
     /// Istio's rules for this policy.
     #[must_use]
     pub fn render(&self) -> IptablesRules {
-        let mut builder = Builder {
-            v4: Vec::new(),
-            v6: Vec::new(),
-            ipv6: self.ipv6,
-        };
+        let mut builder = Builder::new(self.ipv6);
         self.build(&mut builder);
         let mut routes = if self.ipv6 {
             PolicyRoutes::passthrough6()
