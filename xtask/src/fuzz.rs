@@ -23,6 +23,7 @@ pub const TARGETS: &[&str] = &[
     "manifest",
     "policy",
     "conflist",
+    "ambient",
 ];
 
 /// How long CI runs each target (`cargo xtask test`).
