@@ -122,9 +122,17 @@ impl Ambient {
         })?;
         let workloads = state_dir.join("workloads");
         fs::create_dir_all(&workloads).map_err(|e| state(&workloads, &e))?;
-        // Pods whose netns went while no agent ran: no ztunnel is to be told about them.
-        for pod in rules.prune_gone()? {
-            remove_file(&workload_path(&workloads, &pod.container_id));
+        // Pods whose netns went while no agent ran: their rules went with it, and no ztunnel
+        // is to be told about them. (A record of what ztunnel is told is written before the
+        // rules' own, so that of a pod whose ADD was cut off may stand alone: it goes too.)
+        rules.prune_gone()?;
+        for entry in fs::read_dir(&workloads)
+            .map_err(|e| state(&workloads, &e))?
+            .flatten()
+        {
+            if read_workload(&entry.path()).is_some_and(|w| !w.netns.exists()) {
+                remove_file(&entry.path());
+            }
         }
         if let Some(parent) = socket.parent() {
             fs::create_dir_all(parent).map_err(|e| state(parent, &e))?;
