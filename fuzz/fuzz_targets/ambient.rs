@@ -131,7 +131,10 @@ fuzz_target!(|input: Input| {
         .iter()
         .map(|(k, v)| {
             let key = ANNOTATIONS[usize::from(*k) % ANNOTATIONS.len()].to_owned();
-            (key, v.get(&["true", "false", "eth1,net-2", " , ", "-j ACCEPT", "1"]))
+            (
+                key,
+                v.get(&["true", "false", "eth1,net-2", " , ", "-j ACCEPT", "1"]),
+            )
         })
         .collect();
     let sidecar = annotations.contains_key(keys::STATUS);
@@ -147,15 +150,18 @@ fuzz_target!(|input: Input| {
     });
     let excluded = ["kube-system".to_owned()];
     match ambient::enroll(&pod, &labels(&input.namespace_labels), &excluded, &config) {
-        Err(err) => assert!(
-            matches!(err, PolicyError::InvalidInterface { .. }),
-            "{err}"
-        ),
+        Err(err) => assert!(matches!(err, PolicyError::InvalidInterface { .. }), "{err}"),
         Ok(Enrollment::NotEnrolled { .. }) => {}
         Ok(Enrollment::Enrolled { policy, .. }) => {
-            assert!(input.host_network != Some(true), "a host-network pod enrolled");
+            assert!(
+                input.host_network != Some(true),
+                "a host-network pod enrolled"
+            );
             assert!(!sidecar, "a sidecar pod enrolled");
-            assert_ne!(namespace, "kube-system", "an excluded namespace's pod enrolled");
+            assert_ne!(
+                namespace, "kube-system",
+                "an excluded namespace's pod enrolled"
+            );
             let rules = policy.render();
             assert_eq!(rules, policy.render());
             assert_eq!(rules.v6.is_some(), config.ipv6);
