@@ -359,41 +359,18 @@ impl Capture {
                 self.settings.retry,
             )
             .await?;
-        let ips = if pod.ips.is_empty() {
-            let netns = PathBuf::from(&pod.netns);
-            off_the_runtime(move || podnet::run_in(&netns, |_| podnet::global_addresses()))
-                .await?
-                .map_err(|e| {
-                    Failure::new(
-                        ErrorKind::BadRequest,
-                        format!("pod {}/{}: {e}", pod.namespace, pod.name),
-                    )
-                })?
-                .map_err(|e| {
-                    Failure::new(
-                        ErrorKind::Internal,
-                        format!(
-                            "pod {}/{}: listing addresses in {}: {e}",
-                            pod.namespace, pod.name, pod.netns
-                        ),
-                    )
-                })?
-        } else {
-            pod.ips.clone()
-        };
         if let Some(ambient) = self.ambient() {
-            let labels = self
-                .source
-                .namespace_labels(&pod.namespace)
-                .await
-                .map_err(|reason| {
-                    Failure::new(
-                        ErrorKind::PodSourceUnavailable,
-                        format!("pod {}/{}: {reason}", pod.namespace, pod.name),
-                    )
-                })?;
             let exclude = &self.settings.select.exclude_namespaces;
-            match policy::ambient::enroll(&found, &labels, exclude, ambient.config()) {
+            let enrollment =
+                crate::decide::ambient_enrollment(&self.source, &found, exclude, ambient.config())
+                    .await
+                    .map_err(|reason| {
+                        Failure::new(
+                            ErrorKind::PodSourceUnavailable,
+                            format!("pod {}/{}: {reason}", pod.namespace, pod.name),
+                        )
+                    })?;
+            match enrollment {
                 Err(e) => return Err(Failure::new(ErrorKind::InvalidPod, e.to_string())),
                 Ok(Enrollment::Enrolled { policy, ignored }) => {
                     for annotation in ignored {
@@ -422,6 +399,28 @@ impl Capture {
                 Ok(Enrollment::NotEnrolled { .. }) => {}
             }
         }
+        let ips = if pod.ips.is_empty() {
+            let netns = PathBuf::from(&pod.netns);
+            off_the_runtime(move || podnet::run_in(&netns, |_| podnet::global_addresses()))
+                .await?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::BadRequest,
+                        format!("pod {}/{}: {e}", pod.namespace, pod.name),
+                    )
+                })?
+                .map_err(|e| {
+                    Failure::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "pod {}/{}: listing addresses in {}: {e}",
+                            pod.namespace, pod.name, pod.netns
+                        ),
+                    )
+                })?
+        } else {
+            pod.ips.clone()
+        };
         match policy::select(&found, &ips, &self.settings.select)
             .map_err(|e| Failure::new(ErrorKind::InvalidPod, e.to_string()))?
         {

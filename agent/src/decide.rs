@@ -6,12 +6,13 @@
 //! that runs ambient mode, a pod ambient mode enrolls is the mesh's as well.
 use std::net::IpAddr;
 
+use k8s_openapi::api::core::v1::Pod;
 use serde::{Deserialize, Serialize};
 
 use crate::{
     pods::{PodSource, PodSourceError, Retry},
     policy::{
-        self, SelectConfig, Selection,
+        self, PodRef, PolicyError, SelectConfig, Selection,
         ambient::{AmbientConfig, Enrollment},
     },
 };
@@ -65,8 +66,7 @@ pub async fn decide(source: &PodSource, request: &Request) -> Result<Decision, P
         request.ips.clone()
     };
     if let Some(ambient) = &request.ambient {
-        let labels = source
-            .namespace_labels(&request.namespace)
+        let enrollment = ambient_enrollment(source, &pod, &request.exclude_namespaces, ambient)
             .await
             .map_err(|reason| PodSourceError::Unavailable {
                 namespace: request.namespace.clone(),
@@ -75,7 +75,7 @@ pub async fn decide(source: &PodSource, request: &Request) -> Result<Decision, P
                 attempts: 1,
                 reason,
             })?;
-        match policy::ambient::enroll(&pod, &labels, &request.exclude_namespaces, ambient) {
+        match enrollment {
             Ok(Enrollment::Enrolled { .. }) => {
                 return Ok(Decision {
                     capture: true,
@@ -108,4 +108,30 @@ pub async fn decide(source: &PodSource, request: &Request) -> Result<Decision, P
             reason: err.to_string(),
         },
     })
+}
+
+/// Whether ambient mode enrolls `pod`, as [`policy::ambient::enroll`] decides: what the pod
+/// alone rules out first, then its namespace's labels (one lookup, only when the selectors
+/// decide). An ADD through the agent and `meshcap-agent decide` both ask this.
+///
+/// # Errors
+/// The outer error when the namespace cannot be looked up (why, in words); the inner one when
+/// the pod's annotations do not parse.
+pub async fn ambient_enrollment(
+    source: &PodSource,
+    pod: &Pod,
+    exclude_namespaces: &[String],
+    config: &AmbientConfig,
+) -> Result<Result<Enrollment, PolicyError>, String> {
+    if let Some(reason) = policy::ambient::never_enrolled(pod, exclude_namespaces, config) {
+        return Ok(Ok(Enrollment::NotEnrolled { reason }));
+    }
+    let namespace = PodRef::of(pod).namespace;
+    let labels = source.namespace_labels(&namespace).await?;
+    Ok(policy::ambient::enroll(
+        pod,
+        &labels,
+        exclude_namespaces,
+        config,
+    ))
 }

@@ -54,6 +54,18 @@ pub fn unique_name(prefix: &str) -> String {
     )
 }
 
+/// A socket mark as the test binaries take it (`--mark`): `1337` or `0x539`.
+///
+/// # Errors
+/// When `text` is neither a decimal nor a `0x` hexadecimal `u32`.
+pub fn parse_mark(text: &str) -> anyhow::Result<u32> {
+    let parsed = match text.strip_prefix("0x") {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed.with_context(|| format!("bad mark {text}"))
+}
+
 /// Panics unless running as root: these tests load BPF programs and create namespaces.
 pub fn require_root() {
     assert!(

@@ -340,6 +340,33 @@ pub struct InpodPolicy {
     pub host_probe_snat: HostProbeSnat,
 }
 
+/// Why `pod` is left out of ambient mode whatever its namespace's labels say (an excluded
+/// namespace, host network, a sidecar, ztunnel itself), or `None` when the selectors decide.
+/// [`enroll`] asks this first; a caller asks it before looking the namespace up.
+#[must_use]
+pub fn never_enrolled(
+    pod: &Pod,
+    exclude_namespaces: &[String],
+    config: &AmbientConfig,
+) -> Option<NotEnrolledReason> {
+    let namespace = PodRef::of(pod).namespace;
+    if exclude_namespaces.contains(&namespace) {
+        return Some(NotEnrolledReason::ExcludedNamespace(namespace));
+    }
+    if pod.spec.as_ref().and_then(|s| s.host_network) == Some(true) {
+        return Some(NotEnrolledReason::HostNetwork);
+    }
+    let annotations = pod.metadata.annotations.as_ref();
+    if annotations.is_some_and(|a| a.contains_key(keys::STATUS)) {
+        return Some(NotEnrolledReason::Sidecar);
+    }
+    let app = pod.metadata.labels.as_ref().and_then(|l| l.get("app"));
+    if namespace == config.system_namespace && app.map(String::as_str) == Some(ZTUNNEL_APP) {
+        return Some(NotEnrolledReason::Ztunnel);
+    }
+    None
+}
+
 /// Decides, as Istio's plugin and node agent do, whether `pod` (whose namespace carries
 /// `namespace_labels`) is enrolled in ambient mode, and if so with which policy.
 ///
@@ -353,27 +380,16 @@ pub fn enroll(
     config: &AmbientConfig,
 ) -> Result<Enrollment, PolicyError> {
     let not = |reason| Ok(Enrollment::NotEnrolled { reason });
+    if let Some(reason) = never_enrolled(pod, exclude_namespaces, config) {
+        return not(reason);
+    }
     let pod_ref = PodRef::of(pod);
-    if exclude_namespaces.contains(&pod_ref.namespace) {
-        return not(NotEnrolledReason::ExcludedNamespace(pod_ref.namespace));
-    }
-    if pod.spec.as_ref().and_then(|s| s.host_network) == Some(true) {
-        return not(NotEnrolledReason::HostNetwork);
-    }
-    let annotations = pod.metadata.annotations.clone().unwrap_or_default();
-    if annotations.contains_key(keys::STATUS) {
-        return not(NotEnrolledReason::Sidecar);
-    }
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    if pod_ref.namespace == config.system_namespace
-        && labels.get("app").map(String::as_str) == Some(ZTUNNEL_APP)
-    {
-        return not(NotEnrolledReason::Ztunnel);
-    }
     if !config.selects(&labels, namespace_labels) {
         return not(NotEnrolledReason::NotSelected);
     }
 
+    let annotations = pod.metadata.annotations.clone().unwrap_or_default();
     let mut ignored = Vec::new();
     let mut boolean = |key: &str| {
         let value = annotations.get(key)?;

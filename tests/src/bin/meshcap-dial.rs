@@ -34,12 +34,9 @@ fn main() -> anyhow::Result<()> {
             "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
             "--hold" => hold = true,
             "--mark" => {
-                let text = args.next().context("--mark needs a value")?;
-                let parsed = match text.strip_prefix("0x") {
-                    Some(hex) => u32::from_str_radix(hex, 16),
-                    None => text.parse(),
-                };
-                mark = Some(parsed.with_context(|| format!("bad mark {text}"))?);
+                mark = Some(meshcap_tests::parse_mark(
+                    &args.next().context("--mark needs a value")?,
+                )?);
             }
             other => bail!("unknown argument {other}"),
         }

@@ -23,7 +23,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use meshcap_tests::Report;
+use meshcap_tests::{Report, parse_mark};
 
 /// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST` share the number.
 const SO_ORIGINAL_DST: libc::c_int = 80;
@@ -99,15 +99,6 @@ impl Options {
         }
         Ok(())
     }
-}
-
-/// `1337` or `0x539`.
-fn parse_mark(text: &str) -> anyhow::Result<u32> {
-    let parsed = match text.strip_prefix("0x") {
-        Some(hex) => u32::from_str_radix(hex, 16),
-        None => text.parse(),
-    };
-    parsed.with_context(|| format!("bad mark {text}"))
 }
 
 /// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
