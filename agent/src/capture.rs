@@ -16,6 +16,7 @@ use std::{
     time::Instant,
 };
 
+use k8s_openapi::api::core::v1::Pod;
 use meshcap_cni::protocol::{ErrorKind, Op, Outcome, PodAttachment, Reply, Response};
 use tokio::{
     runtime::{Handle, RuntimeFlavor},
@@ -347,6 +348,90 @@ impl Capture {
         off_the_runtime(move || f(backend.as_ref())).await
     }
 
+    /// Ambient mode's decision for `found` (the pod as the API has it): `None` when the node
+    /// does not run ambient mode or the pod is not enrolled.
+    async fn ambient_decision(
+        &self,
+        pod: &PodAttachment,
+        found: &Pod,
+    ) -> Result<Option<Decision>, Failure> {
+        let Some(ambient) = self.ambient() else {
+            return Ok(None);
+        };
+        let exclude = &self.settings.select.exclude_namespaces;
+        let enrollment =
+            crate::decide::ambient_enrollment(&self.source, found, exclude, ambient.config())
+                .await
+                .map_err(|reason| {
+                    Failure::new(
+                        ErrorKind::PodSourceUnavailable,
+                        format!("pod {}/{}: {reason}", pod.namespace, pod.name),
+                    )
+                })?;
+        match enrollment {
+            Err(e) => Err(Failure::new(ErrorKind::InvalidPod, e.to_string())),
+            Ok(Enrollment::NotEnrolled { .. }) => Ok(None),
+            Ok(Enrollment::Enrolled { policy, ignored }) => {
+                for annotation in ignored {
+                    warn!(
+                        annotation = annotation.key,
+                        value = annotation.value,
+                        "not a boolean: ignored, as Istio does"
+                    );
+                }
+                let uid = pod
+                    .uid
+                    .clone()
+                    .or_else(|| found.metadata.uid.clone())
+                    .unwrap_or_default();
+                let service_account = found
+                    .spec
+                    .as_ref()
+                    .and_then(|spec| spec.service_account_name.clone())
+                    .unwrap_or_else(|| "default".to_owned());
+                Ok(Some(Decision::Ambient {
+                    policy,
+                    uid,
+                    service_account,
+                }))
+            }
+        }
+    }
+
+    /// Enrolls a running pod in ambient mode in place ([`crate::ambient::live`]), deciding on
+    /// `found`, the pod as the caller's watch last saw it (the pod source may not have seen
+    /// that change yet), through the ADD's enrollment under the container's lock.
+    ///
+    /// # Errors
+    /// As an ADD's; and when ambient mode does not enroll the pod after all.
+    pub async fn enroll_running(&self, pod: PodAttachment, found: &Pod) -> Result<String, String> {
+        let id = pod.container_id.clone();
+        let work = async {
+            match self.ambient_decision(&pod, found).await? {
+                Some(Decision::Ambient {
+                    policy,
+                    uid,
+                    service_account,
+                }) => self.enroll(&pod, policy, uid, service_account).await,
+                _ => Err(Failure::new(
+                    ErrorKind::InvalidPod,
+                    "ambient mode does not enroll it",
+                )),
+            }
+        };
+        match self.locked(&id, work).await {
+            Ok(Response {
+                reply: Reply::Ok { message, .. },
+                ..
+            }) => Ok(message),
+            Ok(Response {
+                reply: Reply::Error { msg, .. },
+                ..
+            }) => Err(msg),
+            Err(failure) => Err(failure.msg),
+        }
+    }
+
     /// The pod's decision: skip (with the reason), ambient mode's capture (a node that runs it
     /// asks first, as Istio's plugin does) or its sidecar's.
     async fn decide(&self, pod: &PodAttachment) -> Result<Decision, Failure> {
@@ -359,45 +444,8 @@ impl Capture {
                 self.settings.retry,
             )
             .await?;
-        if let Some(ambient) = self.ambient() {
-            let exclude = &self.settings.select.exclude_namespaces;
-            let enrollment =
-                crate::decide::ambient_enrollment(&self.source, &found, exclude, ambient.config())
-                    .await
-                    .map_err(|reason| {
-                        Failure::new(
-                            ErrorKind::PodSourceUnavailable,
-                            format!("pod {}/{}: {reason}", pod.namespace, pod.name),
-                        )
-                    })?;
-            match enrollment {
-                Err(e) => return Err(Failure::new(ErrorKind::InvalidPod, e.to_string())),
-                Ok(Enrollment::Enrolled { policy, ignored }) => {
-                    for annotation in ignored {
-                        warn!(
-                            annotation = annotation.key,
-                            value = annotation.value,
-                            "not a boolean: ignored, as Istio does"
-                        );
-                    }
-                    let uid = pod
-                        .uid
-                        .clone()
-                        .or_else(|| found.metadata.uid.clone())
-                        .unwrap_or_default();
-                    let service_account = found
-                        .spec
-                        .as_ref()
-                        .and_then(|spec| spec.service_account_name.clone())
-                        .unwrap_or_else(|| "default".to_owned());
-                    return Ok(Decision::Ambient {
-                        policy,
-                        uid,
-                        service_account,
-                    });
-                }
-                Ok(Enrollment::NotEnrolled { .. }) => {}
-            }
+        if let Some(enrolled) = self.ambient_decision(pod, &found).await? {
+            return Ok(enrolled);
         }
         let ips = if pod.ips.is_empty() {
             let netns = PathBuf::from(&pod.netns);
@@ -531,7 +579,7 @@ impl Capture {
             };
             for stale in enrolled
                 .into_iter()
-                .filter(|c| !valid.contains(&c.pod.container_id))
+                .filter(|c| collectable(&c.pod.container_id, valid))
             {
                 let (pod, id) = (stale.pod.clone(), stale.pod.container_id.clone());
                 let ambient = ambient.clone();
@@ -547,7 +595,7 @@ impl Capture {
         let captured = self.blocking(|b| b.list()).await??;
         for stale in captured
             .into_iter()
-            .filter(|c| !valid.contains(&c.pod.container_id))
+            .filter(|c| collectable(&c.pod.container_id, valid))
         {
             let pod = stale.pod.clone();
             let id = pod.container_id.clone();
@@ -703,6 +751,25 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
         container_id: pod.container_id.clone(),
         netns: PathBuf::from(&pod.netns),
     }
+}
+
+/// What the ids of captures made in place begin with: meshcap records a running pod it
+/// captures (the repair controller) or enrolls (ambient mode, [`crate::ambient::live`]) under
+/// an id of its own, as no runtime told it the pod's sandbox id. The runtime's DEL finds such a
+/// capture by the pod's netns; its GC, which lists only sandbox ids, leaves it alone: it goes
+/// with a DEL, or with its netns.
+const IN_PLACE: &str = "in-place:";
+
+/// The id a capture made in place by `by` (`repair`, `ambient`) is recorded under.
+#[must_use]
+pub fn in_place_id(by: &str, uid: &str) -> String {
+    format!("{IN_PLACE}{by}:{uid}")
+}
+
+/// Whether the runtime's GC may remove the capture recorded under `id` when its list of valid
+/// attachments does not name it: not one made in place.
+fn collectable(id: &str, valid: &[String]) -> bool {
+    !id.starts_with(IN_PLACE) && !valid.iter().any(|v| v == id)
 }
 
 /// The answer for a pod Istio's CNI plugin would leave alone (ADD and CHECK alike).

@@ -107,7 +107,7 @@ fn rbac_is_exactly_what_the_agent_calls() {
         rules,
         [
             (s(&[""]), s(&["pods"]), s(&["get", "list", "watch"])),
-            (s(&[""]), s(&["namespaces"]), s(&["get"])),
+            (s(&[""]), s(&["namespaces"]), s(&["get", "list", "watch"])),
             (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
             (
                 s(&["events.k8s.io"]),

@@ -1,8 +1,8 @@
 //! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
 //! list and watch of pods (filtered by the `spec.nodeName` field selector, as kube-rs's
 //! watcher asks; the watch streams the changes made through [`ApiServer::apply_pod`] after the
-//! resourceVersion it asks from), GET of one pod, DaemonSet or Namespace, DELETE of a pod with
-//! preconditions, merge PATCH of a pod's labels and annotations through `pods/status`, and creation of
+//! resourceVersion it asks from) and of namespaces ([`ApiServer::apply_namespace`]), GET of one pod, DaemonSet or Namespace, DELETE of a pod with
+//! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), and creation of
 //! `events.k8s.io/v1` Events, with real JSON on the real paths; kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
@@ -36,6 +36,8 @@ pub struct ApiServer {
     /// Every change a watch streams (`ADDED`, `MODIFIED`, `DELETED` and the pod); a change's
     /// index + 1 is its resourceVersion.
     changes: Arc<Mutex<Vec<(String, Value)>>>,
+    /// The same for namespaces changed through [`ApiServer::apply_namespace`].
+    namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -54,8 +56,10 @@ impl ApiServer {
         let events = Arc::new(Mutex::new(Vec::<Value>::new()));
         let writes = Arc::new(Mutex::new(Vec::new()));
         let changes = Arc::new(Mutex::new(Vec::new()));
+        let namespace_changes = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let state = Served {
+            namespace_changes: namespace_changes.clone(),
             pods: pods.clone(),
             daemon_sets: daemon_sets.clone(),
             namespaces: namespaces.clone(),
@@ -81,6 +85,7 @@ impl ApiServer {
             events,
             writes,
             changes,
+            namespace_changes,
             stop,
         }
     }
@@ -92,6 +97,14 @@ impl ApiServer {
     /// When a lock is poisoned.
     pub fn apply_pod(&self, pod: Value) {
         record(&self.pods, &self.changes, pod);
+    }
+
+    /// Adds `namespace`, or replaces its namesake, as a change namespace watches see.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    pub fn apply_namespace(&self, namespace: Value) {
+        record(&self.namespaces, &self.namespace_changes, namespace);
     }
 
     /// A kubeconfig for it (plain HTTP, no credentials), written into `dir`.
@@ -131,6 +144,7 @@ struct Served {
     events: Arc<Mutex<Vec<Value>>>,
     writes: Arc<Mutex<Vec<(String, String, Value)>>>,
     changes: Arc<Mutex<Vec<(String, Value)>>>,
+    namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -152,6 +166,46 @@ fn record(pods: &Mutex<Vec<Value>>, changes: &Mutex<Vec<(String, Value)>>, mut p
         "ADDED"
     };
     changes.push((kind.to_owned(), pod));
+}
+
+/// Streams the `changes` after the resourceVersion `query` asks from, then each new one that
+/// `keep` accepts, for a minute (kube-rs then watches again from the last it saw).
+fn watch(
+    stream: &mut TcpStream,
+    changes: &Mutex<Vec<(String, Value)>>,
+    query: &str,
+    stop: &AtomicBool,
+    keep: impl Fn(&Value) -> bool,
+) {
+    let mut next: usize = param(query, "resourceVersion")
+        .and_then(|rv| rv.parse().ok())
+        .unwrap_or(0);
+    let _ = write!(
+        stream,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    let _ = stream.flush();
+    for _ in 0..12_000 {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let pending: Vec<(String, Value)> = {
+            let changes = changes.lock().expect("changes");
+            let new = changes.get(next..).unwrap_or_default().to_vec();
+            next = changes.len().max(next);
+            new
+        };
+        for (kind, object) in pending {
+            if keep(&object) {
+                let line = format!("{}\n", json!({"type": kind, "object": object}));
+                if write!(stream, "{:x}\r\n{line}\r\n", line.len()).is_err() {
+                    return;
+                }
+            }
+        }
+        let _ = stream.flush();
+        thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// The node a `fieldSelector=spec.nodeName=NODE` query asks for (URL-encoded or not).
@@ -238,38 +292,31 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             respond(&mut stream, "201 Created", &event);
         }
         ["api", "v1", "pods"] if param(query, "watch").is_some_and(|w| w == "true" || w == "1") => {
-            // The changes after the asked resourceVersion, then each new one, for a minute
-            // (kube-rs then watches again from the last it saw).
             let node = node_selected(query);
-            let mut next: usize = param(query, "resourceVersion")
-                .and_then(|rv| rv.parse().ok())
-                .unwrap_or(0);
-            let _ = write!(
-                stream,
-                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            watch(&mut stream, &state.changes, query, stop, |pod| {
+                on_node(pod, node.as_deref())
+            });
+        }
+        ["api", "v1", "namespaces"]
+            if param(query, "watch").is_some_and(|w| w == "true" || w == "1") =>
+        {
+            watch(&mut stream, &state.namespace_changes, query, stop, |_| true);
+        }
+        ["api", "v1", "namespaces"] => {
+            let items = state.namespaces.lock().expect("namespaces").clone();
+            let version = state
+                .namespace_changes
+                .lock()
+                .expect("changes")
+                .len()
+                .to_string();
+            respond(
+                &mut stream,
+                "200 OK",
+                &json!({
+                    "apiVersion": "v1", "kind": "NamespaceList", "metadata": {"resourceVersion": version}, "items": items
+                }),
             );
-            let _ = stream.flush();
-            for _ in 0..12_000 {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let pending: Vec<(String, Value)> = {
-                    let changes = state.changes.lock().expect("changes");
-                    let new = changes.get(next..).unwrap_or_default().to_vec();
-                    next = changes.len().max(next);
-                    new
-                };
-                for (kind, pod) in pending {
-                    if on_node(&pod, node.as_deref()) {
-                        let line = format!("{}\n", json!({"type": kind, "object": pod}));
-                        if write!(stream, "{:x}\r\n{line}\r\n", line.len()).is_err() {
-                            return;
-                        }
-                    }
-                }
-                let _ = stream.flush();
-                thread::sleep(Duration::from_millis(5));
-            }
         }
         ["api", "v1", "pods"] => {
             let node = node_selected(query);
@@ -347,7 +394,14 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             if let Some(mut pod) = found {
                 for field in ["labels", "annotations"] {
                     for (k, v) in patch["metadata"][field].as_object().into_iter().flatten() {
-                        pod["metadata"][field][k] = v.clone();
+                        // A merge patch's null removes the key (RFC 7386).
+                        match (v.is_null(), pod["metadata"][field].as_object_mut()) {
+                            (true, Some(map)) => {
+                                map.remove(k);
+                            }
+                            (true, None) => {}
+                            (false, _) => pod["metadata"][field][k] = v.clone(),
+                        }
                     }
                 }
                 record(pods, &state.changes, pod.clone());

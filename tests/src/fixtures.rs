@@ -1,8 +1,10 @@
 //! What the end-to-end tests set pods up with: manifests as the injector leaves them, a
 //! manifest directory for the agent's standalone pod source, the leftovers a removed capture
-//! must not leave, and waiting for the agent's asynchronous start-up.
+//! must not leave, addresses unique on the machine, and waiting for the agent's asynchronous
+//! start-up.
 use std::{
     path::{Path, PathBuf},
+    sync::atomic::{AtomicU8, Ordering},
     thread,
     time::Duration,
 };
@@ -147,4 +149,18 @@ impl Drop for ManifestDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// An address no other test's namespace holds (the repair controller and ambient
+/// mode's live enrollment find a pod's namespace by its address, among every namespace on the
+/// machine).
+#[must_use]
+pub fn unique_ip() -> String {
+    static NEXT: AtomicU8 = AtomicU8::new(1);
+    format!(
+        "100.{}.{}.{}",
+        64 + (std::process::id() >> 16) % 64,
+        (std::process::id() >> 8) % 256,
+        (u32::from(NEXT.fetch_add(1, Ordering::Relaxed)) + std::process::id()) % 254 + 1
+    )
 }

@@ -426,15 +426,32 @@ impl Proc {
         self.child.id()
     }
 
-    /// Waits for the first stdout line (servers print `ready` once listening).
+    /// Waits for the next stdout line (servers print `ready` once listening), a minute at
+    /// most: a test waiting for something that never comes fails, naming what it waited for,
+    /// rather than hanging.
     ///
     /// # Errors
-    /// When the process exits first.
+    /// When the process exits first, or prints no line within a minute.
     pub fn wait_line(&mut self) -> anyhow::Result<String> {
+        use std::os::fd::AsFd as _;
         let stdout = self.child.stdout.as_mut().context("stdout not piped")?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         let mut line = Vec::new();
         let mut byte = [0u8; 1];
         loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left =
+                nix::poll::PollTimeout::try_from(left).unwrap_or(nix::poll::PollTimeout::MAX);
+            let mut fds = [nix::poll::PollFd::new(
+                stdout.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            if nix::poll::poll(&mut fds, left)? == 0 {
+                bail!(
+                    "no line within a minute (so far: {:?})",
+                    String::from_utf8_lossy(&line)
+                );
+            }
             let n = stdout.read(&mut byte)?;
             if n == 0 {
                 bail!("process exited before printing a line");

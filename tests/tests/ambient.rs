@@ -14,7 +14,7 @@ use meshcap_tests::{
     agent::{Agent, Backend},
     apiserver::ApiServer,
     bin, dial, dial_with,
-    fixtures::{ManifestDir, leftovers, write_manifest},
+    fixtures::{ManifestDir, eventually, leftovers, unique_ip, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, start_server, unique_name,
     world::{Node, Pod},
@@ -25,6 +25,7 @@ meshcap_tests::test_on_both_backends!(
     an_ambient_pod_is_captured_for_ztunnel_and_released,
     without_ztunnel_an_ambient_add_fails_whole,
     with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
+    running_pods_join_and_leave_as_their_labels_change,
 );
 
 /// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
@@ -317,6 +318,100 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
     let del = cni("DEL", &sandbox, &conf).expect("DEL");
     assert!(del.success, "DEL failed: {del:?}");
     assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+}
+
+/// Live enrollment, as Istio's node agent's informers: a running pod that the CNI ADD left
+/// alone joins ambient mode when its label (then its namespace's) says so, and leaves when it
+/// no longer does: ztunnel told each time, the annotation written and removed, the pod's
+/// traffic captured and released; the runtime's DEL still finds what was enrolled in place.
+fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    // The agent finds a running pod's netns by its address: one no other netns holds.
+    let ip = unique_ip();
+    pod.netns
+        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the pod's address");
+    let sockets = SocketDir::new();
+    let api = ApiServer::start();
+    let mut manifest = ambient_pod("web");
+    manifest["metadata"]["labels"] = json!({});
+    manifest["spec"]["nodeName"] = json!("node-1");
+    manifest["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    api.apply_pod(manifest);
+    let namespace = |labels: Value| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop", "labels": labels}});
+    api.apply_namespace(namespace(json!({})));
+    let kubeconfig = api.kubeconfig(&sockets.0);
+    let socket = sockets.socket();
+    let agent = Agent::start(
+        backend,
+        &["--pods", "kube", "--node-name", "node-1"],
+        &[
+            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            ("MESHCAP_STARTUP_TAINT", ""),
+        ],
+    )
+    .expect("agent");
+    let mut zt = ztunnel(&node, &socket, &[]);
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let outbound = || {
+        let to = format!("tcp:{}:80", pod.peer_v4());
+        answer(dial(app(&pod), &to, None).expect("dial")).0
+    };
+    assert_eq!(outbound(), "peer", "not enrolled: the ADD left it alone");
+
+    let relabel = |labels: Value| {
+        let mut current = api.pods.lock().expect("pods")[0].clone();
+        current["metadata"]["labels"] = labels;
+        api.apply_pod(current);
+    };
+    let annotation = || {
+        api.pods.lock().expect("pods")[0]["metadata"]["annotations"]["ambient.istio.io/redirection"]
+            .clone()
+    };
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+
+    relabel(json!({"istio.io/dataplane-mode": "ambient"}));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
+    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
+    assert_eq!(outbound(), "ztunnel", "enrolled while it runs: captured");
+
+    relabel(json!({"istio.io/dataplane-mode": "none"}));
+    assert_eq!(
+        zt.wait_line().expect("ztunnel"),
+        "del uid-web",
+        "{}",
+        agent.log()
+    );
+    eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
+    assert_eq!(outbound(), "peer", "out of ambient mode: released");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+
+    // The namespace's label enrolls the (unlabelled) pod.
+    relabel(json!({}));
+    api.apply_namespace(namespace(json!({"istio.io/dataplane-mode": "ambient"})));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
+    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
+    assert_eq!(outbound(), "ztunnel", "enrolled by its namespace: captured");
+
+    // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(outbound(), "peer", "after DEL nothing is captured");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()

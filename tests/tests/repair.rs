@@ -2,12 +2,10 @@
 //! started without its capture (its `istio-validation` last exited 126) is captured in place in
 //! `repairPods` mode, labelled in `labelPods`, deleted with preconditions in `deletePods`; a
 //! healthy pod, a pod of another node and a pod repaired once are left alone.
-use std::sync::atomic::{AtomicU8, Ordering};
-
 use meshcap_tests::{
     agent::{Agent, Backend},
     apiserver::ApiServer,
-    fixtures::{ManifestDir, broken_pod, eventually, leftovers, sidecar_pod},
+    fixtures::{ManifestDir, broken_pod, eventually, leftovers, sidecar_pod, unique_ip},
     kubelet::{Sandbox, cni, config},
     require_root,
     wired::Wired,
@@ -15,18 +13,6 @@ use meshcap_tests::{
 use serde_json::{Value, json};
 
 meshcap_tests::test_on_both_backends!(a_pod_that_started_uncaptured_is_captured_in_place);
-
-/// An address no other test's namespace holds (the controller finds the pod's namespace by
-/// its address, among every namespace on the machine).
-fn unique_ip() -> String {
-    static NEXT: AtomicU8 = AtomicU8::new(1);
-    format!(
-        "100.{}.{}.{}",
-        64 + (std::process::id() >> 16) % 64,
-        (std::process::id() >> 8) % 256,
-        (u32::from(NEXT.fetch_add(1, Ordering::Relaxed)) + std::process::id()) % 254 + 1
-    )
-}
 
 /// `pod` whose validation passed.
 fn healthy(mut pod: Value, ip: &str) -> Value {

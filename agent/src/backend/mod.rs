@@ -4,7 +4,11 @@
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::{fmt, path::PathBuf};
+use std::{
+    fmt,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -153,6 +157,19 @@ pub fn record_file_name(container_id: &str) -> String {
         })
         .collect();
     format!("{safe}.json")
+}
+
+/// Whether two netns paths name the same namespace file (`/run/netns/x` and
+/// `/var/run/netns/x` are one); an empty path names none.
+#[must_use]
+pub fn same_netns(a: &Path, b: &Path) -> bool {
+    if a.as_os_str().is_empty() || b.as_os_str().is_empty() {
+        return false;
+    }
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => a == b,
+    }
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.

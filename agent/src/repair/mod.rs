@@ -253,7 +253,7 @@ impl Repairer {
             uid: Some(uid.clone()),
             // The sandbox id is the runtime's; the API does not say it. The runtime's DEL names
             // the pod's netns, by which both backends find this capture.
-            container_id: format!("repair-{uid}"),
+            container_id: crate::capture::in_place_id("repair", &uid),
             netns: netns.display().to_string(),
             ifname: "eth0".into(),
             ips,

@@ -200,7 +200,7 @@ impl IptablesBackend {
             .or_else(|| {
                 applied
                     .iter()
-                    .find(|(_, r)| same_netns(&r.pod.netns, &pod.netns))
+                    .find(|(_, r)| super::same_netns(&r.pod.netns, &pod.netns))
                     .map(|(id, r)| (id.clone(), r.clone()))
             })
     }
@@ -470,17 +470,5 @@ impl CaptureBackend for IptablesBackend {
             .collect();
         out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
         Ok(out)
-    }
-}
-
-/// Whether two netns paths name the same namespace file (`/run/netns/x` and
-/// `/var/run/netns/x` are one); an empty path names none.
-fn same_netns(a: &Path, b: &Path) -> bool {
-    if a.as_os_str().is_empty() || b.as_os_str().is_empty() {
-        return false;
-    }
-    match (fs::metadata(a), fs::metadata(b)) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => a == b,
     }
 }

@@ -6,7 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
-    ambient::Ambient,
+    ambient::{Ambient, live::LiveEnrollment},
     api::{Server, ServerConfig, http},
     backend::{
         BackendChoice, CaptureBackend,
@@ -313,8 +313,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             socket: paths.socket.clone(),
         },
     ));
-    if let Some(ambient) = ambient {
-        capture.serve_ambient(ambient);
+    if let Some(ambient) = &ambient {
+        capture.serve_ambient(ambient.clone());
     }
     tokio::spawn(log_warnings(capture.clone()));
     tokio::spawn(drop_gone(
@@ -381,6 +381,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             tokio::spawn(repairer.run());
         } else {
             info!("repair controller off (repair.enabled, or no repair mode set)");
+        }
+        if let Some(ambient) = &ambient {
+            let live = LiveEnrollment::new(
+                client.clone(),
+                node.clone(),
+                capture.clone(),
+                ambient.clone(),
+                args.exclude_namespaces.clone(),
+                meshcap_agent::paths::NETNS_DIR.into(),
+            );
+            tokio::spawn(live.run());
         }
     }
     if let Some((client, node)) = kube_node.clone()

@@ -12,10 +12,15 @@
 //! Last, the pod is annotated `ambient.istio.io/redirection: enabled` (through `pods/status`,
 //! as Istio does): istiod reads it to send the pod HBONE.
 //!
+//! Pods already running join and leave as their labels and their namespace's change
+//! ([`live`]), as Istio's node agent's informers make them.
+//!
 //! A pod is enrolled whole or not at all: when ztunnel is not connected, refuses the pod or
 //! does not answer, or the annotation cannot be written, what was done is undone and the ADD
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
+
+pub mod live;
 
 use std::{
     fs,
@@ -31,7 +36,7 @@ use crate::{
     backend::{
         BackendError, CaptureBackend as _, CapturedPod, PodRef,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
-        record_file_name,
+        record_file_name, same_netns,
     },
     policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
     ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
@@ -75,6 +80,10 @@ pub enum AmbientError {
 /// What ztunnel is told about an enrolled pod, kept per container.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Workload {
+    /// The id the pod is enrolled under: the runtime's sandbox, or one of
+    /// [`crate::capture::in_place_id`]'s for a pod enrolled while it runs.
+    #[serde(default)]
+    container_id: String,
     uid: String,
     name: String,
     namespace: String,
@@ -126,12 +135,9 @@ impl Ambient {
         // is to be told about them. (A record of what ztunnel is told is written before the
         // rules' own, so that of a pod whose ADD was cut off may stand alone: it goes too.)
         rules.prune_gone()?;
-        for entry in fs::read_dir(&workloads)
-            .map_err(|e| state(&workloads, &e))?
-            .flatten()
-        {
-            if read_workload(&entry.path()).is_some_and(|w| !w.netns.exists()) {
-                remove_file(&entry.path());
+        for (path, workload) in records(&workloads) {
+            if !workload.netns.exists() {
+                remove_file(&path);
             }
         }
         if let Some(parent) = socket.parent() {
@@ -173,6 +179,7 @@ impl Ambient {
         policy: &InpodPolicy,
     ) -> Result<(), AmbientError> {
         let workload = Workload {
+            container_id: pod.container_id.clone(),
             uid: uid.to_owned(),
             name: pod.name.clone(),
             namespace: pod.namespace.clone(),
@@ -243,8 +250,7 @@ impl Ambient {
     /// # Errors
     /// When its rules cannot be removed from a netns that is still there.
     pub fn remove(&self, pod: &PodRef) -> Result<(), AmbientError> {
-        let path = self.workload_path(&pod.container_id);
-        let Some(workload) = read_workload(&path) else {
+        let Some((path, workload)) = self.workload_of(pod) else {
             return Ok(self.rules.remove(pod)?);
         };
         if let Err(err) = self.ztunnel.delete(&workload.uid) {
@@ -254,6 +260,52 @@ impl Ambient {
         remove_file(&path);
         info!(pod = %pod, uid = workload.uid, "removed from ambient mode");
         Ok(())
+    }
+
+    /// The enrolled pod whose uid is `uid`, if any, as its DEL names it.
+    #[must_use]
+    pub fn enrolled(&self, uid: &str) -> Option<PodRef> {
+        records(&self.workloads)
+            .find(|(_, w)| w.uid == uid)
+            .map(|(_, w)| PodRef {
+                namespace: w.namespace,
+                name: w.name,
+                container_id: w.container_id,
+                netns: w.netns,
+            })
+    }
+
+    /// Removes `ambient.istio.io/redirection` from a pod taken out of ambient mode while it
+    /// runs (Istio's `AnnotateUnenrollPod`); nothing without an API server.
+    ///
+    /// # Errors
+    /// When the API server refuses or cannot be reached.
+    pub async fn annotate_unenrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
+        let Some(client) = &self.api else {
+            return Ok(());
+        };
+        let patch = serde_json::json!({
+            "metadata": {"annotations": {ambient_keys::REDIRECTION: null}}
+        });
+        Api::<Pod>::namespaced(client.clone(), &pod.namespace)
+            .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(drop)
+            .map_err(|e| AmbientError::Annotation {
+                pod: pod.to_string(),
+                annotation: ambient_keys::REDIRECTION,
+                reason: e.to_string(),
+            })
+    }
+
+    /// The record of `pod`: by its container, else by its netns (a pod enrolled while it ran
+    /// is recorded under an id of meshcap's, which the runtime's DEL does not name).
+    fn workload_of(&self, pod: &PodRef) -> Option<(PathBuf, Workload)> {
+        let path = self.workload_path(&pod.container_id);
+        if let Some(workload) = read_workload(&path) {
+            return Some((path, workload));
+        }
+        records(&self.workloads).find(|(_, w)| same_netns(&w.netns, &pod.netns))
     }
 
     /// The enrolled pods.
@@ -292,15 +344,22 @@ fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
     workloads.join(record_file_name(container_id))
 }
 
+/// Every record in `workloads`, with its path.
+fn records(workloads: &Path) -> impl Iterator<Item = (PathBuf, Workload)> {
+    fs::read_dir(workloads)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let path = entry.path();
+            read_workload(&path).map(|workload| (path, workload))
+        })
+}
+
 /// Every enrolled pod, for a connecting ztunnel: with its netns when it is still there.
 fn snapshot(workloads: &Path) -> Vec<Enrolled> {
-    let Ok(entries) = fs::read_dir(workloads) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|entry| read_workload(&entry.path()))
-        .map(|workload| Enrolled {
+    records(workloads)
+        .map(|(_, workload)| Enrolled {
             uid: workload.uid.clone(),
             workload: workload.info(),
             netns: fs::File::open(&workload.netns).ok().map(Into::into),

@@ -1,0 +1,307 @@
+//! Live enrollment: pods already running join ambient mode and leave it as their labels and
+//! their namespace's labels change, as Istio's node agent's informers make them
+//! (`cni/pkg/nodeagent/informers.go`, `reconcilePod` and the namespace handler that requeues
+//! every pod of a namespace whose labels changed).
+//!
+//! It watches this node's pods (field selector `spec.nodeName`, as Istio's informer) and every
+//! namespace (RBAC: `namespaces` `list` and `watch`), and decides each running pod with
+//! [`policy::ambient::enroll`], the same decision as a CNI ADD:
+//!
+//! - a pod that should be enrolled and is not is enrolled in place: its network namespace is
+//!   found by its address ([`crate::repair::netns`]) and it is enrolled as an ADD enrolls
+//!   (same rules, same ztunnel hand-over, same annotation), decided on the pod as this watch
+//!   saw it, recorded under [`crate::capture::in_place_id`];
+//! - an enrolled pod that should not be (its label set to `none` or removed, its namespace
+//!   unlabelled), or that has terminated, leaves: ztunnel is told, its in-pod rules go and its
+//!   `ambient.istio.io/redirection` annotation is removed.
+//!
+//! Where Istio reads "enrolled" off the pod's annotation, meshcap reads it off its own
+//! records, which say what the node holds; so pods whose labels changed while the agent was
+//! down are reconciled when it starts (Istio's informer ignores the initial adds). No pod is
+//! decided before the namespaces are known: an unknown namespace would un-enroll every pod it
+//! enrolls.
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::PathBuf,
+    sync::Arc,
+};
+
+use futures::{StreamExt as _, stream};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::{
+    Api,
+    runtime::{WatchStreamExt as _, watcher},
+};
+use meshcap_cni::protocol::{Op, PodAttachment, Reply};
+use tracing::{info, warn};
+
+use super::Ambient;
+use crate::{
+    backend::PodRef,
+    capture::{Capture, in_place_id},
+    policy::{
+        self,
+        ambient::{AmbientConfig, Enrollment},
+    },
+    repair::netns,
+};
+
+/// The controller.
+pub struct LiveEnrollment {
+    client: kube::Client,
+    node: String,
+    capture: Arc<Capture>,
+    ambient: Arc<Ambient>,
+    exclude_namespaces: Vec<String>,
+    netns_dir: PathBuf,
+    /// This node's pods, by namespace and name, as last seen.
+    pods: HashMap<(String, String), Pod>,
+    /// Every namespace's labels; `None` until the first list is in.
+    namespaces: Option<HashMap<String, BTreeMap<String, String>>>,
+}
+
+/// One change from either watch (boxed: a pod's is kilobytes).
+enum Change {
+    Pods(Box<Result<watcher::Event<Pod>, watcher::Error>>),
+    Namespaces(Box<Result<watcher::Event<Namespace>, watcher::Error>>),
+}
+
+/// What to do with one pod.
+#[derive(Debug, PartialEq, Eq)]
+enum Action {
+    Enroll,
+    Unenroll(PodRef),
+    Nothing,
+}
+
+impl LiveEnrollment {
+    /// A controller for `node`'s pods.
+    #[must_use]
+    pub fn new(
+        client: kube::Client,
+        node: String,
+        capture: Arc<Capture>,
+        ambient: Arc<Ambient>,
+        exclude_namespaces: Vec<String>,
+        netns_dir: PathBuf,
+    ) -> Self {
+        Self {
+            client,
+            node,
+            capture,
+            ambient,
+            exclude_namespaces,
+            netns_dir,
+            pods: HashMap::new(),
+            namespaces: None,
+        }
+    }
+
+    /// Watches until the watches end (never, in practice: they retry with backoff).
+    pub async fn run(mut self) {
+        info!("ambient mode: watching this node's pods and every namespace for enrollment changes");
+        let pods = watcher(
+            Api::<Pod>::all(self.client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={}", self.node)),
+        )
+        .default_backoff()
+        .map(|change| Change::Pods(Box::new(change)));
+        let namespaces = watcher(
+            Api::<Namespace>::all(self.client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .map(|change| Change::Namespaces(Box::new(change)));
+        let mut changes = stream::select(pods.boxed(), namespaces.boxed());
+        let mut listing = HashMap::new();
+        while let Some(change) = changes.next().await {
+            match change {
+                Change::Pods(event) => self.on_pod(*event).await,
+                Change::Namespaces(event) => self.on_namespace(*event, &mut listing).await,
+            }
+        }
+    }
+
+    async fn on_pod(&mut self, event: Result<watcher::Event<Pod>, watcher::Error>) {
+        match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                self.pods.insert(key(&pod), pod.clone());
+                self.reconcile(&pod).await;
+            }
+            // The runtime's DEL removes the pod's enrollment.
+            Ok(watcher::Event::Delete(pod)) => {
+                self.pods.remove(&key(&pod));
+            }
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
+            Err(err) => warn!(error = %err, "ambient mode's pod watch"),
+        }
+    }
+
+    /// `listing` collects a (re)list until it is done.
+    async fn on_namespace(
+        &mut self,
+        event: Result<watcher::Event<Namespace>, watcher::Error>,
+        listing: &mut HashMap<String, BTreeMap<String, String>>,
+    ) {
+        match event {
+            Ok(watcher::Event::Init) => listing.clear(),
+            Ok(watcher::Event::InitApply(namespace)) => {
+                listing.insert(name_of(&namespace), labels_of(&namespace));
+            }
+            Ok(watcher::Event::InitDone) => {
+                self.namespaces = Some(std::mem::take(listing));
+                self.reconcile_where(|_| true).await;
+            }
+            Ok(watcher::Event::Apply(namespace)) => {
+                let (name, labels) = (name_of(&namespace), labels_of(&namespace));
+                let known = self.namespaces.get_or_insert_with(HashMap::new);
+                if known.get(&name) != Some(&labels) {
+                    known.insert(name.clone(), labels);
+                    self.reconcile_where(|pod| pod.0 == name).await;
+                }
+            }
+            Ok(watcher::Event::Delete(namespace)) => {
+                if let Some(known) = &mut self.namespaces {
+                    known.remove(&name_of(&namespace));
+                }
+            }
+            Err(err) => warn!(error = %err, "ambient mode's namespace watch"),
+        }
+    }
+
+    /// Reconciles every known pod whose (namespace, name) `which` accepts.
+    async fn reconcile_where(&self, which: impl Fn(&(String, String)) -> bool) {
+        let pods: Vec<Pod> = self
+            .pods
+            .iter()
+            .filter(|(k, _)| which(k))
+            .map(|(_, p)| p.clone())
+            .collect();
+        for pod in pods {
+            self.reconcile(&pod).await;
+        }
+    }
+
+    async fn reconcile(&self, pod: &Pod) {
+        let Some(namespaces) = &self.namespaces else {
+            return;
+        };
+        let (namespace, name) = key(pod);
+        let Some(labels) = namespaces.get(&namespace) else {
+            return;
+        };
+        let Some(uid) = pod.metadata.uid.clone() else {
+            return;
+        };
+        let enrolled = self.ambient.enrolled(&uid);
+        let config = self.ambient.config();
+        let action = decide(pod, labels, &self.exclude_namespaces, config, enrolled);
+        let pod_name = format!("{namespace}/{name}");
+        let done = match action {
+            Action::Nothing => return,
+            Action::Enroll => self.enroll(pod, &uid).await,
+            Action::Unenroll(target) => self.unenroll(target).await,
+        };
+        match done {
+            Ok(note) => info!(pod = %pod_name, "{note}"),
+            Err(note) => warn!(pod = %pod_name, "{note}"),
+        }
+    }
+
+    /// Enrolls a running pod in place, through the ADD path.
+    async fn enroll(&self, pod: &Pod, uid: &str) -> Result<String, String> {
+        let ips = policy::status_pod_ips(pod);
+        let (dir, search) = (self.netns_dir.clone(), ips.clone());
+        let netns = tokio::task::spawn_blocking(move || netns::find(&dir, &search))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| {
+                format!("to be enrolled in ambient mode, but its network namespace: {e}")
+            })?;
+        let (namespace, name) = key(pod);
+        let attachment = PodAttachment {
+            namespace,
+            name,
+            uid: Some(uid.to_owned()),
+            container_id: in_place_id("ambient", uid),
+            netns: netns.display().to_string(),
+            ifname: "eth0".into(),
+            ips,
+        };
+        let message = self.capture.enroll_running(attachment, pod).await?;
+        Ok(format!(
+            "its labels now enroll it: {message} (in {})",
+            netns.display()
+        ))
+    }
+
+    /// Takes an enrolled pod out of ambient mode, through the DEL path, and removes its
+    /// annotation.
+    async fn unenroll(&self, target: PodRef) -> Result<String, String> {
+        let attachment = PodAttachment {
+            namespace: target.namespace.clone(),
+            name: target.name.clone(),
+            uid: None,
+            container_id: target.container_id.clone(),
+            netns: target.netns.display().to_string(),
+            ifname: "eth0".into(),
+            ips: Vec::new(),
+        };
+        if let Reply::Error { msg, .. } =
+            self.capture.handle(Op::Del { pod: attachment }).await.reply
+        {
+            return Err(format!("taking it out of ambient mode failed: {msg}"));
+        }
+        self.ambient
+            .annotate_unenrolled(&target)
+            .await
+            .map_err(|e| format!("taken out of ambient mode, but: {e}"))?;
+        Ok("its labels no longer enroll it: out of ambient mode, ztunnel told".to_owned())
+    }
+}
+
+/// What to do with `pod`, whose namespace carries `namespace_labels`, given its enrollment on
+/// this node.
+fn decide(
+    pod: &Pod,
+    namespace_labels: &BTreeMap<String, String>,
+    exclude_namespaces: &[String],
+    config: &AmbientConfig,
+    enrolled: Option<PodRef>,
+) -> Action {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    let terminated = matches!(phase, Some("Succeeded" | "Failed"));
+    let deleting = pod.metadata.deletion_timestamp.is_some();
+    let should = match policy::ambient::enroll(pod, namespace_labels, exclude_namespaces, config) {
+        Ok(Enrollment::Enrolled { .. }) => !terminated,
+        Ok(Enrollment::NotEnrolled { .. }) => false,
+        // Annotations that do not parse: an ADD would fail, a running pod stays as it is.
+        Err(_) => return Action::Nothing,
+    };
+    match enrolled {
+        Some(target) if !should => Action::Unenroll(target),
+        None if should
+            && !deleting
+            && phase == Some("Running")
+            && !policy::status_pod_ips(pod).is_empty() =>
+        {
+            Action::Enroll
+        }
+        _ => Action::Nothing,
+    }
+}
+
+fn key(pod: &Pod) -> (String, String) {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+fn name_of(namespace: &Namespace) -> String {
+    namespace.metadata.name.clone().unwrap_or_default()
+}
+
+fn labels_of(namespace: &Namespace) -> BTreeMap<String, String> {
+    namespace.metadata.labels.clone().unwrap_or_default()
+}
