@@ -327,7 +327,8 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
 /// Live enrollment, as Istio's node agent's informers: a running pod that the CNI ADD left
 /// alone joins ambient mode when its label (then its namespace's) says so, and leaves when it
 /// no longer does: ztunnel told each time, the annotation written and removed, the pod's
-/// traffic captured and released; the runtime's DEL still finds what was enrolled in place.
+/// traffic captured and released; the runtime's GC leaves what was enrolled in place and its
+/// DEL finds it.
 fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     require_root();
     let mut node = Node::new().expect("node");
@@ -406,6 +407,19 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
     assert_eq!(outbound(), "ztunnel", "enrolled by its namespace: captured");
+
+    // The runtime's GC lists its sandboxes only: a pod enrolled in place is not collected.
+    let mut gc_conf = config("1.1.0", &agent.socket, &pod.v4().to_string());
+    gc_conf["cni.dev/valid-attachments"] =
+        json!([{"containerID": sandbox.container_id, "ifname": "eth0"}]);
+    let gc = cni("GC", &sandbox, &gc_conf).expect("GC");
+    assert!(gc.success, "GC failed: {gc:?}\n{}", agent.log());
+    assert!(
+        agent.log().contains("removed 0 stale captures"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(outbound(), "ztunnel", "GC leaves a pod enrolled in place");
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
     let del = cni("DEL", &sandbox, &conf).expect("DEL");
