@@ -2,12 +2,12 @@
 //! tmpfs, bpffs, cgroup2), loads the modules listed in `/modules.list`, runs every test of the
 //! binaries in `/tests.list` that `/tests.filter` selects (one process per test, `/jobs` at a time, every output line
 //! prefixed with the binary's name), prints one line per binary and one result line, and
-//! powers the VM off.
+//! powers the VM off. With `/emulator-probe` it runs no tests but [`emulator_probe`].
 use std::{
     collections::BTreeMap,
     ffi::CString,
     fs,
-    io::{BufRead as _, BufReader, Read},
+    io::{BufRead as _, BufReader, Read, Write as _},
     os::{fd::AsRawFd as _, unix::process::ExitStatusExt as _},
     process::{Command, ExitStatus, Stdio},
     sync::{Arc, Mutex},
@@ -19,12 +19,21 @@ use nix::mount::{MsFlags, mount};
 
 const RESULT_PREFIX: &str = "meshcap-vm: result:";
 
+/// The runner's `stuck::INT3_PATH`.
+const INT3_PATH: &str = "meshcap-vm: int3 path:";
+
 fn main() {
     let kernel = fs::read_to_string("/kernel.txt").unwrap_or_default();
     let kernel = kernel.trim();
     println!("meshcap-vm: init started on linux {kernel}");
     let (passed, failed) = match setup() {
-        Ok(()) => run_tests(),
+        Ok(()) => {
+            print_int3_path();
+            match fs::read_to_string("/emulator-probe") {
+                Ok(spec) => emulator_probe(&spec),
+                Err(_) => run_tests(),
+            }
+        }
         Err(err) => {
             println!("meshcap-vm: set-up failed: {err}");
             (0, 1)
@@ -68,6 +77,32 @@ fn setup() -> Result<(), String> {
         return Err(format!("ip link set lo up: {up}"));
     }
     Ok(())
+}
+
+/// Where the kernel handles `int3` (`asm_exc_int3`, `exc_int3`, `poke_int3_handler`, each up
+/// to the next symbol), from `/proc/kallsyms`: the runner tells by it a guest stuck trapping on
+/// `int3` from another (`xtask/src/integration/stuck.rs`).
+fn print_int3_path() {
+    let Ok(symbols) = fs::read_to_string("/proc/kallsyms") else {
+        return;
+    };
+    let mut text: Vec<(u64, &str)> = symbols
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let address = u64::from_str_radix(fields.next()?, 16).ok()?;
+            let kind = fields.next()?;
+            let name = fields.next()?;
+            kind.eq_ignore_ascii_case("t").then_some((address, name))
+        })
+        .collect();
+    text.sort_unstable();
+    let ranges: Vec<String> = text
+        .windows(2)
+        .filter(|pair| matches!(pair[0].1, "asm_exc_int3" | "exc_int3" | "poke_int3_handler"))
+        .map(|pair| format!("{:x}-{:x}", pair[0].0, pair[1].0))
+        .collect();
+    println!("{INT3_PATH} {}", ranges.join(" "));
 }
 
 fn load_module(path: &str) -> Result<(), String> {
@@ -177,6 +212,71 @@ fn run_tests() -> (u32, u32) {
             u32::try_from(failed).unwrap_or(u32::MAX),
         )
     })
+}
+
+/// `cargo xtask integration --emulator-probe`: whether the emulator honours the kernel's
+/// patching of its own text, with no BPF and no meshcap code. Two pairs of threads ping-pong
+/// through pipes (the scheduler's hot paths run on every vCPU) while this thread flips the
+/// scheduler's `sched_schedstats` static key (`flip`), or leaves it alone (`still`), for the
+/// seconds given. Each flip patches the key's sites with `text_poke_bp` (an `int3` first, then
+/// the new instruction), as attaching the first cgroup program of a kind does to
+/// `cgroup_bpf_enabled_key`. A guest that dies of an `int3` here dies of the emulator.
+fn emulator_probe(spec: &str) -> (u32, u32) {
+    let mut words = spec.split_whitespace();
+    let flip = words.next() == Some("flip");
+    let seconds = words.next().and_then(|s| s.parse().ok()).unwrap_or(60);
+    println!(
+        "meshcap-vm: emulator probe: {} the sched_schedstats key for {seconds} s",
+        if flip { "flipping" } else { "not flipping" }
+    );
+    for _ in 0..2 {
+        if let Err(err) = ping_pong() {
+            println!("meshcap-vm: emulator probe: {err}");
+            return (0, 1);
+        }
+    }
+    let started = Instant::now();
+    let mut report = Duration::from_secs(10);
+    let mut flips = 0_u64;
+    while started.elapsed() < Duration::from_secs(seconds) {
+        if flip {
+            let value = if flips.is_multiple_of(2) { "1" } else { "0" };
+            if let Err(err) = fs::write("/proc/sys/kernel/sched_schedstats", value) {
+                println!("meshcap-vm: emulator probe: writing sched_schedstats: {err}");
+                return (0, 1);
+            }
+            flips += 1;
+        } else {
+            thread::sleep(Duration::from_millis(1));
+        }
+        if started.elapsed() >= report {
+            println!(
+                "meshcap-vm: emulator probe: {flips} flips in {}s",
+                report.as_secs()
+            );
+            report += Duration::from_secs(10);
+        }
+    }
+    println!("meshcap-vm: emulator probe: {flips} flips in {seconds} s, no fault");
+    (1, 0)
+}
+
+/// Two threads passing one byte back and forth through two pipes, for ever.
+fn ping_pong() -> Result<(), String> {
+    let pipe = || -> Result<(fs::File, fs::File), String> {
+        let (read, write) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+        Ok((fs::File::from(read), fs::File::from(write)))
+    };
+    let ((mut ping_rx, mut ping_tx), (mut pong_rx, mut pong_tx)) = (pipe()?, pipe()?);
+    let mut byte = [0_u8];
+    thread::spawn(move || {
+        while ping_rx.read_exact(&mut byte).is_ok() && pong_tx.write_all(&byte).is_ok() {}
+    });
+    thread::spawn(move || {
+        let mut byte = [0_u8];
+        while ping_tx.write_all(&byte).is_ok() && pong_rx.read_exact(&mut byte).is_ok() {}
+    });
+    Ok(())
 }
 
 /// The tests of a binary (`--list --format terse`: `name: test` lines).

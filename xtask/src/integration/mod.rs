@@ -19,6 +19,7 @@ mod build;
 mod cpio;
 mod kernel;
 mod qemu;
+mod stuck;
 
 /// Options of `cargo xtask integration`.
 #[derive(clap::Args, Debug)]
@@ -36,13 +37,30 @@ pub struct Args {
     #[arg(long, default_value_t = 1200)]
     timeout: u64,
     /// Boots of each kernel, each running the whole selection. With more than one, every boot
-    /// counts (a lock-up is kept and reported, never booted again): the way to measure how
-    /// often a guest locks up, as docs/development.md describes.
+    /// counts (a fault is kept and reported, never booted again): the way to measure how
+    /// often a guest locks up or the emulator faults, as docs/development.md describes.
     #[arg(long, default_value_t = 1)]
     boots: u32,
     /// Only the tests whose `binary::test` name contains one of these (all of them without).
     #[arg(long = "test")]
     tests: Vec<String>,
+    /// Runs no tests: checks the emulator against the kernel's patching of its own text, with
+    /// no BPF loaded (docs/development.md, "Emulator faults"). `flip` flips a static key while
+    /// the vCPUs run the code it patches; `still` is the control.
+    #[arg(long, value_enum)]
+    emulator_probe: Option<EmulatorProbe>,
+    /// How long the emulator probe runs, in seconds.
+    #[arg(long, default_value_t = 60)]
+    probe_seconds: u64,
+}
+
+/// What `--emulator-probe` does with the static key.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum EmulatorProbe {
+    /// Flip it as fast as it goes.
+    Flip,
+    /// Leave it alone (the control).
+    Still,
 }
 
 impl Args {
@@ -146,6 +164,7 @@ fn summarise(
         summary.extend(outcome.report.lines().iter().map(|l| format!("    {l}")));
     }
     if args.tests.is_empty()
+        && args.emulator_probe.is_none()
         && let Some(last) = boots.outcomes.last()
     {
         let durations: String = last
@@ -156,16 +175,26 @@ fn summarise(
             .collect();
         let _ = fs::write(cache.join(format!("durations-{series}.txt")), durations);
     }
-    let locked = boots.outcomes.iter().filter(|o| o.locked_up).count();
+    let locked = boots
+        .outcomes
+        .iter()
+        .filter(|o| o.locked_up && o.emulator_fault.is_none())
+        .count();
+    let stale = boots
+        .outcomes
+        .iter()
+        .filter(|o| o.emulator_fault.is_some())
+        .count();
     if args.boots > 1 {
         summary.push(format!(
-            "{series}: {locked} of {} boots locked up, {} passed",
+            "{series}: {stale} of {} boots met the emulator's stale breakpoint, {locked} other \
+             locked up, {} passed",
             boots.outcomes.len(),
             boots.outcomes.iter().filter(|o| o.passed).count()
         ));
     }
-    // A single boot that locked up was booted once more (see `run_kernel`): the last one
-    // decides. With several boots asked for, every one must pass.
+    // A single boot the emulator faulted was booted once more (see `run_kernel`): the last
+    // one decides. With several boots asked for, every one must pass.
     let failed = if args.boots > 1 {
         boots.outcomes.iter().any(|o| !o.passed)
     } else {
@@ -210,6 +239,14 @@ fn run_kernel(
     }
     let filter: String = args.tests.iter().map(|t| format!("{t}\n")).collect();
     archive.file("tests.filter", 0o644, filter.as_bytes());
+    if let Some(probe) = args.emulator_probe {
+        let mode = match probe {
+            EmulatorProbe::Flip => "flip",
+            EmulatorProbe::Still => "still",
+        };
+        let spec = format!("{mode} {}\n", args.probe_seconds);
+        archive.file("emulator-probe", 0o644, spec.as_bytes());
+    }
     archive.file(
         "kernel.txt",
         0o644,
@@ -226,32 +263,57 @@ fn run_kernel(
     while outcomes.len() < boots + usize::from(retried) {
         let boot = outcomes.len() + 1;
         let outcome = qemu::boot(&label, &kernel.vmlinuz, &initrd, &log, timeout)?;
-        let (locked_up, frames) = (outcome.locked_up, outcome.bpf_frames.join(", "));
+        let (locked_up, fault) = (outcome.locked_up, outcome.emulator_fault);
+        let frames = outcome.bpf_frames.join(", ");
         outcomes.push(outcome);
-        if !locked_up {
-            continue;
-        }
-        let kept = log.with_extension(format!("boot{boot}.locked-up.log"));
-        fs::rename(&log, &kept).with_context(|| format!("keeping {}", log.display()))?;
-        eprintln!(
-            "integration: {label}: THE GUEST KERNEL LOCKED UP on boot {boot}; console log \
-             with every CPU's stack kept in {}; BPF in the stacks: {}",
-            kept.display(),
-            if frames.is_empty() { "none" } else { &frames }
-        );
-        // Seen once in CI on 6.1 under TCG, never reproduced since (docs/development.md): a
-        // single boot whose lock-up has no BPF function on any CPU's stack is booted once
-        // more, loudly; a second lock-up fails the run, and so does one with BPF on a stack
-        // (meshcap's programs, maps or hooks may be part of it: read the stacks).
-        if args.boots == 1 && !retried && frames.is_empty() {
-            retried = true;
-            eprintln!("integration: {label}: booting it once more");
+        if let Some(fault) = fault {
+            let kept = keep(
+                &log,
+                &format!("boot{boot}.emulator-fault.log"),
+                &mut outcomes,
+            )?;
+            eprintln!(
+                "integration: {label}: THE EMULATOR RAN A BREAKPOINT THE KERNEL HAD PATCHED \
+                 AWAY on boot {boot} ({fault}; console log kept in {}): multi-threaded TCG \
+                 misses the kernel's cross-modifying-code protocol, reproduced without meshcap \
+                 by flipping any static key (docs/development.md, \"Emulator faults\")",
+                kept.display()
+            );
+            // The emulator's, shown: a single boot of the suite is booted once more, loudly;
+            // a second such fault fails the run.
+            if args.boots == 1 && !retried && args.emulator_probe.is_none() {
+                retried = true;
+                eprintln!("integration: {label}: booting it once more");
+            }
+        } else if locked_up {
+            // Not the emulator's signature: it may be meshcap's (a BPF program, map or hook
+            // on a stack says where to look). It fails the run, with the stacks kept.
+            let kept = keep(&log, &format!("boot{boot}.locked-up.log"), &mut outcomes)?;
+            eprintln!(
+                "integration: {label}: THE GUEST KERNEL LOCKED UP on boot {boot}; console log \
+                 with every CPU's stack kept in {}; BPF in the stacks: {}",
+                kept.display(),
+                if frames.is_empty() { "none" } else { &frames }
+            );
         }
     }
     Ok(Boots {
         release: kernel.release,
         outcomes,
     })
+}
+
+/// Keeps the console `log` of the last boot under the extension `kept` (the next boot writes
+/// `log` again), and points that boot's result at it.
+fn keep(log: &Path, kept: &str, outcomes: &mut [qemu::Outcome]) -> anyhow::Result<PathBuf> {
+    let kept = log.with_extension(kept);
+    fs::rename(log, &kept).with_context(|| format!("keeping {}", log.display()))?;
+    if let Some(last) = outcomes.last_mut() {
+        last.result = last
+            .result
+            .replace(&log.display().to_string(), &kept.display().to_string());
+    }
+    Ok(kept)
 }
 
 /// The test binaries, longest first by this kernel's last run (new ones first of all), so the

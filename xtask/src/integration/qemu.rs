@@ -14,6 +14,8 @@ use std::{
 
 use anyhow::Context as _;
 
+use super::stuck;
+
 /// The line the VM's init prints last.
 pub const RESULT_PREFIX: &str = "meshcap-vm: result:";
 
@@ -36,11 +38,28 @@ pub struct Outcome {
     pub elapsed: Duration,
     /// Per test binary, what the console said.
     pub report: Report,
-    /// The guest kernel reported a soft lockup (and was stopped).
+    /// The guest kernel reported a soft lockup, or its vCPUs were seen with interrupts off
+    /// for [`stuck::STUCK_FOR`] ([`stuck`]); it was stopped.
     pub locked_up: bool,
     /// After a soft lockup: the BPF functions in the stacks the guest printed (every CPU's,
     /// `softlockup_all_cpu_backtrace`), JIT-ed programs included; empty when none ran there.
     pub bpf_frames: Vec<String>,
+    /// The emulator's own fault, shown without meshcap (docs/development.md, "Emulator
+    /// faults"): multi-threaded TCG runs an `int3` the kernel has already patched away (a
+    /// static key's `text_poke_bp`), which a CPU cannot do. What the guest showed of it.
+    pub emulator_fault: Option<&'static str>,
+}
+
+/// Whether the `Code:` line the kernel prints after `Oops: int3` shows the trap site holding
+/// something other than `int3` (`cc`): the trap reports the address after the breakpoint, the
+/// byte marked `<..>`, so the site is the byte before it. `None` when the line has no marked
+/// byte or none before it.
+fn breakpoint_gone(code_line: &str) -> Option<bool> {
+    let (_, bytes) = code_line.split_once("Code: ")?;
+    let bytes: Vec<&str> = bytes.split_whitespace().collect();
+    let at = bytes.iter().position(|b| b.starts_with('<'))?;
+    let site = bytes.get(at.checked_sub(1)?)?;
+    Some(!site.eq_ignore_ascii_case("cc"))
 }
 
 /// The functions of a stack trace line that belong to BPF: JIT-ed programs (`bpf_prog_<tag>_
@@ -52,6 +71,15 @@ fn bpf_frames(line: &str) -> impl Iterator<Item = &str> {
         .filter(|name| {
             name.contains("bpf") || name.starts_with("htab_") || name.starts_with("tcx_")
         })
+}
+
+/// Whether a stack trace line is in the kernel's `int3` handling.
+fn in_int3_handling(line: &str) -> bool {
+    line.split_whitespace()
+        .filter_map(|token| token.split_once('+').map(|(name, _)| name))
+        // `RIP: 0010:asm_exc_int3+0x0/0x40`: the segment goes.
+        .filter_map(|name| name.rsplit(':').next())
+        .any(|name| matches!(name, "exc_int3" | "asm_exc_int3" | "poke_int3_handler"))
 }
 
 /// What one test binary did, read off the console (the init prefixes its lines `name| `).
@@ -216,6 +244,9 @@ fn boot_once(
     timeout: Duration,
     kvm: bool,
 ) -> anyhow::Result<Option<Outcome>> {
+    let monitor_path = log.with_extension("monitor");
+    let _ = fs::remove_file(&monitor_path);
+    let monitor = stuck::Monitor::at(&monitor_path);
     let mut cmd = Command::new("qemu-system-x86_64");
     if kvm {
         cmd.args(["-accel", "kvm", "-cpu", "host"]);
@@ -233,6 +264,8 @@ fn boot_once(
         "-nodefaults",
     ])
     .args(["-serial", "stdio"])
+    .arg("-monitor")
+    .arg(format!("unix:{},server,nowait", monitor_path.display()))
     .arg("-kernel")
     .arg(vmlinuz)
     .arg("-initrd")
@@ -269,6 +302,10 @@ fn boot_once(
     let mut log_file = File::create(log).with_context(|| format!("creating {}", log.display()))?;
     let (mut result, mut panicked, mut alive, mut kvm_failed) = (None, false, false, false);
     let mut locked_up_at = None;
+    let (mut int3_oops, mut stale_breakpoint, mut int3_in_stacks) = (false, false, false);
+    let (mut int3_path, mut stuck, mut hard_lockup) =
+        (stuck::Int3Path::default(), stuck::Stuck::default(), None);
+    let (mut last_line, mut next_sample) = (started, started);
     let mut frames = Vec::new();
     let mut report = Report::default();
     let deadline = started + timeout;
@@ -279,8 +316,13 @@ fn boot_once(
             (true, None) => deadline,
             (false, None) => alive_deadline.min(deadline),
         };
-        let left = until.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
+        // A quiet console is sampled through the monitor (see `stuck`).
+        let wake = if alive && locked_up_at.is_none() {
+            until.min((last_line + stuck::SAMPLE_EVERY).max(next_sample))
+        } else {
+            until
+        };
+        match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
             Ok((true, line)) => {
                 eprintln!("[{label} qemu] {line}");
                 writeln!(log_file, "qemu: {line}")?;
@@ -294,6 +336,10 @@ fn boot_once(
                 let line = line.trim_end_matches('\r').to_owned();
                 println!("[{label}] {line}");
                 writeln!(log_file, "{line}")?;
+                (last_line, stuck) = (Instant::now(), stuck::Stuck::default());
+                if let Some(path) = stuck::Int3Path::parse(&line) {
+                    int3_path = path;
+                }
                 if line.contains("Kernel panic") {
                     panicked = true;
                 }
@@ -301,7 +347,14 @@ fn boot_once(
                     panicked = true;
                     locked_up_at.get_or_insert_with(Instant::now);
                 }
+                if line.contains("Oops: int3") {
+                    int3_oops = true;
+                } else if int3_oops && line.contains("Code: ") {
+                    int3_oops = false;
+                    stale_breakpoint |= breakpoint_gone(&line) == Some(true);
+                }
                 if locked_up_at.is_some() {
+                    int3_in_stacks |= in_int3_handling(&line);
                     for frame in bpf_frames(&line) {
                         if !frames.iter().any(|f| f == frame) {
                             frames.push(frame.to_owned());
@@ -315,6 +368,24 @@ fn boot_once(
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break false,
+            Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < until => {
+                let now = Instant::now();
+                next_sample = now + stuck::SAMPLE_EVERY;
+                let cpus = monitor.sample().unwrap_or_default();
+                if let Some(found) = stuck.observe(&cpus, &int3_path, now) {
+                    let rips: Vec<String> = cpus.iter().map(|c| format!("{:x}", c.rip)).collect();
+                    writeln!(
+                        log_file,
+                        "runner: every vCPU has had interrupts off for {:?} (last RIPs {}); \
+                         in the kernel's int3 handling: {}",
+                        stuck::STUCK_FOR,
+                        rips.join(" "),
+                        found.in_int3
+                    )?;
+                    hard_lockup = Some(found);
+                    break true;
+                }
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => break true,
         }
     };
@@ -335,8 +406,28 @@ fn boot_once(
     }
     let running = report.unfinished().join(", ");
     let log = log.display();
-    let result = if locked_up_at.is_some() {
+    let emulator_fault = if stale_breakpoint {
+        Some("an int3 trap at a site the kernel had already patched (Oops: int3)")
+    } else if hard_lockup.is_some_and(|h| h.in_int3) {
+        Some("every vCPU with interrupts off, trapping on int3 (a hard lockup)")
+    } else if locked_up_at.is_some() && int3_in_stacks {
+        Some("a soft lockup with CPUs in the kernel's int3 handling")
+    } else {
+        None
+    };
+    let result = if let Some(fault) = emulator_fault {
+        format!(
+            "the emulator ran a breakpoint the kernel had patched away: {fault} (while \
+             running: {running}); console log in {log}"
+        )
+    } else if locked_up_at.is_some() {
         format!("soft lockup (while running: {running}); console log in {log}")
+    } else if hard_lockup.is_some() {
+        format!(
+            "hard lockup: every vCPU had interrupts off for {:?} (while running: {running}); \
+             console log in {log}",
+            stuck::STUCK_FOR
+        )
     } else if timed_out {
         format!("no power-off within {timeout:?} (still running: {running}); console log in {log}")
     } else if panicked {
@@ -353,8 +444,9 @@ fn boot_once(
         passed,
         elapsed,
         report,
-        locked_up: locked_up_at.is_some(),
+        locked_up: locked_up_at.is_some() || hard_lockup.is_some(),
         bpf_frames: frames,
+        emulator_fault,
     }))
 }
 
@@ -379,6 +471,29 @@ mod tests {
         );
         assert!(frames(" __do_softirq+0xc5/0x2a3").is_empty());
         assert!(frames("RIP: 0010:native_safe_halt+0xb/0x10").is_empty());
+    }
+
+    #[test]
+    fn int3_handling_is_found_in_stack_lines() {
+        assert!(in_int3_handling(" ? exc_int3+0xe/0x80"));
+        assert!(in_int3_handling(" asm_exc_int3+0x2a/0x40"));
+        // 5.10, docs/development.md ("Emulator faults").
+        assert!(in_int3_handling(
+            "[   28.679188] RIP: 0010:asm_exc_int3+0x0/0x40"
+        ));
+        assert!(!in_int3_handling(" do_int3_user+0x1/0x2"));
+    }
+
+    #[test]
+    fn a_breakpoint_patched_away_is_told_from_one_still_there() {
+        // CI, 6.12: the site holds the patched `jmp` (e9) already.
+        let patched = "[  150.440958] Code: 83 c0 04 41 89 45 00 eb a8 41 0f b6 46 12 3c 07 75 9f \
+                       e9 <77> 02 00 00 e9 72 02 00 00 49 8b 46 28";
+        assert_eq!(breakpoint_gone(patched), Some(true));
+        let there = "Code: 48 89 e5 cc <0f> 1f 44 00 00";
+        assert_eq!(breakpoint_gone(there), Some(false));
+        assert_eq!(breakpoint_gone("Code: Unable to access opcode bytes"), None);
+        assert_eq!(breakpoint_gone("Code: <cc> 90 90"), None);
     }
 
     #[test]
