@@ -398,7 +398,7 @@ impl Capture {
         }
     }
 
-    /// Enrolls a running pod in ambient mode in place ([`crate::ambient::live`]), deciding on
+    /// Enrolls a running pod in ambient mode in place ([`crate::enrollment`]), deciding on
     /// `found`, the pod as the caller's watch last saw it (the pod source may not have seen
     /// that change yet), through the ADD's enrollment under the container's lock.
     ///
@@ -754,7 +754,7 @@ fn pod_ref(pod: &PodAttachment) -> PodRef {
 }
 
 /// What the ids of captures made in place begin with: meshcap records a running pod it
-/// captures (the repair controller) or enrolls (ambient mode, [`crate::ambient::live`]) under
+/// captures (the repair controller) or enrolls (ambient mode, [`crate::enrollment`]) under
 /// an id of its own, as no runtime told it the pod's sandbox id. The runtime's DEL finds such a
 /// capture by the pod's netns; its GC, which lists only sandbox ids, leaves it alone: it goes
 /// with a DEL, or with its netns.

@@ -11,13 +11,16 @@
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
+//! - [`enrollment`]: ambient mode's live enrollment: running pods join and leave as their
+//!   labels and their namespace's change;
 //! - [`events`]: Kubernetes Events on pods whose capture failed;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
 //! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
-//!   interfaces and addresses, routes, TC filters), over one netlink socket per visit;
+//!   interfaces and addresses, routes, TC filters), over one netlink socket per visit, and
+//!   finding a running pod's namespace by its address;
 //! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
 //! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
 //!   iptables rendering and an evaluator of the rendered rules;
@@ -48,6 +51,7 @@ pub mod capture;
 pub mod cgroup;
 pub mod crashpoint;
 pub mod decide;
+pub mod enrollment;
 pub mod events;
 pub mod install;
 pub mod instance;

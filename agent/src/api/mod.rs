@@ -1,4 +1,4 @@
-//! The ways into the agent, side by side: [`socket`], the plugin's UNIX socket (root only, one
+//! The ways into the agent, side by side: `socket` ([`Server`]), the plugin's UNIX socket (root only, one
 //! bounded request per connection), and [`http`], the health, readiness and metrics endpoint.
 //! Both hand their work to [`crate::capture`]; nothing below imports this module.
 pub mod http;

@@ -6,11 +6,13 @@
 //! a [`Visit`], whose one netlink socket ([`netlink::Netlink`], synchronous, opened on first
 //! use) serves every request of the visit:
 //! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
-//! routes) and [`tc`] (the inbound TC filter).
+//! routes) and [`tc`] (the inbound TC filter). [`find`] finds a running pod's namespace by its
+//! address, for the controllers that capture pods in place.
 //!
 //! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
 //! netlink and sockets, not BPF maps, pins or iptables.
 mod enter;
+pub mod find;
 mod inspect;
 pub mod netlink;
 pub mod route;

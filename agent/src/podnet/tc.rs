@@ -49,7 +49,7 @@ const EGRESS: TcHandle = TcHandle {
     minor: TcHandle::MIN_EGRESS,
 };
 
-/// Where [`attach`] put meshcap's filter: what the backend records, and hands back to
+/// Where [`add_filter`] put meshcap's filter: what the backend records, and hands back to
 /// [`find`] and [`detach`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Filter {

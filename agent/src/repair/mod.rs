@@ -11,7 +11,7 @@
 //! - `repairPods` (default): captures the running pod in place, through the same path as a CNI
 //!   ADD (same decision, same backend, same records, so a later CHECK and DEL work); the pod's
 //!   next `istio-validation` run passes. Each pod (by uid) once. Needs no RBAC beyond the pod
-//!   watch; its namespace is found by [`netns`].
+//!   watch; its namespace is found by [`podnet::find`].
 //! - `deletePods`: deletes the pod with uid and resourceVersion preconditions, so that it is
 //!   rescheduled (RBAC: `pods` `delete`).
 //! - `labelPods`: sets `brokenPodLabelKey=brokenPodLabelValue` through `pods/status` (RBAC:
@@ -20,7 +20,6 @@
 //! Each action is counted in `meshcap_cni_repair_pods_repaired_total{type,result}` (Istio's
 //! `istio_cni_repair_pods_repaired_total`) and leaves a Warning Event on the pod.
 pub mod detect;
-pub mod netns;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc};
 
@@ -37,6 +36,7 @@ use tracing::{info, warn};
 use crate::{
     capture::Capture,
     events::{EventSink, PodObject},
+    podnet,
     settings::{self, SettingsError},
 };
 
@@ -241,7 +241,7 @@ impl Repairer {
         let ips = crate::policy::status_pod_ips(pod);
         let dir = self.netns_dir.clone();
         let search = ips.clone();
-        let netns = tokio::task::spawn_blocking(move || netns::find(&dir, &search))
+        let netns = tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("pod detected as broken, but its network namespace: {e}"))?;

@@ -6,7 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
-    ambient::{Ambient, live::LiveEnrollment},
+    ambient::Ambient,
     api::{Server, ServerConfig, http},
     backend::{
         BackendChoice, CaptureBackend,
@@ -14,6 +14,7 @@ use meshcap_agent::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     capture::{Capture, Settings},
+    enrollment::LiveEnrollment,
     events::EventSink,
     install::{self, watch::InstallStatus},
     paths::AgentPaths,

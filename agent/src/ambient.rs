@@ -13,14 +13,12 @@
 //! as Istio does): istiod reads it to send the pod HBONE.
 //!
 //! Pods already running join and leave as their labels and their namespace's change
-//! ([`live`]), as Istio's node agent's informers make them.
+//! ([`crate::enrollment`]), as Istio's node agent's informers make them.
 //!
 //! A pod is enrolled whole or not at all: when ztunnel is not connected, refuses the pod or
 //! does not answer, or the annotation cannot be written, what was done is undone and the ADD
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
-
-pub mod live;
 
 use std::{
     fs,

@@ -8,7 +8,7 @@
 //! [`policy::ambient::enroll`], the same decision as a CNI ADD:
 //!
 //! - a pod that should be enrolled and is not is enrolled in place: its network namespace is
-//!   found by its address ([`crate::repair::netns`]) and it is enrolled as an ADD enrolls
+//!   found by its address ([`crate::podnet::find`]) and it is enrolled as an ADD enrolls
 //!   (same rules, same ztunnel hand-over, same annotation), decided on the pod as this watch
 //!   saw it, recorded under [`crate::capture::in_place_id`];
 //! - an enrolled pod that should not be (its label set to `none` or removed, its namespace
@@ -35,15 +35,15 @@ use kube::{
 use meshcap_cni::protocol::{Op, PodAttachment, Reply};
 use tracing::{info, warn};
 
-use super::Ambient;
 use crate::{
+    ambient::Ambient,
     backend::PodRef,
     capture::{Capture, in_place_id},
+    podnet,
     policy::{
         self,
         ambient::{AmbientConfig, Enrollment},
     },
-    repair::netns,
 };
 
 /// The controller.
@@ -212,7 +212,7 @@ impl LiveEnrollment {
     async fn enroll(&self, pod: &Pod, uid: &str) -> Result<String, String> {
         let ips = policy::status_pod_ips(pod);
         let (dir, search) = (self.netns_dir.clone(), ips.clone());
-        let netns = tokio::task::spawn_blocking(move || netns::find(&dir, &search))
+        let netns = tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| {

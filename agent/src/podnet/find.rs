@@ -10,7 +10,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::podnet;
+use super::{global_addresses, run_in};
 
 /// Why no namespace was chosen.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub fn find(dir: &Path, ips: &[IpAddr]) -> Result<PathBuf, FindError> {
         .flatten()
         .map(|e| e.path())
         .filter(|path| {
-            podnet::run_in(path, |_| podnet::global_addresses())
+            run_in(path, |_| global_addresses())
                 .ok()
                 .and_then(Result::ok)
                 .is_some_and(|held| ips.iter().any(|ip| held.contains(ip)))
