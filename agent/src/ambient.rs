@@ -217,21 +217,7 @@ impl Ambient {
     /// # Errors
     /// When the API server refuses or cannot be reached.
     pub async fn annotate_enrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
-        let Some(client) = &self.api else {
-            return Ok(());
-        };
-        let patch = serde_json::json!({
-            "metadata": {"annotations": {ambient_keys::REDIRECTION: "enabled"}}
-        });
-        Api::<Pod>::namespaced(client.clone(), &pod.namespace)
-            .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map(drop)
-            .map_err(|e| AmbientError::Annotation {
-                pod: pod.to_string(),
-                annotation: ambient_keys::REDIRECTION,
-                reason: e.to_string(),
-            })
+        self.annotate(pod, serde_json::json!("enabled")).await
     }
 
     /// Whether `pod`'s in-pod rules are in place.
@@ -279,11 +265,17 @@ impl Ambient {
     /// # Errors
     /// When the API server refuses or cannot be reached.
     pub async fn annotate_unenrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
+        self.annotate(pod, serde_json::Value::Null).await
+    }
+
+    /// Sets `ambient.istio.io/redirection` to `value` (null removes it) with a merge patch of
+    /// `pods/status`.
+    async fn annotate(&self, pod: &PodRef, value: serde_json::Value) -> Result<(), AmbientError> {
         let Some(client) = &self.api else {
             return Ok(());
         };
         let patch = serde_json::json!({
-            "metadata": {"annotations": {ambient_keys::REDIRECTION: null}}
+            "metadata": {"annotations": {ambient_keys::REDIRECTION: value}}
         });
         Api::<Pod>::namespaced(client.clone(), &pod.namespace)
             .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))

@@ -87,6 +87,24 @@ fn ambient_agent(backend: Backend, pods: &ManifestDir, socket: &Path) -> Agent {
     .expect("agent")
 }
 
+/// An agent with ambient mode on, its pods from `api` (as node `node-1`), ztunnel's socket in
+/// `sockets`.
+fn kube_ambient_agent(backend: Backend, api: &ApiServer, sockets: &SocketDir) -> Agent {
+    let kubeconfig = api.kubeconfig(&sockets.0);
+    let socket = sockets.socket();
+    Agent::start(
+        backend,
+        &["--pods", "kube", "--node-name", "node-1"],
+        &[
+            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            ("MESHCAP_STARTUP_TAINT", ""),
+        ],
+    )
+    .expect("agent")
+}
+
 /// A stand-in ztunnel, connected and sent its snapshot (`expected`, then `snapshot_sent`).
 fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
     let socket = socket.to_str().expect("utf-8");
@@ -277,19 +295,8 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         "kind": "Namespace",
         "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}},
     }));
-    let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
-    let agent = Agent::start(
-        backend,
-        &["--pods", "kube", "--node-name", "node-1"],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
-            ("MESHCAP_STARTUP_TAINT", ""),
-        ],
-    )
-    .expect("agent");
+    let agent = kube_ambient_agent(backend, &api, &sockets);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -345,21 +352,16 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     manifest["spec"]["nodeName"] = json!("node-1");
     manifest["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
     api.apply_pod(manifest);
-    let namespace = |labels: Value| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shop", "labels": labels}});
+    let namespace = |labels: Value| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": "shop", "labels": labels},
+        })
+    };
     api.apply_namespace(namespace(json!({})));
-    let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
-    let agent = Agent::start(
-        backend,
-        &["--pods", "kube", "--node-name", "node-1"],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
-            ("MESHCAP_STARTUP_TAINT", ""),
-        ],
-    )
-    .expect("agent");
+    let agent = kube_ambient_agent(backend, &api, &sockets);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
