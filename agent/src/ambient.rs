@@ -87,6 +87,9 @@ struct Workload {
     namespace: String,
     service_account: String,
     netns: PathBuf,
+    /// The policy the pod was enrolled with (none in records of builds before it was kept).
+    #[serde(default)]
+    policy: Option<InpodPolicy>,
 }
 
 impl Workload {
@@ -138,6 +141,9 @@ impl Ambient {
                 remove_file(&path);
             }
         }
+        if config.reconcile_on_startup {
+            reconcile(&rules, &workloads, &config);
+        }
         if let Some(parent) = socket.parent() {
             fs::create_dir_all(parent).map_err(|e| state(parent, &e))?;
         }
@@ -183,6 +189,7 @@ impl Ambient {
             namespace: pod.namespace.clone(),
             service_account: service_account.to_owned(),
             netns: pod.netns.clone(),
+            policy: Some(policy.clone()),
         };
         let path = self.workload_path(&pod.container_id);
         let bytes = serde_json::to_vec(&workload).map_err(|e| state(&path, &e))?;
@@ -332,6 +339,39 @@ impl Ambient {
 /// The record of what ztunnel is told about one container's pod.
 fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
     workloads.join(record_file_name(container_id))
+}
+
+/// `ambient.reconcileIptablesOnStartup`, as Istio's node agent's `reconcileExistingPod`: the
+/// in-pod rules of every pod already enrolled are made this build's, rendered from the policy
+/// the pod was enrolled with and the node's settings now. Nothing happens to a pod whose rules
+/// are already those; a failure is logged and leaves the pod as it was, as in Istio.
+fn reconcile(rules: &IptablesBackend, workloads: &Path, config: &AmbientConfig) {
+    let recorded: Vec<String> = match rules.list() {
+        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
+        Err(err) => {
+            warn!(error = %err, "reconciling in-pod rules: the records cannot be read");
+            return;
+        }
+    };
+    for (_, workload) in records(workloads) {
+        let Some(mut policy) = workload.policy else {
+            continue;
+        };
+        if !recorded.contains(&workload.container_id) {
+            continue;
+        }
+        policy.ipv6 = config.ipv6;
+        policy.host_probe_snat = config.host_probe_snat;
+        let pod = PodRef {
+            namespace: workload.namespace,
+            name: workload.name,
+            container_id: workload.container_id,
+            netns: workload.netns,
+        };
+        if let Err(err) = rules.add_ambient(&pod, &policy.render()) {
+            warn!(pod = %pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
+        }
+    }
 }
 
 /// Every record in `workloads`, with its path.

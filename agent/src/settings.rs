@@ -142,6 +142,15 @@ pub const AMBIENT_IPV6: Setting = Setting {
     default: "true",
 };
 
+/// `ambient.reconcileIptablesOnStartup`: a starting agent rewrites the in-pod rules of pods
+/// enrolled before it started where they differ from its own (an upgrade, or rules changed
+/// behind its back).
+pub const AMBIENT_RECONCILE_IPTABLES_ON_STARTUP: Setting = Setting {
+    key: "ambient.reconcileIptablesOnStartup",
+    env: "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
+    default: "true",
+};
+
 /// `ambient.enablementSelectors`: which pods ambient mode enrolls (JSON; Istio's chart default:
 /// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the
 /// pod says `none`).
@@ -152,7 +161,7 @@ pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
 };
 
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 19] = [
+pub const ALL: [Setting; 20] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -171,6 +180,7 @@ pub const ALL: [Setting; 19] = [
     AMBIENT_ENABLED,
     AMBIENT_DNS_CAPTURE,
     AMBIENT_IPV6,
+    AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
 ];
 

@@ -26,6 +26,7 @@ meshcap_tests::test_on_both_backends!(
     without_ztunnel_an_ambient_add_fails_whole,
     with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
     running_pods_join_and_leave_as_their_labels_change,
+    a_starting_agent_makes_enrolled_pods_rules_its_own,
 );
 
 /// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
@@ -428,6 +429,90 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     assert!(del.success, "DEL failed: {del:?}");
     assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
     assert_eq!(outbound(), "peer", "after DEL nothing is captured");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+}
+
+/// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent
+/// rewrites the in-pod rules of a pod enrolled before it started where they differ from its
+/// own (here changed behind its back: the outbound redirect flushed); with the setting off it
+/// leaves them as they are.
+fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
+    require_root();
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    write_manifest(&pods.0, &ambient_pod("web"));
+    let mut agent = ambient_agent(backend, &pods, &sockets.socket());
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    let outbound = || {
+        let to = format!("tcp:{}:80", pod.peer_v4());
+        answer(dial(app(&pod), &to, None).expect("dial")).0
+    };
+    assert_eq!(outbound(), "ztunnel");
+
+    // The rules drift: whichever iptables holds them loses the outbound redirect.
+    let held = leftovers(&pod.netns).expect("rules");
+    let iptables = if held.iter().any(|l| l.starts_with("iptables-legacy-save")) {
+        "iptables-legacy"
+    } else {
+        "iptables-nft"
+    };
+    meshcap_tests::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            pod.netns.name(),
+            iptables,
+            "-t",
+            "nat",
+            "-F",
+            "ISTIO_OUTPUT",
+        ],
+    )
+    .expect("flush");
+    assert_eq!(
+        outbound(),
+        "peer",
+        "the drift is real: outbound bypasses ztunnel"
+    );
+
+    let restart = |agent: &mut Agent, zt: &mut Proc| {
+        agent.restart().expect("restart");
+        assert_eq!(zt.wait_line().expect("ztunnel"), added);
+        assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    };
+    agent.set_env(
+        "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
+        Some("false"),
+    );
+    restart(&mut agent, &mut zt);
+    assert_eq!(
+        outbound(),
+        "peer",
+        "reconciling off: the rules stay as they are"
+    );
+    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
+    restart(&mut agent, &mut zt);
+    assert_eq!(
+        outbound(),
+        "ztunnel",
+        "reconciled on start: the agent's own rules again\n{}",
+        agent.log()
+    );
+
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()

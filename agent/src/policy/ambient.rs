@@ -227,6 +227,9 @@ pub struct AmbientConfig {
     pub system_namespace: String,
     /// Where kubelet's probes come from, as the pod sees them.
     pub host_probe_snat: HostProbeSnat,
+    /// `ambient.reconcileIptablesOnStartup` (true): a starting agent rewrites the in-pod rules
+    /// of pods already enrolled where they differ from its own.
+    pub reconcile_on_startup: bool,
 }
 
 impl AmbientConfig {
@@ -252,6 +255,7 @@ impl AmbientConfig {
             ipv6: true,
             system_namespace: "istio-system".to_owned(),
             host_probe_snat: HostProbeSnat::default(),
+            reconcile_on_startup: true,
         })
     }
 

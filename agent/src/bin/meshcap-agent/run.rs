@@ -143,6 +143,8 @@ fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     let mut config = AmbientConfig::new(parsed).with_context(|| selectors.env.to_owned())?;
     config.dns_capture = settings::bool_setting(&lookup, settings::AMBIENT_DNS_CAPTURE)?;
     config.ipv6 = settings::bool_setting(&lookup, settings::AMBIENT_IPV6)?;
+    config.reconcile_on_startup =
+        settings::bool_setting(&lookup, settings::AMBIENT_RECONCILE_IPTABLES_ON_STARTUP)?;
     if let Some(namespace) = lookup(settings::POD_NAMESPACE_ENV) {
         // ztunnel runs in the namespace Istio is installed in, which is this agent's.
         config.system_namespace = namespace;
