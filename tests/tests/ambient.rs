@@ -140,6 +140,25 @@ fn answer(report: Option<Report>) -> (String, u16, Option<String>) {
     )
 }
 
+/// Who answers the app's outbound TCP to its node: `ztunnel` when captured, else `peer`.
+fn outbound(pod: &Pod) -> String {
+    let to = format!("tcp:{}:80", pod.peer_v4());
+    answer(dial(app(pod), &to, None).expect("dial")).0
+}
+
+/// The runtime's DEL: it completes, ztunnel is told, the pod's traffic goes direct and nothing
+/// of the capture is left in its netns.
+fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, pod: &Pod) {
+    let del = cni("DEL", sandbox, conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(outbound(pod), "peer", "after DEL nothing is captured");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+}
+
 /// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners.
 fn captured_as_istio_does(node: &Node, pod: &Pod) {
     let (peer, me) = (pod.peer_v4(), pod.v4());
@@ -200,11 +219,7 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
-    assert_eq!(
-        answer(dial(app(&pod), &format!("tcp:{}:80", pod.peer_v4()), None).expect("dial")).0,
-        "peer",
-        "before ADD nothing is captured"
-    );
+    assert_eq!(outbound(&pod), "peer", "before ADD nothing is captured");
 
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
@@ -233,18 +248,7 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     let mut zt = ztunnel(&node, &sockets.socket(), &[added]);
     captured_as_istio_does(&node, &pod);
 
-    let del = cni("DEL", &sandbox, &conf).expect("DEL");
-    assert!(del.success, "DEL failed: {del:?}");
-    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
-    assert_eq!(
-        answer(dial(app(&pod), &format!("tcp:{}:80", pod.peer_v4()), None).expect("dial")).0,
-        "peer",
-        "after DEL nothing is captured"
-    );
-    assert_eq!(
-        leftovers(&pod.netns).expect("leftovers"),
-        Vec::<String>::new()
-    );
+    deleted(&sandbox, &conf, &mut zt, &pod);
     let again = cni("DEL", &sandbox, &conf).expect("second DEL");
     assert!(again.success, "DEL is idempotent: {again:?}");
 }
@@ -323,13 +327,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         patches.contains(&"PATCH /api/v1/namespaces/shop/pods/web/status".to_owned()),
         "{patches:?}"
     );
-    let del = cni("DEL", &sandbox, &conf).expect("DEL");
-    assert!(del.success, "DEL failed: {del:?}");
-    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
-    assert_eq!(
-        leftovers(&pod.netns).expect("leftovers"),
-        Vec::<String>::new()
-    );
+    deleted(&sandbox, &conf, &mut zt, &pod);
 }
 
 /// Live enrollment, as Istio's node agent's informers: a running pod that the CNI ADD left
@@ -368,11 +366,11 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
-    let outbound = || {
-        let to = format!("tcp:{}:80", pod.peer_v4());
-        answer(dial(app(&pod), &to, None).expect("dial")).0
-    };
-    assert_eq!(outbound(), "peer", "not enrolled: the ADD left it alone");
+    assert_eq!(
+        outbound(&pod),
+        "peer",
+        "not enrolled: the ADD left it alone"
+    );
 
     let relabel = |labels: Value| {
         let mut current = api.pods.lock().expect("pods")[0].clone();
@@ -388,7 +386,11 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     relabel(json!({"istio.io/dataplane-mode": "ambient"}));
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
-    assert_eq!(outbound(), "ztunnel", "enrolled while it runs: captured");
+    assert_eq!(
+        outbound(&pod),
+        "ztunnel",
+        "enrolled while it runs: captured"
+    );
 
     relabel(json!({"istio.io/dataplane-mode": "none"}));
     assert_eq!(
@@ -398,7 +400,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
         agent.log()
     );
     eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
-    assert_eq!(outbound(), "peer", "out of ambient mode: released");
+    assert_eq!(outbound(&pod), "peer", "out of ambient mode: released");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()
@@ -409,7 +411,11 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     api.apply_namespace(namespace(json!({"istio.io/dataplane-mode": "ambient"})));
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
-    assert_eq!(outbound(), "ztunnel", "enrolled by its namespace: captured");
+    assert_eq!(
+        outbound(&pod),
+        "ztunnel",
+        "enrolled by its namespace: captured"
+    );
 
     // The runtime's GC lists its sandboxes only: a pod enrolled in place is not collected.
     let mut gc_conf = config("1.1.0", &agent.socket, &pod.v4().to_string());
@@ -422,17 +428,14 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
         "{}",
         agent.log()
     );
-    assert_eq!(outbound(), "ztunnel", "GC leaves a pod enrolled in place");
+    assert_eq!(
+        outbound(&pod),
+        "ztunnel",
+        "GC leaves a pod enrolled in place"
+    );
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
-    let del = cni("DEL", &sandbox, &conf).expect("DEL");
-    assert!(del.success, "DEL failed: {del:?}");
-    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
-    assert_eq!(outbound(), "peer", "after DEL nothing is captured");
-    assert_eq!(
-        leftovers(&pod.netns).expect("leftovers"),
-        Vec::<String>::new()
-    );
+    deleted(&sandbox, &conf, &mut zt, &pod);
 }
 
 /// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent
@@ -453,11 +456,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
     let added = format!("add uid-web {} shop/web", inode(&pod.netns));
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
-    let outbound = || {
-        let to = format!("tcp:{}:80", pod.peer_v4());
-        answer(dial(app(&pod), &to, None).expect("dial")).0
-    };
-    assert_eq!(outbound(), "ztunnel");
+    assert_eq!(outbound(&pod), "ztunnel");
 
     // The rules drift: whichever iptables holds them loses the outbound redirect.
     let held = leftovers(&pod.netns).expect("rules");
@@ -481,7 +480,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     )
     .expect("flush");
     assert_eq!(
-        outbound(),
+        outbound(&pod),
         "peer",
         "the drift is real: outbound bypasses ztunnel"
     );
@@ -497,24 +496,18 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     );
     restart(&mut agent, &mut zt);
     assert_eq!(
-        outbound(),
+        outbound(&pod),
         "peer",
         "reconciling off: the rules stay as they are"
     );
     agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
     restart(&mut agent, &mut zt);
     assert_eq!(
-        outbound(),
+        outbound(&pod),
         "ztunnel",
         "reconciled on start: the agent's own rules again\n{}",
         agent.log()
     );
 
-    let del = cni("DEL", &sandbox, &conf).expect("DEL");
-    assert!(del.success, "DEL failed: {del:?}");
-    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
-    assert_eq!(
-        leftovers(&pod.netns).expect("leftovers"),
-        Vec::<String>::new()
-    );
+    deleted(&sandbox, &conf, &mut zt, &pod);
 }
