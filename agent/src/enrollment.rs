@@ -305,3 +305,112 @@ fn name_of(namespace: &Namespace) -> String {
 fn labels_of(namespace: &Namespace) -> BTreeMap<String, String> {
     namespace.metadata.labels.clone().unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::{
+        api::core::v1::{PodIP, PodStatus},
+        apimachinery::pkg::apis::meta::v1::Time,
+    };
+
+    use super::*;
+
+    /// A pod of namespace `shop` with `labels`, in `phase`, with an address unless `None`.
+    fn pod(labels: &[(&str, &str)], phase: &str, ip: Option<&str>) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some("web".to_owned());
+        pod.metadata.namespace = Some("shop".to_owned());
+        pod.metadata.uid = Some("uid-web".to_owned());
+        pod.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        pod.status = Some(PodStatus {
+            phase: Some(phase.to_owned()),
+            pod_ips: ip.map(|ip| vec![PodIP { ip: ip.to_owned() }]),
+            ..PodStatus::default()
+        });
+        pod
+    }
+
+    fn enrolled() -> Option<PodRef> {
+        Some(PodRef {
+            namespace: "shop".to_owned(),
+            name: "web".to_owned(),
+            container_id: in_place_id("ambient", "uid-web"),
+            netns: PathBuf::from("/var/run/netns/web"),
+        })
+    }
+
+    const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+
+    fn action(pod: &Pod, namespace: &[(&str, &str)], enrolled: Option<PodRef>) -> Action {
+        let labels = namespace
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        decide(pod, &labels, &[], &AmbientConfig::default(), enrolled)
+    }
+
+    #[test]
+    fn a_running_pod_joins_and_leaves_as_istios_informers_decide() {
+        let running = pod(&[AMBIENT], "Running", Some("10.0.0.2"));
+        assert_eq!(action(&running, &[], None), Action::Enroll);
+        assert_eq!(action(&running, &[], enrolled()), Action::Nothing);
+        // By its namespace, unless the pod says none.
+        let unlabelled = pod(&[], "Running", Some("10.0.0.2"));
+        assert_eq!(action(&unlabelled, &[AMBIENT], None), Action::Enroll);
+        let none = pod(
+            &[("istio.io/dataplane-mode", "none")],
+            "Running",
+            Some("10.0.0.2"),
+        );
+        assert_eq!(action(&none, &[AMBIENT], None), Action::Nothing);
+        assert_eq!(
+            action(&none, &[AMBIENT], enrolled()),
+            Action::Unenroll(enrolled().expect("enrolled"))
+        );
+        assert_eq!(
+            action(&unlabelled, &[], enrolled()),
+            Action::Unenroll(enrolled().expect("enrolled"))
+        );
+    }
+
+    #[test]
+    fn only_a_running_pod_with_an_address_is_enrolled_and_a_finished_one_leaves() {
+        assert_eq!(
+            action(&pod(&[AMBIENT], "Pending", Some("10.0.0.2")), &[], None),
+            Action::Nothing
+        );
+        assert_eq!(
+            action(&pod(&[AMBIENT], "Running", None), &[], None),
+            Action::Nothing
+        );
+        let mut deleting = pod(&[AMBIENT], "Running", Some("10.0.0.2"));
+        deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        assert_eq!(action(&deleting, &[], None), Action::Nothing);
+        for phase in ["Succeeded", "Failed"] {
+            assert_eq!(
+                action(&pod(&[AMBIENT], phase, Some("10.0.0.2")), &[], enrolled()),
+                Action::Unenroll(enrolled().expect("enrolled")),
+                "{phase}"
+            );
+        }
+    }
+
+    #[test]
+    fn annotations_that_do_not_parse_leave_a_running_pod_as_it_is() {
+        let mut bad = pod(&[AMBIENT], "Running", Some("10.0.0.2"));
+        bad.metadata.annotations = Some(
+            [(
+                "istio.io/reroute-virtual-interfaces".to_owned(),
+                "not an interface!".to_owned(),
+            )]
+            .into(),
+        );
+        assert_eq!(action(&bad, &[], enrolled()), Action::Nothing);
+        assert_eq!(action(&bad, &[], None), Action::Nothing);
+    }
+}
