@@ -16,6 +16,7 @@
 //! - [`events`]: Kubernetes Events on pods whose capture failed;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
+//! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
 //! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
@@ -55,6 +56,7 @@ pub mod enrollment;
 pub mod events;
 pub mod install;
 pub mod instance;
+pub mod ipset;
 pub mod logging;
 pub mod paths;
 pub mod podnet;
