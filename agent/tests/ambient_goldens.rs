@@ -1,11 +1,12 @@
 //! Istio's in-pod (ambient) golden rule sets: a pod enrolled with the golden's configuration
 //! and annotations must render exactly the restore inputs of the golden, line for line, in
-//! order, through the library and through the `meshcap-agent policy --ambient` command.
+//! order, through the library and through the `meshcap-agent policy --ambient` command; the
+//! node's probe rules must equal Istio's `hostprobe` goldens.
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
 use k8s_openapi::api::core::v1::Pod;
-use meshcap_agent::policy::ambient::{self, AmbientConfig, Enrollment};
+use meshcap_agent::policy::ambient::{self, AmbientConfig, Enrollment, HostProbeSnat};
 
 /// Pod annotations, as (name, value) pairs.
 type Annotations = &'static [(&'static str, &'static str)];
@@ -124,6 +125,21 @@ fn every_in_pod_golden_is_rendered_exactly() {
                 golden_path(name, ipv6).display()
             );
         }
+    }
+}
+
+/// The node's side (Istio's `hostprobe` goldens, its default probe addresses): kubelet's
+/// probes to an enrolled pod SNAT-ed to the probe address.
+#[test]
+fn the_node_probe_rules_are_istios() {
+    for ipv6 in [false, true] {
+        let rules = HostProbeSnat::default().render(ipv6);
+        let mut actual = lines(&rules.v4);
+        if let Some(v6) = &rules.v6 {
+            actual.extend(lines(v6));
+        }
+        assert_eq!(rules.v6.is_some(), ipv6);
+        assert_eq!(actual, golden("hostprobe", ipv6), "ipv6={ipv6}");
     }
 }
 

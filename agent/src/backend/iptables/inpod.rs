@@ -1,15 +1,9 @@
-//! Rules applied inside a pod's network namespace: `iptables-restore --noflush` under the
-//! netns's own xtables lock, Istio's choice of iptables, swapping one rule set for another with
-//! rollback, and checking that every rule is in place.
-use std::{
-    io::Write as _,
-    path::PathBuf,
-    process::{Command, Stdio},
-};
+//! Rules applied inside a pod's network namespace (under the netns's own xtables lock):
+//! swapping one rule set for another with rollback, removing what is left of one, and checking
+//! that every rule is in place.
+use tracing::warn;
 
-use tracing::{debug, warn};
-
-use super::{Flavour, FlavourChoice, restore};
+use super::{Flavour, restore, xtables::Xtables};
 use crate::{
     backend::BackendError,
     podnet::{self, Visit},
@@ -18,92 +12,11 @@ use crate::{
 
 /// What every command run in a pod's netns needs.
 pub(super) struct Ctx<'v> {
-    pub(super) pod: String,
-    pub(super) lock: PathBuf,
+    pub(super) xt: Xtables,
     pub(super) visit: &'v mut Visit,
 }
 
 impl Ctx<'_> {
-    fn command(&self, program: &str) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.env("XTABLES_LOCKFILE", &self.lock);
-        cmd
-    }
-
-    pub(super) fn failed(&self, command: String, stderr: impl Into<String>) -> BackendError {
-        BackendError::Command {
-            pod: self.pod.clone(),
-            command,
-            stderr: stderr.into(),
-        }
-    }
-
-    /// Runs a command, returning its stdout.
-    fn run(&self, program: &str, args: &[String]) -> Result<String, BackendError> {
-        let line = format!("{program} {}", args.join(" "));
-        let out = self
-            .command(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
-        if !out.status.success() {
-            return Err(self.failed(line, String::from_utf8_lossy(&out.stderr).trim().to_owned()));
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    /// `iptables-restore --noflush -w` with `payload` on stdin.
-    fn restore(&self, flavour: Flavour, ipv6: bool, payload: &str) -> Result<(), BackendError> {
-        if payload.is_empty() {
-            return Ok(());
-        }
-        let program = flavour.binary(ipv6, "-restore");
-        let line = format!("{program} --noflush -w 10");
-        debug!(%program, payload, "restoring");
-        let mut child = self
-            .command(&program)
-            .args(["--noflush", "-w", "10"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(payload.as_bytes())
-                .map_err(|e| self.failed(line.clone(), format!("writing rules: {e}")))?;
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| self.failed(line.clone(), e.to_string()))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(self.failed(line, String::from_utf8_lossy(&out.stderr).trim().to_owned()))
-        }
-    }
-
-    /// Istio's choice of iptables for this netns.
-    pub(super) fn detect(&self, choice: FlavourChoice) -> Flavour {
-        match choice {
-            FlavourChoice::Legacy => return Flavour::Legacy,
-            FlavourChoice::Nft => return Flavour::Nft,
-            FlavourChoice::Auto => {}
-        }
-        let has_rules = |ipv6| {
-            self.run(&Flavour::Legacy.binary(ipv6, "-save"), &[])
-                .is_ok_and(|out| out.lines().any(|l| l.starts_with("-A ")))
-        };
-        if has_rules(false) || has_rules(true) {
-            Flavour::Legacy
-        } else if self.run(&Flavour::Nft.binary(false, "-save"), &[]).is_ok() {
-            Flavour::Nft
-        } else {
-            Flavour::Plain
-        }
-    }
-
     /// Applies `new` over `old` (both rule sets of one pod), rolling back on failure.
     pub(super) fn swap(
         &mut self,
@@ -113,14 +26,15 @@ impl Ctx<'_> {
     ) -> Result<(), BackendError> {
         let old_v4 = old.map(|r| r.v4.as_str());
         let old_v6 = old.and_then(|r| r.v6.as_deref());
-        self.restore(flavour, false, &restore::replace(old_v4, &new.v4))?;
+        self.xt
+            .restore(flavour, false, &restore::replace(old_v4, &new.v4))?;
         let undo_v4 = |ctx: &Self| {
             let back = restore::replace(Some(&new.v4), old_v4.unwrap_or(""));
-            if let Err(err) = ctx.restore(flavour, false, &back) {
+            if let Err(err) = ctx.xt.restore(flavour, false, &back) {
                 warn!(error = %err, "rolling back IPv4 rules");
             }
         };
-        if let Err(err) = self.restore(
+        if let Err(err) = self.xt.restore(
             flavour,
             true,
             &restore::replace(old_v6, new.v6.as_deref().unwrap_or("")),
@@ -140,11 +54,11 @@ impl Ctx<'_> {
         if let Err(e) = routed {
             undo_v4(self);
             let back = restore::replace(new.v6.as_deref(), old_v6.unwrap_or(""));
-            if let Err(err) = self.restore(flavour, true, &back) {
+            if let Err(err) = self.xt.restore(flavour, true, &back) {
                 warn!(error = %err, "rolling back IPv6 rules");
             }
             return Err(BackendError::PodNet {
-                pod: self.pod.clone(),
+                pod: self.xt.who.clone(),
                 source: e,
             });
         }
@@ -173,12 +87,13 @@ impl Ctx<'_> {
                 for (delete, check) in restore::builtin_rules(&table) {
                     let delete: Vec<String> = wait().chain(delete).collect();
                     // Refused because it is gone, or still there: only the latter is an error.
-                    if self.run(&program, &delete).is_err()
+                    if self.xt.run(&program, &delete).is_err()
                         && self
+                            .xt
                             .run(&program, &wait().chain(check).collect::<Vec<_>>())
                             .is_ok()
                     {
-                        return Err(self.failed(
+                        return Err(self.xt.failed(
                             format!("{program} {}", delete.join(" ")),
                             "the rule is still there after deleting it",
                         ));
@@ -186,10 +101,10 @@ impl Ctx<'_> {
                 }
                 let save = flavour.binary(ipv6, "-save");
                 let present = restore::saved_chains(
-                    &self.run(&save, &["-t".to_owned(), table.name.clone()])?,
+                    &self.xt.run(&save, &["-t".to_owned(), table.name.clone()])?,
                 );
                 let drop = restore::drop_chains(&table, &present);
-                self.restore(
+                self.xt.restore(
                     flavour,
                     ipv6,
                     &restore::payload(&[(table.name.clone(), drop)]),
@@ -199,7 +114,7 @@ impl Ctx<'_> {
         if rules.routes.is_empty() {
             return Ok(());
         }
-        let pod = self.pod.clone();
+        let pod = self.xt.who.clone();
         self.visit
             .netlink()
             .and_then(|netlink| {
@@ -225,7 +140,7 @@ impl Ctx<'_> {
                 for mut args in restore::checks(&table) {
                     args.insert(0, "-w".to_owned());
                     args.insert(1, "10".to_owned());
-                    if self.run(&program, &args).is_err() {
+                    if self.xt.run(&program, &args).is_err() {
                         return Ok(Some(format!("{program} rule `{}`", args[2..].join(" "))));
                     }
                 }
@@ -234,7 +149,7 @@ impl Ctx<'_> {
         if rules.routes.mark_route.is_none() {
             return Ok(None);
         }
-        let pod = self.pod.clone();
+        let pod = self.xt.who.clone();
         self.visit
             .netlink()
             .and_then(|netlink| podnet::route::missing(netlink, &rules.routes))

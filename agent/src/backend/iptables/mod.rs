@@ -17,9 +17,12 @@
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
 //!   A failure part-way rolls back what this call applied.
 //! - **TPROXY**: the policy route over netlink ([`crate::podnet::route`]).
+//! - **The node's rules** (ambient mode's probe SNAT): [`node`].
 mod flavour;
 mod inpod;
+pub mod node;
 mod restore;
+mod xtables;
 
 use std::{
     collections::HashMap,
@@ -33,6 +36,7 @@ pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
+use xtables::Xtables;
 
 use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
 use crate::{
@@ -262,7 +266,7 @@ impl IptablesBackend {
         let record = self.in_netns(pod, |ctx| {
             let flavour = previous
                 .as_ref()
-                .map_or_else(|| ctx.detect(choice), |p| p.flavour);
+                .map_or_else(|| ctx.xt.detect(choice), |p| p.flavour);
             // Written ahead: from here on the netns may hold the old rules, the new ones or a
             // mix (an agent killed part-way), and the record says so, so that whoever comes
             // next (a DEL, an ADD, a restarted agent) removes whatever of them is there.
@@ -344,8 +348,10 @@ impl IptablesBackend {
         let lock = self.lock_file(&pod.netns);
         podnet::run_in(&pod.netns, |visit| {
             f(&mut Ctx {
-                pod: pod_name,
-                lock,
+                xt: Xtables {
+                    who: pod_name,
+                    lock: Some(lock),
+                },
                 visit,
             })
         })
@@ -418,7 +424,7 @@ impl CaptureBackend for IptablesBackend {
             let removed = if record.replacing.is_empty() {
                 ctx.swap(record.flavour, Some(&record.rules), &nothing())
             } else {
-                Err(ctx.failed(
+                Err(ctx.xt.failed(
                     "an earlier ADD".into(),
                     "did not finish: the netns may hold more than one rule set",
                 ))

@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 mod builder;
+pub mod hostprobe;
 mod inpod;
 
 use builder::{BOTH, Builder, Families, IP, V4, V6, restore_text};
