@@ -518,7 +518,8 @@ impl Capture {
         let target = pod_ref(pod);
         {
             let (ambient, target) = (ambient.clone(), target.clone());
-            off_the_runtime(move || ambient.add(&target, &uid, &service_account, &policy))
+            let ips = pod.ips.clone();
+            off_the_runtime(move || ambient.add(&target, &uid, &service_account, &policy, &ips))
                 .await??;
         }
         if let Err(err) = ambient.annotate_enrolled(&target).await {

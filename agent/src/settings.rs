@@ -187,6 +187,10 @@ pub const ALL: [Setting; 20] = [
 /// The node the agent runs on (the downward API's `spec.nodeName`).
 pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";
 
+/// The node's network namespace, where ambient mode SNATs kubelet's probes (unset: the agent's
+/// own, the node's in the host-network DaemonSet).
+pub const NODE_NETNS_ENV: &str = "MESHCAP_NODE_NETNS";
+
 /// The agent's own namespace (the downward API's `metadata.namespace`).
 pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
 

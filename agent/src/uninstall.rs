@@ -9,8 +9,13 @@ use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Pod};
 use kube::Api;
 
 use crate::{
-    backend::ebpf::{EbpfError, layout},
+    ambient::{self, AmbientError},
+    backend::{
+        ebpf::{EbpfError, layout},
+        iptables::FlavourChoice,
+    },
     install::{self, InstallConfig, InstallError},
+    policy::ambient::HostProbeSnat,
 };
 
 /// What an uninstall removed, and what it had to keep.
@@ -33,6 +38,9 @@ pub enum UninstallError {
     /// A layout could not be removed.
     #[error(transparent)]
     Ebpf(#[from] EbpfError),
+    /// Ambient mode's probe rule or sets could not be removed from the node.
+    #[error(transparent)]
+    Ambient(#[from] AmbientError),
 }
 
 /// Removes meshcap from this node: the CNI set-up (`config`, unless `None`: a private agent
@@ -64,6 +72,21 @@ pub fn node(config: Option<&InstallConfig>, bpffs_dir: &Path) -> Result<Removed,
         }
     }
     Ok(removed)
+}
+
+/// Removes ambient mode's side of the node, from its network namespace `netns` (`None`: the
+/// calling thread's): the rule SNAT-ing kubelet's probes, then the probe sets, as Istio's node
+/// agent does when it stops for good. What is not there is fine. Pods enrolled keep their
+/// in-pod rules, as under Istio: they are restarted off the mesh.
+///
+/// # Errors
+/// When the rule or a set is there and cannot be removed.
+pub fn probes(netns: Option<&Path>, flavour: FlavourChoice) -> Result<(), UninstallError> {
+    Ok(ambient::remove_from_node(
+        netns,
+        flavour,
+        HostProbeSnat::default(),
+    )?)
 }
 
 /// Why meshcap is being deleted from the cluster, if it is: the DaemonSet that owns the agent's

@@ -486,6 +486,16 @@ fn spawn(
     http: &str,
     env: &[(&str, &str)],
 ) -> anyhow::Result<Child> {
+    let set = |key: &str| {
+        env.iter()
+            .any(|(k, v)| *k == key && !v.is_empty() && !v.eq_ignore_ascii_case("false"))
+    };
+    if set("MESHCAP_AMBIENT_ENABLED") && !set("MESHCAP_NODE_NETNS") {
+        bail!(
+            "an ambient agent in a test needs MESHCAP_NODE_NETNS (a throwaway node netns): it \
+             writes its probe rule and sets in the node's namespace, which would be the host's"
+        );
+    }
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)

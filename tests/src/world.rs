@@ -146,6 +146,17 @@ impl Node {
         })
     }
 
+    /// Has the node forward between its pods (`net.ipv4.ip_forward`), as a node does.
+    ///
+    /// # Errors
+    /// When the sysctl cannot be written.
+    pub fn forward(&self) -> anyhow::Result<()> {
+        self.netns.run_in(|| {
+            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
+                .context("net.ipv4.ip_forward in the node's netns")
+        })
+    }
+
     /// A client on the node (outside every pod).
     #[must_use]
     pub fn client(&self) -> Placement<'_> {

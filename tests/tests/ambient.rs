@@ -3,12 +3,18 @@
 //! ztunnel (`meshcap-ztunnel`) connected to its ZDS socket, and the real `meshcap-cni` ADDing
 //! a pod labelled `istio.io/dataplane-mode=ambient` on a scenario node. The pod's traffic must
 //! then go where Istio's in-pod rules send it: outbound TCP to ztunnel's 15001 with the
-//! original destination, inbound to 15006, HBONE's 15008 and kubelet's SNAT-ed probes left
-//! alone, DNS to 15053, ztunnel's own marked sockets never captured. An agent restart and a
+//! original destination, inbound (from another pod, through the node) to 15006, HBONE's 15008
+//! left alone, DNS to 15053, ztunnel's own marked sockets never captured, and kubelet's probes
+//! (connections from the node's own sockets) SNAT-ed on the node to 169.254.7.127 and let
+//! through to the app, with the pod's addresses in the node's probe set while it is enrolled. An agent restart and a
 //! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
 //! ztunnel the ADD fails whole.
 use std::path::{Path, PathBuf};
 
+use meshcap_agent::{
+    ipset::{Entry, IpSets},
+    policy::hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+};
 use meshcap_tests::{
     APP_UID, Netns, Placement, Proc, Report,
     agent::{Agent, Backend},
@@ -49,7 +55,7 @@ fn ambient_pod(name: &str) -> Value {
     })
 }
 
-/// A throwaway directory for ztunnel's socket, removed on drop.
+/// A throwaway directory (for ztunnel's socket, or an uninstall's CNI set-up), removed on drop.
 struct SocketDir(PathBuf);
 
 impl SocketDir {
@@ -70,8 +76,9 @@ impl Drop for SocketDir {
     }
 }
 
-fn ambient_agent(backend: Backend, pods: &ManifestDir, socket: &Path) -> Agent {
+fn ambient_agent(backend: Backend, node: &Node, pods: &ManifestDir, socket: &Path) -> Agent {
     let socket = socket.to_str().expect("utf-8");
+    let node_netns = node.netns.path();
     Agent::start(
         backend,
         &[
@@ -83,6 +90,7 @@ fn ambient_agent(backend: Backend, pods: &ManifestDir, socket: &Path) -> Agent {
         &[
             ("MESHCAP_AMBIENT_ENABLED", "true"),
             ("MESHCAP_ZTUNNEL_SOCKET", socket),
+            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
         ],
     )
     .expect("agent")
@@ -90,9 +98,15 @@ fn ambient_agent(backend: Backend, pods: &ManifestDir, socket: &Path) -> Agent {
 
 /// An agent with ambient mode on, its pods from `api` (as node `node-1`), ztunnel's socket in
 /// `sockets`.
-fn kube_ambient_agent(backend: Backend, api: &ApiServer, sockets: &SocketDir) -> Agent {
+fn kube_ambient_agent(
+    backend: Backend,
+    node: &Node,
+    api: &ApiServer,
+    sockets: &SocketDir,
+) -> Agent {
     let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
+    let node_netns = node.netns.path();
     Agent::start(
         backend,
         &["--pods", "kube", "--node-name", "node-1"],
@@ -100,6 +114,7 @@ fn kube_ambient_agent(backend: Backend, api: &ApiServer, sockets: &SocketDir) ->
             ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
             ("MESHCAP_AMBIENT_ENABLED", "true"),
             ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
             ("MESHCAP_STARTUP_TAINT", ""),
         ],
     )
@@ -159,8 +174,9 @@ fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, pod: &Pod) {
     );
 }
 
-/// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners.
-fn captured_as_istio_does(node: &Node, pod: &Pod) {
+/// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners; `other` is
+/// another pod on the node (not enrolled), whose connections the node forwards.
+fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
     let (peer, me) = (pod.peer_v4(), pod.v4());
     let outbound = answer(dial(app(pod), &format!("tcp:{peer}:80"), None).expect("dial"));
     assert_eq!(
@@ -185,47 +201,104 @@ fn captured_as_istio_does(node: &Node, pod: &Pod) {
         15053,
         "DNS goes to ztunnel's DNS proxy (and the answer seems to come from the resolver)"
     );
-    let inbound = answer(dial(node.client(), &format!("tcp:{me}:8080"), None).expect("dial"));
+    let other = Placement {
+        netns: &other.netns,
+        cgroup: None,
+        uid: 0,
+        gid: 0,
+    };
+    let inbound = answer(dial(other, &format!("tcp:{me}:8080"), None).expect("dial"));
     assert_eq!(
         inbound,
         ("ztunnel".into(), 15006, Some(format!("{me}:8080"))),
-        "inbound TCP goes to ztunnel's plaintext listener"
+        "inbound TCP (another pod's, forwarded by the node) goes to ztunnel's plaintext listener"
     );
-    let hbone = answer(dial(node.client(), &format!("tcp:{me}:15008"), None).expect("dial"));
+    let hbone = answer(dial(other, &format!("tcp:{me}:15008"), None).expect("dial"));
     assert_eq!(
         (hbone.0.as_str(), hbone.1),
         ("ztunnel", 15008),
         "HBONE is reached at the pod's address"
     );
-    let probe = dial(node.client(), &format!("tcp:{me}:8080"), Some(PROBE_SOURCE)).expect("dial");
+    let probe = dial(node.client(), &format!("tcp:{me}:8080"), None)
+        .expect("dial")
+        .expect("an answer");
     assert_eq!(
-        answer(probe).0,
-        "app",
-        "kubelet's SNAT-ed probe reaches the app uncaptured"
+        (probe.server.as_str(), probe.peer.ip().to_string()),
+        ("app", PROBE_SOURCE.to_owned()),
+        "kubelet's probe (a node socket's connection) is SNAT-ed on the node and reaches the app uncaptured"
     );
+}
+
+/// The node's probe set: (address, comment) of every entry, IPv4 then IPv6.
+fn probe_set(node: &Node) -> Vec<(String, String)> {
+    node.netns
+        .run_in(|| {
+            let mut sets = IpSets::open()?;
+            let mut out = Vec::new();
+            for set in [PROBE_SET_V4, PROBE_SET_V6] {
+                out.extend(
+                    sets.list(set)?
+                        .into_iter()
+                        .map(|e| (e.ip.to_string(), e.comment)),
+                );
+            }
+            Ok(out)
+        })
+        .expect("the node's probe sets")
+}
+
+/// How many jumps to the probe chain the node's `nat POSTROUTING` holds (in whichever iptables
+/// holds rules there).
+fn probe_jumps(node: &Node) -> usize {
+    ["iptables-legacy-save", "iptables-nft-save"]
+        .iter()
+        .filter_map(|save| {
+            meshcap_tests::run(
+                "ip",
+                &["netns", "exec", node.netns.name(), save, "-t", "nat"],
+            )
+            .ok()
+        })
+        .map(|out| {
+            out.lines()
+                .filter(|l| *l == "-A POSTROUTING -j ISTIO_POSTRT")
+                .count()
+        })
+        .sum()
 }
 
 fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     require_root();
     let mut node = Node::new().expect("node");
-    node.netns
-        .ip(&["addr", "add", &format!("{PROBE_SOURCE}/32"), "dev", "lo"])
-        .expect("probe source");
+    node.forward().expect("forwarding");
     let pod = node.add_pod(false).expect("pod");
+    let other = node.add_pod(false).expect("another pod");
     let _app = start_server(app(&pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
     let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
     write_manifest(&pods.0, &ambient_pod("web"));
-    let mut agent = ambient_agent(backend, &pods, &sockets.socket());
+    let mut agent = ambient_agent(backend, &node, &pods, &sockets.socket());
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     assert_eq!(outbound(&pod), "peer", "before ADD nothing is captured");
+    assert_eq!(probe_jumps(&node), 1, "the node's probe rule is in place");
+    assert_eq!(
+        probe_set(&node),
+        Vec::new(),
+        "no pod enrolled, no probe address"
+    );
 
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
     let added = format!("add uid-web {} shop/web", inode(&pod.netns));
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
-    captured_as_istio_does(&node, &pod);
+    let enrolled = vec![(pod.v4().to_string(), "uid-web".to_owned())];
+    assert_eq!(
+        probe_set(&node),
+        enrolled,
+        "the pod's address is in the probe set"
+    );
+    captured_as_istio_does(&node, &pod, &other);
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK failed: {check:?}");
     let status = agent.status().expect("status");
@@ -238,17 +311,42 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     );
 
     // The agent restarts: ztunnel connects to the new one and is sent the pod in the
-    // snapshot; the pod stays captured throughout.
+    // snapshot; the pod stays captured throughout. An address no enrolled pod holds (left
+    // behind the agent's back) is dropped from the probe set; the node rule stays one.
+    node.netns
+        .run_in(|| {
+            let stale = Entry {
+                ip: "10.77.99.2".parse()?,
+                comment: "uid-gone".into(),
+            };
+            Ok(IpSets::open()?.add(PROBE_SET_V4, &stale)?)
+        })
+        .expect("a stale probe address");
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
-    captured_as_istio_does(&node, &pod);
+    assert_eq!(
+        probe_set(&node),
+        enrolled,
+        "a starting agent syncs the probe set"
+    );
+    assert_eq!(probe_jumps(&node), 1, "a restart leaves one probe rule");
+    captured_as_istio_does(&node, &pod, &other);
     // ztunnel restarts: the new one is sent the pod.
     drop(zt);
     let mut zt = ztunnel(&node, &sockets.socket(), &[added]);
-    captured_as_istio_does(&node, &pod);
+    captured_as_istio_does(&node, &pod, &other);
 
     deleted(&sandbox, &conf, &mut zt, &pod);
+    assert_eq!(probe_set(&node), Vec::new(), "DEL takes the address out");
+    let probe = dial(node.client(), &format!("tcp:{}:8080", pod.v4()), None)
+        .expect("dial")
+        .expect("an answer");
+    assert_eq!(
+        probe.peer.ip(),
+        std::net::IpAddr::from(pod.peer_v4()),
+        "out of ambient mode, the node's connections are not SNAT-ed"
+    );
     let again = cni("DEL", &sandbox, &conf).expect("second DEL");
     assert!(again.success, "DEL is idempotent: {again:?}");
 }
@@ -259,7 +357,7 @@ fn without_ztunnel_an_ambient_add_fails_whole(backend: Backend) {
     let pod = node.add_pod(false).expect("pod");
     let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
     write_manifest(&pods.0, &ambient_pod("web"));
-    let agent = ambient_agent(backend, &pods, &sockets.socket());
+    let agent = ambient_agent(backend, &node, &pods, &sockets.socket());
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
@@ -301,7 +399,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         "metadata": {"name": "shop", "labels": {"istio.io/dataplane-mode": "ambient"}},
     }));
     let socket = sockets.socket();
-    let agent = kube_ambient_agent(backend, &api, &sockets);
+    let agent = kube_ambient_agent(backend, &node, &api, &sockets);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -360,7 +458,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     };
     api.apply_namespace(namespace(json!({})));
     let socket = sockets.socket();
-    let agent = kube_ambient_agent(backend, &api, &sockets);
+    let agent = kube_ambient_agent(backend, &node, &api, &sockets);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -391,6 +489,11 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
         "ztunnel",
         "enrolled while it runs: captured"
     );
+    assert_eq!(
+        probe_set(&node),
+        [(ip.to_string(), "uid-web".to_owned())],
+        "its address (from its status) is in the node's probe set"
+    );
 
     relabel(json!({"istio.io/dataplane-mode": "none"}));
     assert_eq!(
@@ -401,6 +504,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     );
     eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
     assert_eq!(outbound(&pod), "peer", "out of ambient mode: released");
+    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()
@@ -448,7 +552,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     let pod = node.add_pod(false).expect("pod");
     let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
     write_manifest(&pods.0, &ambient_pod("web"));
-    let mut agent = ambient_agent(backend, &pods, &sockets.socket());
+    let mut agent = ambient_agent(backend, &node, &pods, &sockets.socket());
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -510,4 +614,49 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     );
 
     deleted(&sandbox, &conf, &mut zt, &pod);
+}
+
+/// The node's side of ambient mode outlives the agent (probes keep passing across a restart or
+/// an upgrade) and goes with an uninstall: `meshcap-agent uninstall` takes the probe rule and
+/// both probe sets out of the node's netns, and a second run finds nothing and succeeds.
+#[test]
+fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
+    require_root();
+    let node = Node::new().expect("node");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    let mut agent = ambient_agent(Backend::Iptables, &node, &pods, &sockets.socket());
+    assert_eq!(probe_jumps(&node), 1);
+    assert_eq!(probe_set(&node), Vec::new());
+    agent.terminate().expect("stop the agent");
+    assert_eq!(
+        probe_jumps(&node),
+        1,
+        "the probe rule stays when the agent stops"
+    );
+
+    let scratch = SocketDir::new();
+    let cni_dirs = &scratch.0;
+    for round in ["uninstall", "again"] {
+        let out =
+            std::process::Command::new(meshcap_tests::agent::binaries().join("meshcap-agent"))
+                .args(["uninstall", "--bpffs-dir"])
+                .arg(cni_dirs.join("bpffs"))
+                .env("MESHCAP_CNI_CONF_DIR", cni_dirs.join("net.d"))
+                .env("MESHCAP_CNI_BIN_DIR", cni_dirs.join("bin"))
+                .env("MESHCAP_AMBIENT_ENABLED", "true")
+                .env("MESHCAP_NODE_NETNS", node.netns.path())
+                .output()
+                .expect("meshcap-agent uninstall");
+        assert!(out.status.success(), "{round}: {out:?}");
+        assert_eq!(probe_jumps(&node), 0, "{round}: the probe rule is gone");
+        let sets = node.netns.run_in(|| {
+            let mut sets = IpSets::open()?;
+            Ok([PROBE_SET_V4, PROBE_SET_V6].map(|set| sets.list(set).is_ok()))
+        });
+        assert_eq!(
+            sets.expect("listing"),
+            [false, false],
+            "{round}: the sets are gone"
+        );
+    }
 }

@@ -13,6 +13,7 @@ use std::{
 };
 
 use meshcap_tests::{
+    Netns,
     agent::binaries,
     apiserver::ApiServer,
     fixtures::{plain_pod, sidecar_pod, write_manifest},
@@ -227,11 +228,14 @@ fn with_the_agent_down_ambient_pods_wait_too() {
     )
     .expect("namespace manifest");
     let socket = node.root.0.join("ztunnel.sock");
+    // Ambient mode writes its probe rule and sets in the node's netns: a throwaway one.
+    let node_netns = Netns::new("mc-node").expect("node netns");
     let conf = node.install_then_kill(
         &["--pods", "dir", "--pod-dir", pods.to_str().expect("utf-8")],
         &[
             ("MESHCAP_AMBIENT_ENABLED", Path::new("true")),
             ("MESHCAP_ZTUNNEL_SOCKET", &socket),
+            ("MESHCAP_NODE_NETNS", &node_netns.path()),
         ],
     );
     assert_eq!(conf["ambient_enabled"], json!(true), "{conf}");

@@ -9,8 +9,9 @@
 //! (its uid, name, namespace and service account) is kept, so that a ztunnel that connects
 //! later, or to a restarted agent, is sent every enrolled pod in the snapshot.
 //!
-//! Last, the pod is annotated `ambient.istio.io/redirection: enabled` (through `pods/status`,
-//! as Istio does): istiod reads it to send the pod HBONE.
+//! Then its addresses join the node's probe set, so kubelet's probes reach it uncaptured
+//! ([`HostProbes`]). Last, the pod is annotated `ambient.istio.io/redirection: enabled`
+//! (through `pods/status`, as Istio does): istiod reads it to send the pod HBONE.
 //!
 //! Pods already running join and leave as their labels and their namespace's change
 //! ([`crate::enrollment`]), as Istio's node agent's informers make them.
@@ -20,13 +21,17 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
+mod probes;
+
 use std::{
     fs,
+    net::IpAddr,
     path::{Path, PathBuf},
 };
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
+pub use probes::{HostProbes, remove_from_node};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
@@ -36,6 +41,7 @@ use crate::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
         record_file_name, same_netns,
     },
+    podnet,
     policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
     ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
 };
@@ -65,6 +71,14 @@ pub enum AmbientError {
         /// Why.
         reason: String,
     },
+    /// The node's probe set could not be read or written.
+    #[error("kubelet's probe set on the node: {what}: {reason}")]
+    ProbeSet {
+        /// What was being done.
+        what: String,
+        /// Why.
+        reason: String,
+    },
     /// The agent's own state could not be written.
     #[error("{path}: {reason}")]
     State {
@@ -90,6 +104,9 @@ struct Workload {
     /// The policy the pod was enrolled with (none in records of builds before it was kept).
     #[serde(default)]
     policy: Option<InpodPolicy>,
+    /// The pod's addresses, in the node's probe set (none in records of builds before it).
+    #[serde(default)]
+    ips: Vec<IpAddr>,
 }
 
 impl Workload {
@@ -108,22 +125,25 @@ pub struct Ambient {
     rules: IptablesBackend,
     workloads: PathBuf,
     ztunnel: ZtunnelServer,
+    probes: HostProbes,
     /// The API server, where pods are annotated (none: standalone).
     api: Option<kube::Client>,
 }
 
 impl Ambient {
-    /// Opens the in-pod rules' records under `state_dir/ambient` and serves ztunnel at
-    /// `socket`; enrolled pods are annotated through `api` when given.
+    /// Opens the in-pod rules' records under `state_dir/ambient`, sets up the node's probe
+    /// set and rule in `node_netns` (`None`: the agent's own) and serves ztunnel at `socket`;
+    /// enrolled pods are annotated through `api` when given.
     ///
     /// # Errors
-    /// When the state directory or the socket cannot be set up.
+    /// When the state directory, the probe set or rule, or the socket cannot be set up.
     pub fn open(
         config: AmbientConfig,
         state_dir: &Path,
         flavour: FlavourChoice,
         socket: &Path,
         api: Option<kube::Client>,
+        node_netns: Option<PathBuf>,
     ) -> Result<Self, AmbientError> {
         let state_dir = state_dir.join("ambient");
         let rules = IptablesBackend::new(&IptablesConfig {
@@ -144,6 +164,18 @@ impl Ambient {
         if config.reconcile_on_startup {
             reconcile(&rules, &workloads, &config);
         }
+        let probes = HostProbes::open(node_netns, flavour, config.host_probe_snat, config.ipv6)?;
+        let enrolled: Vec<(String, Vec<IpAddr>)> = records(&workloads)
+            .map(|(_, w)| {
+                let ips = if w.ips.is_empty() {
+                    addresses(&w.netns).unwrap_or_default()
+                } else {
+                    w.ips
+                };
+                (w.uid, ips)
+            })
+            .collect();
+        probes.sync(&enrolled)?;
         if let Some(parent) = socket.parent() {
             fs::create_dir_all(parent).map_err(|e| state(parent, &e))?;
         }
@@ -160,6 +192,7 @@ impl Ambient {
             rules,
             workloads,
             ztunnel,
+            probes,
             api,
         })
     }
@@ -170,18 +203,28 @@ impl Ambient {
         &self.config
     }
 
-    /// Enrolls a pod: its in-pod rules, then ztunnel, which must ack.
+    /// Enrolls a pod: its in-pod rules, then ztunnel, which must ack, then its addresses
+    /// (`ips`, or when none are given those found in its netns) in the node's probe set.
     ///
     /// # Errors
-    /// When the rules cannot be applied or ztunnel does not take the pod; nothing of the pod's
-    /// enrollment is left then.
+    /// When the rules cannot be applied, ztunnel does not take the pod or the probe set
+    /// refuses; nothing of the pod's enrollment is left then.
     pub fn add(
         &self,
         pod: &PodRef,
         uid: &str,
         service_account: &str,
         policy: &InpodPolicy,
+        ips: &[IpAddr],
     ) -> Result<(), AmbientError> {
+        let ips = if ips.is_empty() {
+            addresses(&pod.netns).map_err(|reason| AmbientError::State {
+                path: pod.netns.clone(),
+                reason,
+            })?
+        } else {
+            ips.to_vec()
+        };
         let workload = Workload {
             container_id: pod.container_id.clone(),
             uid: uid.to_owned(),
@@ -190,6 +233,7 @@ impl Ambient {
             service_account: service_account.to_owned(),
             netns: pod.netns.clone(),
             policy: Some(policy.clone()),
+            ips,
         };
         let path = self.workload_path(&pod.container_id);
         let bytes = serde_json::to_vec(&workload).map_err(|e| state(&path, &e))?;
@@ -206,15 +250,25 @@ impl Ambient {
                         pod: pod.to_string(),
                         source,
                     })
+            })
+            .and_then(|()| {
+                self.probes.add(uid, &workload.ips).inspect_err(|_| {
+                    if let Err(err) = self.ztunnel.delete(uid) {
+                        warn!(pod = %pod, error = %err, "telling ztunnel a pod whose enrollment failed is gone");
+                    }
+                })
             });
         if let Err(err) = handed {
+            if let Err(undo) = self.probes.remove(uid, &workload.ips) {
+                warn!(pod = %pod, error = %undo, "removing the probe addresses of a pod whose enrollment failed");
+            }
             if let Err(undo) = self.rules.remove(pod) {
                 warn!(pod = %pod, error = %undo, "removing the rules of a pod ztunnel did not take");
             }
             remove_file(&path);
             return Err(err);
         }
-        info!(pod = %pod, uid, "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod");
+        info!(pod = %pod, uid, ips = ?workload.ips, "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod, kubelet's probes pass");
         Ok(())
     }
 
@@ -244,6 +298,7 @@ impl Ambient {
         let Some((path, workload)) = self.workload_of(pod) else {
             return Ok(self.rules.remove(pod)?);
         };
+        self.forget_probes(pod, &workload);
         if let Err(err) = self.ztunnel.delete(&workload.uid) {
             warn!(pod = %pod, uid = workload.uid, error = %err, "telling ztunnel the pod is gone");
         }
@@ -321,19 +376,37 @@ impl Ambient {
         let gone = self.rules.prune_gone()?;
         for pod in &gone {
             let path = self.workload_path(&pod.container_id);
-            if let Some(workload) = read_workload(&path)
-                && let Err(err) = self.ztunnel.delete(&workload.uid)
-            {
-                warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
+            if let Some(workload) = read_workload(&path) {
+                self.forget_probes(pod, &workload);
+                if let Err(err) = self.ztunnel.delete(&workload.uid) {
+                    warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
+                }
             }
             remove_file(&path);
         }
         Ok(gone)
     }
 
+    /// Takes a leaving pod's addresses out of the probe set. A failure is logged, not
+    /// returned: a removal always completes, and an address left behind only SNATs the node's
+    /// own connections to whichever pod holds it next (an enrolled one rewrites the entry; a
+    /// starting agent drops every entry no enrolled pod holds).
+    fn forget_probes(&self, pod: &PodRef, workload: &Workload) {
+        if let Err(err) = self.probes.remove(&workload.uid, &workload.ips) {
+            warn!(pod = %pod, error = %err, "removing the pod's addresses from the probe set");
+        }
+    }
+
     fn workload_path(&self, container_id: &str) -> PathBuf {
         workload_path(&self.workloads, container_id)
     }
+}
+
+/// The global addresses in the netns at `netns`.
+fn addresses(netns: &Path) -> Result<Vec<IpAddr>, String> {
+    podnet::run_in(netns, |_| podnet::global_addresses())
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("listing its addresses: {e}"))
 }
 
 /// The record of what ztunnel is told about one container's pod.

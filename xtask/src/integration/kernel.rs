@@ -45,6 +45,11 @@ const WANTED_MODULES: &[&str] = &[
     "xt_tcpudp",
     "nf_tproxy_ipv4",
     "nf_tproxy_ipv6",
+    // Ambient mode's probe SNAT on the node: the probe set and the rule matching it.
+    "ip_set",
+    "ip_set_hash_ip",
+    "xt_set",
+    "xt_nat",
 ];
 
 /// An unpacked kernel package.

@@ -44,6 +44,15 @@ pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
             settings::PLUGIN_SOURCE.into(),
         )?)
     };
+    let lookup = |name: &str| std::env::var(name).ok();
+    if !pins_only && settings::bool_setting(&lookup, settings::AMBIENT_ENABLED)? {
+        let netns = std::env::var_os(settings::NODE_NETNS_ENV).map(PathBuf::from);
+        meshcap_agent::uninstall::probes(
+            netns.as_deref(),
+            meshcap_agent::backend::iptables::FlavourChoice::Auto,
+        )?;
+        println!("removed ambient mode's probe rule and sets from the node");
+    }
     let removed = meshcap_agent::uninstall::node(config.as_ref(), bpffs_dir)?;
     if let Some((conf_dir, bin_dir)) = &removed.cni {
         println!(

@@ -123,6 +123,11 @@ pub struct RunArgs {
     /// `ZTUNNEL_UDS_ADDRESS`).
     #[arg(long, env = "MESHCAP_ZTUNNEL_SOCKET", default_value = ztunnel::DEFAULT_SOCKET)]
     ztunnel_socket: PathBuf,
+    /// The node's network namespace, where ambient mode SNATs kubelet's probes (Istio's
+    /// `ISTIO_POSTRT` and `istio-inpod-probes` sets). Unset: the agent's own, which is the
+    /// node's in the DaemonSet (host network).
+    #[arg(long, env = settings::NODE_NETNS_ENV)]
+    node_netns: Option<PathBuf>,
 }
 
 /// Istio's `ambient.*` values from the environment the DaemonSet maps them to: `None` when
@@ -285,14 +290,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let ambient = match ambient_config()? {
         None => None,
         Some(config) => {
-            let (state_dir, flavour, socket) = (
+            let (state_dir, flavour, socket, node_netns) = (
                 paths.state_dir.clone(),
                 args.iptables_flavour,
                 args.ztunnel_socket.clone(),
+                args.node_netns.clone(),
             );
             let api = kube_node.as_ref().map(|(client, _)| client.clone());
             let ambient = tokio::task::spawn_blocking(move || {
-                Ambient::open(config, &state_dir, flavour, &socket, api)
+                Ambient::open(config, &state_dir, flavour, &socket, api, node_netns)
             })
             .await?
             .context("starting ambient mode")?;
@@ -417,7 +423,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let (Some((watcher, config)), Some((client, _))) = (installer, kube_node) {
         // The watcher would put back what an uninstall removes.
         drop(watcher);
-        uninstall_if_deleted(&client, config, paths.bpffs_dir).await;
+        let probes = ambient
+            .is_some()
+            .then(|| (args.node_netns.clone(), args.iptables_flavour));
+        uninstall_if_deleted(&client, config, paths.bpffs_dir, probes).await;
     }
     info!("stopped");
     Ok(())
@@ -428,10 +437,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 /// no longer wait for an agent that will never come back, and the eBPF programs once no pod
 /// they capture lives. On a rolling update, a restart, an eviction or a drain the DaemonSet is
 /// there and nothing is removed; when the API server cannot be asked, nothing is either.
+/// With ambient mode on, `probes` (the node's netns and iptables) says where its probe rule
+/// and sets go from.
 async fn uninstall_if_deleted(
     client: &kube::Client,
     config: install::InstallConfig,
     bpffs_dir: PathBuf,
+    probes: Option<(Option<PathBuf>, FlavourChoice)>,
 ) {
     let (Ok(namespace), Ok(pod)) = (
         std::env::var(settings::POD_NAMESPACE_ENV),
@@ -452,6 +464,9 @@ async fn uninstall_if_deleted(
     };
     info!(%why, "meshcap is being deleted: uninstalling it from this node");
     let removed = tokio::task::spawn_blocking(move || {
+        if let Some((netns, flavour)) = probes {
+            meshcap_agent::uninstall::probes(netns.as_deref(), flavour)?;
+        }
         meshcap_agent::uninstall::node(Some(&config), &bpffs_dir)
     })
     .await;

@@ -1,0 +1,237 @@
+//! Kubelet's probes of enrolled pods, on the node's side, as Istio's node agent handles them
+//! (`cni/pkg/nodeagent/meshdataplane_linux.go`, `cni/pkg/iptables/iptables.go`
+//! `CreateHostRulesForHealthChecks`): every enrolled pod's addresses are in the
+//! `istio-inpod-probes-v4`/`-v6` IP sets of the node's network namespace, each with the pod's
+//! uid as its comment, and one node rule SNATs TCP from a local socket (kubelet, not traffic the
+//! node forwards) to an address in them to `169.254.7.127`, which the pod's in-pod rules let
+//! through to the app uncaptured. Without it a probe would go through ztunnel like any inbound
+//! connection, and fail once the mesh requires mTLS.
+//!
+//! A pod's entries are added once ztunnel serves it and before it is annotated, removed first
+//! when it leaves; an entry is only removed by the pod whose uid it carries (two pods can hold
+//! one address in turn). A starting agent creates the sets (kept when there), puts its node
+//! rule in front (one copy), and makes the sets exactly its enrolled pods' addresses. The sets
+//! and the rule stay when the agent stops (probes keep working across restarts and upgrades)
+//! and go with an uninstall ([`remove_from_node`]).
+use std::{
+    collections::BTreeSet,
+    io,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use tracing::info;
+
+use super::AmbientError;
+use crate::{
+    backend::iptables::{FlavourChoice, node},
+    ipset::{self, Entry, Family, IpSets},
+    podnet,
+    policy::{
+        ambient::HostProbeSnat,
+        hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+    },
+};
+
+/// The node's probe sets and rule.
+pub struct HostProbes {
+    /// The node's network namespace (`None`: the agent's own).
+    netns: Option<PathBuf>,
+    /// IPv6 beside IPv4 (`ambient.ipv6`).
+    ipv6: bool,
+}
+
+impl HostProbes {
+    /// Creates the sets (kept if there) and puts the node rule SNAT-ing probes to `snat` in
+    /// front, in `netns` (`None`: the agent's own).
+    ///
+    /// # Errors
+    /// When the sets or the rule cannot be set up.
+    pub fn open(
+        netns: Option<PathBuf>,
+        flavour: FlavourChoice,
+        snat: HostProbeSnat,
+        ipv6: bool,
+    ) -> Result<Self, AmbientError> {
+        let probes = Self { netns, ipv6 };
+        probes.sets(|sets| {
+            sets.create(PROBE_SET_V4, Family::V4)
+                .map_err(|e| failed(format!("creating ip set {PROBE_SET_V4}"), &e))?;
+            if ipv6 {
+                sets.create(PROBE_SET_V6, Family::V6)
+                    .map_err(|e| failed(format!("creating ip set {PROBE_SET_V6}"), &e))?;
+            }
+            Ok(())
+        })?;
+        node::apply(probes.netns.as_deref(), flavour, &snat.render(ipv6))?;
+        info!(
+            netns = %probes.netns.as_deref().map_or("the agent's".into(), |p| p.display().to_string()),
+            "kubelet's probes of enrolled pods are SNAT-ed to {} on the node", snat.v4
+        );
+        Ok(probes)
+    }
+
+    /// Puts `ips` in the sets with `uid` as their comment (an entry already there for an
+    /// address takes it).
+    ///
+    /// # Errors
+    /// When the kernel refuses an entry.
+    pub fn add(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
+        self.sets(|sets| {
+            for ip in self.kept(ips) {
+                let entry = Entry {
+                    ip,
+                    comment: uid.to_owned(),
+                };
+                sets.add(set_of(ip), &entry)
+                    .map_err(|e| failed(format!("adding {ip} to {}", set_of(ip)), &e))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Removes those of `ips` whose entry carries `uid` (another pod's entry for the address
+    /// stays).
+    ///
+    /// # Errors
+    /// When the sets cannot be read or the kernel refuses.
+    pub fn remove(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
+        self.sets(|sets| {
+            for family in self.families() {
+                let set = set_name(family);
+                let listed = sets
+                    .list(set)
+                    .map_err(|e| failed(format!("listing {set}"), &e))?;
+                for entry in listed
+                    .iter()
+                    .filter(|e| e.comment == uid && ips.contains(&e.ip))
+                {
+                    sets.delete(set, entry.ip)
+                        .map_err(|e| failed(format!("deleting {} from {set}", entry.ip), &e))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Makes the sets exactly `pods`' addresses, as (uid, addresses): each added, every other
+    /// entry removed.
+    ///
+    /// # Errors
+    /// When the sets cannot be read or the kernel refuses.
+    pub fn sync(&self, pods: &[(String, Vec<IpAddr>)]) -> Result<(), AmbientError> {
+        for (uid, ips) in pods {
+            self.add(uid, ips)?;
+        }
+        let wanted: BTreeSet<IpAddr> = pods.iter().flat_map(|(_, ips)| ips.clone()).collect();
+        self.sets(|sets| {
+            for family in self.families() {
+                let set = set_name(family);
+                let listed = sets
+                    .list(set)
+                    .map_err(|e| failed(format!("listing {set}"), &e))?;
+                for stale in listed.iter().filter(|e| !wanted.contains(&e.ip)) {
+                    sets.delete(set, stale.ip)
+                        .map_err(|e| failed(format!("deleting {} from {set}", stale.ip), &e))?;
+                    info!(ip = %stale.ip, uid = stale.comment, "dropped a probe address no enrolled pod holds");
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn families(&self) -> impl Iterator<Item = Family> {
+        [Family::V4]
+            .into_iter()
+            .chain(self.ipv6.then_some(Family::V6))
+    }
+
+    /// The addresses of `ips` the sets take (IPv6 only with `ambient.ipv6`).
+    fn kept<'a>(&self, ips: &'a [IpAddr]) -> impl Iterator<Item = IpAddr> + 'a {
+        let ipv6 = self.ipv6;
+        ips.iter().copied().filter(move |ip| ip.is_ipv4() || ipv6)
+    }
+
+    /// Runs `f` on a socket in the node's network namespace.
+    fn sets<T: Send>(
+        &self,
+        f: impl FnOnce(&mut IpSets) -> Result<T, AmbientError> + Send,
+    ) -> Result<T, AmbientError> {
+        in_node(self.netns.as_deref(), f)
+    }
+}
+
+/// Uninstall: removes the node rule, then the sets, from `netns` (`None`: the calling
+/// thread's); what is not there is fine.
+///
+/// # Errors
+/// When the rule or a set is there and cannot be removed.
+pub fn remove_from_node(
+    netns: Option<&Path>,
+    flavour: FlavourChoice,
+    snat: HostProbeSnat,
+) -> Result<(), AmbientError> {
+    node::remove(netns, flavour, &snat.render(true))?;
+    in_node(netns, |sets| {
+        for set in [PROBE_SET_V4, PROBE_SET_V6] {
+            destroy(sets, set).map_err(|e| failed(format!("destroying ip set {set}"), &e))?;
+        }
+        Ok(())
+    })
+}
+
+/// How long a set may stay held after the rule matching it went (see [`destroy`]).
+const RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+/// Destroys `set`. iptables-nft's rules hold a set through `nft_compat`, whose matches
+/// nf_tables releases in deferred work after the transaction that deleted them has returned
+/// (seen on 5.10: `EBUSY` right after the rule's removal): while the kernel still says the set
+/// is in use, asked again every 20 ms, for at most [`RELEASE_WAIT`].
+fn destroy(sets: &mut IpSets, set: &str) -> io::Result<()> {
+    let deadline = Instant::now() + RELEASE_WAIT;
+    loop {
+        match sets.destroy(set) {
+            Err(err) if ipset::is_busy(&err) && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            done => return done,
+        }
+    }
+}
+
+fn in_node<T: Send>(
+    netns: Option<&Path>,
+    f: impl FnOnce(&mut IpSets) -> Result<T, AmbientError> + Send,
+) -> Result<T, AmbientError> {
+    let run = || {
+        let mut sets =
+            IpSets::open().map_err(|e| failed("opening an nfnetlink socket".into(), &e))?;
+        f(&mut sets)
+    };
+    match netns {
+        None => run(),
+        Some(netns) => podnet::run_in(netns, |_| run()).map_err(|e| AmbientError::ProbeSet {
+            what: format!("entering {}", netns.display()),
+            reason: e.to_string(),
+        })?,
+    }
+}
+
+const fn set_of(ip: IpAddr) -> &'static str {
+    set_name(Family::of(&ip))
+}
+
+const fn set_name(family: Family) -> &'static str {
+    match family {
+        Family::V4 => PROBE_SET_V4,
+        Family::V6 => PROBE_SET_V6,
+    }
+}
+
+fn failed(what: String, err: &io::Error) -> AmbientError {
+    AmbientError::ProbeSet {
+        what,
+        reason: err.to_string(),
+    }
+}
