@@ -97,22 +97,7 @@ impl HostProbes {
     /// # Errors
     /// When the sets cannot be read or the kernel refuses.
     pub fn remove(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
-        self.sets(|sets| {
-            for family in self.families() {
-                let set = set_name(family);
-                let listed = sets
-                    .list(set)
-                    .map_err(|e| failed(format!("listing {set}"), &e))?;
-                for entry in listed
-                    .iter()
-                    .filter(|e| e.comment == uid && ips.contains(&e.ip))
-                {
-                    sets.delete(set, entry.ip)
-                        .map_err(|e| failed(format!("deleting {} from {set}", entry.ip), &e))?;
-                }
-            }
-            Ok(())
-        })
+        self.delete_where(|e| e.comment == uid && ips.contains(&e.ip))
     }
 
     /// Makes the sets exactly `pods`' addresses, as (uid, addresses): each added, every other
@@ -125,16 +110,29 @@ impl HostProbes {
             self.add(uid, ips)?;
         }
         let wanted: BTreeSet<IpAddr> = pods.iter().flat_map(|(_, ips)| ips.clone()).collect();
+        self.delete_where(|e| {
+            let stale = !wanted.contains(&e.ip);
+            if stale {
+                info!(ip = %e.ip, uid = e.comment, "dropping a probe address no enrolled pod holds");
+            }
+            stale
+        })
+    }
+
+    /// Deletes every entry of the sets `doomed` picks.
+    fn delete_where(
+        &self,
+        doomed: impl Fn(&Entry) -> bool + Send + Sync,
+    ) -> Result<(), AmbientError> {
         self.sets(|sets| {
             for family in self.families() {
                 let set = set_name(family);
                 let listed = sets
                     .list(set)
                     .map_err(|e| failed(format!("listing {set}"), &e))?;
-                for stale in listed.iter().filter(|e| !wanted.contains(&e.ip)) {
-                    sets.delete(set, stale.ip)
-                        .map_err(|e| failed(format!("deleting {} from {set}", stale.ip), &e))?;
-                    info!(ip = %stale.ip, uid = stale.comment, "dropped a probe address no enrolled pod holds");
+                for entry in listed.iter().filter(|e| doomed(e)) {
+                    sets.delete(set, entry.ip)
+                        .map_err(|e| failed(format!("deleting {} from {set}", entry.ip), &e))?;
                 }
             }
             Ok(())

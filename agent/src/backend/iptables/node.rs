@@ -24,24 +24,13 @@ pub fn apply(
     choice: FlavourChoice,
     rules: &IptablesRules,
 ) -> Result<(), BackendError> {
-    in_node(netns, |xt| {
-        let flavour = xt.detect(choice);
-        for (ipv6, text) in families(rules) {
-            let mut tables = Vec::new();
-            for table in restore::tables(text) {
-                let save = saved(xt, flavour, ipv6, &table.name)?;
-                let mut lines = jumps_present(&table, &save);
-                for line in &table.lines {
-                    match line.strip_prefix("-N ") {
-                        Some(chain) => lines.insert(0, format!(":{} - [0:0]", chain.trim())),
-                        None => lines.push(line.clone()),
-                    }
-                }
-                tables.push((table.name, lines));
+    transact(netns, choice, rules, |table, _, lines| {
+        for line in &table.lines {
+            match line.strip_prefix("-N ") {
+                Some(chain) => lines.insert(0, format!(":{} - [0:0]", chain.trim())),
+                None => lines.push(line.clone()),
             }
-            xt.restore(flavour, ipv6, &restore::payload(&tables))?;
         }
-        Ok(())
     })
 }
 
@@ -54,6 +43,20 @@ pub fn remove(
     choice: FlavourChoice,
     rules: &IptablesRules,
 ) -> Result<(), BackendError> {
+    transact(netns, choice, rules, |table, save, lines| {
+        lines.extend(restore::drop_chains(table, &restore::saved_chains(save)));
+    })
+}
+
+/// One `iptables-restore` per family in `netns`: per table of `rules`, a `-D` for every copy
+/// of its jumps already in the kernel's chains, then what `more` adds (given the table and
+/// its `iptables-save`).
+fn transact(
+    netns: Option<&Path>,
+    choice: FlavourChoice,
+    rules: &IptablesRules,
+    more: impl Fn(&restore::Table, &str, &mut Vec<String>) + Send + Sync,
+) -> Result<(), BackendError> {
     in_node(netns, |xt| {
         let flavour = xt.detect(choice);
         for (ipv6, text) in families(rules) {
@@ -61,38 +64,12 @@ pub fn remove(
             for table in restore::tables(text) {
                 let save = saved(xt, flavour, ipv6, &table.name)?;
                 let mut lines = jumps_present(&table, &save);
-                lines.extend(restore::drop_chains(&table, &restore::saved_chains(&save)));
+                more(&table, &save, &mut lines);
                 tables.push((table.name, lines));
             }
             xt.restore(flavour, ipv6, &restore::payload(&tables))?;
         }
         Ok(())
-    })
-}
-
-/// The first rule of `rules` missing from the network namespace `netns`, if any.
-///
-/// # Errors
-/// When the namespace cannot be entered or iptables cannot be run.
-pub fn first_missing(
-    netns: Option<&Path>,
-    choice: FlavourChoice,
-    rules: &IptablesRules,
-) -> Result<Option<String>, BackendError> {
-    in_node(netns, |xt| {
-        let flavour = xt.detect(choice);
-        for (ipv6, text) in families(rules) {
-            let program = flavour.binary(ipv6, "");
-            for table in restore::tables(text) {
-                for mut args in restore::checks(&table) {
-                    args.splice(0..0, ["-w".to_owned(), "10".to_owned()]);
-                    if xt.run(&program, &args).is_err() {
-                        return Ok(Some(format!("{program} rule `{}`", args[2..].join(" "))));
-                    }
-                }
-            }
-        }
-        Ok(None)
     })
 }
 
