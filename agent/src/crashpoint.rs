@@ -11,7 +11,7 @@
 pub const ENV: &str = "MESHCAP_CRASH_AT";
 
 /// Every point, for the tests to iterate over.
-pub const POINTS: [&str; 11] = [
+pub const POINTS: [&str; 16] = [
     EBPF_ADD_PINNED,
     EBPF_ADD_QDISC,
     EBPF_ADD_FILTER,
@@ -23,7 +23,17 @@ pub const POINTS: [&str; 11] = [
     IPTABLES_ADD_APPLIED,
     IPTABLES_ADD_RECORD_WRITTEN,
     IPTABLES_REMOVE_REMOVED,
+    AMBIENT_ADD_RECORDED,
+    AMBIENT_ADD_HANDED,
+    AMBIENT_ADD_PROBED,
+    AMBIENT_REMOVE_PROBES,
+    AMBIENT_REMOVE_TOLD,
 ];
+
+/// Ambient mode's own points on an enrollment (its in-pod rules pass the iptables ones too).
+pub const AMBIENT_ADD: [&str; 3] = [AMBIENT_ADD_RECORDED, AMBIENT_ADD_HANDED, AMBIENT_ADD_PROBED];
+/// Ambient mode's own points on a removal.
+pub const AMBIENT_REMOVE: [&str; 2] = [AMBIENT_REMOVE_PROBES, AMBIENT_REMOVE_TOLD];
 
 /// eBPF ADD: the pod's record pinned, nothing attached yet.
 pub const EBPF_ADD_PINNED: &str = "ebpf-add-pinned";
@@ -49,6 +59,16 @@ pub const IPTABLES_ADD_APPLIED: &str = "iptables-add-applied";
 pub const IPTABLES_ADD_RECORD_WRITTEN: &str = "iptables-add-record-written";
 /// iptables DEL: the rules removed, the record not yet.
 pub const IPTABLES_REMOVE_REMOVED: &str = "iptables-remove-removed";
+/// Ambient ADD: what ztunnel is to be told written, no in-pod rule applied.
+pub const AMBIENT_ADD_RECORDED: &str = "ambient-add-recorded";
+/// Ambient ADD: ztunnel acked the pod, its addresses not in the probe set.
+pub const AMBIENT_ADD_HANDED: &str = "ambient-add-handed";
+/// Ambient ADD: its addresses in the probe set, the ADD not answered.
+pub const AMBIENT_ADD_PROBED: &str = "ambient-add-probed";
+/// Ambient DEL: its addresses out of the probe set, ztunnel not told.
+pub const AMBIENT_REMOVE_PROBES: &str = "ambient-remove-probes";
+/// Ambient DEL: ztunnel told, the in-pod rules and the records still there.
+pub const AMBIENT_REMOVE_TOLD: &str = "ambient-remove-told";
 
 /// Dies here (SIGKILL to itself: nothing runs on the way out) when `MESHCAP_CRASH_AT` names
 /// `point`.

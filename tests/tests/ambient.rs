@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use meshcap_agent::{
+    crashpoint,
     ipset::{Entry, IpSets},
     policy::hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
 };
@@ -659,4 +660,123 @@ fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
             "{round}: the sets are gone"
         );
     }
+}
+
+/// Crash consistency, as tests/tests/crash.rs checks it for sidecar pods: the agent killed
+/// between two steps of an enrollment (its own points, and its in-pod rules' iptables ones)
+/// or of a removal. The ADD fails as a transient failure (kubelet retries); after a restart the
+/// runtime's DEL releases the pod whole (rules, ztunnel, probe set, records) and its next ADD
+/// enrolls it whole. A removal cut off succeeds for the runtime, and its second DEL (the one
+/// containerd sends when it removes the sandbox) finishes it.
+#[test]
+fn an_interrupted_enrollment_or_removal_ends_whole() {
+    require_root();
+    let adds = [
+        crashpoint::AMBIENT_ADD[0],
+        crashpoint::IPTABLES_ADD_APPLIED,
+        crashpoint::AMBIENT_ADD[1],
+        crashpoint::AMBIENT_ADD[2],
+    ];
+    let removes = crashpoint::AMBIENT_REMOVE
+        .into_iter()
+        .chain([crashpoint::IPTABLES_REMOVE_REMOVED]);
+    // One node, pod, agent and ztunnel for every point: each round ends with the pod
+    // released whole, as the next one starts.
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    write_manifest(&pods.0, &ambient_pod("web"));
+    let mut agent = ambient_agent(Backend::Iptables, &node, &pods, &sockets.socket());
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let run = |command: &str| cni(command, &sandbox, &conf).expect(command);
+    for (point, in_add) in adds
+        .into_iter()
+        .map(|p| (p, true))
+        .chain(removes.map(|p| (p, false)))
+    {
+        agent.set_env(crashpoint::ENV, Some(point));
+        agent.restart().expect("an agent that dies at the point");
+        until(&mut zt, "snapshot_sent");
+
+        if in_add {
+            let add = run("ADD");
+            assert!(!add.success, "{point}: ADD succeeded though the agent died");
+            assert_eq!(
+                add.stdout["code"], 11,
+                "{point}: a transient failure: {add:?}"
+            );
+        } else {
+            let add = run("ADD");
+            assert!(add.success, "{point}: ADD: {add:?}\n{}", agent.log());
+            enrolled_whole(&node, &pod, &run, point);
+            let del = run("DEL");
+            assert!(
+                del.success,
+                "{point}: DEL succeeds though the agent died: {del:?}"
+            );
+        }
+        let status = agent.wait_exit().expect("the agent killed itself");
+        assert!(!status.success(), "{point}: the agent exited cleanly");
+        agent.set_env(crashpoint::ENV, None);
+        agent.restart().expect("restart");
+        until(&mut zt, "snapshot_sent");
+
+        let del = run("DEL");
+        assert!(del.success, "{point}: DEL after the restart: {del:?}");
+        released_whole(&node, &pod, &agent, point);
+        let add = run("ADD");
+        assert!(add.success, "{point}: ADD after the restart: {add:?}");
+        until(&mut zt, "add uid-web");
+        enrolled_whole(&node, &pod, &run, point);
+        let del = run("DEL");
+        assert!(del.success, "{point}: the last DEL: {del:?}");
+        released_whole(&node, &pod, &agent, point);
+    }
+}
+
+/// Reads ztunnel's lines up to the first that starts with `prefix`.
+fn until(zt: &mut Proc, prefix: &str) {
+    while !zt.wait_line().expect("ztunnel").starts_with(prefix) {}
+}
+
+/// Enrolled whole: captured for ztunnel, the address in the probe set, CHECK passes.
+fn enrolled_whole(
+    node: &Node,
+    pod: &Pod,
+    run: &dyn Fn(&str) -> meshcap_tests::kubelet::CniOutput,
+    point: &str,
+) {
+    assert_eq!(outbound(pod), "ztunnel", "{point}: captured");
+    assert_eq!(
+        probe_set(node),
+        [(pod.v4().to_string(), "uid-web".to_owned())],
+        "{point}: in the probe set"
+    );
+    let check = run("CHECK");
+    assert!(check.success, "{point}: CHECK: {check:?}");
+}
+
+/// Released whole: not captured, no rule or route in the pod, no probe address, no record.
+fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
+    assert_eq!(outbound(pod), "peer", "{point}: released");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new(),
+        "{point}: nothing left in the pod"
+    );
+    assert_eq!(probe_set(node), Vec::new(), "{point}: no probe address");
+    let ambient = agent.state_dir().join("ambient");
+    let records: Vec<_> = ["workloads", "iptables"]
+        .iter()
+        .flat_map(|dir| {
+            std::fs::read_dir(ambient.join(dir))
+                .into_iter()
+                .flatten()
+                .flatten()
+        })
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(records, Vec::<PathBuf>::new(), "{point}: no record left");
 }

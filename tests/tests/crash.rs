@@ -48,7 +48,8 @@ fn points(backend: Backend) -> (&'static [&'static str], &'static [&'static str]
     }
 }
 
-/// A crash point added to the agent is one these tests kill it at.
+/// A crash point added to the agent is one these tests kill it at (ambient mode's in
+/// tests/tests/ambient.rs).
 #[test]
 fn every_crash_point_is_exercised() {
     let mut exercised: Vec<&str> = [Backend::Ebpf, Backend::Iptables]
@@ -57,6 +58,8 @@ fn every_crash_point_is_exercised() {
             let (add, del) = points(backend);
             add.iter().chain(del).copied()
         })
+        .chain(crashpoint::AMBIENT_ADD)
+        .chain(crashpoint::AMBIENT_REMOVE)
         .collect();
     exercised.sort_unstable();
     let mut all = crashpoint::POINTS.to_vec();

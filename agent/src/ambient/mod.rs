@@ -41,7 +41,7 @@ use crate::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
         record_file_name, same_netns,
     },
-    podnet,
+    crashpoint, podnet,
     policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
     ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
 };
@@ -238,6 +238,7 @@ impl Ambient {
         let path = self.workload_path(&pod.container_id);
         let bytes = serde_json::to_vec(&workload).map_err(|e| state(&path, &e))?;
         fs::write(&path, bytes).map_err(|e| state(&path, &e))?;
+        crashpoint::here(crashpoint::AMBIENT_ADD_RECORDED);
         let handed = self
             .rules
             .add_ambient(pod, &policy.render())
@@ -252,6 +253,7 @@ impl Ambient {
                     })
             })
             .and_then(|()| {
+                crashpoint::here(crashpoint::AMBIENT_ADD_HANDED);
                 self.probes.add(uid, &workload.ips).inspect_err(|_| {
                     if let Err(err) = self.ztunnel.delete(uid) {
                         warn!(pod = %pod, error = %err, "telling ztunnel a pod whose enrollment failed is gone");
@@ -268,6 +270,7 @@ impl Ambient {
             remove_file(&path);
             return Err(err);
         }
+        crashpoint::here(crashpoint::AMBIENT_ADD_PROBED);
         info!(pod = %pod, uid, ips = ?workload.ips, "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod, kubelet's probes pass");
         Ok(())
     }
@@ -299,9 +302,11 @@ impl Ambient {
             return Ok(self.rules.remove(pod)?);
         };
         self.forget_probes(pod, &workload);
+        crashpoint::here(crashpoint::AMBIENT_REMOVE_PROBES);
         if let Err(err) = self.ztunnel.delete(&workload.uid) {
             warn!(pod = %pod, uid = workload.uid, error = %err, "telling ztunnel the pod is gone");
         }
+        crashpoint::here(crashpoint::AMBIENT_REMOVE_TOLD);
         self.rules.remove(pod)?;
         remove_file(&path);
         info!(pod = %pod, uid = workload.uid, "removed from ambient mode");

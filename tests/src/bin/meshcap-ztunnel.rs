@@ -96,7 +96,8 @@ fn connect_when_listening(path: &str) -> anyhow::Result<OwnedFd> {
     }
 }
 
-/// One connection: hello, then every request acked, until the agent closes it.
+/// One connection: hello, then every request acked, until the agent closes it or goes (a
+/// killed agent resets the connection: ztunnel reconnects then too).
 fn serve_connection(
     fd: &OwnedFd,
     refuse: &HashSet<String>,
@@ -105,7 +106,13 @@ fn serve_connection(
     let hello = ZdsHello {
         version: Version::V1.into(),
     };
-    send(fd.as_raw_fd(), &hello.encode_to_vec(), MsgFlags::empty())?;
+    if gone(send(
+        fd.as_raw_fd(),
+        &hello.encode_to_vec(),
+        MsgFlags::empty(),
+    ))? {
+        return Ok(());
+    }
     let mut in_snapshot: Option<HashSet<String>> = Some(HashSet::new());
     loop {
         let Some((request, netns)) = receive(fd.as_raw_fd())? else {
@@ -152,16 +159,36 @@ fn serve_connection(
         let ack = WorkloadResponse {
             payload: Some(workload_response::Payload::Ack(Ack { error })),
         };
-        send(fd.as_raw_fd(), &ack.encode_to_vec(), MsgFlags::empty())?;
+        if gone(send(
+            fd.as_raw_fd(),
+            &ack.encode_to_vec(),
+            MsgFlags::empty(),
+        ))? {
+            return Ok(());
+        }
     }
 }
 
-/// The next request and the descriptor that came with it; `None` once the agent closed.
+/// Whether a send found the agent gone (its end closed or reset).
+fn gone(sent: nix::Result<usize>) -> anyhow::Result<bool> {
+    match sent {
+        Ok(_) => Ok(false),
+        Err(nix::errno::Errno::EPIPE | nix::errno::Errno::ECONNRESET) => Ok(true),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// The next request and the descriptor that came with it; `None` once the agent closed or
+/// reset the connection.
 fn receive(fd: RawFd) -> anyhow::Result<Option<(WorkloadRequest, Option<OwnedFd>)>> {
     let mut buf = [0u8; 1024];
     let mut iov = [IoSliceMut::new(&mut buf)];
     let mut control = nix::cmsg_space!([RawFd; 1]);
-    let message = recvmsg::<()>(fd, &mut iov, Some(&mut control), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let message = match recvmsg::<()>(fd, &mut iov, Some(&mut control), MsgFlags::MSG_CMSG_CLOEXEC)
+    {
+        Err(nix::errno::Errno::ECONNRESET) => return Ok(None),
+        received => received?,
+    };
     let mut netns = None;
     for cmsg in message.cmsgs()? {
         if let ControlMessageOwned::ScmRights(fds) = cmsg {
