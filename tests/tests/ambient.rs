@@ -122,6 +122,40 @@ fn kube_ambient_agent(
     .expect("agent")
 }
 
+/// What most tests here start from: pod `shop/web` (labelled ambient) on a scenario node, its
+/// manifest in a directory, an agent with ambient mode on, and the pod's sandbox and plugin
+/// configuration. Taken apart with a pattern naming every field, so nothing goes early.
+struct Scene {
+    node: Node,
+    pod: Pod,
+    pods: ManifestDir,
+    sockets: SocketDir,
+    agent: Agent,
+    sandbox: Sandbox,
+    conf: Value,
+}
+
+impl Scene {
+    fn new(backend: Backend) -> Self {
+        let mut node = Node::new().expect("node");
+        let pod = node.add_pod(false).expect("pod");
+        let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+        write_manifest(&pods.0, &ambient_pod("web"));
+        let agent = ambient_agent(backend, &node, &pods, &sockets.socket());
+        let sandbox = Sandbox::new("shop", "web", &pod.netns);
+        let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+        Self {
+            node,
+            pod,
+            pods,
+            sockets,
+            agent,
+            sandbox,
+            conf,
+        }
+    }
+}
+
 /// A stand-in ztunnel, connected and sent its snapshot (`expected`, then `snapshot_sent`).
 fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
     let socket = socket.to_str().expect("utf-8");
@@ -270,17 +304,19 @@ fn probe_jumps(node: &Node) -> usize {
 
 fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     require_root();
-    let mut node = Node::new().expect("node");
+    let Scene {
+        mut node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::new(backend);
     node.forward().expect("forwarding");
-    let pod = node.add_pod(false).expect("pod");
     let other = node.add_pod(false).expect("another pod");
     let _app = start_server(app(&pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
-    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
-    write_manifest(&pods.0, &ambient_pod("web"));
-    let mut agent = ambient_agent(backend, &node, &pods, &sockets.socket());
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
-    let sandbox = Sandbox::new("shop", "web", &pod.netns);
-    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     assert_eq!(outbound(&pod), "peer", "before ADD nothing is captured");
     assert_eq!(probe_jumps(&node), 1, "the node's probe rule is in place");
     assert_eq!(
@@ -354,13 +390,15 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
 
 fn without_ztunnel_an_ambient_add_fails_whole(backend: Backend) {
     require_root();
-    let mut node = Node::new().expect("node");
-    let pod = node.add_pod(false).expect("pod");
-    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
-    write_manifest(&pods.0, &ambient_pod("web"));
-    let agent = ambient_agent(backend, &node, &pods, &sockets.socket());
-    let sandbox = Sandbox::new("shop", "web", &pod.netns);
-    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        agent: _agent,
+        sandbox,
+        conf,
+    } = Scene::new(backend);
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(!add.success, "no ztunnel, no ambient pod: {add:?}");
     assert!(
@@ -549,14 +587,16 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
 /// leaves them as they are.
 fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     require_root();
-    let mut node = Node::new().expect("node");
-    let pod = node.add_pod(false).expect("pod");
-    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
-    write_manifest(&pods.0, &ambient_pod("web"));
-    let mut agent = ambient_agent(backend, &node, &pods, &sockets.socket());
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::new(backend);
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
-    let sandbox = Sandbox::new("shop", "web", &pod.netns);
-    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
     let added = format!("add uid-web {} shop/web", inode(&pod.netns));
@@ -682,14 +722,16 @@ fn an_interrupted_enrollment_or_removal_ends_whole() {
         .chain([crashpoint::IPTABLES_REMOVE_REMOVED]);
     // One node, pod, agent and ztunnel for every point: each round ends with the pod
     // released whole, as the next one starts.
-    let mut node = Node::new().expect("node");
-    let pod = node.add_pod(false).expect("pod");
-    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
-    write_manifest(&pods.0, &ambient_pod("web"));
-    let mut agent = ambient_agent(Backend::Iptables, &node, &pods, &sockets.socket());
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::new(Backend::Iptables);
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
-    let sandbox = Sandbox::new("shop", "web", &pod.netns);
-    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     let run = |command: &str| cni(command, &sandbox, &conf).expect(command);
     for (point, in_add) in adds
         .into_iter()
