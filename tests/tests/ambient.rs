@@ -282,6 +282,19 @@ fn probe_set(node: &Node) -> Vec<(String, String)> {
         .expect("the node's probe sets")
 }
 
+/// Makes every ambient record of `agent` one of a build before records kept the pod's
+/// addresses.
+fn forget_addresses(agent: &Agent) {
+    let records = agent.state_dir().join("ambient/workloads");
+    for entry in std::fs::read_dir(&records).expect("records").flatten() {
+        let mut record: Value =
+            serde_json::from_slice(&std::fs::read(entry.path()).expect("record")).expect("JSON");
+        assert!(record["ips"].is_array(), "{record}");
+        record.as_object_mut().expect("an object").remove("ips");
+        std::fs::write(entry.path(), record.to_string()).expect("record");
+    }
+}
+
 /// How many jumps to the probe chain the node's `nat POSTROUTING` holds (in whichever iptables
 /// holds rules there).
 fn probe_jumps(node: &Node) -> usize {
@@ -349,7 +362,10 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
 
     // The agent restarts: ztunnel connects to the new one and is sent the pod in the
     // snapshot; the pod stays captured throughout. An address no enrolled pod holds (left
-    // behind the agent's back) is dropped from the probe set; the node rule stays one.
+    // behind the agent's back) is dropped from the probe set; the node rule stays one. The
+    // pod's record is made one of a build before addresses were kept: the new agent finds
+    // them in the pod's netns, and the DEL below still takes them all out.
+    forget_addresses(&agent);
     node.netns
         .run_in(|| {
             let stale = Entry {
@@ -362,10 +378,13 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    let mut synced = probe_set(&node);
+    synced.sort();
     assert_eq!(
-        probe_set(&node),
-        enrolled,
-        "a starting agent syncs the probe set"
+        synced,
+        [pod.v4(), pod.side_v4()].map(|ip| (ip.to_string(), "uid-web".to_owned())),
+        "a starting agent syncs the probe set: the stale address gone, the pod's (read from its \
+         netns, both interfaces', for a record without them) in"
     );
     assert_eq!(probe_jumps(&node), 1, "a restart leaves one probe rule");
     captured_as_istio_does(&node, &pod, &other);

@@ -261,7 +261,7 @@ impl Ambient {
                 })
             });
         if let Err(err) = handed {
-            if let Err(undo) = self.probes.remove(uid, &workload.ips) {
+            if let Err(undo) = self.probes.remove(uid) {
                 warn!(pod = %pod, error = %undo, "removing the probe addresses of a pod whose enrollment failed");
             }
             if let Err(undo) = self.rules.remove(pod) {
@@ -397,7 +397,7 @@ impl Ambient {
     /// own connections to whichever pod holds it next (an enrolled one rewrites the entry; a
     /// starting agent drops every entry no enrolled pod holds).
     fn forget_probes(&self, pod: &PodRef, workload: &Workload) {
-        if let Err(err) = self.probes.remove(&workload.uid, &workload.ips) {
+        if let Err(err) = self.probes.remove(&workload.uid) {
             warn!(pod = %pod, error = %err, "removing the pod's addresses from the probe set");
         }
     }

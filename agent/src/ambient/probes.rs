@@ -91,13 +91,14 @@ impl HostProbes {
         })
     }
 
-    /// Removes those of `ips` whose entry carries `uid` (another pod's entry for the address
-    /// stays).
+    /// Removes every entry that carries `uid` (another pod's entry for one of its addresses
+    /// stays): whatever addresses the pod had, also those of a record from before addresses
+    /// were kept.
     ///
     /// # Errors
     /// When the sets cannot be read or the kernel refuses.
-    pub fn remove(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
-        self.delete_where(|e| e.comment == uid && ips.contains(&e.ip))
+    pub fn remove(&self, uid: &str) -> Result<(), AmbientError> {
+        self.delete_where(|e| e.comment == uid)
     }
 
     /// Makes the sets exactly `pods`' addresses, as (uid, addresses): each added, every other
