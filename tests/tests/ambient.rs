@@ -212,7 +212,7 @@ fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, pod: &Pod) {
 /// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners; `other` is
 /// another pod on the node (not enrolled), whose connections the node forwards.
 fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
-    let (peer, me) = (pod.peer_v4(), pod.v4());
+    let (peer, me, other_v4) = (pod.peer_v4(), pod.v4(), other.v4().to_string());
     let outbound = answer(dial(app(pod), &format!("tcp:{peer}:80"), None).expect("dial"));
     assert_eq!(
         outbound,
@@ -247,6 +247,21 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
         inbound,
         ("ztunnel".into(), 15006, Some(format!("{me}:8080"))),
         "inbound TCP (another pod's, forwarded by the node) goes to ztunnel's plaintext listener"
+    );
+    // ztunnel's side of an inbound connection: its own socket, marked and transparent, from the
+    // client's address to the app. The app's replies go to an address that is not the pod's:
+    // they must come back to ztunnel, not leave by the pod's interface.
+    let spoofed = dial_with(
+        zt_own,
+        &format!("tcp:{me}:8080"),
+        &["--mark", "0x539", "--transparent", "--bind", &other_v4],
+    )
+    .expect("dial")
+    .expect("the app answers ztunnel's connection from the client's address");
+    assert_eq!(
+        (spoofed.server.as_str(), spoofed.peer.ip().to_string()),
+        ("app", other_v4.clone()),
+        "ztunnel's connection from the client's address reaches the app, and the app's replies come back to it"
     );
     let hbone = answer(dial(other, &format!("tcp:{me}:15008"), None).expect("dial"));
     assert_eq!(

@@ -4,6 +4,9 @@
 //! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
 //!
 //! `--mark N` sets `SO_MARK` on the socket (as ztunnel marks its own, 0x539).
+//! `--transparent` (IPv4) sets `IP_TRANSPARENT`, so that `--bind` may name an
+//! address that is not the host's: ztunnel's inbound connections to the app come from the
+//! client's own address.
 //!
 //! With `--hold` (TCP) it keeps the connection: every line read from stdin is sent, and the
 //! answer line printed, until stdin closes (or `no-answer: <why>` and exit on a failure).
@@ -29,10 +32,12 @@ fn main() -> anyhow::Result<()> {
     let mut bind_to = None;
     let mut hold = false;
     let mut mark = None;
+    let mut transparent = false;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
             "--hold" => hold = true,
+            "--transparent" => transparent = true,
             "--mark" => {
                 mark = Some(meshcap_tests::parse_mark(
                     &args.next().context("--mark needs a value")?,
@@ -53,7 +58,7 @@ fn main() -> anyhow::Result<()> {
         return hold_tcp(addr, mark);
     }
     let answer = match proto {
-        "tcp" => tcp(addr, bind_to, mark).and_then(|(line, reader)| {
+        "tcp" => tcp(addr, bind_to, mark, transparent).and_then(|(line, reader)| {
             let stream = reader.get_ref();
             Ok(with_own_view(
                 &line,
@@ -101,7 +106,7 @@ fn parse_bind(text: &str, v6: bool) -> anyhow::Result<SocketAddr> {
 
 /// The `--hold` loop: the first answer, then one answer per stdin line.
 fn hold_tcp(addr: SocketAddr, mark: Option<u32>) -> anyhow::Result<()> {
-    let (first, mut reader) = match tcp(addr, None, mark) {
+    let (first, mut reader) = match tcp(addr, None, mark, false) {
         Ok(answer) => answer,
         Err(err) => {
             println!("no-answer: {err:#}");
@@ -135,13 +140,18 @@ fn tcp(
     addr: SocketAddr,
     bind_to: Option<SocketAddr>,
     mark: Option<u32>,
+    transparent: bool,
 ) -> anyhow::Result<(String, BufReader<TcpStream>)> {
-    let stream = if bind_to.is_none() && mark.is_none() {
+    let stream = if bind_to.is_none() && mark.is_none() && !transparent {
         TcpStream::connect_timeout(&addr, TIMEOUT)?
     } else {
         let fd = socket(family(addr), SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
         if let Some(mark) = mark {
             setsockopt(&fd, sockopt::Mark, &mark)?;
+        }
+        if transparent {
+            anyhow::ensure!(addr.is_ipv4(), "--transparent is for IPv4 targets");
+            setsockopt(&fd, sockopt::IpTransparent, &true)?;
         }
         if let Some(local) = bind_to {
             bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
