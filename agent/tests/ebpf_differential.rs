@@ -1,14 +1,16 @@
 //! The eBPF decision (meshcap-common, fed with the map entries the eBPF backend writes)
 //! against the evaluator of the iptables rules Istio would write for the same policy: 100,000
-//! generated (policy, connection) cases, zero disagreements.
+//! generated (policy, connection) cases, zero disagreements; and the same for ambient mode's
+//! in-pod capture against Istio's in-pod rules.
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_agent::{
-    backend::ebpf::{Entries, encode},
+    backend::ebpf::{Entries, encode, encode_ambient},
     podnet::PodNet,
     policy::{
         CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodRef, PortSelection,
         RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,
+        ambient::{HostProbeSnat, InpodPolicy},
     },
 };
 use meshcap_common::{
@@ -238,7 +240,9 @@ fn ebpf_decision_agrees_with_istios_rules() {
                 let packet = Packet::inbound_tcp(src, own, port, "eth0");
                 let want = rules.evaluate(&packet).verdict;
                 let c = Inbound {
+                    src: addr(src),
                     dst_port: port,
+                    mark: 0,
                     iface: 0,
                     syn: true,
                     ack: false,
@@ -292,6 +296,154 @@ fn ebpf_decision_agrees_with_istios_rules() {
                 uid,
                 gid,
                 mark: 0,
+            };
+            let got = decide_outbound(&pod, &c, &tables);
+            if !same(got, want) {
+                disagreements.push(format!(
+                    "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
+                ));
+            }
+        }
+    }
+    assert!(
+        disagreements.is_empty(),
+        "{} of {cases} cases disagree; first:\n{}",
+        disagreements.len(),
+        disagreements.first().map_or("", String::as_str)
+    );
+}
+
+/// The pod's interfaces in the ambient cases: its own, and one Istio may be told to reroute.
+const AMBIENT_IFACES: [&str; 2] = ["eth0", "virt0"];
+const MARKS: [u32; 6] = [0, 0x539, 0x1539, 0x111, 0x7111, 0x5];
+
+#[test]
+fn ebpf_ambient_decision_agrees_with_istios_inpod_rules() {
+    let mut g = Gen(0x6d65_7368_6361_7002);
+    let probe = HostProbeSnat::default();
+    let dsts: [IpAddr; 13] = [
+        "127.0.0.1",
+        "127.0.0.2",
+        "10.0.0.2",
+        "10.1.2.3",
+        "169.254.7.127",
+        "8.8.8.8",
+        "::1",
+        "fd00::2",
+        "2001:db8::1",
+        "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+        "10.0.0.9",
+        "192.168.1.1",
+        "::6",
+    ]
+    .map(|s| s.parse().expect("address"));
+    let srcs: [IpAddr; 5] = [
+        "10.9.9.9",
+        "169.254.7.127",
+        "10.0.0.2",
+        "2001:db8::9",
+        "fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+    ]
+    .map(|s| s.parse().expect("address"));
+    let mut disagreements = Vec::new();
+    let mut cases = 0;
+    while cases < 100_000 {
+        let ipv6 = g.chance(50);
+        let policy = InpodPolicy {
+            inbound: g.chance(75),
+            dns: g.chance(50),
+            virtual_interfaces: if g.chance(30) {
+                vec!["virt0".to_owned()]
+            } else {
+                Vec::new()
+            },
+            ipv6,
+            host_probe_snat: probe,
+        };
+        let rules = RuleEvaluator::new(&policy.render()).expect("rendered rules parse");
+        let mut pod_ips = vec![IpAddr::V4(POD_V4)];
+        if ipv6 {
+            pod_ips.push(IpAddr::V6(POD_V6));
+        }
+        let mut entries = encode_ambient(&policy, &pod_ips);
+        let net = PodNet {
+            addresses: pod_ips.clone(),
+            interfaces: vec![(2, "eth0".to_owned()), (3, "virt0".to_owned())],
+            ..PodNet::default()
+        };
+        entries.add_pod_net(&net, &[], &policy.virtual_interfaces);
+        let pod = entries.config;
+        let ifaces = entries.ifaces.clone();
+        let tables = Tables(entries);
+        for _ in 0..20 {
+            let port = g.pick(&PORTS);
+            let mark = g.pick(&MARKS);
+            if g.chance(35) {
+                let src = g.pick(&srcs);
+                let own = if src.is_ipv4() {
+                    IpAddr::V4(POD_V4)
+                } else {
+                    IpAddr::V6(POD_V6)
+                };
+                if src == own {
+                    continue;
+                }
+                cases += 1;
+                let iface = g.pick(&AMBIENT_IFACES);
+                let mut packet = Packet::inbound_tcp(src, own, port, iface);
+                packet.mark = mark;
+                let want = rules.evaluate(&packet).verdict;
+                let c = Inbound {
+                    src: addr(src),
+                    dst_port: port,
+                    mark,
+                    iface: ifaces
+                        .iter()
+                        .find(|(name, _)| name == iface)
+                        .map_or(0, |(_, f)| *f),
+                    syn: true,
+                    ack: false,
+                    existing: Existing::Nothing,
+                };
+                let got = decide_inbound(&pod, &c, &tables);
+                if !same(got, want) {
+                    disagreements.push(format!(
+                        "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
+                    ));
+                }
+                continue;
+            }
+            let dst = g.pick(&dsts);
+            cases += 1;
+            let udp = g.chance(35);
+            let uid = g.pick(&IDS);
+            let via_lo = dst.is_loopback() || pod_ips.contains(&dst);
+            let src = match dst {
+                IpAddr::V4(a) if a.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(a) if a.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                IpAddr::V4(_) => IpAddr::V4(POD_V4),
+                IpAddr::V6(_) => IpAddr::V6(POD_V6),
+            };
+            let iface = if via_lo { "lo" } else { "eth0" };
+            let mut packet = Packet::outbound_tcp(src, dst, port, uid, uid, iface);
+            if udp {
+                packet = packet.udp();
+            }
+            packet.mark = mark;
+            let want = rules.evaluate(&packet).verdict;
+            let unspecified = if dst.is_ipv4() {
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+            } else {
+                IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+            };
+            let c = Outbound {
+                proto: if udp { Proto::Udp } else { Proto::Tcp },
+                dst: addr(dst),
+                dst_port: port,
+                src: addr(unspecified),
+                uid,
+                gid: uid,
+                mark,
             };
             let got = decide_outbound(&pod, &c, &tables);
             if !same(got, want) {

@@ -1,8 +1,9 @@
 //! The per-connection decision: Istio's rule order as straight-line code.
 
 use crate::{
-    Addr, CidrKind, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
-    PodConfig, PortKind, TPROXY_MARK, flags, iface_flags,
+    AMBIENT_MARK_MASK, AMBIENT_REPLY_MARK, Addr, CidrKind, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT,
+    PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT, PodConfig, PortKind, TPROXY_MARK, ZTUNNEL_MARK, flags,
+    iface_flags,
 };
 
 /// What happens to a connection (or datagram).
@@ -68,8 +69,12 @@ pub enum Existing {
 /// An inbound TCP packet arriving on one of the pod's interfaces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Inbound {
+    /// Source address.
+    pub src: Addr,
     /// Destination port.
     pub dst_port: u16,
+    /// The packet's mark (`skb->mark`).
+    pub mark: u32,
     /// [`iface_flags`] of the interface it arrived on.
     pub iface: u32,
     /// SYN without ACK: opens a connection.
@@ -117,6 +122,9 @@ pub fn is_loopback(addr: &Addr) -> bool {
 #[inline(always)]
 #[must_use]
 pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Verdict {
+    if pod.has(flags::AMBIENT) {
+        return ambient_outbound(pod, c, t);
+    }
     let v6 = matches!(c.dst, Addr::V6(_));
     // A pod without IPv6 gets no ip6tables rules.
     if v6 && !pod.has(flags::IPV6) {
@@ -210,6 +218,9 @@ pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Ve
 #[inline(always)]
 #[must_use]
 pub fn decide_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verdict {
+    if pod.has(flags::AMBIENT) {
+        return ambient_inbound(pod, c, t);
+    }
     if matches!(c.existing, Existing::Connection) || c.iface & iface_flags::EXCLUDED != 0 {
         return Verdict::Pass;
     }
@@ -232,6 +243,78 @@ pub fn decide_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verd
     // conntrack INVALID: neither opening nor continuing a connection.
     if pod.has(flags::INVALID_DROP) && !c.syn && !c.ack {
         return Verdict::Drop;
+    }
+    Verdict::Redirect(PROXY_INBOUND_PORT)
+}
+
+/// Whether `mark` is ztunnel's own (`-m mark --mark 0x539/0xfff`).
+#[inline(always)]
+const fn is_ztunnel(mark: u32) -> bool {
+    mark & AMBIENT_MARK_MASK == ZTUNNEL_MARK
+}
+
+/// Ambient mode's outbound decision, rule by rule as Istio's in-pod `nat ISTIO_OUTPUT`
+/// (`cni/pkg/iptables/iptables.go`, `AppendInpodRules`) orders them. "`-o lo`" is "the
+/// destination is local", as in sidecar mode.
+#[inline(always)]
+fn ambient_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Verdict {
+    let v6 = matches!(c.dst, Addr::V6(_));
+    if v6 && !pod.has(flags::IPV6) {
+        return Verdict::Pass;
+    }
+    let tcp = matches!(c.proto, Proto::Tcp);
+    let ztunnel = is_ztunnel(c.mark);
+    let to_localhost = c.dst == localhost(v6);
+    // -d <probe SNAT address> -p tcp -j ACCEPT
+    if tcp && t.lookup(CidrKind::ProbeSource, &c.dst).is_some() {
+        return Verdict::Pass;
+    }
+    let via_lo = is_loopback(&c.dst) || t.lookup(CidrKind::Local, &c.dst).is_some();
+    if pod.has(flags::DNS_CAPTURE) && c.dst_port == DNS_PORT && !ztunnel {
+        // ! -o lo -p udp ! --mark 0x539/0xfff --dport 53 -j REDIRECT --to-port 15053
+        // ! -d 127.0.0.1 -p tcp --dport 53 ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053
+        if (!tcp && !via_lo) || (tcp && !to_localhost) {
+            return Verdict::Redirect(DNS_PROXY_PORT);
+        }
+    }
+    // -p tcp -m mark --mark 0x111/0xfff -j ACCEPT
+    if tcp && c.mark & AMBIENT_MARK_MASK == AMBIENT_REPLY_MARK {
+        return Verdict::Pass;
+    }
+    // ! -d 127.0.0.1 -o lo -j ACCEPT
+    if via_lo && !to_localhost {
+        return Verdict::Pass;
+    }
+    // ! -d 127.0.0.1 -p tcp ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001
+    if tcp && !to_localhost && !ztunnel {
+        return Verdict::Redirect(PROXY_OUTBOUND_PORT);
+    }
+    Verdict::Pass
+}
+
+/// Ambient mode's inbound decision, as Istio's in-pod `nat ISTIO_PRERT` orders it: new
+/// connections only (NAT sees a connection's first packet), rerouted interfaces to 15001,
+/// kubelet's probes (from the node's SNAT address) and HBONE (15008) left to the pod's
+/// address, ztunnel's own marked packets left alone, the rest to 15006. (`! -d 127.0.0.1` is
+/// moot: the kernel drops a loopback destination arriving on any other interface.)
+#[inline(always)]
+fn ambient_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verdict {
+    if matches!(c.existing, Existing::Connection) {
+        return Verdict::Pass;
+    }
+    if matches!(c.src, Addr::V6(_)) && !pod.has(flags::IPV6) {
+        return Verdict::Pass;
+    }
+    // -i <reroute-virtual-interfaces> -p tcp -j REDIRECT --to-ports 15001
+    if c.iface & iface_flags::REROUTE != 0 {
+        return Verdict::Redirect(PROXY_OUTBOUND_PORT);
+    }
+    if pod.has(flags::BYPASS_INBOUND)
+        || t.lookup(CidrKind::ProbeSource, &c.src).is_some()
+        || c.dst_port == HBONE_PORT
+        || is_ztunnel(c.mark)
+    {
+        return Verdict::Pass;
     }
     Verdict::Redirect(PROXY_INBOUND_PORT)
 }

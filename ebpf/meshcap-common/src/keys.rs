@@ -119,6 +119,9 @@ pub enum CidrKind {
     /// A snapshot of the pod's routes, value 1 when the route's device is in
     /// `excludeInterfaces` (outbound traffic by that device is left alone), else 0.
     Route = 4,
+    /// Ambient mode: the addresses the node SNATs kubelet's probes to (169.254.7.127 and
+    /// its IPv6 twin), let through uncaptured both ways.
+    ProbeSource = 5,
 }
 
 /// Bits of an LPM key before the address: pod id and list kind.

@@ -89,6 +89,14 @@ pub const DNS_PORT: u16 = 53;
 pub const TPROXY_MARK: u32 = 1337;
 /// The policy route table of TPROXY mode.
 pub const TPROXY_TABLE: u32 = 133;
+/// Ambient mode: the mark ztunnel puts on its own sockets (under [`AMBIENT_MARK_MASK`]); they
+/// are never captured.
+pub const ZTUNNEL_MARK: u32 = 0x539;
+/// Ambient mode: the mark of the app's replies to ztunnel's connections from a client's
+/// address (Istio's connmark), which the pod's policy route delivers back to ztunnel.
+pub const AMBIENT_REPLY_MARK: u32 = 0x111;
+/// Ambient mode: the bits of a mark Istio's in-pod rules look at.
+pub const AMBIENT_MARK_MASK: u32 = 0xfff;
 /// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST`.
 pub const SO_ORIGINAL_DST: i32 = 80;
 
@@ -142,6 +150,13 @@ pub mod flags {
     pub const NO_EXCLUDE_PORTS: u32 = 1 << 9;
     /// The `includeOutboundPorts` list is empty: no lookup needed.
     pub const NO_INCLUDE_PORTS: u32 = 1 << 10;
+    /// Ambient mode: Istio's in-pod rules for ztunnel ([`crate::decide_outbound`] and
+    /// [`crate::decide_inbound`] take their ambient branch); of the other flags only
+    /// [`DNS_CAPTURE`] and [`IPV6`] apply.
+    pub const AMBIENT: u32 = 1 << 11;
+    /// Ambient mode's `ambient.istio.io/bypass-inbound-capture`: inbound is not captured
+    /// (rerouted interfaces still are).
+    pub const BYPASS_INBOUND: u32 = 1 << 12;
 }
 
 /// Bits of the [`maps::IFACES`] value.

@@ -1,7 +1,9 @@
 //! Inbound capture: a TC classifier on the pod's interfaces, inside the pod netns. New TCP
 //! connections to captured ports are handed to the proxy's listener with `bpf_sk_assign`
 //! (TPROXY-like: no NAT, the accepted socket's local address is what the client dialled);
-//! packets of existing connections keep reaching their own sockets.
+//! packets of existing connections keep reaching their own sockets. An ambient pod's `lo`
+//! gets the stub too: there ztunnel's connections to the app are marked so that the app's
+//! replies go back to ztunnel ([`ztunnel_connection_on_lo`]).
 //!
 //! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod's interfaces get a
 //! tiny stub the agent assembles itself (agent/src/backend/ebpf/stub.rs): it stores the pod's
@@ -20,8 +22,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use meshcap_common::{
-    Addr, Existing, FlowKey, IfaceKey, Inbound, OrigDst, TPROXY_MARK, Verdict, decide_inbound,
-    iface_flags,
+    AMBIENT_MARK_MASK, AMBIENT_REPLY_MARK, Addr, Existing, FlowKey, IfaceKey, Inbound, OrigDst,
+    TPROXY_MARK, Verdict, ZTUNNEL_MARK, decide_inbound, flags, iface_flags,
 };
 
 use crate::tables::{FLOWS, IFACES, Maps, pod};
@@ -39,6 +41,8 @@ const IPPROTO_TCP: u8 = 6;
 const TCP_LISTEN: u32 = 10;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
+/// `lo`'s index in every network namespace (`LOOPBACK_IFINDEX`).
+const LOOPBACK_IFINDEX: u32 = 1;
 
 #[classifier]
 pub fn meshcap_ingress(ctx: TcContext) -> i32 {
@@ -163,6 +167,26 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16) -> bool {
     }
 }
 
+/// An ambient pod's `lo` (its stub is only there): a SYN from one of ztunnel's own sockets
+/// (mark 0x539/0xfff) is one of ztunnel's connections to the app, from the client's address.
+/// Its mark becomes 0x111 under the same mask, and the pod's `tcp_fwmark_accept` gives that
+/// mark to the app's accepted socket, so every reply, the SYN-ACK included, takes the pod's
+/// reply route (`fwmark 0x111/0xfff lookup 100`: local) back to ztunnel's transparent socket
+/// instead of leaving by the pod's interface. Istio's in-pod rules do the same with the
+/// connection's mark (`CONNMARK --set-xmark 0x111/0xfff` in `mangle PREROUTING`, restored in
+/// `mangle OUTPUT`). Only SYNs: the accepted socket carries the mark from then on.
+#[inline(always)]
+fn ztunnel_connection_on_lo(ctx: &TcContext, p: &Packet) -> i32 {
+    if p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        // SAFETY: context read.
+        let mark = unsafe { (*ctx.skb.skb).mark };
+        if mark & AMBIENT_MARK_MASK == ZTUNNEL_MARK {
+            ctx.set_mark((mark & !AMBIENT_MARK_MASK) | AMBIENT_REPLY_MARK);
+        }
+    }
+    TC_ACT_OK
+}
+
 #[inline(always)]
 fn ingress(ctx: &TcContext) -> Option<i32> {
     // SAFETY: context reads of what the stub wrote.
@@ -172,6 +196,9 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
     let p = parse(ctx)?;
     // SAFETY: context read.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    if ifindex == LOOPBACK_IFINDEX {
+        return Some(ztunnel_connection_on_lo(ctx, &p));
+    }
     let key = IfaceKey {
         netns,
         ifindex,
@@ -179,13 +206,22 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
     };
     // SAFETY: a plain read.
     let iface = unsafe { IFACES.get(key) }.copied().unwrap_or(0);
+    let ambient = pod.has(flags::AMBIENT);
     if iface & iface_flags::REROUTE != 0 {
-        // Not addressed to the pod: the policy route (fwmark 1337 -> local) delivers it to the
-        // proxy's socket instead of forwarding it.
-        ctx.set_mark(TPROXY_MARK);
+        // Not addressed to the pod: the policy route (fwmark 1337 -> local; in ambient mode
+        // the reply route, 0x111/0xfff -> local) delivers it to the proxy's socket instead of
+        // forwarding it.
+        ctx.set_mark(if ambient {
+            AMBIENT_REPLY_MARK
+        } else {
+            TPROXY_MARK
+        });
     }
     let c = Inbound {
+        src: p.src,
         dst_port: p.dport,
+        // SAFETY: context read.
+        mark: unsafe { (*ctx.skb.skb).mark },
         iface,
         syn: p.flags & TCP_SYN != 0 && p.flags & TCP_ACK == 0,
         ack: p.flags & TCP_ACK != 0,

@@ -6,7 +6,9 @@ use meshcap_common::{CidrKind, PodAddrs, PodConfig, PortKind, flags, iface_flags
 
 use crate::{
     podnet::PodNet,
-    policy::{CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
+    policy::{
+        CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, ambient::InpodPolicy,
+    },
 };
 
 /// Everything the maps hold for one pod, before a pod id is assigned.
@@ -33,7 +35,8 @@ impl Entries {
             let len = if addr.is_ipv4() { 32 } else { 128 };
             self.cidrs.push((CidrKind::Local, *addr, len, 1));
         }
-        if self.config.has(flags::IPV6) {
+        // Envoy's IPv6 passthrough source; ambient mode has none.
+        if self.config.has(flags::IPV6) && !self.config.has(flags::AMBIENT) {
             self.cidrs.push((
                 CidrKind::Local,
                 IpAddr::V6(std::net::Ipv6Addr::from(6u128)),
@@ -158,6 +161,40 @@ pub fn encode(policy: &RedirectPolicy) -> Entries {
         cidrs,
         ifaces: Vec::new(),
         addrs: pod_addrs(&policy.pod_ips),
+    }
+}
+
+/// An ambient pod's map entries: Istio's in-pod rules for ztunnel as flags, and the probes'
+/// source addresses (the pod's netns adds its own addresses and rerouted interfaces with
+/// [`Entries::add_pod_net`]).
+#[must_use]
+pub fn encode_ambient(policy: &InpodPolicy, pod_ips: &[IpAddr]) -> Entries {
+    let mut f = flags::AMBIENT;
+    if policy.dns {
+        f |= flags::DNS_CAPTURE;
+    }
+    if policy.ipv6 {
+        f |= flags::IPV6;
+    }
+    if !policy.inbound {
+        f |= flags::BYPASS_INBOUND;
+    }
+    let probe = &policy.host_probe_snat;
+    let mut cidrs = vec![(CidrKind::ProbeSource, IpAddr::V4(probe.v4), 32, 1)];
+    if policy.ipv6 {
+        cidrs.push((CidrKind::ProbeSource, IpAddr::V6(probe.v6), 128, 1));
+    }
+    Entries {
+        config: PodConfig {
+            pod_id: 0,
+            flags: f,
+            proxy_uid: 0,
+            proxy_gid: 0,
+        },
+        ports: Vec::new(),
+        cidrs,
+        ifaces: Vec::new(),
+        addrs: pod_addrs(pod_ips),
     }
 }
 

@@ -38,7 +38,7 @@ mod tc;
 use std::{collections::HashSet, os::fd::OwnedFd, path::PathBuf, sync::Mutex};
 
 pub use coverage::Uncovered;
-pub use encode::{Entries, encode};
+pub use encode::{Entries, encode, encode_ambient};
 pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
@@ -269,6 +269,42 @@ impl EbpfBackend {
         layout::remove(&dir)
     }
 
+    /// The pods captured for ztunnel (ambient mode), which [`CaptureBackend::list`] leaves
+    /// out: ambient mode lists them.
+    #[must_use]
+    pub fn list_ambient(&self) -> Vec<CapturedPod> {
+        self.pinned_pods()
+            .into_iter()
+            .filter(|pinned| pinned.ambient)
+            .map(|pinned| CapturedPod {
+                summary: format!(
+                    "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
+                    pinned.netns_cookie,
+                    pinned.interfaces.join(",")
+                ),
+                pod: pinned.pod_ref(),
+                backend: "ebpf".to_owned(),
+            })
+            .collect()
+    }
+
+    /// Drops the ambient captures whose network namespace is gone and returns those pods.
+    ///
+    /// # Errors
+    /// When an entry cannot be dropped.
+    pub fn prune_gone_ambient(&self) -> Result<Vec<PodRef>, EbpfError> {
+        let live = podnet::live_cookies();
+        let mut gone = Vec::new();
+        for pinned in self.pinned_pods() {
+            if pinned.ambient && !live.contains(&pinned.netns_cookie) {
+                let pod = pinned.pod_ref();
+                Self::remove(self, &pod)?;
+                gone.push(pod);
+            }
+        }
+        Ok(gone)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, tables::Tables> {
         self.tables
             .lock()
@@ -394,6 +430,7 @@ impl CaptureBackend for EbpfBackend {
         Ok(self
             .pinned_pods()
             .into_iter()
+            .filter(|pinned| !pinned.ambient)
             .map(|pinned| CapturedPod {
                 summary: format!(
                     "netns cookie {}, inbound TC on {}",

@@ -41,6 +41,8 @@ pub struct PinnedPod {
     pub netns_cookie: u64,
     /// Interfaces with the inbound TC program.
     pub interfaces: Vec<String>,
+    /// Captured for ztunnel (ambient mode), not for a sidecar.
+    pub ambient: bool,
 }
 
 impl PinnedPod {
@@ -118,6 +120,12 @@ impl Pins {
         self.pod(cookie).join(pod_record_name(pod))
     }
 
+    /// `pods/<cookie>/ambient`: present when the pod is captured for ztunnel.
+    #[must_use]
+    pub fn ambient_marker(&self, cookie: u64) -> PathBuf {
+        self.pod(cookie).join(AMBIENT_MARKER)
+    }
+
     /// `pods/<cookie>/tc-<ifname>`: the record of the pod's stub on one interface (a
     /// directory holding the netlink filter's record, or the TCX link's pin).
     #[must_use]
@@ -170,6 +178,7 @@ impl Pins {
                     .iter()
                     .filter_map(|n| n.strip_prefix(TC_PREFIX).map(str::to_owned))
                     .collect(),
+                ambient: names.iter().any(|n| n == AMBIENT_MARKER),
             });
         }
         out
@@ -177,6 +186,8 @@ impl Pins {
 }
 
 const TC_PREFIX: &str = "tc-";
+/// The directory marking a pod captured for ztunnel (bpffs holds no plain files).
+const AMBIENT_MARKER: &str = "ambient";
 
 /// The name recording which pod a cookie is (`@` is not in Kubernetes names): also the key
 /// of the backend's index of pods.

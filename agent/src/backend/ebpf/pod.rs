@@ -14,11 +14,13 @@ use crate::{
     backend::PodRef,
     crashpoint,
     podnet::{self, PodNet, Visit},
-    policy::{MarkRoute, PolicyRoutes, RedirectPolicy},
+    policy::{MarkRoute, PolicyRoutes, RedirectPolicy, ambient::InpodPolicy},
 };
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
 const MAX_PODS: usize = 1_024;
+/// `lo`'s index in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
 
 impl EbpfBackend {
     /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
@@ -42,6 +44,33 @@ impl EbpfBackend {
         self.check_entries(pod, &encode::encode(policy))
     }
 
+    /// Captures an ambient `pod` for ztunnel as Istio's in-pod rules would (`ips`: its
+    /// addresses, the local address of its redirected connections), or updates it. Idempotent.
+    ///
+    /// # Errors
+    /// When the pod's netns cannot be entered or the kernel refuses.
+    pub fn add_ambient(
+        &self,
+        pod: &PodRef,
+        policy: &InpodPolicy,
+        ips: &[std::net::IpAddr],
+    ) -> Result<(), EbpfError> {
+        self.add_entries(
+            pod,
+            encode::encode_ambient(policy, ips),
+            &[],
+            &policy.virtual_interfaces,
+        )
+    }
+
+    /// Verifies an ambient `pod` is captured with `policy`.
+    ///
+    /// # Errors
+    /// What is missing or different, naming the pod.
+    pub fn check_ambient(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), EbpfError> {
+        self.check_entries(pod, &encode::encode_ambient(policy, &[]))
+    }
+
     /// Captures `pod` with these map entries, or updates its entries. Idempotent.
     ///
     /// # Errors
@@ -55,6 +84,7 @@ impl EbpfBackend {
     ) -> Result<(), EbpfError> {
         let ipv6 = entries.config.has(flags::IPV6);
         let tproxy = entries.config.has(flags::TPROXY);
+        let ambient = entries.config.has(flags::AMBIENT);
         let reroute = !reroute_interfaces.is_empty();
         let record = pins::pod_record_name(pod);
         let known = self.lock().cookie(&record).is_some();
@@ -63,29 +93,38 @@ impl EbpfBackend {
             let pinned = self.pins.pod_record(net.cookie, pod);
             std::fs::create_dir_all(&pinned)
                 .map_err(|e| EbpfError::io(&format!("creating {}", pinned.display()), e))?;
+            if ambient {
+                let marker = self.pins.ambient_marker(net.cookie);
+                std::fs::create_dir_all(&marker)
+                    .map_err(|e| EbpfError::io(&format!("creating {}", marker.display()), e))?;
+            }
             crashpoint::here(crashpoint::EBPF_ADD_PINNED);
             // `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
             // interfaces, the policy route, as Istio installs them.
-            let mut routes = if ipv6 {
+            // In ambient mode: Istio's in-pod reply route, which rerouted interfaces share.
+            let mut routes = if ipv6 && !ambient {
                 PolicyRoutes::passthrough6()
             } else {
                 PolicyRoutes::default()
             };
-            if tproxy || reroute {
+            if ambient {
+                routes.mark_route = Some(MarkRoute::ambient(ipv6));
+            } else if tproxy || reroute {
                 routes.mark_route = Some(MarkRoute::tproxy(ipv6));
             }
             if !routes.is_empty() {
                 podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
             }
-            if tproxy {
+            if tproxy || ambient {
                 // Accepted sockets inherit the SYN's mark, so that the app's replies to the
-                // original client source reach the proxy's transparent socket. Rerouted
+                // original client source reach the proxy's transparent socket (in ambient
+                // mode, the mark the classifier on `lo` gives ztunnel's SYNs). Rerouted
                 // interfaces need only the route: their packets are marked by the TC program,
                 // and the proxy's sockets must not inherit that mark.
                 std::fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
                     .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))?;
             }
-            self.attach_stubs(visit, &net, exclude_interfaces)?;
+            self.attach_stubs(visit, &net, exclude_interfaces, ambient)?;
             crashpoint::here(crashpoint::EBPF_ADD_ATTACHED);
             Ok(net)
         });
@@ -138,7 +177,8 @@ impl EbpfBackend {
         Ok(())
     }
 
-    /// Attaches the pod's stub on every interface but the excluded ones, in the visited
+    /// Attaches the pod's stub on every interface but the excluded ones (and on `lo` for an
+    /// ambient pod, where ztunnel's connections to the app are told apart), in the visited
     /// netns. An interface whose record the kernel confirms is attached already (by this
     /// agent or the one before it): never twice. A record the kernel contradicts (the filter
     /// deleted behind meshcap's back, the TCX link's interface replaced) is dropped and the
@@ -148,9 +188,11 @@ impl EbpfBackend {
         visit: &mut Visit,
         net: &PodNet,
         exclude_interfaces: &[String],
+        ambient: bool,
     ) -> Result<(), EbpfError> {
+        let lo = (LOOPBACK_IFINDEX, "lo".to_owned());
         let mut todo = Vec::new();
-        for (ifindex, name) in &net.interfaces {
+        for (ifindex, name) in net.interfaces.iter().chain(ambient.then_some(&lo)) {
             if exclude_interfaces.contains(name) {
                 continue;
             }
@@ -199,15 +241,20 @@ impl EbpfBackend {
             tracing::debug!(netns_cookie = cookie, "nothing captured in this netns");
             return Ok(());
         }
-        // Whether the pod may have the TPROXY policy route (TPROXY mode or a rerouted
-        // interface): only then (or when nothing says) is it looked for.
-        let route = {
+        // The policy routes the pod may have: TPROXY's (TPROXY mode or a rerouted interface)
+        // and ambient mode's; only those (or both when nothing says) are looked for.
+        let routes = {
             let mut tables = self.lock();
             let config = tables.remove_pod(cookie)?;
             crashpoint::here(crashpoint::EBPF_REMOVE_ENTRY);
             let rerouted = tables.remove_ifaces(cookie);
             tables.forget_cookie(cookie);
-            config.is_none_or(|c| c.has(flags::TPROXY)) || rerouted
+            let ambient = config.is_none_or(|c| c.has(flags::AMBIENT));
+            let tproxy = config.is_none_or(|c| c.has(flags::TPROXY)) || (rerouted && !ambient);
+            [
+                tproxy.then(|| MarkRoute::tproxy(true)),
+                ambient.then(|| MarkRoute::ambient(true)),
+            ]
         };
         let records = self.pins.tc_records(cookie);
         let detached = podnet::run_in(&pod.netns, |visit| {
@@ -215,16 +262,16 @@ impl EbpfBackend {
                 tc::detach(visit, ifname, record);
             }
             tc::detach_unrecorded(visit, &records);
-            if route {
+            for route in routes.iter().flatten() {
+                let installed = PolicyRoutes {
+                    mark_route: Some(route.clone()),
+                    loopback_addresses: Vec::new(),
+                };
                 let removed = visit.netlink().and_then(|netlink| {
-                    podnet::route::update(
-                        netlink,
-                        &PolicyRoutes::tproxy(true),
-                        &PolicyRoutes::default(),
-                    )
+                    podnet::route::update(netlink, &installed, &PolicyRoutes::default())
                 });
                 if let Err(err) = removed {
-                    tracing::warn!(error = %err, "removing the TPROXY policy route");
+                    tracing::warn!(error = %err, rule = route.describe_rule(), "removing a policy route");
                 }
             }
         });

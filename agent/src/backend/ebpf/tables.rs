@@ -274,7 +274,9 @@ impl Tables {
         }
         let from_policy = |kind: [u8; 4]| {
             let kind = u32::from_be_bytes(kind);
-            kind == CidrKind::ExcludeOutbound as u32 || kind == CidrKind::IncludeOutbound as u32
+            kind == CidrKind::ExcludeOutbound as u32
+                || kind == CidrKind::IncludeOutbound as u32
+                || kind == CidrKind::ProbeSource as u32
         };
         let (mut want4, mut want6) = (HashSet::new(), HashSet::new());
         for (kind, addr, len, _) in &entries.cidrs {

@@ -225,6 +225,9 @@ impl RuleSet {
                     return Flow::Stop(Verdict::Tproxy(*port));
                 }
                 Target::SetMark(mark) => walk.mark = *mark,
+                Target::SetConnMark { value, mask } => {
+                    walk.ct_mark = (walk.ct_mark & !mask) ^ value
+                }
                 Target::SaveMark => walk.ct_mark = walk.mark,
                 Target::RestoreMark => walk.mark = walk.ct_mark,
                 Target::ConntrackZone => {}

@@ -38,8 +38,18 @@ pub(super) enum Target {
     Drop,
     Jump(String),
     Redirect(u16),
-    Tproxy { port: u16, mark: u32, mask: u32 },
+    Tproxy {
+        port: u16,
+        mark: u32,
+        mask: u32,
+    },
     SetMark(u32),
+    /// `CONNMARK --set-xmark value/mask`: the connection mark's masked bits cleared, then
+    /// `value` XORed in.
+    SetConnMark {
+        value: u32,
+        mask: u32,
+    },
     SaveMark,
     RestoreMark,
     ConntrackZone,
@@ -97,7 +107,7 @@ pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
                 module = value()?;
                 if !matches!(
                     module,
-                    "multiport" | "owner" | "conntrack" | "mark" | "connmark"
+                    "multiport" | "owner" | "conntrack" | "mark" | "connmark" | "tcp" | "udp"
                 ) {
                     return Err(format!("match module {module}"));
                 }
@@ -140,6 +150,15 @@ fn parse_target<'a>(
         ("MARK", ["--set-mark", value]) => Target::SetMark(number(value)?),
         ("CONNMARK", ["--save-mark"]) => Target::SaveMark,
         ("CONNMARK", ["--restore-mark"]) => Target::RestoreMark,
+        ("CONNMARK", ["--restore-mark", "--nfmask", nfmask, "--ctmask", ctmask])
+            if number(nfmask)? == u32::MAX && number(ctmask)? == u32::MAX =>
+        {
+            Target::RestoreMark
+        }
+        ("CONNMARK", ["--set-xmark", value]) => {
+            let (value, mask) = mark(value)?;
+            Target::SetConnMark { value, mask }
+        }
         ("CT", ["--zone", zone]) => {
             number(zone)?;
             Target::ConntrackZone

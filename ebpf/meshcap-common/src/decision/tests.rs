@@ -335,7 +335,9 @@ fn tproxy_marked_upstream() {
 
 fn inbound(port: u16) -> Inbound {
     Inbound {
+        src: v4("10.9.9.9"),
         dst_port: port,
+        mark: 0,
         iface: 0,
         syn: true,
         ack: false,
@@ -435,4 +437,111 @@ fn skip_flags_decide_as_lookups() {
     let c = tcp(v4("10.1.2.3"), 15020, APP, APP);
     assert_eq!(out(&pod, &t, c), OUT);
     assert_eq!(out(&no_exclude, &t, c), OUT);
+}
+
+/// An ambient pod as Istio's `default` in-pod golden: 10.0.0.2, DNS captured, no IPv6.
+fn ambient() -> (PodConfig, Tables) {
+    let pod = PodConfig {
+        pod_id: 1,
+        flags: flags::AMBIENT | flags::DNS_CAPTURE,
+        proxy_uid: 0,
+        proxy_gid: 0,
+    };
+    let mut t = Tables::default();
+    t.cidrs.push(cidr(CidrKind::Local, v4("10.0.0.2"), 32));
+    t.cidrs
+        .push(cidr(CidrKind::ProbeSource, v4("169.254.7.127"), 32));
+    (pod, t)
+}
+
+#[test]
+fn ambient_outbound_as_the_inpod_golden() {
+    let (mut pod, t) = ambient();
+    let marked = |mut c: Outbound, mark: u32| {
+        c.mark = mark;
+        c
+    };
+    let remote = v4("10.1.2.3");
+    assert_eq!(out(&pod, &t, tcp(remote, 80, APP, APP)), OUT);
+    assert_eq!(
+        out(&pod, &t, tcp(remote, 80, 0, 0)),
+        OUT,
+        "uids do not matter"
+    );
+    assert_eq!(
+        out(&pod, &t, marked(tcp(remote, 80, 0, 0), 0x539)),
+        PASS,
+        "ztunnel's own"
+    );
+    assert_eq!(
+        out(&pod, &t, marked(tcp(remote, 80, 0, 0), 0x7539)),
+        PASS,
+        "under the mask"
+    );
+    assert_eq!(
+        out(&pod, &t, marked(tcp(remote, 80, 0, 0), 0x111)),
+        PASS,
+        "the reply mark"
+    );
+    assert_eq!(out(&pod, &t, tcp(v4("169.254.7.127"), 80, APP, APP)), PASS);
+    assert_eq!(
+        out(&pod, &t, udp(v4("169.254.7.127"), 53, APP)),
+        DNS,
+        "the probe rule is TCP only"
+    );
+    for local in ["10.0.0.2", "127.0.0.2"] {
+        assert_eq!(out(&pod, &t, tcp(v4(local), 80, APP, APP)), PASS, "{local}");
+    }
+    assert_eq!(out(&pod, &t, tcp(v4("127.0.0.1"), 80, APP, APP)), PASS);
+    assert_eq!(out(&pod, &t, udp(remote, 53, APP)), DNS);
+    assert_eq!(out(&pod, &t, tcp(remote, 53, APP, APP)), DNS);
+    assert_eq!(
+        out(&pod, &t, tcp(v4("10.0.0.2"), 53, APP, APP)),
+        DNS,
+        "TCP DNS to a local address other than 127.0.0.1 is captured before -o lo"
+    );
+    assert_eq!(out(&pod, &t, udp(v4("10.0.0.2"), 53, APP)), PASS);
+    assert_eq!(out(&pod, &t, tcp(v4("127.0.0.1"), 53, APP, APP)), PASS);
+    assert_eq!(out(&pod, &t, marked(udp(remote, 53, 0), 0x539)), PASS);
+    assert_eq!(out(&pod, &t, udp(remote, 443, APP)), PASS);
+    assert_eq!(
+        out(&pod, &t, tcp(v6("2001:db8::1"), 80, APP, APP)),
+        PASS,
+        "no ip6tables rules without ambient.ipv6"
+    );
+    pod.flags &= !flags::DNS_CAPTURE;
+    assert_eq!(out(&pod, &t, udp(remote, 53, APP)), PASS);
+    assert_eq!(out(&pod, &t, tcp(remote, 53, APP, APP)), OUT);
+}
+
+#[test]
+fn ambient_inbound_as_the_inpod_golden() {
+    let (mut pod, t) = ambient();
+    let dec = |pod: &PodConfig, c: Inbound| decide_inbound(pod, &c, &t);
+    assert_eq!(dec(&pod, inbound(8080)), IN);
+    assert_eq!(dec(&pod, inbound(15020)), IN, "no exclude list in ambient");
+    assert_eq!(dec(&pod, inbound(15008)), PASS, "HBONE");
+    let probe = Inbound {
+        src: v4("169.254.7.127"),
+        ..inbound(8080)
+    };
+    assert_eq!(dec(&pod, probe), PASS, "kubelet's probe");
+    let marked = Inbound {
+        mark: 0x1539,
+        ..inbound(8080)
+    };
+    assert_eq!(dec(&pod, marked), PASS, "ztunnel's mark");
+    let established = Inbound {
+        existing: Existing::Connection,
+        ..inbound(8080)
+    };
+    assert_eq!(dec(&pod, established), PASS);
+    let reroute = Inbound {
+        iface: iface_flags::REROUTE,
+        ..probe
+    };
+    assert_eq!(dec(&pod, reroute), OUT, "rerouted before the probe rule");
+    pod.flags |= flags::BYPASS_INBOUND;
+    assert_eq!(dec(&pod, inbound(8080)), PASS);
+    assert_eq!(dec(&pod, reroute), OUT);
 }
