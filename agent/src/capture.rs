@@ -531,7 +531,7 @@ impl Capture {
         }
         Ok(Response::ok(
             Outcome::Captured,
-            "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod",
+            "enrolled in ambient mode: captured in the pod, ztunnel serves it",
         ))
     }
 

@@ -142,6 +142,14 @@ pub const AMBIENT_IPV6: Setting = Setting {
     default: "true",
 };
 
+/// `ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs (the
+/// eBPF backend, when it serves the node) instead of Istio's in-pod rules.
+pub const AMBIENT_IN_KERNEL: Setting = Setting {
+    key: "ambient.inKernel",
+    env: "MESHCAP_AMBIENT_IN_KERNEL",
+    default: "false",
+};
+
 /// `ambient.reconcileIptablesOnStartup`: a starting agent rewrites the in-pod rules of pods
 /// enrolled before it started where they differ from its own (an upgrade, or rules changed
 /// behind its back).
@@ -161,7 +169,7 @@ pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
 };
 
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 20] = [
+pub const ALL: [Setting; 21] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -180,6 +188,7 @@ pub const ALL: [Setting; 20] = [
     AMBIENT_ENABLED,
     AMBIENT_DNS_CAPTURE,
     AMBIENT_IPV6,
+    AMBIENT_IN_KERNEL,
     AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
 ];

@@ -78,9 +78,21 @@ impl Drop for SocketDir {
 }
 
 fn ambient_agent(backend: Backend, node: &Node, pods: &ManifestDir, socket: &Path) -> Agent {
+    ambient_agent_capturing(backend, node, pods, socket, false)
+}
+
+/// [`ambient_agent`]; `in_kernel`: with `ambient.inKernel` (an eBPF `backend` then captures
+/// the pods for ztunnel).
+fn ambient_agent_capturing(
+    backend: Backend,
+    node: &Node,
+    pods: &ManifestDir,
+    socket: &Path,
+    in_kernel: bool,
+) -> Agent {
     let socket = socket.to_str().expect("utf-8");
     let node_netns = node.netns.path();
-    Agent::start(
+    Agent::start_in(
         backend,
         &[
             "--pods",
@@ -90,9 +102,14 @@ fn ambient_agent(backend: Backend, node: &Node, pods: &ManifestDir, socket: &Pat
         ],
         &[
             ("MESHCAP_AMBIENT_ENABLED", "true"),
+            (
+                "MESHCAP_AMBIENT_IN_KERNEL",
+                if in_kernel { "true" } else { "false" },
+            ),
             ("MESHCAP_ZTUNNEL_SOCKET", socket),
             ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
         ],
+        Some(node.cgroup.path()),
     )
     .expect("agent")
 }
@@ -137,11 +154,20 @@ struct Scene {
 
 impl Scene {
     fn new(backend: Backend) -> Self {
+        Self::capturing(backend, false)
+    }
+
+    /// The scene with `ambient.inKernel` on the eBPF backend.
+    fn in_kernel() -> Self {
+        Self::capturing(Backend::Ebpf, true)
+    }
+
+    fn capturing(backend: Backend, in_kernel: bool) -> Self {
         let mut node = Node::new().expect("node");
         let pod = node.add_pod(false).expect("pod");
         let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
         write_manifest(&pods.0, &ambient_pod("web"));
-        let agent = ambient_agent(backend, &node, &pods, &sockets.socket());
+        let agent = ambient_agent_capturing(backend, &node, &pods, &sockets.socket(), in_kernel);
         let sandbox = Sandbox::new("shop", "web", &pod.netns);
         let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
         Self {
@@ -159,8 +185,13 @@ impl Scene {
 /// A stand-in ztunnel, connected and sent its snapshot (`expected`, then `snapshot_sent`).
 fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
     let socket = socket.to_str().expect("utf-8");
-    let mut zt = Proc::spawn(node.client(), &bin::ztunnel(), &["--socket", socket])
-        .expect("meshcap-ztunnel");
+    // In the node's cgroup, as ztunnel's pod is under the root the programs attach to: its
+    // own sockets are seen by them, and must be told apart by their mark.
+    let at = Placement {
+        cgroup: Some(&node.cgroup),
+        ..node.client()
+    };
+    let mut zt = Proc::spawn(at, &bin::ztunnel(), &["--socket", socket]).expect("meshcap-ztunnel");
     for line in expected {
         assert_eq!(&zt.wait_line().expect("ztunnel"), line);
     }
@@ -172,13 +203,10 @@ fn inode(netns: &Netns) -> u64 {
     std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(netns.path()).expect("netns"))
 }
 
-fn app(pod: &Pod) -> Placement<'_> {
-    Placement {
-        netns: &pod.netns,
-        cgroup: None,
-        uid: APP_UID,
-        gid: APP_UID,
-    }
+/// The app: in the pod's netns and, like every pod's process, in the node's cgroup (where an
+/// in-kernel agent's programs are attached).
+fn app<'a>(node: &'a Node, pod: &'a Pod) -> Placement<'a> {
+    pod.at(node, APP_UID, APP_UID)
 }
 
 fn answer(report: Option<Report>) -> (String, u16, Option<String>) {
@@ -191,18 +219,18 @@ fn answer(report: Option<Report>) -> (String, u16, Option<String>) {
 }
 
 /// Who answers the app's outbound TCP to its node: `ztunnel` when captured, else `peer`.
-fn outbound(pod: &Pod) -> String {
+fn outbound(node: &Node, pod: &Pod) -> String {
     let to = format!("tcp:{}:80", pod.peer_v4());
-    answer(dial(app(pod), &to, None).expect("dial")).0
+    answer(dial(app(node, pod), &to, None).expect("dial")).0
 }
 
 /// The runtime's DEL: it completes, ztunnel is told, the pod's traffic goes direct and nothing
 /// of the capture is left in its netns.
-fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, pod: &Pod) {
+fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, node: &Node, pod: &Pod) {
     let del = cni("DEL", sandbox, conf).expect("DEL");
     assert!(del.success, "DEL failed: {del:?}");
     assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
-    assert_eq!(outbound(pod), "peer", "after DEL nothing is captured");
+    assert_eq!(outbound(node, pod), "peer", "after DEL nothing is captured");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()
@@ -213,7 +241,7 @@ fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, pod: &Pod) {
 /// another pod on the node (not enrolled), whose connections the node forwards.
 fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
     let (peer, me, other_v4) = (pod.peer_v4(), pod.v4(), other.v4().to_string());
-    let outbound = answer(dial(app(pod), &format!("tcp:{peer}:80"), None).expect("dial"));
+    let outbound = answer(dial(app(node, pod), &format!("tcp:{peer}:80"), None).expect("dial"));
     assert_eq!(
         outbound,
         ("ztunnel".into(), 15001, Some(format!("{peer}:80"))),
@@ -222,7 +250,7 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
     let zt_own = Placement {
         uid: 0,
         gid: 0,
-        ..app(pod)
+        ..app(node, pod)
     };
     let own = dial_with(zt_own, &format!("tcp:{peer}:80"), &["--mark", "0x539"]).expect("dial");
     assert_eq!(
@@ -230,7 +258,7 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
         "peer",
         "ztunnel's own (marked) connection is not captured"
     );
-    let dns = dial(app(pod), &format!("udp:{peer}:53"), None).expect("dial");
+    let dns = dial(app(node, pod), &format!("udp:{peer}:53"), None).expect("dial");
     assert_eq!(
         answer(dns).1,
         15053,
@@ -332,6 +360,19 @@ fn probe_jumps(node: &Node) -> usize {
 
 fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     require_root();
+    captured_and_released(Scene::new(backend), false);
+}
+
+/// `ambient.inKernel`: the same decisions, the same ztunnel hand-over, restarts and release,
+/// with no rule in the pod: the kernel programs capture it.
+#[test]
+fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
+    require_root();
+    captured_and_released(Scene::in_kernel(), true);
+}
+
+/// An ambient pod's whole life on `scene`'s agent; `in_kernel`: it must hold no in-pod rule.
+fn captured_and_released(scene: Scene, in_kernel: bool) {
     let Scene {
         mut node,
         pod,
@@ -340,12 +381,16 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
         mut agent,
         sandbox,
         conf,
-    } = Scene::new(backend);
+    } = scene;
     node.forward().expect("forwarding");
     let other = node.add_pod(false).expect("another pod");
-    let _app = start_server(app(&pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
-    assert_eq!(outbound(&pod), "peer", "before ADD nothing is captured");
+    assert_eq!(
+        outbound(&node, &pod),
+        "peer",
+        "before ADD nothing is captured"
+    );
     assert_eq!(probe_jumps(&node), 1, "the node's probe rule is in place");
     assert_eq!(
         probe_set(&node),
@@ -364,6 +409,18 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
         "the pod's address is in the probe set"
     );
     captured_as_istio_does(&node, &pod, &other);
+    if in_kernel {
+        let rules: Vec<String> = leftovers(&pod.netns)
+            .expect("the pod's netns")
+            .into_iter()
+            .filter(|l| l.contains("ISTIO"))
+            .collect();
+        assert_eq!(
+            rules,
+            Vec::<String>::new(),
+            "no in-pod rule: the kernel captures"
+        );
+    }
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK failed: {check:?}");
     let status = agent.status().expect("status");
@@ -408,7 +465,7 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
     let mut zt = ztunnel(&node, &sockets.socket(), &[added]);
     captured_as_istio_does(&node, &pod, &other);
 
-    deleted(&sandbox, &conf, &mut zt, &pod);
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
     assert_eq!(probe_set(&node), Vec::new(), "DEL takes the address out");
     let probe = dial(node.client(), &format!("tcp:{}:8080", pod.v4()), None)
         .expect("dial")
@@ -498,7 +555,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         patches.contains(&"PATCH /api/v1/namespaces/shop/pods/web/status".to_owned()),
         "{patches:?}"
     );
-    deleted(&sandbox, &conf, &mut zt, &pod);
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
 /// Live enrollment, as Istio's node agent's informers: a running pod that the CNI ADD left
@@ -538,7 +595,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "peer",
         "not enrolled: the ADD left it alone"
     );
@@ -558,7 +615,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "ztunnel",
         "enrolled while it runs: captured"
     );
@@ -576,7 +633,11 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
         agent.log()
     );
     eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
-    assert_eq!(outbound(&pod), "peer", "out of ambient mode: released");
+    assert_eq!(
+        outbound(&node, &pod),
+        "peer",
+        "out of ambient mode: released"
+    );
     assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
@@ -589,7 +650,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "ztunnel",
         "enrolled by its namespace: captured"
     );
@@ -606,13 +667,13 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
         agent.log()
     );
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "ztunnel",
         "GC leaves a pod enrolled in place"
     );
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
-    deleted(&sandbox, &conf, &mut zt, &pod);
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
 /// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent
@@ -635,7 +696,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
     let added = format!("add uid-web {} shop/web", inode(&pod.netns));
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
-    assert_eq!(outbound(&pod), "ztunnel");
+    assert_eq!(outbound(&node, &pod), "ztunnel");
 
     // The rules drift: whichever iptables holds them loses the outbound redirect.
     let held = leftovers(&pod.netns).expect("rules");
@@ -659,7 +720,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     )
     .expect("flush");
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "peer",
         "the drift is real: outbound bypasses ztunnel"
     );
@@ -675,20 +736,20 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     );
     restart(&mut agent, &mut zt);
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "peer",
         "reconciling off: the rules stay as they are"
     );
     agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
     restart(&mut agent, &mut zt);
     assert_eq!(
-        outbound(&pod),
+        outbound(&node, &pod),
         "ztunnel",
         "reconciled on start: the agent's own rules again\n{}",
         agent.log()
     );
 
-    deleted(&sandbox, &conf, &mut zt, &pod);
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
 /// The node's side of ambient mode outlives the agent (probes keep passing across a restart or
@@ -824,7 +885,7 @@ fn enrolled_whole(
     run: &dyn Fn(&str) -> meshcap_tests::kubelet::CniOutput,
     point: &str,
 ) {
-    assert_eq!(outbound(pod), "ztunnel", "{point}: captured");
+    assert_eq!(outbound(node, pod), "ztunnel", "{point}: captured");
     assert_eq!(
         probe_set(node),
         [(pod.v4().to_string(), "uid-web".to_owned())],
@@ -836,7 +897,7 @@ fn enrolled_whole(
 
 /// Released whole: not captured, no rule or route in the pod, no probe address, no record.
 fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
-    assert_eq!(outbound(pod), "peer", "{point}: released");
+    assert_eq!(outbound(node, pod), "peer", "{point}: released");
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new(),

@@ -2,12 +2,13 @@
 //! enrolled pod gets Istio's in-pod rules in its network namespace, then is handed to ztunnel
 //! over ZDS ([`crate::ztunnel`]), which opens its listeners inside it and acks.
 //!
-//! The rules are applied by the iptables machinery sidecar pods use (records written ahead,
-//! rollback, crash consistency, CHECK against the kernel), in a state directory of their own
-//! and whichever backend serves the node's sidecar pods: the in-kernel path for ambient pods
-//! is still to come (issue 18). Beside each record, what ztunnel must be told about the pod
-//! (its uid, name, namespace and service account) is kept, so that a ztunnel that connects
-//! later, or to a restarted agent, is sent every enrolled pod in the snapshot.
+//! The capture is applied ([`InpodCapture`]) by the iptables machinery sidecar pods use
+//! (records written ahead, rollback, crash consistency, CHECK against the kernel), in a state
+//! directory of its own and whichever backend serves the node's sidecar pods; or, with
+//! `ambient.inKernel` on a node the eBPF backend serves, by the kernel programs, with the same
+//! decisions (`meshcap-common`'s ambient branch). Beside each record, what ztunnel must be told
+//! about the pod (its uid, name, namespace and service account) is kept, so that a ztunnel that
+//! connects later, or to a restarted agent, is sent every enrolled pod in the snapshot.
 //!
 //! Then its addresses join the node's probe set, so kubelet's probes reach it uncaptured
 //! ([`HostProbes`]). Last, the pod is annotated `ambient.istio.io/redirection: enabled`
@@ -21,14 +22,17 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
+mod inpod;
 mod probes;
 
 use std::{
     fs,
     net::IpAddr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
+pub use inpod::InpodCapture;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 pub use probes::{HostProbes, remove_from_node};
@@ -37,7 +41,8 @@ use tracing::{info, warn};
 
 use crate::{
     backend::{
-        BackendError, CaptureBackend as _, CapturedPod, PodRef,
+        BackendError, CapturedPod, PodRef,
+        ebpf::EbpfBackend,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
         record_file_name, same_netns,
     },
@@ -122,7 +127,7 @@ impl Workload {
 /// Ambient mode: the settings, the in-pod rules and ztunnel.
 pub struct Ambient {
     config: AmbientConfig,
-    rules: IptablesBackend,
+    rules: InpodCapture,
     workloads: PathBuf,
     ztunnel: ZtunnelServer,
     probes: HostProbes,
@@ -133,7 +138,8 @@ pub struct Ambient {
 impl Ambient {
     /// Opens the in-pod rules' records under `state_dir/ambient`, sets up the node's probe
     /// set and rule in `node_netns` (`None`: the agent's own) and serves ztunnel at `socket`;
-    /// enrolled pods are annotated through `api` when given.
+    /// enrolled pods are annotated through `api` when given. With `kernel`, enrolled pods are
+    /// captured by its programs instead of Istio's in-pod rules.
     ///
     /// # Errors
     /// When the state directory, the probe set or rule, or the socket cannot be set up.
@@ -144,12 +150,16 @@ impl Ambient {
         socket: &Path,
         api: Option<kube::Client>,
         node_netns: Option<PathBuf>,
+        kernel: Option<Arc<EbpfBackend>>,
     ) -> Result<Self, AmbientError> {
         let state_dir = state_dir.join("ambient");
-        let rules = IptablesBackend::new(&IptablesConfig {
-            state_dir: state_dir.clone(),
-            flavour,
-        })?;
+        let rules = match kernel {
+            Some(ebpf) => InpodCapture::Ebpf(ebpf),
+            None => InpodCapture::Iptables(IptablesBackend::new(&IptablesConfig {
+                state_dir: state_dir.clone(),
+                flavour,
+            })?),
+        };
         let workloads = state_dir.join("workloads");
         fs::create_dir_all(&workloads).map_err(|e| state(&workloads, &e))?;
         // Pods whose netns went while no agent ran: their rules went with it, and no ztunnel
@@ -203,6 +213,12 @@ impl Ambient {
         &self.config
     }
 
+    /// What captures enrolled pods: `iptables` (Istio's in-pod rules) or `ebpf`.
+    #[must_use]
+    pub const fn capture(&self) -> &'static str {
+        self.rules.name()
+    }
+
     /// Enrolls a pod: its in-pod rules, then ztunnel, which must ack, then its addresses
     /// (`ips`, or when none are given those found in its netns) in the node's probe set.
     ///
@@ -241,7 +257,7 @@ impl Ambient {
         crashpoint::here(crashpoint::AMBIENT_ADD_RECORDED);
         let handed = self
             .rules
-            .add_ambient(pod, &policy.render())
+            .add(pod, policy, &workload.ips)
             .map_err(AmbientError::from)
             .and_then(|()| {
                 let netns = fs::File::open(&pod.netns).map_err(|e| state(&pod.netns, &e))?;
@@ -271,7 +287,7 @@ impl Ambient {
             return Err(err);
         }
         crashpoint::here(crashpoint::AMBIENT_ADD_PROBED);
-        info!(pod = %pod, uid, ips = ?workload.ips, "enrolled in ambient mode: in-pod rules applied, ztunnel serves the pod, kubelet's probes pass");
+        info!(pod = %pod, uid, ips = ?workload.ips, capture = self.rules.name(), "enrolled in ambient mode: captured in the pod, ztunnel serves it, kubelet's probes pass");
         Ok(())
     }
 
@@ -289,7 +305,7 @@ impl Ambient {
     /// # Errors
     /// When they are not, or cannot be checked.
     pub fn check(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), AmbientError> {
-        Ok(self.rules.check_ambient(pod, &policy.render())?)
+        Ok(self.rules.check(pod, policy)?)
     }
 
     /// Removes a pod from ambient mode, if it was enrolled: every ztunnel is told (a failure
@@ -423,7 +439,7 @@ fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
 /// in-pod rules of every pod already enrolled are made this build's, rendered from the policy
 /// the pod was enrolled with and the node's settings now. Nothing happens to a pod whose rules
 /// are already those; a failure is logged and leaves the pod as it was, as in Istio.
-fn reconcile(rules: &IptablesBackend, workloads: &Path, config: &AmbientConfig) {
+fn reconcile(rules: &InpodCapture, workloads: &Path, config: &AmbientConfig) {
     let recorded: Vec<String> = match rules.list() {
         Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
         Err(err) => {
@@ -446,7 +462,7 @@ fn reconcile(rules: &IptablesBackend, workloads: &Path, config: &AmbientConfig) 
             container_id: workload.container_id,
             netns: workload.netns,
         };
-        if let Err(err) = rules.add_ambient(&pod, &policy.render()) {
+        if let Err(err) = rules.add(&pod, &policy, &workload.ips) {
             warn!(pod = %pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
         }
     }

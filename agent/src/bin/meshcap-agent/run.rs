@@ -157,6 +157,22 @@ fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     Ok(Some(config))
 }
 
+/// The eBPF backend for ambient pods when `ambient.inKernel` asks for it and it serves the
+/// node; otherwise (none) ambient pods get Istio's in-pod rules.
+fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<Option<Arc<EbpfBackend>>> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    if !settings::bool_setting(&lookup, settings::AMBIENT_IN_KERNEL)? {
+        return Ok(None);
+    }
+    if ebpf.is_none() {
+        warn!(
+            setting = settings::AMBIENT_IN_KERNEL.key,
+            "the eBPF backend does not serve this node: ambient pods get Istio's in-pod rules"
+        );
+    }
+    Ok(ebpf.cloned())
+}
+
 /// Where this agent keeps what it owns, every path resolved.
 struct Paths {
     socket: PathBuf,
@@ -196,20 +212,34 @@ impl RunArgs {
 }
 
 /// The backend to use, why, and the probe's findings.
+/// The backend chosen, and the eBPF backend itself when it is that one (ambient mode can
+/// capture its pods with it).
+struct Chosen {
+    backend: Arc<dyn CaptureBackend>,
+    ebpf: Option<Arc<EbpfBackend>>,
+}
+
 fn open_backend(
     choice: BackendChoice,
     iptables: IptablesConfig,
     ebpf: EbpfConfig,
-) -> anyhow::Result<(Arc<dyn CaptureBackend>, String, Option<ProbeReport>)> {
-    let iptables = || -> anyhow::Result<Arc<dyn CaptureBackend>> {
-        Ok(Arc::new(IptablesBackend::new(&iptables)?))
+) -> anyhow::Result<(Chosen, String, Option<ProbeReport>)> {
+    let iptables = || -> anyhow::Result<Chosen> {
+        Ok(Chosen {
+            backend: Arc::new(IptablesBackend::new(&iptables)?),
+            ebpf: None,
+        })
     };
-    let open_ebpf = |ebpf| -> anyhow::Result<Arc<dyn CaptureBackend>> {
+    let open_ebpf = |ebpf| -> anyhow::Result<Chosen> {
         let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
         if !backend.forward_kernel_logs()? {
             warn!("the programs' own log records will not reach this log");
         }
-        Ok(Arc::new(backend))
+        let backend = Arc::new(backend);
+        Ok(Chosen {
+            backend: backend.clone(),
+            ebpf: Some(backend),
+        })
     };
     match choice {
         BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
@@ -276,7 +306,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let choice = args.backend;
-    let (backend, reason, probe) =
+    let (Chosen { backend, ebpf }, reason, probe) =
         tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
     info!(backend = backend.name(), %reason, cgroup_root = %paths.cgroup_root.display(), bpffs_dir = %paths.bpffs_dir.display(), "backend chosen");
     let reconciling = backend.clone();
@@ -297,12 +327,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 args.node_netns.clone(),
             );
             let api = kube_node.as_ref().map(|(client, _)| client.clone());
+            let kernel = in_kernel_ambient(ebpf.as_ref())?;
             let ambient = tokio::task::spawn_blocking(move || {
-                Ambient::open(config, &state_dir, flavour, &socket, api, node_netns)
+                Ambient::open(
+                    config, &state_dir, flavour, &socket, api, node_netns, kernel,
+                )
             })
             .await?
             .context("starting ambient mode")?;
-            info!(ztunnel_socket = %args.ztunnel_socket.display(), "ambient mode on: enrolled pods are captured for ztunnel");
+            info!(ztunnel_socket = %args.ztunnel_socket.display(), capture = ambient.capture(), "ambient mode on: enrolled pods are captured for ztunnel");
             Some(Arc::new(ambient))
         }
     };
