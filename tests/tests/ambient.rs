@@ -364,14 +364,20 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
 }
 
 /// `ambient.inKernel`: the same decisions, the same ztunnel hand-over, restarts and release,
-/// with no rule in the pod: the kernel programs capture it.
+/// with no rule in the pod: the kernel programs capture it. On a kernel the eBPF backend
+/// cannot serve, the setting gives way: the iptables agent captures with Istio's rules.
 #[test]
 fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
     require_root();
-    captured_and_released(Scene::in_kernel(), true);
+    if meshcap_tests::ebpf_runs_here() {
+        captured_and_released(Scene::in_kernel(), true);
+    } else {
+        captured_and_released(Scene::capturing(Backend::Iptables, true), false);
+    }
 }
 
-/// An ambient pod's whole life on `scene`'s agent; `in_kernel`: it must hold no in-pod rule.
+/// An ambient pod's whole life on `scene`'s agent; `in_kernel`: it must hold no in-pod rule
+/// (otherwise Istio's).
 fn captured_and_released(scene: Scene, in_kernel: bool) {
     let Scene {
         mut node,
@@ -409,17 +415,15 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
         "the pod's address is in the probe set"
     );
     captured_as_istio_does(&node, &pod, &other);
+    let rules = leftovers(&pod.netns)
+        .expect("the pod's netns")
+        .into_iter()
+        .filter(|l| l.contains("ISTIO"))
+        .count();
     if in_kernel {
-        let rules: Vec<String> = leftovers(&pod.netns)
-            .expect("the pod's netns")
-            .into_iter()
-            .filter(|l| l.contains("ISTIO"))
-            .collect();
-        assert_eq!(
-            rules,
-            Vec::<String>::new(),
-            "no in-pod rule: the kernel captures"
-        );
+        assert_eq!(rules, 0, "no in-pod rule: the kernel captures");
+    } else {
+        assert!(rules > 0, "Istio's in-pod rules capture");
     }
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK failed: {check:?}");
@@ -815,6 +819,32 @@ fn an_interrupted_enrollment_or_removal_ends_whole() {
     let removes = crashpoint::AMBIENT_REMOVE
         .into_iter()
         .chain([crashpoint::IPTABLES_REMOVE_REMOVED]);
+    interrupted(Scene::new(Backend::Iptables), &adds, removes);
+}
+
+/// The same in the kernel, at the eBPF backend's own points (ambient mode's are the same
+/// code on both paths): between its stubs and its lists, between its lists and the pod's
+/// entry, after ztunnel took the pod; and in a removal, after the pod's entry went.
+/// (On a kernel the eBPF backend cannot serve, the iptables agent's points with the setting on.)
+#[test]
+fn an_interrupted_enrollment_or_removal_in_the_kernel_ends_whole() {
+    require_root();
+    if meshcap_tests::ebpf_runs_here() {
+        let adds = [
+            crashpoint::EBPF_ADD_ATTACHED,
+            crashpoint::EBPF_ADD_LISTS,
+            crashpoint::AMBIENT_ADD[1],
+        ];
+        interrupted(Scene::in_kernel(), &adds, [crashpoint::EBPF_REMOVE_ENTRY]);
+    } else {
+        let adds = [crashpoint::IPTABLES_ADD_APPLIED, crashpoint::AMBIENT_ADD[1]];
+        let scene = Scene::capturing(Backend::Iptables, true);
+        interrupted(scene, &adds, [crashpoint::IPTABLES_REMOVE_REMOVED]);
+    }
+}
+
+/// Kills `scene`'s agent at each of `adds` in an ADD and each of `removes` in a DEL.
+fn interrupted(scene: Scene, adds: &[&str], removes: impl IntoIterator<Item = &'static str>) {
     // One node, pod, agent and ztunnel for every point: each round ends with the pod
     // released whole, as the next one starts.
     let Scene {
@@ -825,13 +855,13 @@ fn an_interrupted_enrollment_or_removal_ends_whole() {
         mut agent,
         sandbox,
         conf,
-    } = Scene::new(Backend::Iptables);
+    } = scene;
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
     let run = |command: &str| cni(command, &sandbox, &conf).expect(command);
     for (point, in_add) in adds
-        .into_iter()
-        .map(|p| (p, true))
-        .chain(removes.map(|p| (p, false)))
+        .iter()
+        .map(|p| (*p, true))
+        .chain(removes.into_iter().map(|p| (p, false)))
     {
         agent.set_env(crashpoint::ENV, Some(point));
         agent.restart().expect("an agent that dies at the point");
@@ -895,7 +925,8 @@ fn enrolled_whole(
     assert!(check.success, "{point}: CHECK: {check:?}");
 }
 
-/// Released whole: not captured, no rule or route in the pod, no probe address, no record.
+/// Released whole: not captured, no rule, route or TC program in the pod, no probe address,
+/// no record, no pin or map entry.
 fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
     assert_eq!(outbound(node, pod), "peer", "{point}: released");
     assert_eq!(
@@ -916,4 +947,9 @@ fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
         .map(|e| e.path())
         .collect();
     assert_eq!(records, Vec::<PathBuf>::new(), "{point}: no record left");
+    assert_eq!(
+        agent.ebpf_leftovers().expect("the eBPF backend's pins"),
+        Vec::<String>::new(),
+        "{point}: nothing pinned, no map entry"
+    );
 }

@@ -43,8 +43,36 @@ const STATE_CB_FLAG: i32 = BPF_SOCK_OPS_STATE_CB_FLAG as i32;
 /// One end of a connection as sockops sees it: (address words, port).
 pub type End = ([u32; 4], u16);
 
+/// `::ffff:0:0/96`, the third word.
+pub const V4_MAPPED: u32 = u32::from_be(0x0000_ffff);
+
+/// The ends of a connection under the family its packets have: an IPv6 socket's connection
+/// between IPv4-mapped addresses (a dual-stack listener's, such as ztunnel's `[::]:15001`, or
+/// a dual-stack client's) is keyed as the IPv4 connection the other end, TC and the client's
+/// connect see.
 #[inline(always)]
-fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
+fn canonical(family: u32, local: End, remote: End) -> (u32, End, End) {
+    let mapped = |w: &[u32; 4]| w[0] == 0 && w[1] == 0 && w[2] == V4_MAPPED;
+    if family == u32::from(AF_INET6) && mapped(&local.0) && mapped(&remote.0) {
+        (
+            u32::from(AF_INET),
+            ([local.0[3], 0, 0, 0], local.1),
+            ([remote.0[3], 0, 0, 0], remote.1),
+        )
+    } else {
+        (family, local, remote)
+    }
+}
+
+/// A sockops socket's family and ends, [`canonical`].
+#[inline(always)]
+fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(u32, End, End)> {
+    let (local, remote) = raw_ends(ops, family)?;
+    Some(canonical(family, local, remote))
+}
+
+#[inline(always)]
+fn raw_ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
     // SAFETY: context reads, word by word. `local_port` is host order; `remote_port` holds the
     // port in network order in its upper half on little-endian machines.
     unsafe {
@@ -82,10 +110,16 @@ fn ends(ops: *const bpf_sock_ops, family: u32) -> Option<(End, End)> {
     }
 }
 
-/// The local and remote ends of a full socket (`cgroup/getsockopt`'s), as [`ends`] reads them
-/// in sockops.
+/// The family and the local and remote ends of a full socket (`cgroup/getsockopt`'s), as
+/// [`ends`] reads them in sockops ([`canonical`]).
 #[inline(always)]
 pub fn sock_ends(sk: *const bpf_sock) -> Option<(u32, End, End)> {
+    let (family, local, remote) = raw_sock_ends(sk)?;
+    Some(canonical(family, local, remote))
+}
+
+#[inline(always)]
+fn raw_sock_ends(sk: *const bpf_sock) -> Option<(u32, End, End)> {
     // SAFETY: reads of a full socket the context handed out, word by word. `src_port` is host
     // order, `dst_port` network order (16 bits wide since Linux 5.18).
     unsafe {
@@ -156,8 +190,7 @@ pub fn meshcap_sockops(ctx: SockOpsContext) -> u32 {
 /// other sockets stop there, before any map access.
 #[inline(always)]
 fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    let family = ctx.family();
-    let Some((local, remote)) = ends(ops, family) else {
+    let Some((family, local, remote)) = ends(ops, ctx.family()) else {
         return;
     };
     if !matches!(
@@ -192,8 +225,7 @@ fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
 /// (pending) is marked accepted; an entry already accepted is an earlier connection's, removed.
 #[inline(always)]
 fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    let family = ctx.family();
-    let Some((local, remote)) = ends(ops, family) else {
+    let Some((family, local, remote)) = ends(ops, ctx.family()) else {
         return;
     };
     // SAFETY: the helper takes the program's own context.
@@ -220,8 +252,7 @@ fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
 /// latency spike for the connect that triggers it).
 #[inline(always)]
 fn closed(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
-    let family = ctx.family();
-    let Some((local, remote)) = ends(ops, family) else {
+    let Some((family, local, remote)) = ends(ops, ctx.family()) else {
         return;
     };
     // SAFETY: the helper takes the program's own context.

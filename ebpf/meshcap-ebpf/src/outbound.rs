@@ -25,7 +25,7 @@ use meshcap_common::{
 };
 
 use crate::{
-    flows::sock_ends,
+    flows::{V4_MAPPED, sock_ends},
     tables::{CONNECTING, DIALED, FLOWS, Maps, pod, pod_addrs, sk_get, sk_put},
 };
 
@@ -33,8 +33,6 @@ use crate::{
 const ALLOW: i32 = 1;
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
-/// `::ffff:0:0/96`, the third word.
-const V4_MAPPED: u32 = u32::from_be(0x0000_ffff);
 
 /// Which address family the hook is for.
 #[derive(Clone, Copy)]

@@ -48,6 +48,10 @@ fn main() -> anyhow::Result<()> {
         let (proto, addr) = spec
             .split_once(':')
             .context("--listen is proto:addr:port")?;
+        let (addr, dual_stack) = match addr.strip_suffix("+dualstack") {
+            Some(addr) => (addr, true),
+            None => (addr, false),
+        };
         let (addr, mode) = if let Some(addr) = addr.strip_suffix("+transparent") {
             (addr, Mode::Transparent)
         } else if let Some(addr) = addr.strip_suffix("+hold") {
@@ -62,7 +66,7 @@ fn main() -> anyhow::Result<()> {
         match proto {
             "tcp" => {
                 let options = Options { mark, reuse_port };
-                let listener = bind_tcp(addr, mode == Mode::Transparent, options)?;
+                let listener = bind_tcp(addr, mode == Mode::Transparent, dual_stack, options)?;
                 handles.push(thread::spawn(move || serve_tcp(&name, &listener, mode)));
             }
             "udp" => {
@@ -102,8 +106,14 @@ impl Options {
 }
 
 /// IPv6 wildcard listeners are v6-only, as Envoy's are: a v4 connection must not land on
-/// them by accident.
-fn bind_tcp(addr: SocketAddr, transparent: bool, options: Options) -> anyhow::Result<TcpListener> {
+/// them by accident; unless `dual_stack` (`+dualstack`), as ztunnel's `[::]` listeners are,
+/// which take IPv4 connections as IPv4-mapped ones.
+fn bind_tcp(
+    addr: SocketAddr,
+    transparent: bool,
+    dual_stack: bool,
+    options: Options,
+) -> anyhow::Result<TcpListener> {
     use nix::sys::socket::{
         AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
         socket, sockopt,
@@ -117,7 +127,7 @@ fn bind_tcp(addr: SocketAddr, transparent: bool, options: Options) -> anyhow::Re
     setsockopt(&fd, sockopt::ReuseAddr, &true)?;
     options.apply(&fd)?;
     if addr.is_ipv6() {
-        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+        setsockopt(&fd, sockopt::Ipv6V6Only, &!dual_stack)?;
     }
     if transparent {
         // Envoy's TPROXY-mode inbound listener is transparent: iptables' TPROXY target only
@@ -200,7 +210,9 @@ fn report(name: &str, listener: u16, stream: &TcpStream) -> anyhow::Result<Repor
         listener,
         local,
         peer: stream.peer_addr()?,
-        original_dst: original_dst(stream.as_raw_fd(), local.is_ipv6()),
+        // An IPv4 connection on a dual-stack listener is asked as IPv4 (`SOL_IP`), as
+        // ztunnel asks first.
+        original_dst: original_dst(stream.as_raw_fd(), local.ip().to_canonical().is_ipv6()),
         app_local: None,
         app_peer: None,
     })

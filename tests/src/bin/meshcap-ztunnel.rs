@@ -33,14 +33,12 @@ use nix::sys::socket::{
 };
 use prost::Message as _;
 
-/// ztunnel's in-pod listeners.
-const LISTENERS: [&str; 8] = [
-    "tcp:0.0.0.0:15001",
-    "tcp:[::]:15001",
-    "tcp:0.0.0.0:15006",
-    "tcp:[::]:15006",
-    "tcp:0.0.0.0:15008",
-    "tcp:[::]:15008",
+/// ztunnel's in-pod listeners, as it opens them (`src/proxy`, `src/dns`): dual-stack on `[::]`,
+/// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost.
+const LISTENERS: [&str; 5] = [
+    "tcp:[::]:15001+dualstack",
+    "tcp:[::]:15006+dualstack",
+    "tcp:[::]:15008+dualstack",
     "udp:127.0.0.1:15053",
     "tcp:127.0.0.1:15053",
 ];
