@@ -5,13 +5,14 @@
 //! ztunnel's are, so that two ztunnels serve a pod during an update): TCP 15001 (outbound), 15006 (inbound
 //! plaintext) and 15008 (HBONE) on every address, DNS on 127.0.0.1:15053 (UDP and TCP).
 //!
-//! `meshcap-ztunnel --socket PATH [--refuse UID]...` says hello (version 1), then prints one
+//! `meshcap-ztunnel --socket PATH [--refuse UID]... [--acks-only]` says hello (version 1), then prints one
 //! line per message and acks it: `add UID NETNS-INODE NAMESPACE/NAME` once the pod's listeners
 //! are up, `keep UID`, `del UID` once they are gone, `snapshot_sent` (after dropping the pods
 //! the snapshot did not name, as ztunnel does), and `refused UID` for a pod it was told to
 //! refuse (or one handed without a network namespace). As ztunnel does, it outlives the agent:
 //! when the agent closes the socket (a restart) it connects again, keeps serving its pods, and
-//! drops those the new snapshot does not name. Its listeners die with it.
+//! drops those the new snapshot does not name. Its listeners die with it. With `--acks-only`
+//! it opens no listener (the benchmark runs its own proxy in the pod) and only acks.
 use std::{
     collections::{HashMap, HashSet},
     io::{BufRead as _, BufReader, IoSliceMut, Write as _},
@@ -57,6 +58,7 @@ impl Drop for Served {
 fn main() -> anyhow::Result<()> {
     let mut socket_path = None;
     let mut refuse = HashSet::new();
+    let mut listen = true;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -64,6 +66,7 @@ fn main() -> anyhow::Result<()> {
             "--refuse" => {
                 refuse.insert(args.next().context("--refuse needs a uid")?);
             }
+            "--acks-only" => listen = false,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -71,7 +74,7 @@ fn main() -> anyhow::Result<()> {
     let mut served: HashMap<String, Served> = HashMap::new();
     loop {
         let fd = connect_when_listening(&path)?;
-        serve_connection(&fd, &refuse, &mut served)?;
+        serve_connection(&fd, &refuse, listen, &mut served)?;
     }
 }
 
@@ -99,6 +102,7 @@ fn connect_when_listening(path: &str) -> anyhow::Result<OwnedFd> {
 fn serve_connection(
     fd: &OwnedFd,
     refuse: &HashSet<String>,
+    listen: bool,
     served: &mut HashMap<String, Served>,
 ) -> anyhow::Result<()> {
     let hello = ZdsHello {
@@ -124,7 +128,7 @@ fn serve_connection(
                 match (netns, refuse.contains(&add.uid)) {
                     (Some(netns), false) => {
                         let inode = netns_inode(&netns)?;
-                        if !served.contains_key(&add.uid) {
+                        if listen && !served.contains_key(&add.uid) {
                             served.insert(add.uid.clone(), serve(&netns)?);
                         }
                         say(&format!("add {} {inode} {pod}", add.uid));

@@ -14,7 +14,9 @@ use meshcap_agent::{
     backend::ebpf::Pins,
     policy::{self, RedirectPolicy, SelectConfig, Selection},
 };
-use meshcap_tests::{Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend};
+use meshcap_tests::{
+    Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend, bin, fixtures::ManifestDir,
+};
 
 use crate::{
     setup::Agent,
@@ -44,6 +46,10 @@ pub(crate) enum Mode {
     Iptables,
     /// meshcap's programs, with an entry for the pod.
     Ebpf,
+    /// Ambient mode, Istio's in-pod rules (the proxy stands in for ztunnel).
+    AmbientIptables,
+    /// Ambient mode in the kernel (`ambient.inKernel`).
+    AmbientEbpf,
 }
 
 impl Mode {
@@ -53,7 +59,14 @@ impl Mode {
             Self::Direct => "no capture",
             Self::Iptables => "iptables",
             Self::Ebpf => "eBPF",
+            Self::AmbientIptables => "ambient iptables",
+            Self::AmbientEbpf => "ambient eBPF",
         }
+    }
+
+    /// Whether the pod's processes must sit under the cgroup the eBPF agent attaches to.
+    const fn in_kernel(self) -> bool {
+        matches!(self, Self::Ebpf | Self::AmbientEbpf)
     }
 }
 
@@ -61,13 +74,18 @@ impl Mode {
 /// plugin. eBPF programs attach to a throwaway cgroup that every eBPF pod's cgroup is a child
 /// of (as the cgroup v2 root is in production); pods of the other modes get their cgroups under
 /// a sibling with nothing attached, so every pod's processes sit at the same depth.
-/// Fields drop in order: the agents (their bpffs pins go, which detaches), then the cgroups.
+/// Fields drop in order: the stand-in ztunnels, the agents (their bpffs pins go, which
+/// detaches), then the cgroups and the rest.
 pub(crate) struct Node {
+    /// With ambient mode: a stand-in ztunnel per agent, acking every pod.
+    _ztunnels: Vec<Proc>,
     pub(crate) iptables: Agent,
     /// `meshcap-agent run --backend ebpf`, or why it could not run.
     pub(crate) ebpf: Result<Agent, String>,
     pub(crate) root: TestCgroup,
     pub(crate) plain: TestCgroup,
+    /// With ambient mode: each agent's node netns (probe rules) and ztunnel's sockets.
+    ambient: Option<(Netns, Netns, ManifestDir)>,
 }
 
 impl Node {
@@ -78,18 +96,81 @@ impl Node {
             .context("starting meshcap-agent --backend iptables")?;
         let ebpf = Agent::start(Backend::Ebpf, root.path()).map_err(|e| format!("{e:#}"));
         Ok(Self {
+            _ztunnels: Vec::new(),
             iptables,
             ebpf,
             root,
             plain,
+            ambient: None,
+        })
+    }
+
+    /// A node in ambient mode: the iptables agent applies Istio's in-pod rules, the eBPF agent
+    /// captures in the kernel (`ambient.inKernel`); each has a stand-in ztunnel that acks every
+    /// pod and opens no listener (the pod's proxy stands in for ztunnel's).
+    pub(crate) fn ambient() -> anyhow::Result<Self> {
+        let root = TestCgroup::new("mcb-node")?;
+        let plain = TestCgroup::new("mcb-plain")?;
+        let (node_iptables, node_ebpf) = (Netns::new("mcb-node")?, Netns::new("mcb-node")?);
+        let sockets = ManifestDir::new();
+        let (socket_iptables, socket_ebpf) =
+            (sockets.0.join("iptables.sock"), sockets.0.join("ebpf.sock"));
+        let iptables = Agent::start_ambient(
+            Backend::Iptables,
+            plain.path(),
+            &socket_iptables,
+            &node_iptables,
+            false,
+        )
+        .context("starting meshcap-agent --backend iptables in ambient mode")?;
+        let ebpf = Agent::start_ambient(Backend::Ebpf, root.path(), &socket_ebpf, &node_ebpf, true)
+            .map_err(|e| format!("{e:#}"));
+        let mut sockets_in_use = vec![&socket_iptables];
+        if ebpf.is_ok() {
+            sockets_in_use.push(&socket_ebpf);
+        }
+        let ztunnels = sockets_in_use
+            .into_iter()
+            .map(|socket| {
+                let socket = socket.to_str().context("socket path")?;
+                let mut ztunnel = Proc::spawn(
+                    Placement {
+                        netns: &node_iptables,
+                        cgroup: None,
+                        uid: 0,
+                        gid: 0,
+                    },
+                    &bin::ztunnel(),
+                    &["--socket", socket, "--acks-only"],
+                )?;
+                let line = ztunnel.wait_line()?;
+                ensure!(
+                    line == "snapshot_sent",
+                    "the stand-in ztunnel said {line:?}"
+                );
+                Ok(ztunnel)
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(Self {
+            _ztunnels: ztunnels,
+            iptables,
+            ebpf,
+            root,
+            plain,
+            ambient: Some((node_iptables, node_ebpf, sockets)),
         })
     }
 
     /// The modes this node can measure.
     pub(crate) fn modes(&self) -> Vec<Mode> {
-        let mut modes = vec![Mode::Direct, Mode::Iptables];
+        let (rules, kernel) = if self.ambient.is_some() {
+            (Mode::AmbientIptables, Mode::AmbientEbpf)
+        } else {
+            (Mode::Iptables, Mode::Ebpf)
+        };
+        let mut modes = vec![Mode::Direct, rules];
         if self.ebpf.is_ok() {
-            modes.push(Mode::Ebpf);
+            modes.push(kernel);
         }
         modes
     }
@@ -117,7 +198,9 @@ impl Node {
             (Mode::NoProxy | Mode::Direct, _) => Ok(0.0),
             (Mode::Iptables, _) => self.iptables.add(netns, netns.name(), excludes),
             (Mode::Ebpf, Ok(agent)) => agent.add(netns, netns.name(), excludes),
-            (Mode::Ebpf, Err(why)) => bail!("no eBPF backend: {why}"),
+            (Mode::AmbientIptables, _) => self.iptables.add_ambient(netns, netns.name()),
+            (Mode::AmbientEbpf, Ok(agent)) => agent.add_ambient(netns, netns.name()),
+            (Mode::Ebpf | Mode::AmbientEbpf, Err(why)) => bail!("no eBPF backend: {why}"),
         }
     }
 
@@ -201,7 +284,7 @@ impl Pod {
     ) -> anyhow::Result<Self> {
         let netns = pod_netns()?;
         let add_ms = node.add(mode, &netns, excludes)?;
-        let parent = if mode == Mode::Ebpf {
+        let parent = if mode.in_kernel() {
             node.root.path()
         } else {
             node.plain.path()
@@ -240,7 +323,7 @@ impl Pod {
         let target = match mode {
             Mode::NoProxy => UPSTREAM,
             Mode::Direct => PROXY_DIRECT,
-            Mode::Iptables | Mode::Ebpf => SERVICE,
+            Mode::Iptables | Mode::Ebpf | Mode::AmbientIptables | Mode::AmbientEbpf => SERVICE,
         };
         Ok(Self {
             label: mode.label().to_owned(),

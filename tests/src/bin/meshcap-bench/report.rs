@@ -1,4 +1,4 @@
-//! The report's sections: the data path, policy scale, footprint and pod set-up, each measured
+//! The report's sections: the data path, ambient mode, policy scale, footprint and pod set-up, each measured
 //! in interleaved rounds over the node's pods and written as Markdown tables.
 use std::{
     fmt::Write as _,
@@ -139,6 +139,70 @@ pub(crate) fn data_path(
     if let Some(profiler) = &profiler {
         out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
     }
+    Ok(out)
+}
+
+/// Ambient mode: an enrolled pod captured by Istio's in-pod rules and by the kernel programs
+/// (`ambient.inKernel`), beside no capture, with the data path's load; the pod's proxy answers
+/// on ztunnel's outbound port (15001).
+pub(crate) fn ambient(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<String> {
+    let modes = node.modes();
+    let pods: Vec<Pod> = modes
+        .iter()
+        .map(|&m| Pod::new(m, &[], exe, cpu, node))
+        .collect::<anyhow::Result<_>>()?;
+    let results = interleave(&pods, plan.rounds, exe, cpu, plan.load, None)?;
+    type Metric = fn(&Measured) -> f64;
+    let metrics: [(&str, Metric); 6] = [
+        ("short conn/s", |m| m.short_per_s),
+        ("short p50 µs", |m| m.short_p50_us),
+        ("short p99 µs", |m| m.short_p99_us),
+        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
+        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
+        ("bulk Gbit/s", |m| m.bulk_gbit_s),
+    ];
+    let table = Table {
+        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+        ratios: if modes.len() == 3 {
+            vec![(1, 0), (2, 0), (2, 1)]
+        } else {
+            vec![(1, 0)]
+        },
+        rows: metrics
+            .iter()
+            .map(|(name, f)| {
+                (
+                    (*name).to_owned(),
+                    results.iter().map(|r| column(r, f)).collect(),
+                )
+            })
+            .collect(),
+    };
+    let mut out = format!(
+        "\n## Ambient mode\n\nAn enrolled pod (`istio.io/dataplane-mode=ambient`, ADDed through \
+         meshcap-cni to an agent with `ambient.enabled` and a stand-in ztunnel that acks it), its \
+         outbound TCP captured to port 15001, where the pod's proxy stands in for ztunnel's; \
+         {} interleaved rounds, the data path's load per round and mode. Cells: median \
+         ±half the round-to-round range; ratios are ratios of medians.\n\n",
+        plan.rounds
+    );
+    out.push_str(&table.markdown());
+    out.push_str(
+        "\nambient iptables: Istio's in-pod rules (`meshcap-agent run --backend iptables`); \
+         ambient eBPF: `--backend ebpf` with `ambient.inKernel=true`.\n\nADD of the pod (one \
+         each, ztunnel's ack included):",
+    );
+    for pod in pods.iter().filter(|p| p.add_ms > 0.0) {
+        let _ = write!(out, " {} {:.1} ms;", pod.label, pod.add_ms);
+    }
+    out.push_str(" original destination recovered by the proxy:");
+    for (pod, runs) in pods.iter().zip(&results) {
+        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
+        let all: usize = runs.iter().map(|m| m.short).sum();
+        let _ = write!(out, " {} {ok} of {all};", pod.label);
+    }
+    out.pop();
+    out.push_str(".\n");
     Ok(out)
 }
 

@@ -12,7 +12,7 @@ use meshcap_tests::require_root;
 
 use crate::{
     pods::Node,
-    report::{data_path, footprint, mesh_hop, pod_setup, policy_scale, repair_in_place},
+    report::{ambient, data_path, footprint, mesh_hop, pod_setup, policy_scale, repair_in_place},
     workload::{Load, MSG},
 };
 
@@ -106,6 +106,8 @@ pub enum Section {
     DataPath,
     /// App → forwarding proxy → server, with 64 B, 1 KiB and 64 KiB messages.
     MeshHop,
+    /// Ambient mode: no capture vs Istio's in-pod rules vs in the kernel.
+    Ambient,
     /// Short connections with growing exclude lists.
     PolicyScale,
     /// Map memory and the plugin's size and start time.
@@ -171,6 +173,10 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::MeshHop)) {
         eprintln!("meshcap-bench: mesh hop, {} rounds", plan.hop_rounds);
         report.push_str(&mesh_hop(&plan, &exe, cpu, node)?);
+    }
+    if opts.wants(Section::Ambient) {
+        eprintln!("meshcap-bench: ambient mode, {} rounds", plan.rounds);
+        report.push_str(&ambient(&plan, &exe, cpu, &Node::ambient()?)?);
     }
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::PolicyScale)) {
         eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
