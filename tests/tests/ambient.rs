@@ -122,19 +122,35 @@ fn kube_ambient_agent(
     api: &ApiServer,
     sockets: &SocketDir,
 ) -> Agent {
+    kube_ambient_agent_capturing(backend, node, api, sockets, false)
+}
+
+/// [`kube_ambient_agent`]; `in_kernel`: with `ambient.inKernel`.
+fn kube_ambient_agent_capturing(
+    backend: Backend,
+    node: &Node,
+    api: &ApiServer,
+    sockets: &SocketDir,
+    in_kernel: bool,
+) -> Agent {
     let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
     let node_netns = node.netns.path();
-    Agent::start(
+    Agent::start_in(
         backend,
         &["--pods", "kube", "--node-name", "node-1"],
         &[
             ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
             ("MESHCAP_AMBIENT_ENABLED", "true"),
+            (
+                "MESHCAP_AMBIENT_IN_KERNEL",
+                if in_kernel { "true" } else { "false" },
+            ),
             ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
             ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
             ("MESHCAP_STARTUP_TAINT", ""),
         ],
+        Some(node.cgroup.path()),
     )
     .expect("agent")
 }
@@ -569,6 +585,22 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
 /// DEL finds it.
 fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     require_root();
+    join_and_leave(backend, false);
+}
+
+/// `ambient.inKernel`: a running pod joins and leaves the same way, captured in the kernel (on
+/// a kernel the eBPF backend cannot serve, the setting gives way to Istio's rules).
+#[test]
+fn running_pods_join_and_leave_in_the_kernel() {
+    require_root();
+    if meshcap_tests::ebpf_runs_here() {
+        join_and_leave(Backend::Ebpf, true);
+    } else {
+        join_and_leave(Backend::Iptables, true);
+    }
+}
+
+fn join_and_leave(backend: Backend, in_kernel: bool) {
     let mut node = Node::new().expect("node");
     let pod = node.add_pod(false).expect("pod");
     // The agent finds a running pod's netns by its address: one no other netns holds.
@@ -592,7 +624,7 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     };
     api.apply_namespace(namespace(json!({})));
     let socket = sockets.socket();
-    let agent = kube_ambient_agent(backend, &node, &api, &sockets);
+    let agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
