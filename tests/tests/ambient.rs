@@ -718,6 +718,96 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
 /// leaves them as they are.
 fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
     require_root();
+    rules_reconciled(Scene::new(backend));
+}
+
+/// `ambient.reconcileIptablesOnStartup` with `ambient.inKernel`: a starting agent gives an
+/// enrolled pod its capture again where it was changed behind its back (here the reply route
+/// and the classifier on `lo`), and leaves it as it is with the setting off. (On a kernel the
+/// eBPF backend cannot serve, the setting gives way, and the rules are reconciled.)
+#[test]
+fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        rules_reconciled(Scene::capturing(Backend::Iptables, true));
+        return;
+    }
+    let Scene {
+        mut node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::in_kernel();
+    node.forward().expect("forwarding");
+    let other = node.add_pod(false).expect("another pod");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    // What ztunnel's connections from a client's address need: the reply route, and the
+    // classifier on lo.
+    let in_place = || {
+        let rules = pod.netns.ip(&["rule", "show"]).expect("ip rule");
+        let qdiscs = meshcap_tests::run(
+            "tc",
+            &["-n", pod.netns.name(), "qdisc", "show", "dev", "lo"],
+        )
+        .expect("tc");
+        (rules.contains("lookup 100"), qdiscs.contains("clsact"))
+    };
+    assert_eq!(in_place(), (true, true));
+    pod.netns
+        .ip(&["rule", "del", "fwmark", "0x111/0xfff", "lookup", "100"])
+        .expect("rule del");
+    meshcap_tests::run(
+        "tc",
+        &[
+            "-n",
+            pod.netns.name(),
+            "qdisc",
+            "del",
+            "dev",
+            "lo",
+            "clsact",
+        ],
+    )
+    .expect("qdisc del");
+    assert_eq!(in_place(), (false, false), "the drift is real");
+
+    let restart = |agent: &mut Agent, zt: &mut Proc| {
+        agent.restart().expect("restart");
+        assert_eq!(zt.wait_line().expect("ztunnel"), added);
+        assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    };
+    agent.set_env(
+        "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
+        Some("false"),
+    );
+    restart(&mut agent, &mut zt);
+    assert_eq!(
+        in_place(),
+        (false, false),
+        "reconciling off: the capture stays as it is"
+    );
+    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
+    restart(&mut agent, &mut zt);
+    assert_eq!(
+        in_place(),
+        (true, true),
+        "reconciled on start\n{}",
+        agent.log()
+    );
+    captured_as_istio_does(&node, &pod, &other);
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// The rules of `scene`'s pod drift and a starting agent reconciles them (or not).
+fn rules_reconciled(scene: Scene) {
     let Scene {
         node,
         pod,
@@ -726,7 +816,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
         mut agent,
         sandbox,
         conf,
-    } = Scene::new(backend);
+    } = scene;
     let mut zt = ztunnel(&node, &sockets.socket(), &[]);
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
