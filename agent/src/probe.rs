@@ -208,3 +208,20 @@ pub fn run() -> ProbeReport {
     );
     report
 }
+
+/// Whether `bpf_sk_assign` can hand a connection to a listener with `SO_REUSEPORT` (ztunnel's
+/// listeners have it, as do Envoy's by default): before Linux 6.5 it refuses such sockets
+/// (`-ESOCKTNOSUPPORT`). The kernel answers through its symbols: the series that taught
+/// `bpf_sk_assign` reuseport groups (torvalds/linux 9c02bec95954, "bpf, net: Support
+/// SO_REUSEPORT sockets with bpf_sk_assign") exported `inet_lookup_reuseport` for it, so a
+/// kernel that has that symbol has the support, backported or not. The listener's own error is
+/// logged by the classifier whatever this says.
+///
+/// # Errors
+/// When `/proc/kallsyms` cannot be read.
+pub fn assigns_to_reuseport_listeners() -> std::io::Result<bool> {
+    let symbols = std::fs::read_to_string("/proc/kallsyms")?;
+    Ok(symbols
+        .lines()
+        .any(|line| line.split_whitespace().nth(2) == Some("inet_lookup_reuseport")))
+}

@@ -380,16 +380,24 @@ fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {
 }
 
 /// `ambient.inKernel`: the same decisions, the same ztunnel hand-over, restarts and release,
-/// with no rule in the pod: the kernel programs capture it. On a kernel the eBPF backend
-/// cannot serve, the setting gives way: the iptables agent captures with Istio's rules.
+/// with no rule in the pod: the kernel programs capture it ([`in_kernel_here`]).
 #[test]
 fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
     require_root();
-    if meshcap_tests::ebpf_runs_here() {
-        captured_and_released(Scene::in_kernel(), true);
-    } else {
-        captured_and_released(Scene::capturing(Backend::Iptables, true), false);
+    let (backend, in_kernel) = in_kernel_here();
+    captured_and_released(Scene::capturing(backend, true), in_kernel);
+}
+
+/// The backend a test of `ambient.inKernel` runs on, and whether the pods are then captured in
+/// the kernel: the eBPF backend where it runs, in the kernel where the kernel can hand
+/// connections to ztunnel's `SO_REUSEPORT` listeners (Linux 6.5); elsewhere the setting gives
+/// way to Istio's rules, and that is what the test checks.
+fn in_kernel_here() -> (Backend, bool) {
+    if !meshcap_tests::ebpf_runs_here() {
+        return (Backend::Iptables, false);
     }
+    let assigns = meshcap_agent::probe::assigns_to_reuseport_listeners().expect("kallsyms");
+    (Backend::Ebpf, assigns)
 }
 
 /// An ambient pod's whole life on `scene`'s agent; `in_kernel`: it must hold no in-pod rule
@@ -588,16 +596,12 @@ fn running_pods_join_and_leave_as_their_labels_change(backend: Backend) {
     join_and_leave(backend, false);
 }
 
-/// `ambient.inKernel`: a running pod joins and leaves the same way, captured in the kernel (on
-/// a kernel the eBPF backend cannot serve, the setting gives way to Istio's rules).
+/// `ambient.inKernel`: a running pod joins and leaves the same way, captured in the kernel
+/// ([`in_kernel_here`]).
 #[test]
 fn running_pods_join_and_leave_in_the_kernel() {
     require_root();
-    if meshcap_tests::ebpf_runs_here() {
-        join_and_leave(Backend::Ebpf, true);
-    } else {
-        join_and_leave(Backend::Iptables, true);
-    }
+    join_and_leave(in_kernel_here().0, true);
 }
 
 fn join_and_leave(backend: Backend, in_kernel: bool) {
@@ -723,13 +727,14 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
 
 /// `ambient.reconcileIptablesOnStartup` with `ambient.inKernel`: a starting agent gives an
 /// enrolled pod its capture again where it was changed behind its back (here the reply route
-/// and the classifier on `lo`), and leaves it as it is with the setting off. (On a kernel the
-/// eBPF backend cannot serve, the setting gives way, and the rules are reconciled.)
+/// and the classifier on `lo`), and leaves it as it is with the setting off. (Where the setting
+/// gives way ([`in_kernel_here`]), the rules are reconciled.)
 #[test]
 fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     require_root();
-    if !meshcap_tests::ebpf_runs_here() {
-        rules_reconciled(Scene::capturing(Backend::Iptables, true));
+    let (backend, in_kernel) = in_kernel_here();
+    if !in_kernel {
+        rules_reconciled(Scene::capturing(backend, true));
         return;
     }
     let Scene {
@@ -947,20 +952,21 @@ fn an_interrupted_enrollment_or_removal_ends_whole() {
 /// The same in the kernel, at the eBPF backend's own points (ambient mode's are the same
 /// code on both paths): between its stubs and its lists, between its lists and the pod's
 /// entry, after ztunnel took the pod; and in a removal, after the pod's entry went.
-/// (On a kernel the eBPF backend cannot serve, the iptables agent's points with the setting on.)
+/// (Where the setting gives way ([`in_kernel_here`]), the iptables machinery's points.)
 #[test]
 fn an_interrupted_enrollment_or_removal_in_the_kernel_ends_whole() {
     require_root();
-    if meshcap_tests::ebpf_runs_here() {
+    let (backend, in_kernel) = in_kernel_here();
+    let scene = Scene::capturing(backend, true);
+    if in_kernel {
         let adds = [
             crashpoint::EBPF_ADD_ATTACHED,
             crashpoint::EBPF_ADD_LISTS,
             crashpoint::AMBIENT_ADD[1],
         ];
-        interrupted(Scene::in_kernel(), &adds, [crashpoint::EBPF_REMOVE_ENTRY]);
+        interrupted(scene, &adds, [crashpoint::EBPF_REMOVE_ENTRY]);
     } else {
         let adds = [crashpoint::IPTABLES_ADD_APPLIED, crashpoint::AMBIENT_ADD[1]];
-        let scene = Scene::capturing(Backend::Iptables, true);
         interrupted(scene, &adds, [crashpoint::IPTABLES_REMOVE_REMOVED]);
     }
 }

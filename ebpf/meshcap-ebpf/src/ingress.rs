@@ -148,22 +148,41 @@ fn existing(ctx: &TcContext, p: &Packet) -> Existing {
     }
 }
 
-/// Hands the packet to the listener on `port`. `false` when there is none.
+/// `-ESOCKTNOSUPPORT`: what `bpf_sk_assign` answers for a `SO_REUSEPORT` listener before
+/// Linux 6.5.
+const ESOCKTNOSUPPORT: i64 = -94;
+
+/// Why a packet was not handed to the proxy's listener.
+enum Refused {
+    /// No listener on the port.
+    NoListener,
+    /// The listener has `SO_REUSEPORT`, which this kernel's `bpf_sk_assign` refuses.
+    Reuseport,
+}
+
+/// Hands the packet to the listener on `port`.
 #[inline(always)]
-fn assign(ctx: &TcContext, p: &Packet, port: u16) -> bool {
+fn assign(ctx: &TcContext, p: &Packet, port: u16) -> Result<(), Refused> {
     let (mut t, len) = tuple(p, port);
     // SAFETY: as in `existing`.
     let sk: *mut bpf_sock =
         unsafe { bpf_sk_lookup_tcp(ctx.skb.skb.cast(), &raw mut t, len, CURRENT_NETNS, 0) };
     if sk.is_null() {
-        return false;
+        return Err(Refused::NoListener);
     }
     // SAFETY: `sk` is a referenced full socket; released once.
     unsafe {
-        let ok = core::ptr::read_volatile(&raw const (*sk).state) == TCP_LISTEN
-            && bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) == 0;
+        let result = if core::ptr::read_volatile(&raw const (*sk).state) == TCP_LISTEN {
+            match bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) {
+                0 => Ok(()),
+                ESOCKTNOSUPPORT => Err(Refused::Reuseport),
+                _ => Err(Refused::NoListener),
+            }
+        } else {
+            Err(Refused::NoListener)
+        };
         bpf_sk_release(sk.cast());
-        ok
+        result
     }
 }
 
@@ -231,16 +250,28 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         Verdict::Pass => Some(TC_ACT_OK),
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {
-            if !assign(ctx, &p, port) {
+            match assign(ctx, &p, port) {
+                Ok(()) => {}
                 // Fail closed: the proxy is not listening (yet); the client retries. Rare and
                 // worth knowing (a proxy down or not started): one record per dropped packet.
-                aya_log_ebpf::warn!(
-                    ctx,
-                    "inbound TCP to port {} dropped: no proxy listener on port {}",
-                    p.dport,
-                    port
-                );
-                return Some(TC_ACT_SHOT);
+                Err(Refused::NoListener) => {
+                    aya_log_ebpf::warn!(
+                        ctx,
+                        "inbound TCP to port {} dropped: no proxy listener on port {}",
+                        p.dport,
+                        port
+                    );
+                    return Some(TC_ACT_SHOT);
+                }
+                Err(Refused::Reuseport) => {
+                    aya_log_ebpf::warn!(
+                        ctx,
+                        "inbound TCP to port {} dropped: the proxy's listener on port {} has SO_REUSEPORT, which this kernel's bpf_sk_assign refuses (Linux 6.5 takes it)",
+                        p.dport,
+                        port
+                    );
+                    return Some(TC_ACT_SHOT);
+                }
             }
             let flow = FlowKey {
                 netns,
