@@ -189,6 +189,50 @@ fn same(ebpf: Verdict, rules: RuleVerdict) -> bool {
     }
 }
 
+/// The source the kernel gives an unbound socket's connection to `dst`: the loopback address
+/// for loopback destinations, else the pod's address.
+fn source_for(dst: IpAddr) -> IpAddr {
+    match dst {
+        IpAddr::V4(a) if a.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(a) if a.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        IpAddr::V4(_) => IpAddr::V4(POD_V4),
+        IpAddr::V6(_) => IpAddr::V6(POD_V6),
+    }
+}
+
+/// The unspecified address of `dst`'s family: an unbound socket's source.
+fn unspecified(dst: IpAddr) -> IpAddr {
+    if dst.is_ipv4() {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    } else {
+        IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+    }
+}
+
+/// Keeps a case where the eBPF decision and the rules differ.
+fn disagree(
+    disagreements: &mut Vec<String>,
+    policy: &dyn std::fmt::Debug,
+    packet: &Packet,
+    got: Verdict,
+    want: RuleVerdict,
+) {
+    if !same(got, want) {
+        disagreements.push(format!(
+            "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
+        ));
+    }
+}
+
+fn assert_agree(disagreements: &[String], cases: usize) {
+    assert!(
+        disagreements.is_empty(),
+        "{} of {cases} cases disagree; first:\n{}",
+        disagreements.len(),
+        disagreements.first().map_or("", String::as_str)
+    );
+}
+
 #[test]
 fn ebpf_decision_agrees_with_istios_rules() {
     let mut g = Gen(0x6d65_7368_6361_7001);
@@ -249,11 +293,7 @@ fn ebpf_decision_agrees_with_istios_rules() {
                     existing: Existing::Nothing,
                 };
                 let got = decide_inbound(&pod, &c, &tables);
-                if !same(got, want) {
-                    disagreements.push(format!(
-                        "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
-                    ));
-                }
+                disagree(&mut disagreements, &policy, &packet, got, want);
                 continue;
             }
             let udp = g.chance(30);
@@ -269,48 +309,27 @@ fn ebpf_decision_agrees_with_istios_rules() {
             } else {
                 None
             };
-            // The kernel's source when unbound: the loopback address for loopback
-            // destinations, else the pod's address.
-            let src = bound.unwrap_or(match dst {
-                IpAddr::V4(a) if a.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                IpAddr::V6(a) if a.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                IpAddr::V4(_) => IpAddr::V4(POD_V4),
-                IpAddr::V6(_) => IpAddr::V6(POD_V6),
-            });
+            let src = bound.unwrap_or_else(|| source_for(dst));
             let iface = if via_lo { "lo" } else { "eth0" };
             let mut packet = Packet::outbound_tcp(src, dst, port, uid, gid, iface);
             if udp {
                 packet = packet.udp();
             }
             let want = rules.evaluate(&packet).verdict;
-            let unspecified = if dst.is_ipv4() {
-                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-            } else {
-                IpAddr::V6(Ipv6Addr::UNSPECIFIED)
-            };
             let c = Outbound {
                 proto: if udp { Proto::Udp } else { Proto::Tcp },
                 dst: addr(dst),
                 dst_port: port,
-                src: addr(bound.unwrap_or(unspecified)),
+                src: addr(bound.unwrap_or_else(|| unspecified(dst))),
                 uid,
                 gid,
                 mark: 0,
             };
             let got = decide_outbound(&pod, &c, &tables);
-            if !same(got, want) {
-                disagreements.push(format!(
-                    "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
-                ));
-            }
+            disagree(&mut disagreements, &policy, &packet, got, want);
         }
     }
-    assert!(
-        disagreements.is_empty(),
-        "{} of {cases} cases disagree; first:\n{}",
-        disagreements.len(),
-        disagreements.first().map_or("", String::as_str)
-    );
+    assert_agree(&disagreements, cases);
 }
 
 /// The pod's interfaces in the ambient cases: its own, and one Istio may be told to reroute.
@@ -406,11 +425,7 @@ fn ebpf_ambient_decision_agrees_with_istios_inpod_rules() {
                     existing: Existing::Nothing,
                 };
                 let got = decide_inbound(&pod, &c, &tables);
-                if !same(got, want) {
-                    disagreements.push(format!(
-                        "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
-                    ));
-                }
+                disagree(&mut disagreements, &policy, &packet, got, want);
                 continue;
             }
             let dst = g.pick(&dsts);
@@ -418,12 +433,7 @@ fn ebpf_ambient_decision_agrees_with_istios_inpod_rules() {
             let udp = g.chance(35);
             let uid = g.pick(&IDS);
             let via_lo = dst.is_loopback() || pod_ips.contains(&dst);
-            let src = match dst {
-                IpAddr::V4(a) if a.is_loopback() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-                IpAddr::V6(a) if a.is_loopback() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-                IpAddr::V4(_) => IpAddr::V4(POD_V4),
-                IpAddr::V6(_) => IpAddr::V6(POD_V6),
-            };
+            let src = source_for(dst);
             let iface = if via_lo { "lo" } else { "eth0" };
             let mut packet = Packet::outbound_tcp(src, dst, port, uid, uid, iface);
             if udp {
@@ -431,32 +441,18 @@ fn ebpf_ambient_decision_agrees_with_istios_inpod_rules() {
             }
             packet.mark = mark;
             let want = rules.evaluate(&packet).verdict;
-            let unspecified = if dst.is_ipv4() {
-                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-            } else {
-                IpAddr::V6(Ipv6Addr::UNSPECIFIED)
-            };
             let c = Outbound {
                 proto: if udp { Proto::Udp } else { Proto::Tcp },
                 dst: addr(dst),
                 dst_port: port,
-                src: addr(unspecified),
+                src: addr(unspecified(dst)),
                 uid,
                 gid: uid,
                 mark,
             };
             let got = decide_outbound(&pod, &c, &tables);
-            if !same(got, want) {
-                disagreements.push(format!(
-                    "{policy:?}\n{packet:?}\nebpf {got:?} rules {want:?}"
-                ));
-            }
+            disagree(&mut disagreements, &policy, &packet, got, want);
         }
     }
-    assert!(
-        disagreements.is_empty(),
-        "{} of {cases} cases disagree; first:\n{}",
-        disagreements.len(),
-        disagreements.first().map_or("", String::as_str)
-    );
+    assert_agree(&disagreements, cases);
 }

@@ -52,6 +52,26 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
     Ok(out)
 }
 
+/// A pod manifest labelled `istio.io/dataplane-mode=ambient` (uid `uid-<name>`, service
+/// account `web`), which ambient mode's default selectors enroll.
+#[must_use]
+pub fn ambient_pod(namespace: &str, name: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": format!("uid-{name}"),
+            "labels": {"istio.io/dataplane-mode": "ambient"},
+        },
+        "spec": {
+            "serviceAccountName": "web",
+            "containers": [{"name": "app", "image": "app"}],
+        },
+    })
+}
+
 /// A pod manifest with an injected sidecar, as the injector leaves it.
 #[must_use]
 pub fn sidecar_pod(namespace: &str, name: &str, annotations: &[(&str, &str)]) -> Value {

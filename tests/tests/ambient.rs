@@ -21,7 +21,7 @@ use meshcap_tests::{
     agent::{Agent, Backend},
     apiserver::ApiServer,
     bin, dial, dial_with,
-    fixtures::{ManifestDir, eventually, leftovers, unique_ip, write_manifest},
+    fixtures::{self, ManifestDir, eventually, leftovers, unique_ip, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, start_server, unique_name,
     world::{Node, Pod},
@@ -40,20 +40,7 @@ meshcap_tests::test_on_both_backends!(
 const PROBE_SOURCE: &str = "169.254.7.127";
 
 fn ambient_pod(name: &str) -> Value {
-    json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": "shop",
-            "uid": format!("uid-{name}"),
-            "labels": {"istio.io/dataplane-mode": "ambient"},
-        },
-        "spec": {
-            "serviceAccountName": "web",
-            "containers": [{"name": "app", "image": "app"}],
-        },
-    })
+    fixtures::ambient_pod("shop", name)
 }
 
 /// A throwaway directory (for ztunnel's socket, or an uninstall's CNI set-up), removed on drop.
@@ -784,23 +771,13 @@ fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     .expect("qdisc del");
     assert_eq!(in_place(), (false, false), "the drift is real");
 
-    let restart = |agent: &mut Agent, zt: &mut Proc| {
-        agent.restart().expect("restart");
-        assert_eq!(zt.wait_line().expect("ztunnel"), added);
-        assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
-    };
-    agent.set_env(
-        "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
-        Some("false"),
-    );
-    restart(&mut agent, &mut zt);
+    restart_reconciling(&mut agent, &mut zt, &added, false);
     assert_eq!(
         in_place(),
         (false, false),
         "reconciling off: the capture stays as it is"
     );
-    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
-    restart(&mut agent, &mut zt);
+    restart_reconciling(&mut agent, &mut zt, &added, true);
     assert_eq!(
         in_place(),
         (true, true),
@@ -809,6 +786,16 @@ fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     );
     captured_as_istio_does(&node, &pod, &other);
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// Restarts `agent` with `ambient.reconcileIptablesOnStartup` as `reconcile` says; ztunnel is
+/// sent the enrolled pod (`added`) in the new snapshot.
+fn restart_reconciling(agent: &mut Agent, zt: &mut Proc, added: &str, reconcile: bool) {
+    let setting = "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP";
+    agent.set_env(setting, (!reconcile).then_some("false"));
+    agent.restart().expect("restart");
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
 }
 
 /// The rules of `scene`'s pod drift and a starting agent reconciles them (or not).
@@ -856,23 +843,13 @@ fn rules_reconciled(scene: Scene) {
         "the drift is real: outbound bypasses ztunnel"
     );
 
-    let restart = |agent: &mut Agent, zt: &mut Proc| {
-        agent.restart().expect("restart");
-        assert_eq!(zt.wait_line().expect("ztunnel"), added);
-        assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
-    };
-    agent.set_env(
-        "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
-        Some("false"),
-    );
-    restart(&mut agent, &mut zt);
+    restart_reconciling(&mut agent, &mut zt, &added, false);
     assert_eq!(
         outbound(&node, &pod),
         "peer",
         "reconciling off: the rules stay as they are"
     );
-    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", None);
-    restart(&mut agent, &mut zt);
+    restart_reconciling(&mut agent, &mut zt, &added, true);
     assert_eq!(
         outbound(&node, &pod),
         "ztunnel",

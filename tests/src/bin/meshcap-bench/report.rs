@@ -57,6 +57,50 @@ pub(crate) fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Sa
     Samples(runs.iter().map(metric).collect())
 }
 
+/// The data path's table over `modes` (short connections, round trips, bulk), with the ratios
+/// of each capture to no capture and of the last to the one before.
+fn data_table(modes: &[Mode], results: &[Vec<Measured>]) -> Table {
+    type Metric = fn(&Measured) -> f64;
+    let metrics: [(&str, Metric); 6] = [
+        ("short conn/s", |m| m.short_per_s),
+        ("short p50 µs", |m| m.short_p50_us),
+        ("short p99 µs", |m| m.short_p99_us),
+        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
+        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
+        ("bulk Gbit/s", |m| m.bulk_gbit_s),
+    ];
+    Table {
+        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+        ratios: if modes.len() == 3 {
+            vec![(1, 0), (2, 0), (2, 1)]
+        } else {
+            vec![(1, 0)]
+        },
+        rows: metrics
+            .iter()
+            .map(|(name, f)| {
+                (
+                    (*name).to_owned(),
+                    results.iter().map(|r| column(r, f)).collect(),
+                )
+            })
+            .collect(),
+    }
+}
+
+/// ` <pod> <recovered> of <connections>;` per pod, the last `;` a full stop and a newline.
+fn original_dsts(pods: &[Pod], results: &[Vec<Measured>]) -> String {
+    let mut out = String::new();
+    for (pod, runs) in pods.iter().zip(results) {
+        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
+        let all: usize = runs.iter().map(|m| m.short).sum();
+        let _ = write!(out, " {} {ok} of {all};", pod.label);
+    }
+    out.pop();
+    out.push_str(".\n");
+    out
+}
+
 pub(crate) fn data_path(
     plan: &Plan,
     exe: &Path,
@@ -82,32 +126,7 @@ pub(crate) fn data_path(
         plan.load,
         profiled.zip(profiler.as_mut()),
     )?;
-    type Metric = fn(&Measured) -> f64;
-    let metrics: [(&str, Metric); 6] = [
-        ("short conn/s", |m| m.short_per_s),
-        ("short p50 µs", |m| m.short_p50_us),
-        ("short p99 µs", |m| m.short_p99_us),
-        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
-        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
-        ("bulk Gbit/s", |m| m.bulk_gbit_s),
-    ];
-    let table = Table {
-        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
-        ratios: if modes.len() == 3 {
-            vec![(1, 0), (2, 0), (2, 1)]
-        } else {
-            vec![(1, 0)]
-        },
-        rows: metrics
-            .iter()
-            .map(|(name, f)| {
-                (
-                    (*name).to_owned(),
-                    results.iter().map(|r| column(r, f)).collect(),
-                )
-            })
-            .collect(),
-    };
+    let table = data_table(&modes, &results);
     let mut out = format!(
         "\n## Data path\n\n{} interleaved rounds; per round and mode: {} short connections \
          (after {} warm-up), {} round trips on one connection, {} MiB bulk. Cells: median \
@@ -129,13 +148,7 @@ pub(crate) fn data_path(
         node.ebpf_description()
     );
     out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
-    for (pod, runs) in pods.iter().zip(&results) {
-        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
-        let all: usize = runs.iter().map(|m| m.short).sum();
-        let _ = write!(out, " {} {ok} of {all};", pod.label);
-    }
-    out.pop();
-    out.push_str(".\n");
+    out.push_str(&original_dsts(&pods, &results));
     if let Some(profiler) = &profiler {
         out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
     }
@@ -152,32 +165,7 @@ pub(crate) fn ambient(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyho
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
     let results = interleave(&pods, plan.rounds, exe, cpu, plan.load, None)?;
-    type Metric = fn(&Measured) -> f64;
-    let metrics: [(&str, Metric); 6] = [
-        ("short conn/s", |m| m.short_per_s),
-        ("short p50 µs", |m| m.short_p50_us),
-        ("short p99 µs", |m| m.short_p99_us),
-        ("ping-pong p50 µs", |m| m.pingpong_p50_us),
-        ("ping-pong p99 µs", |m| m.pingpong_p99_us),
-        ("bulk Gbit/s", |m| m.bulk_gbit_s),
-    ];
-    let table = Table {
-        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
-        ratios: if modes.len() == 3 {
-            vec![(1, 0), (2, 0), (2, 1)]
-        } else {
-            vec![(1, 0)]
-        },
-        rows: metrics
-            .iter()
-            .map(|(name, f)| {
-                (
-                    (*name).to_owned(),
-                    results.iter().map(|r| column(r, f)).collect(),
-                )
-            })
-            .collect(),
-    };
+    let table = data_table(&modes, &results);
     let mut out = format!(
         "\n## Ambient mode\n\nAn enrolled pod (`istio.io/dataplane-mode=ambient`, ADDed through \
          meshcap-cni to an agent with `ambient.enabled` and a stand-in ztunnel that acks it), its \
@@ -196,13 +184,7 @@ pub(crate) fn ambient(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyho
         let _ = write!(out, " {} {:.1} ms;", pod.label, pod.add_ms);
     }
     out.push_str(" original destination recovered by the proxy:");
-    for (pod, runs) in pods.iter().zip(&results) {
-        let ok: usize = runs.iter().map(|m| m.original_dst_ok).sum();
-        let all: usize = runs.iter().map(|m| m.short).sum();
-        let _ = write!(out, " {} {ok} of {all};", pod.label);
-    }
-    out.pop();
-    out.push_str(".\n");
+    out.push_str(&original_dsts(&pods, &results));
     Ok(out)
 }
 

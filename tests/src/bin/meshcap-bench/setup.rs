@@ -14,7 +14,7 @@ use anyhow::{Context as _, ensure};
 use meshcap_tests::{
     Netns, TestCgroup,
     agent::{self, Backend},
-    fixtures::{ManifestDir, sidecar_pod},
+    fixtures::{ManifestDir, ambient_pod, sidecar_pod},
     kubelet::{self, Sandbox, config},
 };
 
@@ -182,18 +182,7 @@ impl Agent {
     /// When the ADD fails.
     pub fn add_ambient(&self, netns: &Netns, name: &str) -> anyhow::Result<f64> {
         let manifest = self.pods.0.join(format!("{name}.json"));
-        let pod = serde_json::json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": "bench",
-                "uid": format!("uid-{name}"),
-                "labels": {"istio.io/dataplane-mode": "ambient"},
-            },
-            "spec": {"containers": [{"name": "app", "image": "app"}]},
-        });
-        fs::write(&manifest, pod.to_string())?;
+        fs::write(&manifest, ambient_pod("bench", name).to_string())?;
         let took = self.cni("ADD", netns, name);
         fs::remove_file(&manifest)?;
         took
