@@ -52,7 +52,8 @@ enum Task {
         /// A smoke run: a few rounds of small loads, under 3 minutes.
         #[arg(long)]
         quick: bool,
-        /// Only this section (repeatable): data-path, policy-scale, footprint, pod-setup.
+        /// Only this section (repeatable): data-path, mesh-hop, ambient, policy-scale, footprint,
+        /// pod-setup, repair.
         #[arg(long)]
         only: Vec<String>,
         /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.

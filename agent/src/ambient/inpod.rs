@@ -6,7 +6,8 @@ use std::{net::IpAddr, sync::Arc};
 
 use crate::{
     backend::{
-        BackendError, CaptureBackend as _, CapturedPod, PodRef, ebpf::EbpfBackend,
+        BackendError, CaptureBackend as _, CapturedPod, PodRef,
+        ebpf::{EbpfBackend, EbpfError},
         iptables::IptablesBackend,
     },
     policy::ambient::InpodPolicy,
@@ -48,15 +49,9 @@ impl InpodCapture {
     pub(super) fn check(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), BackendError> {
         match self {
             Self::Iptables(rules) => rules.check_ambient(pod, &policy.render()),
-            Self::Ebpf(ebpf) => ebpf.check_ambient(pod, policy).map_err(|err| match err {
-                crate::backend::ebpf::EbpfError::Pod { pod, message } => {
-                    BackendError::NotCaptured {
-                        pod,
-                        missing: message,
-                    }
-                }
-                err => err.into(),
-            }),
+            Self::Ebpf(ebpf) => ebpf
+                .check_ambient(pod, policy)
+                .map_err(EbpfError::into_check),
         }
     }
 

@@ -194,30 +194,32 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16) -> Result<(), Refused> {
 /// instead of leaving by the pod's interface. Istio's in-pod rules do the same with the
 /// connection's mark (`CONNMARK --set-xmark 0x111/0xfff` in `mangle PREROUTING`, restored in
 /// `mangle OUTPUT`). Only SYNs: the accepted socket carries the mark from then on.
+/// Every packet between the app and ztunnel crosses `lo`: the mark is read first, and no pod
+/// is looked up (only ambient pods have a stub there).
 #[inline(always)]
-fn ztunnel_connection_on_lo(ctx: &TcContext, p: &Packet) -> i32 {
-    if p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
-        // SAFETY: context read.
-        let mark = unsafe { (*ctx.skb.skb).mark };
-        if mark & AMBIENT_MARK_MASK == ZTUNNEL_MARK {
-            ctx.set_mark((mark & !AMBIENT_MARK_MASK) | AMBIENT_REPLY_MARK);
-        }
+fn ztunnel_connection_on_lo(ctx: &TcContext) -> i32 {
+    // SAFETY: context read.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    if mark & AMBIENT_MARK_MASK == ZTUNNEL_MARK
+        && parse(ctx).is_some_and(|p| p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
+    {
+        ctx.set_mark((mark & !AMBIENT_MARK_MASK) | AMBIENT_REPLY_MARK);
     }
     TC_ACT_OK
 }
 
 #[inline(always)]
 fn ingress(ctx: &TcContext) -> Option<i32> {
+    // SAFETY: context read.
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    if ifindex == LOOPBACK_IFINDEX {
+        return Some(ztunnel_connection_on_lo(ctx));
+    }
     // SAFETY: context reads of what the stub wrote.
     let netns =
         unsafe { u64::from((*ctx.skb.skb).cb[0]) | (u64::from((*ctx.skb.skb).cb[1]) << 32) };
     let pod = pod(netns)?;
     let p = parse(ctx)?;
-    // SAFETY: context read.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    if ifindex == LOOPBACK_IFINDEX {
-        return Some(ztunnel_connection_on_lo(ctx, &p));
-    }
     let key = IfaceKey {
         netns,
         ifindex,

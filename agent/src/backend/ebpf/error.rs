@@ -4,7 +4,10 @@ use std::io;
 use aya::programs::ProgramError;
 
 use super::sys;
-use crate::{backend::PodRef, podnet::PodNetError};
+use crate::{
+    backend::{BackendError, PodRef},
+    podnet::PodNetError,
+};
 
 /// Errors of the eBPF backend.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +82,19 @@ impl EbpfError {
         Self::Pod {
             pod: pod.to_string(),
             message: message.into(),
+        }
+    }
+
+    /// A CHECK's answer: what the kernel holds differing from the policy is a mismatch
+    /// ([`BackendError::NotCaptured`]), not a failure to look.
+    #[must_use]
+    pub fn into_check(self) -> BackendError {
+        match self {
+            Self::Pod { pod, message } => BackendError::NotCaptured {
+                pod,
+                missing: message,
+            },
+            err => err.into(),
         }
     }
 }

@@ -332,14 +332,7 @@ impl CaptureBackend for EbpfBackend {
     }
 
     fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Self::check(self, pod, policy).map_err(|err| match err {
-            // What the kernel holds differs from the policy: a mismatch, not a failure to look.
-            EbpfError::Pod { pod, message } => BackendError::NotCaptured {
-                pod,
-                missing: message,
-            },
-            err => err.into(),
-        })
+        Self::check(self, pod, policy).map_err(EbpfError::into_check)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
