@@ -19,8 +19,6 @@ use crate::{
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
 const MAX_PODS: usize = 1_024;
-/// `lo`'s index in every network namespace.
-const LOOPBACK_IFINDEX: u32 = 1;
 
 impl EbpfBackend {
     /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
@@ -190,7 +188,7 @@ impl EbpfBackend {
         exclude_interfaces: &[String],
         ambient: bool,
     ) -> Result<(), EbpfError> {
-        let lo = (LOOPBACK_IFINDEX, "lo".to_owned());
+        let lo = (tc::LOOPBACK_IFINDEX, "lo".to_owned());
         let mut todo = Vec::new();
         for (ifindex, name) in net.interfaces.iter().chain(ambient.then_some(&lo)) {
             if exclude_interfaces.contains(name) {
@@ -242,8 +240,9 @@ impl EbpfBackend {
             return Ok(());
         }
         // The policy routes the pod may have: TPROXY's (TPROXY mode or a rerouted interface)
-        // and ambient mode's; only those (or both when nothing says) are looked for.
-        let routes = {
+        // and ambient mode's; only those (or both when nothing says) are looked for, and `lo`'s
+        // stub only on an ambient pod (or when nothing says).
+        let (routes, ambient) = {
             let mut tables = self.lock();
             let config = tables.remove_pod(cookie)?;
             crashpoint::here(crashpoint::EBPF_REMOVE_ENTRY);
@@ -251,17 +250,20 @@ impl EbpfBackend {
             tables.forget_cookie(cookie);
             let ambient = config.is_none_or(|c| c.has(flags::AMBIENT));
             let tproxy = config.is_none_or(|c| c.has(flags::TPROXY)) || (rerouted && !ambient);
-            [
-                tproxy.then(|| MarkRoute::tproxy(true)),
-                ambient.then(|| MarkRoute::ambient(true)),
-            ]
+            (
+                [
+                    tproxy.then(|| MarkRoute::tproxy(true)),
+                    ambient.then(|| MarkRoute::ambient(true)),
+                ],
+                ambient,
+            )
         };
         let records = self.pins.tc_records(cookie);
         let detached = podnet::run_in(&pod.netns, |visit| {
             for (ifname, record) in &records {
                 tc::detach(visit, ifname, record);
             }
-            tc::detach_unrecorded(visit, &records);
+            tc::detach_unrecorded(visit, &records, ambient);
             for route in routes.iter().flatten() {
                 let installed = PolicyRoutes {
                     mark_route: Some(route.clone()),

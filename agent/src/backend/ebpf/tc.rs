@@ -21,6 +21,10 @@ use crate::{
     },
 };
 
+/// `lo`'s index in every network namespace (`LOOPBACK_IFINDEX`): an ambient pod's stub sits
+/// there too.
+pub(super) const LOOPBACK_IFINDEX: u32 = 1;
+
 /// How pods' inbound stubs are attached to their interfaces.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum TcAttach {
@@ -156,18 +160,22 @@ pub fn detach(visit: &mut Visit, ifname: &str, record: &Path) {
     }
 }
 
-/// Detaches meshcap's stub from every interface of the visited netns that has none of
-/// `records` (interface, record) yet runs it: a filter whose record was removed behind
-/// meshcap's back. Recognised by its place and its program's name; its qdisc stays (whether
-/// meshcap added it went with the record).
-pub fn detach_unrecorded(visit: &mut Visit, records: &[(String, PathBuf)]) {
-    let interfaces = match podnet::inspect(visit, false) {
+/// Detaches meshcap's stub from every interface of the visited netns (and `lo` with
+/// `with_lo`: an ambient pod's, or one whose kind is not known) that has none of `records`
+/// (interface, record) yet runs it: a filter whose record was removed behind meshcap's back, or
+/// never written (an agent killed in between). Recognised by its place and its program's name;
+/// its qdisc stays (whether meshcap added it went with the record).
+pub fn detach_unrecorded(visit: &mut Visit, records: &[(String, PathBuf)], with_lo: bool) {
+    let mut interfaces = match podnet::inspect(visit, false) {
         Ok(net) => net.interfaces,
         Err(err) => {
             tracing::warn!(error = %err, "listing interfaces for unrecorded TC filters");
             return;
         }
     };
+    if with_lo {
+        interfaces.push((LOOPBACK_IFINDEX, "lo".to_owned()));
+    }
     for (ifindex, ifname) in interfaces {
         if records.iter().any(|(name, _)| *name == ifname) {
             continue;
