@@ -17,11 +17,11 @@ use meshcap_agent::{
     policy::hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
 };
 use meshcap_tests::{
-    APP_UID, Netns, Placement, Proc, Report,
+    APP_UID, Netns, PROXY_UID, Placement, Proc, Report,
     agent::{Agent, Backend},
     apiserver::ApiServer,
     bin, dial, dial_with,
-    fixtures::{self, ManifestDir, eventually, leftovers, unique_ip, write_manifest},
+    fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, start_server, unique_name,
     world::{Node, Pod},
@@ -34,6 +34,7 @@ meshcap_tests::test_on_both_backends!(
     with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
     running_pods_join_and_leave_as_their_labels_change,
     a_starting_agent_makes_enrolled_pods_rules_its_own,
+    a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way,
 );
 
 /// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
@@ -492,6 +493,76 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     );
     let again = cni("DEL", &sandbox, &conf).expect("second DEL");
     assert!(again.success, "DEL is idempotent: {again:?}");
+}
+
+fn a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way(backend: Backend) {
+    require_root();
+    side_by_side(Scene::new(backend));
+}
+
+/// The same with `ambient.inKernel` ([`in_kernel_here`]): both pods in the same programs and
+/// maps, each entry deciding its own way.
+#[test]
+fn a_sidecar_pod_and_an_ambient_pod_in_the_kernel_are_each_captured_their_own_way() {
+    require_root();
+    side_by_side(Scene::capturing(in_kernel_here().0, true));
+}
+
+/// A sidecar pod beside `scene`'s ambient pod, one agent for both: the sidecar pod's traffic
+/// goes to its Envoy (outbound 15001, inbound 15006), the ambient pod's to ztunnel, and each
+/// one's DEL leaves the other captured.
+fn side_by_side(scene: Scene) {
+    let Scene {
+        mut node,
+        pod,
+        pods,
+        sockets,
+        agent,
+        sandbox,
+        conf,
+    } = scene;
+    let mut sidecar = node.add_pod(false).expect("the sidecar pod");
+    sidecar
+        .start_servers(&node, PROXY_UID, false)
+        .expect("its Envoy and app");
+    write_manifest(&pods.0, &sidecar_pod("shop", "cart", &[]));
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let sidecar_sandbox = Sandbox::new("shop", "cart", &sidecar.netns);
+    let sidecar_conf = config("1.0.0", &agent.socket, &sidecar.v4().to_string());
+    for (sandbox, conf) in [(&sandbox, &conf), (&sidecar_sandbox, &sidecar_conf)] {
+        let add = cni("ADD", sandbox, conf).expect("ADD");
+        assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    }
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    let (peer, cart) = (sidecar.peer_v4(), sidecar.v4());
+    let sidecar_outbound = || {
+        let app = sidecar.at(&node, APP_UID, APP_UID);
+        answer(dial(app, &format!("tcp:{peer}:80"), None).expect("dial"))
+    };
+    let to_envoy = ("envoy".to_owned(), 15001, Some(format!("{peer}:80")));
+    assert_eq!(sidecar_outbound(), to_envoy, "the sidecar pod's outbound");
+    let inbound = answer(dial(node.client(), &format!("tcp:{cart}:8080"), None).expect("dial"));
+    assert_eq!(
+        inbound,
+        ("envoy".into(), 15006, Some(format!("{cart}:8080"))),
+        "the sidecar pod's inbound"
+    );
+    assert_eq!(
+        outbound(&node, &pod),
+        "ztunnel",
+        "the ambient pod's outbound"
+    );
+
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
+    assert_eq!(
+        sidecar_outbound(),
+        to_envoy,
+        "the ambient pod's DEL leaves the sidecar pod captured"
+    );
+    let del = cni("DEL", &sidecar_sandbox, &sidecar_conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}");
+    assert_eq!(sidecar_outbound().0, "peer", "after its DEL, direct");
 }
 
 fn without_ztunnel_an_ambient_add_fails_whole(backend: Backend) {
