@@ -127,6 +127,10 @@ pub struct Capture {
     events: Mutex<Option<EventSink>>,
     /// Ambient mode, when this node runs it.
     ambient: Mutex<Option<Arc<Ambient>>>,
+    /// Held while the captured-pods gauge is read and set, so that of requests finishing
+    /// together the last to set it has read the last count (not one read before another
+    /// request's change).
+    gauge: Mutex<()>,
 }
 
 impl Capture {
@@ -152,6 +156,7 @@ impl Capture {
             install: Mutex::new(None),
             events: Mutex::new(None),
             ambient: Mutex::new(None),
+            gauge: Mutex::new(()),
         };
         capture.update_captured_gauge();
         capture
@@ -208,6 +213,7 @@ impl Capture {
     }
 
     fn update_captured_gauge(&self) {
+        let _serial = lock(&self.gauge);
         if let Ok(count) = self.backend.captured_count() {
             self.metrics.set_captured(self.backend.name(), count);
         }
