@@ -182,7 +182,7 @@ fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<Option<A
             Ok(None)
         }
         Err(err) => {
-            warn!(setting = settings::AMBIENT_IN_KERNEL.key, error = %err, "reading the kernel's symbols: ambient pods get Istio's in-pod rules");
+            warn!(setting = settings::AMBIENT_IN_KERNEL.key, error = %err, "reading the kernel's release: ambient pods get Istio's in-pod rules");
             Ok(None)
         }
     }
