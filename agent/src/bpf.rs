@@ -62,6 +62,7 @@ pub fn load_all(ebpf: &mut Ebpf) -> Result<Vec<String>, ProgramLoadError> {
             Program::SchedClassifier(p) => p.load(),
             Program::CgroupSock(p) => p.load(),
             Program::CgroupSkb(p) => p.load(),
+            Program::SkLookup(p) => p.load(),
             _ => Err(aya::programs::ProgramError::UnexpectedProgramType),
         };
         loaded.map_err(|source| ProgramLoadError {

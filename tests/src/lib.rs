@@ -598,13 +598,32 @@ pub mod bin {
     }
 }
 
+/// `meshcap-standin`'s options for a stand-in Envoy: its listeners have `SO_REUSEPORT`, as
+/// Envoy's do (a listener's `enable_reuse_port`, true by default on Linux, and Istio leaves it
+/// so): what `bpf_sk_assign` refused before Linux 6.5.
+pub const ENVOY_OPTIONS: &[&str] = &["--reuseport"];
+
 /// Starts a stand-in server in `at`, listening on every `(proto, address)` given (e.g.
 /// `tcp:0.0.0.0:15001`), and waits until it is ready.
 ///
 /// # Errors
 /// When it cannot start or bind.
 pub fn start_server(at: Placement<'_>, name: &str, listen: &[&str]) -> anyhow::Result<Proc> {
+    start_server_with(at, name, listen, &[])
+}
+
+/// [`start_server`] with more of `meshcap-standin`'s options (`--reuseport`, `--mark N`).
+///
+/// # Errors
+/// As [`start_server`].
+pub fn start_server_with(
+    at: Placement<'_>,
+    name: &str,
+    listen: &[&str],
+    options: &[&str],
+) -> anyhow::Result<Proc> {
     let mut args = vec!["--name", name];
+    args.extend_from_slice(options);
     for l in listen {
         args.extend_from_slice(&["--listen", l]);
     }

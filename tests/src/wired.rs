@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use crate::{
-    APP_UID, Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Agent, dial, start_server,
+    APP_UID, ENVOY_OPTIONS, Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Agent, dial,
+    start_server, start_server_with,
 };
 
 /// A pod netns wired to an "upstream" netns by a veth pair: pod 10.0.0.2/24 on eth0, upstream
@@ -78,10 +79,11 @@ impl Wired {
     /// When a server cannot start.
     #[must_use]
     pub fn servers(&self) -> (Proc, Proc) {
-        let envoy = start_server(
+        let envoy = start_server_with(
             self.in_pod(PROXY_UID),
             "envoy",
             &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
+            ENVOY_OPTIONS,
         )
         .expect("stand-in envoy");
         let upstream = start_server(

@@ -15,7 +15,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::Context as _;
 
-use crate::{Netns, PROXY_UID, Placement, Proc, TestCgroup, start_server};
+use crate::{
+    ENVOY_OPTIONS, Netns, PROXY_UID, Placement, Proc, TestCgroup, start_server, start_server_with,
+};
 
 /// The app's uid and gid in scenario pods.
 pub const APP_UID: u32 = 1000;
@@ -249,7 +251,7 @@ impl Pod {
         } else {
             "tcp:0.0.0.0:15006"
         };
-        let envoy = start_server(
+        let envoy = start_server_with(
             Placement {
                 netns: &self.netns,
                 cgroup: Some(&node.cgroup),
@@ -267,6 +269,7 @@ impl Pod {
                 "tcp:[::1]:15053",
                 "udp:[::1]:15053",
             ],
+            ENVOY_OPTIONS,
         )
         .context("stand-in envoy")?;
         let app = start_server(

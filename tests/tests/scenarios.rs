@@ -688,4 +688,31 @@ fn every_program_is_needed() {
         .is_err(),
         "inbound capture still works without the TC program"
     );
+    // The socket lookup program is per pod too, and only where bpf_sk_assign refuses the
+    // stand-in Envoy's SO_REUSEPORT listeners (before Linux 6.5).
+    struct NoHandoff<'a>(&'a EbpfUnderTest);
+    impl Backend for NoHandoff<'_> {
+        fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
+            self.0.add(pod, policy)?;
+            let cookie = meshcap_agent::podnet::cookie_of(&pod.netns)?;
+            unpin_link(&self.0.get().config().pins().handoff_link(cookie))?;
+            Ok(())
+        }
+
+        fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
+            self.0.remove(pod)
+        }
+    }
+    if !meshcap_agent::probe::assigns_to_reuseport_listeners().expect("kernel release") {
+        let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+        assert!(
+            run_case(
+                &mut node,
+                &NoHandoff(&backend),
+                &row("inbound to the app is captured")
+            )
+            .is_err(),
+            "inbound capture still works without the socket lookup program"
+        );
+    }
 }

@@ -264,6 +264,24 @@ pub struct FlowKey {
     pub family: u32,
 }
 
+/// Key of [`crate::maps::LISTENERS`]: the proxy listener a pod's inbound connections on one
+/// port and family were handed to. With `SO_REUSEPORT` the proxy has several listeners on one
+/// port: the key holds one of them, and the kernel picks among the whole group when a
+/// connection is handed to it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ListenerKey {
+    /// Network namespace cookie.
+    pub netns: u64,
+    /// The listener's port, host order.
+    pub port: u16,
+    /// The connections' family, [`AF_INET`] or [`AF_INET6`] (an IPv4 connection's listener
+    /// may be a dual-stack IPv6 socket).
+    pub family: u16,
+    /// Zero.
+    pub pad: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,6 +294,7 @@ mod tests {
         assert_eq!(size_of::<IfaceKey>(), 16);
         assert_eq!(size_of::<OrigDst>(), 20);
         assert_eq!(size_of::<FlowKey>(), 48);
+        assert_eq!(size_of::<ListenerKey>(), 16);
         assert_eq!(size_of::<crate::PodConfig>(), 16);
     }
 }

@@ -44,6 +44,14 @@ pub mod maps {
     /// The pod's own addresses by network namespace cookie (`u64` → [`crate::PodAddrs`]): the
     /// local address a redirected connection gets, as Istio's NAT leaves it.
     pub const POD_ADDRS: &str = "MESHCAP_POD_ADDRS";
+    /// The proxies' listeners (sockhash, [`crate::ListenerKey`] → socket): where the kernel's
+    /// `bpf_sk_assign` refuses a `SO_REUSEPORT` listener, the TC classifier records the one it
+    /// found here, for the socket lookup to hand the connection to.
+    pub const LISTENERS: &str = "MESHCAP_LISTENERS";
+    /// Inbound connections the TC classifier handed to the socket lookup (LRU hash,
+    /// [`crate::FlowKey`] with `netns` 0 → [`crate::ListenerKey`]): written for a SYN the
+    /// classifier could not assign itself, taken by the pod's socket lookup program.
+    pub const HANDOFFS: &str = "MESHCAP_HANDOFFS";
 }
 
 /// Program names in the object (and their pin names).
@@ -71,6 +79,10 @@ pub mod programs {
     /// TC ingress classifier: loaded once, in [`crate::maps::TC_PROG`]; reads the pod's netns
     /// cookie from `skb->cb[0..2]`.
     pub const INGRESS: &str = "meshcap_ingress";
+    /// `sk_lookup`, attached to a captured pod's netns where the kernel's `bpf_sk_assign`
+    /// refuses `SO_REUSEPORT` listeners (before Linux 6.5): hands the connections in
+    /// [`crate::maps::HANDOFFS`] to the proxy's listener.
+    pub const HANDOFF: &str = "meshcap_handoff";
 }
 
 /// Envoy's outbound listener.
@@ -157,6 +169,10 @@ pub mod flags {
     /// Ambient mode's `ambient.istio.io/bypass-inbound-capture`: inbound is not captured
     /// (rerouted interfaces still are).
     pub const BYPASS_INBOUND: u32 = 1 << 12;
+    /// The pod's netns has meshcap's socket lookup program ([`crate::programs::HANDOFF`]):
+    /// an inbound connection whose proxy listener `bpf_sk_assign` refuses (`SO_REUSEPORT`,
+    /// before Linux 6.5) is handed to it instead of dropped.
+    pub const HANDOFF: u32 = 1 << 13;
 }
 
 /// Bits of the [`maps::IFACES`] value.

@@ -3,7 +3,9 @@
 //! (TPROXY-like: no NAT, the accepted socket's local address is what the client dialled);
 //! packets of existing connections keep reaching their own sockets. An ambient pod's `lo`
 //! gets the stub too: there ztunnel's connections to the app are marked so that the app's
-//! replies go back to ztunnel ([`ztunnel_connection_on_lo`]).
+//! replies go back to ztunnel ([`ztunnel_connection_on_lo`]). Where the kernel's
+//! `bpf_sk_assign` refuses the proxy's `SO_REUSEPORT` listener (before Linux 6.5), the SYN is
+//! handed to the pod's socket lookup program instead ([`crate::handoff`]).
 //!
 //! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod's interfaces get a
 //! tiny stub the agent assembles itself (agent/src/backend/ebpf/stub.rs): it stores the pod's
@@ -26,7 +28,10 @@ use meshcap_common::{
     TPROXY_MARK, Verdict, ZTUNNEL_MARK, decide_inbound, flags, iface_flags,
 };
 
-use crate::tables::{FLOWS, IFACES, Maps, pod};
+use crate::{
+    handoff::hand_off,
+    tables::{FLOWS, IFACES, Maps, pod},
+};
 
 /// Slot 0: the shared classifier, set by the agent when it opens the backend; the pods'
 /// stubs tail-call it (they are not in this object, so the map is declared here, where the
@@ -160,9 +165,11 @@ enum Refused {
     Reuseport,
 }
 
-/// Hands the packet to the listener on `port`.
+/// Hands the packet to the listener on `port`; a `SO_REUSEPORT` listener this kernel's
+/// `bpf_sk_assign` refuses through the socket lookup instead when the pod of `handoff` (its
+/// netns) has it ([`crate::handoff`]).
 #[inline(always)]
-fn assign(ctx: &TcContext, p: &Packet, port: u16) -> Result<(), Refused> {
+fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<u64>) -> Result<(), Refused> {
     let (mut t, len) = tuple(p, port);
     // SAFETY: as in `existing`.
     let sk: *mut bpf_sock =
@@ -175,7 +182,15 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16) -> Result<(), Refused> {
         let result = if core::ptr::read_volatile(&raw const (*sk).state) == TCP_LISTEN {
             match bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) {
                 0 => Ok(()),
-                ESOCKTNOSUPPORT => Err(Refused::Reuseport),
+                ESOCKTNOSUPPORT => match handoff {
+                    // SAFETY: `sk` is the referenced listener of this lookup.
+                    Some(netns)
+                        if hand_off(netns, (p.src, p.dst), (p.sport, p.dport), port, sk) =>
+                    {
+                        Ok(())
+                    }
+                    _ => Err(Refused::Reuseport),
+                },
                 _ => Err(Refused::NoListener),
             }
         } else {
@@ -252,7 +267,7 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         Verdict::Pass => Some(TC_ACT_OK),
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {
-            match assign(ctx, &p, port) {
+            match assign(ctx, &p, port, pod.has(flags::HANDOFF).then_some(netns)) {
                 Ok(()) => {}
                 // Fail closed: the proxy is not listening (yet); the client retries. Rare and
                 // worth knowing (a proxy down or not started): one record per dropped packet.
@@ -268,7 +283,7 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
                 Err(Refused::Reuseport) => {
                     aya_log_ebpf::warn!(
                         ctx,
-                        "inbound TCP to port {} dropped: the proxy's listener on port {} has SO_REUSEPORT, which this kernel's bpf_sk_assign refuses (Linux 6.5 takes it)",
+                        "inbound TCP to port {} dropped: the proxy's listener on port {} has SO_REUSEPORT, which this kernel's bpf_sk_assign refuses (Linux 6.5 takes it), and the pod has no socket lookup program or its maps are full",
                         p.dport,
                         port
                     );

@@ -5,11 +5,14 @@
 //!   `cgroup/recvmsg4|6` (unconnected UDP DNS);
 //! - [`flows`]: `sockops` carries a redirected socket's original destination to a
 //!   netns-qualified 4-tuple, `cgroup/getsockopt` answers `SO_ORIGINAL_DST` from it;
-//! - [`ingress`]: the TC classifier on a pod's interfaces (inbound capture with `bpf_sk_assign`).
+//! - [`ingress`]: the TC classifier on a pod's interfaces (inbound capture with `bpf_sk_assign`);
+//! - [`handoff`]: `sk_lookup` takes over the assignment where `bpf_sk_assign` refuses the
+//!   proxy's `SO_REUSEPORT` listeners (before Linux 6.5).
 #![no_std]
 #![no_main]
 
 mod flows;
+mod handoff;
 mod ingress;
 mod outbound;
 mod tables;

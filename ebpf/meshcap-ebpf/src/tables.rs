@@ -6,11 +6,11 @@ use aya_ebpf::{
     btf_maps::SkStorage,
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
+    maps::{HashMap, LpmTrie, LruHashMap, SockHash, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, FlowKey, IfaceKey, OrigDst,
-    PodAddrs, PodConfig, PodTables, PortKey, PortKind,
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, FlowKey, IfaceKey, ListenerKey,
+    OrigDst, PodAddrs, PodConfig, PodTables, PortKey, PortKind,
 };
 
 /// `BPF_F_NO_PREALLOC`: elements are allocated on insert (only the agent writes these).
@@ -67,6 +67,18 @@ pub static CONNECTING: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(1
 /// connection).
 #[map(name = "MESHCAP_FLOWS")]
 pub static FLOWS: LruHashMap<FlowKey, OrigDst> = LruHashMap::with_max_entries(65_536, 0);
+
+/// The proxies' listeners the classifier handed connections to (see [`crate::handoff`]), by
+/// netns, port and family: at most four per pod. The kernel removes a socket when it closes.
+#[map(name = "MESHCAP_LISTENERS")]
+pub static LISTENERS: SockHash<ListenerKey> = SockHash::with_max_entries(MAX_PODS * 4, 0);
+
+/// Inbound connections the classifier hands to the socket lookup, by 4-tuple (`netns` 0: the
+/// socket lookup does not know its netns; the server end is the pod's own address) →
+/// the listener. Entries are not taken when used: a retransmitted SYN, or the ACK of a SYN
+/// cookie, is looked up again; the LRU retires them.
+#[map(name = "MESHCAP_HANDOFFS")]
+pub static HANDOFFS: LruHashMap<FlowKey, ListenerKey> = LruHashMap::with_max_entries(16_384, 0);
 
 /// `sk`'s value in the socket storage `map`, created when `create`.
 ///

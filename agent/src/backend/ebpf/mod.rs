@@ -5,7 +5,8 @@
 //!   to the cgroup root and the shared inbound classifier installed;
 //! - [`pod`](pod.rs): each pod's ADD, CHECK and DEL: a visit to its netns
 //!   ([`crate::podnet`]) for its cookie, interfaces and routes, its stub attached on its
-//!   interfaces ([`tc`](tc.rs), assembled by [`stub`](stub.rs)), then its entries
+//!   interfaces ([`tc`](tc.rs), assembled by [`stub`](stub.rs)) and, where the kernel
+//!   needs it ([`release`](release.rs)), the socket lookup program on its netns, then its entries
 //!   ([`encode`](encode.rs) translates the policy) written by [`tables`](tables.rs), the
 //!   maps' only writer, which indexes what each pod holds;
 //! - [`pins`](pins.rs): the pinned layout under one versioned bpffs directory
@@ -30,6 +31,7 @@ mod node;
 mod order;
 mod pins;
 mod pod;
+mod release;
 mod stub;
 mod sys;
 mod tables;
@@ -43,6 +45,7 @@ pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, unpin_link};
+pub use release::assigns_to_reuseport_listeners;
 pub use tc::TcAttach;
 
 use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodRef};
@@ -91,6 +94,9 @@ pub struct EbpfBackend {
     pins: Pins,
     /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
     tc_prog: OwnedFd,
+    /// The socket lookup program, loaded where `bpf_sk_assign` refuses `SO_REUSEPORT`
+    /// listeners: every captured pod's netns gets it (ebpf/meshcap-ebpf/src/handoff.rs).
+    handoff: Option<OwnedFd>,
     tables: Mutex<tables::Tables>,
     kernel_log: Mutex<Option<klog::KernelLog>>,
     /// The ids of the programs this process loaded and put in place, by name.
@@ -137,10 +143,19 @@ impl EbpfBackend {
         // buffer has one reader.
         let kernel_log = klog::reader(&mut ebpf);
         let tables = tables::Tables::open(&mut ebpf, &pins)?;
+        let handoff = if assigns_to_reuseport_listeners().unwrap_or(false) {
+            None
+        } else {
+            tracing::info!(
+                "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
+            );
+            Some(node::load_handoff(&mut ebpf)?)
+        };
         Ok(Self {
             config,
             pins,
             tc_prog,
+            handoff,
             tables: Mutex::new(tables),
             kernel_log: Mutex::new(kernel_log),
             loaded,

@@ -2,12 +2,16 @@
 //! restarted agent), the cgroup programs attached to the cgroup root as pinned `bpf_link`s,
 //! and the shared inbound classifier put in `MESHCAP_TC_PROG` for every pod's stub to
 //! tail-call.
-use std::{fs, os::fd::AsFd as _, path::Path};
+use std::{
+    fs,
+    os::fd::{AsFd as _, OwnedFd},
+    path::Path,
+};
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{MapData, ProgramArray},
-    programs::{Program, ProgramError, SchedClassifier},
+    programs::{Program, ProgramError, SchedClassifier, SkLookup},
 };
 use meshcap_common::{maps, programs};
 
@@ -35,7 +39,7 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 11] = [
+const MAPS: [&str; 13] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::POD_ADDRS,
@@ -47,6 +51,8 @@ const MAPS: [&str; 11] = [
     maps::CONNECTING,
     maps::FLOWS,
     maps::TC_PROG,
+    maps::LISTENERS,
+    maps::HANDOFFS,
 ];
 
 /// Loads the embedded object with its maps pinned under `pins` (existing pins are adopted as
@@ -214,6 +220,24 @@ pub(super) fn install_shared_tc(ebpf: &mut Ebpf) -> Result<u32, EbpfError> {
         .set(0, &fd, 0)
         .map_err(|e| EbpfError::map("setting the shared TC program", e))?;
     sys::prog_id(fd.as_fd()).map_err(|e| EbpfError::io("reading the TC program's id", e))
+}
+
+/// Loads (verifies) the socket lookup program, which each captured pod's netns gets (a link
+/// per pod, pinned with the pod's records). Pods keep the instance of the agent that attached
+/// them; every instance shares the pinned maps.
+pub(super) fn load_handoff(ebpf: &mut Ebpf) -> Result<OwnedFd, EbpfError> {
+    let prog: &mut SkLookup = ebpf
+        .program_mut(programs::HANDOFF)
+        .ok_or(EbpfError::Missing(programs::HANDOFF))?
+        .try_into()
+        .map_err(|e| EbpfError::program(programs::HANDOFF, e))?;
+    prog.load()
+        .map_err(|e| EbpfError::program(programs::HANDOFF, e))?;
+    prog.fd()
+        .map_err(|e| EbpfError::program(programs::HANDOFF, e))?
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| EbpfError::io(programs::HANDOFF, e))
 }
 
 /// Loads a pod's TC stub against `ebpf`'s (unpinned) `MESHCAP_TC_PROG`, and drops it: the

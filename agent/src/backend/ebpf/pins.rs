@@ -14,6 +14,8 @@
 //!                                              recorded: meshcap may have added the
 //!                                              clsact qdisc; or, with TCX (Linux 6.6+):
 //! pods/<cookie>/tc-<ifname>                    the pod's TCX link
+//! pods/<cookie>/handoff                        the socket lookup program's link on the
+//!                                              pod's netns (before Linux 6.5)
 //! ```
 use std::{
     fs, io,
@@ -124,6 +126,12 @@ impl Pins {
     #[must_use]
     pub fn ambient_marker(&self, cookie: u64) -> PathBuf {
         self.pod(cookie).join(AMBIENT_MARKER)
+    }
+
+    /// `pods/<cookie>/handoff`: the link of the socket lookup program on the pod's netns.
+    #[must_use]
+    pub fn handoff_link(&self, cookie: u64) -> PathBuf {
+        self.pod(cookie).join("handoff")
     }
 
     /// `pods/<cookie>/tc-<ifname>`: the record of the pod's stub on one interface (a

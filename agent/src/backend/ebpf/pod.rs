@@ -9,7 +9,7 @@ use std::os::fd::AsFd as _;
 
 use meshcap_common::{PodConfig, flags};
 
-use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, tc};
+use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, sys, tc};
 use crate::{
     backend::PodRef,
     crashpoint,
@@ -123,6 +123,7 @@ impl EbpfBackend {
                     .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))?;
             }
             self.attach_stubs(visit, &net, exclude_interfaces, ambient)?;
+            self.attach_handoff(net.cookie)?;
             crashpoint::here(crashpoint::EBPF_ADD_ATTACHED);
             Ok(net)
         });
@@ -139,6 +140,9 @@ impl EbpfBackend {
             Err(err) => return Err(err.into()),
         };
         entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
+        if self.handoff.is_some() {
+            entries.config.flags |= flags::HANDOFF;
+        }
         let config = entries.config;
         let cookie = net.cookie;
         let mut tables = self.lock();
@@ -223,6 +227,24 @@ impl EbpfBackend {
         Ok(())
     }
 
+    /// Attaches the socket lookup program to the visited netns, where this kernel needs it
+    /// (ebpf/meshcap-ebpf/src/handoff.rs), unless its pinned link is there already.
+    fn attach_handoff(&self, cookie: u64) -> Result<(), EbpfError> {
+        let Some(prog) = &self.handoff else {
+            return Ok(());
+        };
+        let pin = self.pins.handoff_link(cookie);
+        if sys::obj_get(&pin).is_ok() {
+            return Ok(());
+        }
+        let netns = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| EbpfError::io("opening the pod's netns", e))?;
+        let link = sys::sk_lookup_link_create(prog, &netns)
+            .map_err(|e| EbpfError::io("attaching the socket lookup program", e))?;
+        sys::obj_pin(&link, &pin)
+            .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))
+    }
+
     /// Stops capturing `pod` and removes everything of it. Idempotent; works when the netns
     /// is already gone.
     ///
@@ -301,7 +323,12 @@ impl EbpfBackend {
             .pods
             .get(&cookie, 0)
             .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
-        let want = entries.config.flags & !flags::EXCLUDED_ROUTES;
+        let handoff = if self.handoff.is_some() {
+            flags::HANDOFF
+        } else {
+            0
+        };
+        let want = (entries.config.flags | handoff) & !flags::EXCLUDED_ROUTES;
         if config.flags & !flags::EXCLUDED_ROUTES != want
             || config.proxy_uid != entries.config.proxy_uid
             || config.proxy_gid != entries.config.proxy_gid
@@ -318,6 +345,12 @@ impl EbpfBackend {
         let records = self.pins.tc_records(cookie);
         if records.is_empty() {
             return Err(EbpfError::pod(pod, "no inbound TC program attached"));
+        }
+        if handoff != 0 && sys::obj_get(&self.pins.handoff_link(cookie)).is_err() {
+            return Err(EbpfError::pod(
+                pod,
+                "no socket lookup program on its netns (inbound to a SO_REUSEPORT proxy listener would be dropped)",
+            ));
         }
         podnet::run_in(&pod.netns, |visit| {
             records

@@ -154,6 +154,22 @@ pub fn tcx_ingress_link_create(prog: impl AsFd, ifindex: u32) -> io::Result<Owne
     fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
 }
 
+/// `BPF_SK_LOOKUP`.
+const SK_LOOKUP: u32 = 36;
+
+/// `BPF_LINK_CREATE` with `BPF_SK_LOOKUP` (Linux 5.9): attaches the socket lookup program
+/// `prog` to the network namespace `netns`, beside any other there.
+///
+/// # Errors
+/// The kernel's refusal.
+pub fn sk_lookup_link_create(prog: impl AsFd, netns: impl AsFd) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    // prog_fd, target_fd (the netns); attach_type, flags.
+    attr.words[0] = u64::from(fd_u32(prog.as_fd())?) | (u64::from(fd_u32(netns.as_fd())?) << 32);
+    attr.words[1] = u64::from(SK_LOOKUP);
+    fd_from(bpf(BPF_LINK_CREATE, &mut attr)?)
+}
+
 /// The size of the verifier log asked for when a load fails (the stub's is a few lines).
 const LOG_SIZE: usize = 64 * 1024;
 
