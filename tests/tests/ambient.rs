@@ -377,15 +377,15 @@ fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
 }
 
 /// The backend a test of `ambient.inKernel` runs on, and whether the pods are then captured in
-/// the kernel: the eBPF backend where it runs, in the kernel where the kernel can hand
-/// connections to ztunnel's `SO_REUSEPORT` listeners (Linux 6.5); elsewhere the setting gives
+/// the kernel: the eBPF backend where it runs (before Linux 6.5 ztunnel's `SO_REUSEPORT`
+/// listeners are reached through the pod's socket lookup program); elsewhere the setting gives
 /// way to Istio's rules, and that is what the test checks.
 fn in_kernel_here() -> (Backend, bool) {
-    if !meshcap_tests::ebpf_runs_here() {
-        return (Backend::Iptables, false);
+    if meshcap_tests::ebpf_runs_here() {
+        (Backend::Ebpf, true)
+    } else {
+        (Backend::Iptables, false)
     }
-    let assigns = meshcap_agent::probe::assigns_to_reuseport_listeners().expect("kallsyms");
-    (Backend::Ebpf, assigns)
 }
 
 /// An ambient pod's whole life on `scene`'s agent; `in_kernel`: it must hold no in-pod rule

@@ -2,9 +2,10 @@
 //!
 //! ADD visits the pod's netns once: learns its cookie, interfaces, addresses (and routes for
 //! `excludeInterfaces`), installs the policy route where TPROXY or rerouted interfaces need
-//! it, and attaches the pod's stub on every interface; then writes the pod's lists and
-//! interface flags, and last its `MESHCAP_PODS` entry, which is what makes the programs act:
-//! a pod is captured in full or not at all.
+//! it, and attaches the pod's stub on every interface (and, where `bpf_sk_assign` refuses
+//! `SO_REUSEPORT` listeners, the socket lookup program on its netns); then writes the pod's
+//! lists and interface flags, and last its `MESHCAP_PODS` entry, which is what makes the
+//! programs act: a pod is captured in full or not at all.
 use std::os::fd::AsFd as _;
 
 use meshcap_common::{PodConfig, flags};

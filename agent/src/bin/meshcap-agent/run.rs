@@ -157,35 +157,22 @@ fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     Ok(Some(config))
 }
 
-/// The eBPF backend for ambient pods when `ambient.inKernel` asks for it, it serves the node
-/// and the kernel can hand connections to ztunnel's listeners; otherwise (none) ambient pods
-/// get Istio's in-pod rules.
+/// The eBPF backend for ambient pods when `ambient.inKernel` asks for it and it serves the
+/// node; otherwise (none) ambient pods get Istio's in-pod rules. (ztunnel's listeners have
+/// `SO_REUSEPORT`: before Linux 6.5 its inbound goes through the pods' socket lookup program,
+/// as a sidecar's does, docs/ebpf.md.)
 fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<Option<Arc<EbpfBackend>>> {
     let lookup = |name: &str| std::env::var(name).ok();
     if !settings::bool_setting(&lookup, settings::AMBIENT_IN_KERNEL)? {
         return Ok(None);
     }
-    let Some(ebpf) = ebpf else {
+    if ebpf.is_none() {
         warn!(
             setting = settings::AMBIENT_IN_KERNEL.key,
             "the eBPF backend does not serve this node: ambient pods get Istio's in-pod rules"
         );
-        return Ok(None);
-    };
-    match probe::assigns_to_reuseport_listeners() {
-        Ok(true) => Ok(Some(ebpf.clone())),
-        Ok(false) => {
-            warn!(
-                setting = settings::AMBIENT_IN_KERNEL.key,
-                "this kernel cannot hand inbound connections to ztunnel's SO_REUSEPORT listeners from TC (bpf_sk_assign learnt them in Linux 6.5): ambient pods get Istio's in-pod rules"
-            );
-            Ok(None)
-        }
-        Err(err) => {
-            warn!(setting = settings::AMBIENT_IN_KERNEL.key, error = %err, "reading the kernel's release: ambient pods get Istio's in-pod rules");
-            Ok(None)
-        }
     }
+    Ok(ebpf.cloned())
 }
 
 /// Where this agent keeps what it owns, every path resolved.
