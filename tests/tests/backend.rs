@@ -520,3 +520,41 @@ fn closed_captured_connections_leave_no_entries_behind() {
     );
     backend.get().remove(&pod_ref(&pod)).expect("remove");
 }
+
+/// A connection the policy lets through reaches the app even when an earlier connection with
+/// the same 4-tuple was captured: the client dials the pod's 8080 from one port, captured;
+/// the pod is updated to exclude 8080 and the client dials again from the same port. Before
+/// Linux 6.5 the first SYN was handed to the socket lookup under that 4-tuple (the proxy's
+/// `SO_REUSEPORT` listener), and the entry outlives the connection: the classifier must drop
+/// it when it lets the second SYN through, or the socket lookup sends it to the proxy.
+#[test]
+fn a_connection_let_through_reaches_the_app_after_its_4_tuple_was_captured() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let (node, pod, mut policy, r) = serving_pod();
+    let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
+    backend.get().add(&r, &policy).expect("add");
+    let target = format!("tcp:{}:8080", pod.v4());
+    let from = format!("{}:41234", pod.peer_v4());
+    let first = dial(node.client(), &target, Some(&from))
+        .expect("dial")
+        .expect("an answer");
+    assert_eq!(
+        (first.server.as_str(), first.listener),
+        ("envoy", 15006),
+        "captured first: {first:?}"
+    );
+    policy.exclude_inbound_ports.push(8080);
+    backend.get().add(&r, &policy).expect("update");
+    let second = dial(node.client(), &target, Some(&from))
+        .expect("dial")
+        .expect("an answer");
+    assert_eq!(
+        (second.server.as_str(), second.listener),
+        ("app", 8080),
+        "let through after the update: {second:?}"
+    );
+    backend.get().remove(&r).expect("remove");
+}

@@ -65,15 +65,32 @@ pub unsafe fn hand_off(
             0,
         )
     } == 0;
-    let flow = FlowKey {
+    recorded
+        && HANDOFFS
+            .insert(flow((src, dst), (sport, dport)), key, 0)
+            .is_ok()
+}
+
+/// The classifier's part for a SYN it lets through: an earlier connection's entry under the
+/// same 4-tuple (the LRU keeps entries; a pod with this address before, or before a change of
+/// its ports) must not send this one to a proxy.
+#[inline(always)]
+pub fn forget((src, dst): (Addr, Addr), (sport, dport): (u16, u16)) {
+    let _ = HANDOFFS.remove(flow((src, dst), (sport, dport)));
+}
+
+/// [`HANDOFFS`]' key: the 4-tuple, without the netns (which the socket lookup cannot read; the
+/// server end is an address of the pod, unique on the node).
+#[inline(always)]
+fn flow((src, dst): (Addr, Addr), (sport, dport): (u16, u16)) -> FlowKey {
+    FlowKey {
         netns: 0,
         client: src.words(),
         server: dst.words(),
         client_port: sport,
         server_port: dport,
-        family: u32::from(family),
-    };
-    recorded && HANDOFFS.insert(flow, key, 0).is_ok()
+        family: u32::from(src.family()),
+    }
 }
 
 #[sk_lookup]

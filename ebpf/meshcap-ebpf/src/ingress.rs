@@ -15,8 +15,7 @@
 use aya_ebpf::{
     bindings::{
         BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
-        bpf_sock_tuple__bindgen_ty_1, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
-        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2,
     },
     helpers::{bpf_sk_assign, bpf_sk_lookup_tcp, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::{classifier, map},
@@ -29,7 +28,7 @@ use meshcap_common::{
 };
 
 use crate::{
-    handoff::hand_off,
+    handoff::{forget, hand_off},
     tables::{FLOWS, IFACES, Maps, pod},
 };
 
@@ -98,36 +97,34 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     })
 }
 
+/// The lookup tuple of `p` with `dport`, and its length. Every byte is defined (zeroed first):
+/// built as a union of two variants, the other variant's bytes were undefined, and LLVM may
+/// then store any register there, which the verifier refuses to read ("R5 !read_ok").
 #[inline(always)]
 fn tuple(p: &Packet, dport: u16) -> (bpf_sock_tuple, u32) {
-    match (p.src, p.dst) {
-        (Addr::V4(s), Addr::V4(d)) => (
-            bpf_sock_tuple {
-                __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
-                    ipv4: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
-                        saddr: s,
-                        daddr: d,
-                        sport: p.sport.to_be(),
-                        dport: dport.to_be(),
-                    },
-                },
-            },
-            12,
-        ),
-        _ => (
-            bpf_sock_tuple {
-                __bindgen_anon_1: bpf_sock_tuple__bindgen_ty_1 {
-                    ipv6: bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
-                        saddr: p.src.words(),
-                        daddr: p.dst.words(),
-                        sport: p.sport.to_be(),
-                        dport: dport.to_be(),
-                    },
-                },
-            },
-            36,
-        ),
-    }
+    // SAFETY: all-zero bytes are a valid tuple (plain integers).
+    let mut t: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let len = match (p.src, p.dst) {
+        (Addr::V4(s), Addr::V4(d)) => {
+            t.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+                saddr: s,
+                daddr: d,
+                sport: p.sport.to_be(),
+                dport: dport.to_be(),
+            };
+            12
+        }
+        _ => {
+            t.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
+                saddr: p.src.words(),
+                daddr: p.dst.words(),
+                sport: p.sport.to_be(),
+                dport: dport.to_be(),
+            };
+            36
+        }
+    };
+    (t, len)
 }
 
 const CURRENT_NETNS: u64 = BPF_F_CURRENT_NETNS as u64;
@@ -235,6 +232,11 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         unsafe { u64::from((*ctx.skb.skb).cb[0]) | (u64::from((*ctx.skb.skb).cb[1]) << 32) };
     let pod = pod(netns)?;
     let p = parse(ctx)?;
+    if pod.has(flags::HANDOFF) && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        // An earlier connection's hand-off under this 4-tuple must not decide for this one
+        // (written again below when this one is handed off too).
+        forget((p.src, p.dst), (p.sport, p.dport));
+    }
     let key = IfaceKey {
         netns,
         ifindex,

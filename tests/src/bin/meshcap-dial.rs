@@ -154,6 +154,11 @@ fn tcp(
             setsockopt(&fd, sockopt::IpTransparent, &true)?;
         }
         if let Some(local) = bind_to {
+            // A port named twice in a row: the first connection's TIME_WAIT must not refuse
+            // the second (the kernel still checks the 4-tuple at connect).
+            if local.port() != 0 {
+                setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+            }
             bind(fd.as_raw_fd(), &SockaddrStorage::from(local))?;
         }
         connect(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
