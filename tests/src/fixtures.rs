@@ -15,8 +15,8 @@ use serde_json::{Value, json};
 use crate::{Netns, unique_name};
 
 /// The iptables state of a netns that mentions Istio (chains or jumps), from both
-/// implementations, and its ip rules for tables 133 (TPROXY) and 100 (ambient mode): empty
-/// when nothing is left.
+/// implementations, its ip rules for tables 133 (TPROXY) and 100 (ambient mode), its clsact
+/// qdiscs and a `net.ipv4.tcp_fwmark_accept` other than 0: empty when nothing is left.
 ///
 /// # Errors
 /// When the tools cannot run.
@@ -41,6 +41,23 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
             .filter(|l| l.contains("lookup 133") || l.contains("lookup 100"))
             .map(str::to_owned),
     );
+    // The eBPF backend sets it for TPROXY and ambient pods, and puts the pod's own back.
+    let fwmark_accept = crate::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            netns.name(),
+            "cat",
+            "/proc/sys/net/ipv4/tcp_fwmark_accept",
+        ],
+    )?;
+    if fwmark_accept.trim() != "0" {
+        out.push(format!(
+            "net.ipv4.tcp_fwmark_accept = {}",
+            fwmark_accept.trim()
+        ));
+    }
     // The eBPF backend's netlink TC filters live on a clsact qdisc it adds (and removes).
     let qdiscs = crate::run("tc", &["-n", netns.name(), "qdisc", "show"])?;
     out.extend(

@@ -16,6 +16,8 @@
 //! pods/<cookie>/tc-<ifname>                    the pod's TCX link
 //! pods/<cookie>/handoff                        the socket lookup program's link on the
 //!                                              pod's netns (before Linux 6.5)
+//! pods/<cookie>/fwmark-accept@<value>/         the pod's tcp_fwmark_accept before meshcap
+//!                                              set it
 //! ```
 use std::{
     fs, io,
@@ -128,6 +130,22 @@ impl Pins {
         self.pod(cookie).join(AMBIENT_MARKER)
     }
 
+    /// `pods/<cookie>/fwmark-accept@<value>`: the pod's `net.ipv4.tcp_fwmark_accept` before
+    /// meshcap set it, put back when the pod is released with its netns alive.
+    #[must_use]
+    pub fn fwmark_accept_record(&self, cookie: u64, before: u8) -> PathBuf {
+        self.pod(cookie)
+            .join(format!("{FWMARK_ACCEPT_PREFIX}{before}"))
+    }
+
+    /// The pod's `net.ipv4.tcp_fwmark_accept` before meshcap set it, if recorded.
+    #[must_use]
+    pub fn fwmark_accept_before(&self, cookie: u64) -> Option<u8> {
+        list_dir(&self.pod(cookie))
+            .iter()
+            .find_map(|name| name.strip_prefix(FWMARK_ACCEPT_PREFIX)?.parse().ok())
+    }
+
     /// `pods/<cookie>/handoff`: the link of the socket lookup program on the pod's netns.
     #[must_use]
     pub fn handoff_link(&self, cookie: u64) -> PathBuf {
@@ -196,6 +214,7 @@ impl Pins {
 const TC_PREFIX: &str = "tc-";
 /// The directory marking a pod captured for ztunnel (bpffs holds no plain files).
 const AMBIENT_MARKER: &str = "ambient";
+const FWMARK_ACCEPT_PREFIX: &str = "fwmark-accept@";
 
 /// The name recording which pod a cookie is (`@` is not in Kubernetes names): also the key
 /// of the backend's index of pods.

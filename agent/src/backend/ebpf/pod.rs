@@ -114,15 +114,12 @@ impl EbpfBackend {
             if !routes.is_empty() {
                 podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
             }
-            if tproxy || ambient {
-                // Accepted sockets inherit the SYN's mark, so that the app's replies to the
-                // original client source reach the proxy's transparent socket (in ambient
-                // mode, the mark the classifier on `lo` gives ztunnel's SYNs). Rerouted
-                // interfaces need only the route: their packets are marked by the TC program,
-                // and the proxy's sockets must not inherit that mark.
-                std::fs::write("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
-                    .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))?;
-            }
+            // Accepted sockets inherit the SYN's mark, so that the app's replies to the
+            // original client source reach the proxy's transparent socket (in ambient mode,
+            // the mark the classifier on `lo` gives ztunnel's SYNs). Rerouted interfaces need
+            // only the route: their packets are marked by the TC program, and the proxy's
+            // sockets must not inherit that mark.
+            self.set_fwmark_accept(net.cookie, tproxy || ambient)?;
             self.attach_stubs(visit, &net, exclude_interfaces, ambient)?;
             self.attach_handoff(net.cookie)?;
             crashpoint::here(crashpoint::EBPF_ADD_ATTACHED);
@@ -228,6 +225,35 @@ impl EbpfBackend {
         Ok(())
     }
 
+    /// Sets the visited netns' `net.ipv4.tcp_fwmark_accept` to 1 when `on`, first recording the
+    /// pod's own value in the pins; otherwise puts a recorded value back (an update that needs
+    /// it no more). Released pods get theirs back in [`Self::remove`].
+    fn set_fwmark_accept(&self, cookie: u64, on: bool) -> Result<(), EbpfError> {
+        let before = self.pins.fwmark_accept_before(cookie);
+        if !on {
+            if let Some(value) = before {
+                restore_fwmark_accept(value);
+                pins::remove_tree(&self.pins.fwmark_accept_record(cookie, value));
+            }
+            return Ok(());
+        }
+        if before.is_none() {
+            let current = std::fs::read_to_string(FWMARK_ACCEPT)
+                .map_err(|e| EbpfError::io("reading net.ipv4.tcp_fwmark_accept", e))?;
+            let value = current.trim().parse().map_err(|_| {
+                EbpfError::io(
+                    "reading net.ipv4.tcp_fwmark_accept",
+                    std::io::Error::other(format!("not a number: {current:?}")),
+                )
+            })?;
+            let record = self.pins.fwmark_accept_record(cookie, value);
+            std::fs::create_dir_all(&record)
+                .map_err(|e| EbpfError::io(&format!("creating {}", record.display()), e))?;
+        }
+        std::fs::write(FWMARK_ACCEPT, "1")
+            .map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
+    }
+
     /// Attaches the socket lookup program to the visited netns, where this kernel needs it
     /// (ebpf/meshcap-ebpf/src/handoff.rs), unless its pinned link is there already.
     fn attach_handoff(&self, cookie: u64) -> Result<(), EbpfError> {
@@ -282,7 +308,11 @@ impl EbpfBackend {
             )
         };
         let records = self.pins.tc_records(cookie);
+        let fwmark_accept = self.pins.fwmark_accept_before(cookie);
         let detached = podnet::run_in(&pod.netns, |visit| {
+            if let Some(value) = fwmark_accept {
+                restore_fwmark_accept(value);
+            }
             for (ifname, record) in &records {
                 tc::detach(visit, ifname, record);
             }
@@ -367,5 +397,16 @@ impl EbpfBackend {
         self.lock()
             .cookie(&pins::pod_record_name(pod))
             .or_else(|| podnet::cookie_of(&pod.netns).ok())
+    }
+}
+
+/// The sysctl `tcp_fwmark_accept` of the calling thread's netns.
+const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
+
+/// Puts the pod's own `tcp_fwmark_accept` back (in the visited netns). A failure leaves 1,
+/// which nothing in a released pod relies on: logged, never fatal.
+fn restore_fwmark_accept(value: u8) {
+    if let Err(err) = std::fs::write(FWMARK_ACCEPT, value.to_string()) {
+        tracing::warn!(error = %err, value, "restoring net.ipv4.tcp_fwmark_accept");
     }
 }
