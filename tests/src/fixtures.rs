@@ -41,17 +41,11 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
             .filter(|l| l.contains("lookup 133") || l.contains("lookup 100"))
             .map(str::to_owned),
     );
-    // The eBPF backend sets it for TPROXY and ambient pods, and puts the pod's own back.
-    let fwmark_accept = crate::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            netns.name(),
-            "cat",
-            "/proc/sys/net/ipv4/tcp_fwmark_accept",
-        ],
-    )?;
+    // The eBPF backend sets it for TPROXY and ambient pods, and puts the pod's own back. Read
+    // from inside the netns by this process (the VMs' initramfs has no `cat`).
+    let fwmark_accept = meshcap_agent::podnet::run_in(&netns.path(), |_| {
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_fwmark_accept")
+    })??;
     if fwmark_accept.trim() != "0" {
         out.push(format!(
             "net.ipv4.tcp_fwmark_accept = {}",
