@@ -76,8 +76,8 @@ pub static LISTENERS: SockHash<ListenerKey> = SockHash::with_max_entries(MAX_POD
 /// Inbound connections the classifier hands to the socket lookup, by 4-tuple (`netns` 0: the
 /// socket lookup does not know its netns; the server end is the pod's own address) →
 /// the listener. Entries are not taken when used: a retransmitted SYN, or the ACK of a SYN
-/// cookie, is looked up again; the LRU retires them, and the classifier removes one when it
-/// lets a new connection with that 4-tuple through.
+/// cookie, is looked up again; the LRU retires them, and the classifier removes a new SYN's
+/// entry before it decides (writing it again when it hands that SYN off too).
 #[map(name = "MESHCAP_HANDOFFS")]
 pub static HANDOFFS: LruHashMap<FlowKey, ListenerKey> = LruHashMap::with_max_entries(16_384, 0);
 
