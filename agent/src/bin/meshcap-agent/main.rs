@@ -81,7 +81,13 @@ fn main() -> ExitCode {
             bpffs_dir,
             pins_only,
         } => commands::uninstall(&bpffs_dir, pins_only),
-        Command::Run(args) => run::run(*args),
+        Command::Run(args) => {
+            // Before the runtime starts its threads: they inherit it.
+            if let Err(err) = meshcap_cni::sched::ask_for_short_slice() {
+                tracing::warn!("the kernel refused a short scheduler slice: {err}");
+            }
+            run::run(*args)
+        }
         Command::Status { socket, json } => commands::status(&socket, json),
         Command::Policy(args) => commands::show_policy(&args),
         Command::Probe => commands::probe_kernel(),
