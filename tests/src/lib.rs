@@ -596,6 +596,12 @@ pub mod bin {
     pub fn ztunnel() -> PathBuf {
         sibling("meshcap-ztunnel")
     }
+
+    /// Both ends of one TCP stream, for the stream edge cases.
+    #[must_use]
+    pub fn stream() -> PathBuf {
+        sibling("meshcap-stream")
+    }
 }
 
 /// `meshcap-standin`'s options for a stand-in Envoy: its listeners have `SO_REUSEPORT`, as

@@ -19,6 +19,7 @@ const HELPERS: &[&str] = &[
     "meshcap-standin",
     "meshcap-dial",
     "meshcap-ztunnel",
+    "meshcap-stream",
 ];
 
 /// Tests that run on the host only, with the reason printed by every `integration` run: what
@@ -34,7 +35,7 @@ pub struct Binaries {
     /// Test executables of `tests/tests/*.rs`, by test name.
     pub tests: Vec<(String, PathBuf)>,
     /// The agent, the plugin and the harness's helpers (stand-in Envoy, dial client, stand-in
-    /// ztunnel).
+    /// ztunnel, stream ends).
     pub helpers: Vec<PathBuf>,
     /// The VM's init.
     pub init: PathBuf,
