@@ -11,8 +11,7 @@
 //! Cases ([`Case`]): `echo` (messages of 1 B to 1 MiB echoed back, byte for byte), `large`
 //! (one 16 MiB write, far beyond the socket buffers, read slowly), `half-close` (the app
 //! shuts its sending side, then reads the proxy's answer to the end), `peek` (`MSG_PEEK` sees
-//! what the next read takes), `lowat` (`SO_RCVLOWAT`: a blocking read returns the low-water
-//! mark's worth, not the first piece), `sendfile` (the app sends a file with `sendfile`, the
+//! what the next read takes), `sendfile` (the app sends a file with `sendfile`, the
 //! proxy takes it with `splice` through a pipe), `reset` (the proxy closes with `SO_LINGER`
 //! 0: the app's read fails with `ECONNRESET`), `close` (the proxy closes: the app reads the
 //! end of the stream, then its write fails), `deferred` (the proxy's listener has
@@ -45,10 +44,6 @@ const DEFERRED_PIECE: usize = 1 << 10;
 /// The `many` case's connections.
 const MANY: usize = 2000;
 
-/// The `lowat` case's low-water mark, and the pieces the app sends it in.
-const LOWAT: usize = 1000;
-const PIECE: usize = 100;
-
 /// The edge cases, by name.
 #[derive(Clone, Copy)]
 enum Case {
@@ -56,7 +51,6 @@ enum Case {
     Large,
     HalfClose,
     Peek,
-    Lowat,
     Sendfile,
     Reset,
     Close,
@@ -71,7 +65,6 @@ impl Case {
             "large" => Self::Large,
             "half-close" => Self::HalfClose,
             "peek" => Self::Peek,
-            "lowat" => Self::Lowat,
             "sendfile" => Self::Sendfile,
             "reset" => Self::Reset,
             "close" => Self::Close,
@@ -191,19 +184,6 @@ fn play(mut conn: TcpStream, case: Case) -> anyhow::Result<String> {
                 String::from_utf8_lossy(&peeked[..n]),
                 String::from_utf8_lossy(&all)
             ))
-        }
-        Case::Lowat => {
-            set_int(
-                &conn,
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                libc::c_int::try_from(LOWAT)?,
-            )?;
-            conn.write_all(b"go\n")?;
-            let mut buf = [0; 4096];
-            let n = conn.read(&mut buf)?;
-            conn.write_all(b"done\n")?;
-            Ok(format!("first read {n}"))
         }
         Case::Sendfile => {
             let (out, into) = pipe()?;
@@ -404,14 +384,6 @@ fn dial(addr: SocketAddr, case: Case) -> anyhow::Result<String> {
         }
         Case::Peek => {
             conn.write_all(b"hello world")?;
-            Ok(line(&mut conn)?)
-        }
-        Case::Lowat => {
-            ensure!(line(&mut conn)? == "go", "no go from the proxy");
-            for i in 0..LOWAT / PIECE {
-                conn.write_all(&pattern(i * PIECE, PIECE))?;
-                std::thread::sleep(Duration::from_millis(10));
-            }
             Ok(line(&mut conn)?)
         }
         Case::Sendfile => {
