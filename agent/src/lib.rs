@@ -27,6 +27,7 @@
 //!   iptables rendering and an evaluator of the rendered rules;
 //! - [`probe`]: can this kernel run the eBPF backend;
 //! - [`repair`]: Istio's repair controller, for pods that started before their capture;
+//! - [`sched`]: a short scheduler slice, so that a busy node's pods do not delay an ADD;
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
@@ -64,6 +65,7 @@ pub mod pods;
 pub mod policy;
 pub mod probe;
 pub mod repair;
+pub mod sched;
 pub mod settings;
 pub mod status;
 pub mod taint;

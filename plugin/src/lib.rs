@@ -6,12 +6,10 @@
 //! - [`protocol`]: the plugin ⇄ agent protocol (the agent depends on this module);
 //! - [`fallback`]: with the agent down, the decision `meshcap-agent decide` makes (the agent's
 //!   own selection, run from its copy beside the plugin);
-//! - [`plugin`]: one invocation, from environment and stdin to stdout and exit status;
-//! - [`sched`]: a short scheduler slice for both ends of a request (the agent uses it too).
-#![deny(unsafe_code)]
+//! - [`plugin`]: one invocation, from environment and stdin to stdout and exit status.
+#![forbid(unsafe_code)]
 
 pub mod cni;
 pub mod fallback;
 pub mod plugin;
 pub mod protocol;
-pub mod sched;

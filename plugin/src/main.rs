@@ -7,15 +7,13 @@ use std::{
 
 use meshcap_cni::{
     cni::{CniError, LATEST_VERSION, code},
-    plugin, sched,
+    plugin,
 };
 
 /// Configurations are small; a bound keeps a broken runtime from feeding us forever.
 const MAX_STDIN: u64 = 4 * 1024 * 1024;
 
 fn main() -> ExitCode {
-    // Only the order in which a busy node runs things: a kernel that refuses changes nothing.
-    let _ = sched::ask_for_short_slice();
     let mut stdin = Vec::new();
     let read = std::io::stdin().take(MAX_STDIN + 1).read_to_end(&mut stdin);
     let output = match read {

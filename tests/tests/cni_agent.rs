@@ -868,24 +868,23 @@ fn kernel_log_records_reach_the_agents_log() {
     assert!(cni("DEL", &sandbox, &conf).expect("DEL").success);
 }
 
-/// Every thread of a running agent wakes with the short scheduler slice the plugin's process
-/// asks for too, where the kernel has per-task slices (Linux 6.12+): on a busy node an ADD's
-/// wake-ups then preempt the pods' work instead of waiting for its slices to end
-/// (BENCHMARKS.md, pod set-up with the machine busy). Where the kernel has none, the agent runs
-/// as before.
+/// Every thread of a running agent runs with a short scheduler slice where the kernel has
+/// per-task slices (Linux 6.12+): on a busy node an ADD's wake-ups in the agent then preempt
+/// the pods' work instead of waiting for its slices to end (BENCHMARKS.md, session 12). Where
+/// the kernel has none, the agent runs as before.
 #[test]
 fn the_agents_threads_ask_for_a_short_slice() {
     require_root();
     let dir = ManifestDir::new();
     let agent = dir_agent(Backend::Iptables, &dir);
     let expected = thread::spawn(|| {
-        meshcap_cni::sched::ask_for_short_slice().expect("sched_setattr");
-        meshcap_cni::sched::slice_ns(0).expect("sched_getattr")
+        meshcap_agent::sched::ask_for_short_slice().expect("sched_setattr");
+        meshcap_agent::sched::slice_ns(0).expect("sched_getattr")
     })
     .join()
     .expect("thread");
     if expected.is_some() {
-        assert_eq!(expected, Some(meshcap_cni::sched::SHORT_SLICE_NS));
+        assert_eq!(expected, Some(meshcap_agent::sched::SHORT_SLICE_NS));
     }
     let tasks: Vec<i32> = std::fs::read_dir(format!("/proc/{}/task", agent.pid()))
         .expect("the agent's threads")
@@ -902,7 +901,7 @@ fn the_agents_threads_ask_for_a_short_slice() {
         "a running agent has its runtime's threads: {tasks:?}"
     );
     for tid in tasks {
-        let slice = meshcap_cni::sched::slice_ns(tid).expect("sched_getattr");
+        let slice = meshcap_agent::sched::slice_ns(tid).expect("sched_getattr");
         assert_eq!(slice, expected, "thread {tid} of the agent");
     }
 }

@@ -83,7 +83,7 @@ fn main() -> ExitCode {
         } => commands::uninstall(&bpffs_dir, pins_only),
         Command::Run(args) => {
             // Before the runtime starts its threads: they inherit it.
-            if let Err(err) = meshcap_cni::sched::ask_for_short_slice() {
+            if let Err(err) = meshcap_agent::sched::ask_for_short_slice() {
                 tracing::warn!("the kernel refused a short scheduler slice: {err}");
             }
             run::run(*args)

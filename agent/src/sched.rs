@@ -1,5 +1,5 @@
-//! Both ends of a CNI request ask the scheduler for a short slice, so that on a busy node they
-//! run as soon as they wake instead of after a busy pod's turn.
+//! The agent asks the scheduler for a short slice, so that on a busy node it runs as soon as a
+//! request wakes it instead of after a busy pod's turn.
 //!
 //! A pod's ADD is a chain of short wake-ups: the runtime starts the plugin, the plugin asks
 //! the agent, the agent (and, with the iptables backend, `iptables-restore`) works and
@@ -9,7 +9,9 @@
 //! deadline, so it preempts. The share of CPU time is unchanged (that is the weight's); only
 //! the order changes. Earlier kernels ignore the field, and so does this: nothing else is
 //! touched (policy and nice stay as the caller set them; a real-time policy is left alone).
-//! Threads and processes started afterwards inherit the slice.
+//! Threads and processes started afterwards inherit the slice. The plugin does not ask: with
+//! both ends short they preempt each other on every hand-over, and a quiet node's ADD got
+//! slower (BENCHMARKS.md, session 12).
 #![expect(
     unsafe_code,
     reason = "sched_getattr and sched_setattr have no safe wrapper"
