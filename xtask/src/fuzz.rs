@@ -27,7 +27,7 @@ pub const TARGETS: &[&str] = &[
 ];
 
 /// How long CI runs each target (`cargo xtask test`).
-pub const CI_SECONDS: u64 = 30;
+pub const CI_SECONDS: u64 = 20;
 
 #[derive(clap::Args)]
 pub struct Args {
