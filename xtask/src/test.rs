@@ -1,5 +1,9 @@
-//! `cargo xtask test`: the whole gate, as CI runs it. Each phase is timed.
-use std::{process::Command, time::Instant};
+//! `cargo xtask test`: the whole gate, as CI runs it. Each phase is timed, and the disk space
+//! left after it is reported: twice a CI machine ran out of disk (stops 28 and 29), and the
+//! first thing to know then is how much there was.
+use std::{path::Path, process::Command, time::Instant};
+
+use anyhow::Context as _;
 
 use crate::{
     cmd::{self, root},
@@ -13,15 +17,32 @@ use crate::{
 /// 8 minutes and the fuzz phase's 6.5 the whole run takes about 39 minutes of CI's 40.
 pub const CI_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
 
+/// What a clean clone's run writes to its disk, measured (docs/development.md "Disk"): build,
+/// clippy and fuzz target directories and the VMs' kernels and initramfs.
+const CLEAN_RUN_WRITES: u64 = 12_000_000_000;
+
 pub fn run(host_only: bool) -> anyhow::Result<()> {
     let root = root();
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| root.join("target"), std::path::PathBuf::from);
+    let free_at_start = free_bytes(&root);
+    eprintln!(
+        "xtask test: {} free on {}",
+        gb(free_at_start),
+        root.display()
+    );
+    if free_at_start.is_some_and(|free| free < CLEAN_RUN_WRITES) {
+        eprintln!(
+            "xtask test: WARNING: a clean clone's run writes about {}; this disk may run out",
+            gb(Some(CLEAN_RUN_WRITES))
+        );
+    }
     let mut timings = Vec::new();
     let mut phase = |name: String, run: &mut dyn FnMut() -> anyhow::Result<()>| {
         let start = Instant::now();
-        run()?;
-        timings.push((name, start.elapsed()));
+        run()
+            .with_context(|| format!("{} free on {} now", gb(free_bytes(&root)), root.display()))?;
+        timings.push((name, start.elapsed(), free_bytes(&root)));
         anyhow::Ok(())
     };
     let command = |cmd: &mut Command| {
@@ -117,9 +138,30 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
             &mut || integration::run(&integration::Args::for_kernels(CI_KERNELS)),
         )?;
     }
-    eprintln!("xtask test: all phases passed");
-    for (name, took) in timings {
-        eprintln!("  {name:<36} {:>7.1}s", took.as_secs_f64());
+    eprintln!(
+        "xtask test: all phases passed ({} free at the start)",
+        gb(free_at_start)
+    );
+    for (name, took, free) in timings {
+        eprintln!(
+            "  {name:<36} {:>7.1}s   {} free after",
+            took.as_secs_f64(),
+            gb(free)
+        );
     }
     Ok(())
+}
+
+/// Bytes an unprivileged writer may still use on the filesystem holding `path`.
+fn free_bytes(path: &Path) -> Option<u64> {
+    let stat = nix::sys::statvfs::statvfs(path).ok()?;
+    Some(stat.blocks_available() * stat.fragment_size())
+}
+
+fn gb(bytes: Option<u64>) -> String {
+    bytes.map_or_else(
+        || "unknown space".to_owned(),
+        #[expect(clippy::cast_precision_loss, reason = "a figure for people")]
+        |bytes| format!("{:.1} GB", bytes as f64 / 1e9),
+    )
 }
