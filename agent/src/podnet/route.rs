@@ -62,11 +62,10 @@ pub fn update(
     old: &PolicyRoutes,
     new: &PolicyRoutes,
 ) -> Result<(), PodNetError> {
-    let wanted = pairs(new);
-    for (route, family) in &wanted {
+    for (route, family) in &pairs(new) {
         ensure(netlink, route, *family)?;
     }
-    for (route, family) in pairs(old).iter().filter(|pair| !wanted.contains(pair)) {
+    for (route, family) in &dropped(old, new) {
         remove(netlink, route, *family)?;
     }
     for prefix in &new.loopback_addresses {
@@ -152,11 +151,31 @@ pub fn main_table(
 }
 
 /// The mark route of `routes` with each family it is installed in.
+/// The rules and routes of `old` that `new` does not have.
+fn dropped(old: &PolicyRoutes, new: &PolicyRoutes) -> Vec<(MarkRoute, Family)> {
+    let wanted = pairs(new);
+    pairs(old)
+        .into_iter()
+        .filter(|pair| !wanted.contains(pair))
+        .collect()
+}
+
+/// The mark route of `routes` once per family, each naming its own family alone: what is in
+/// the kernel is one rule and one route per family, so a route kept in IPv4 while its IPv6
+/// goes (`ambient.ipv6` switched off) compares equal to the IPv4 one there and stays.
 fn pairs(routes: &PolicyRoutes) -> Vec<(MarkRoute, Family)> {
     routes
         .mark_route
         .iter()
-        .flat_map(|route| route.families.iter().map(|family| (route.clone(), *family)))
+        .flat_map(|route| {
+            route.families.iter().map(|&family| {
+                let one = MarkRoute {
+                    families: vec![family],
+                    ..route.clone()
+                };
+                (one, family)
+            })
+        })
         .collect()
 }
 
@@ -354,5 +373,39 @@ fn del_loopback(netlink: &mut Netlink, prefix: &IpPrefix) -> Result<(), PodNetEr
             ))(e))
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routes(route: MarkRoute) -> PolicyRoutes {
+        PolicyRoutes {
+            mark_route: Some(route),
+            ..PolicyRoutes::default()
+        }
+    }
+
+    fn families(pairs: &[(MarkRoute, Family)]) -> Vec<Family> {
+        pairs.iter().map(|(_, family)| *family).collect()
+    }
+
+    #[test]
+    fn a_family_switched_off_drops_its_own_rule_and_route_only() {
+        let both = routes(MarkRoute::ambient(true));
+        let v4 = routes(MarkRoute::ambient(false));
+        assert_eq!(families(&dropped(&both, &v4)), [Family::V6]);
+        assert_eq!(families(&dropped(&v4, &both)), []);
+        assert_eq!(families(&dropped(&both, &both)), []);
+        assert_eq!(
+            families(&dropped(&both, &PolicyRoutes::default())),
+            [Family::V4, Family::V6]
+        );
+        assert_eq!(
+            families(&dropped(&routes(MarkRoute::tproxy(true)), &both)),
+            [Family::V4, Family::V6],
+            "another route altogether"
+        );
     }
 }
