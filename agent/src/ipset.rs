@@ -153,7 +153,7 @@ impl IpSets {
         m.u8(ATTR_PROTOCOL, PROTOCOL);
         m.string(ATTR_SETNAME, name);
         match self.request(m, false) {
-            Err(err) if err.raw_os_error() == Some(ENOENT) => Ok(()),
+            Err(err) if is_missing(&err) => Ok(()),
             other => other.map(drop),
         }
     }
@@ -245,6 +245,12 @@ impl IpSets {
             }
         }
     }
+}
+
+/// Whether `err` is the kernel's answer for a set that is not there.
+#[must_use]
+pub fn is_missing(err: &io::Error) -> bool {
+    err.raw_os_error() == Some(ENOENT)
 }
 
 /// Whether `err` is the kernel's refusal to destroy a set something still holds.

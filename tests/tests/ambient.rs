@@ -475,6 +475,42 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
          netns, both interfaces', for a record without them) in"
     );
     assert_eq!(probe_jumps(&node), 1, "a restart leaves one probe rule");
+    // An IPv6 probe address an agent with `ambient.ipv6` left (its pod gone since) goes when
+    // the agent starts with the setting off; the IPv4 set keeps the pod's.
+    node.netns
+        .run_in(|| {
+            let left = Entry {
+                ip: "fd00:77::2".parse()?,
+                comment: "uid-gone".into(),
+            };
+            Ok(IpSets::open()?.add(PROBE_SET_V6, &left)?)
+        })
+        .expect("an IPv6 probe address");
+    agent.set_env("MESHCAP_AMBIENT_IPV6", Some("false"));
+    agent.restart().expect("restart");
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+    let mut synced_v4 = probe_set(&node);
+    synced_v4.sort();
+    assert_eq!(
+        synced_v4,
+        synced,
+        "ambient.ipv6 off: the IPv6 set emptied, the pod's IPv4 addresses kept\n{}",
+        agent.log()
+    );
+    agent.set_env("MESHCAP_AMBIENT_IPV6", None);
+    eprintln!(
+        "DEBUG rules6: {}",
+        pod.netns.ip(&["-6", "rule", "show"]).unwrap()
+    );
+    eprintln!(
+        "DEBUG t100: {}",
+        pod.netns.ip(&["route", "show", "table", "100"]).unwrap()
+    );
+    eprintln!(
+        "DEBUG addr: {}",
+        pod.netns.ip(&["addr", "show", "dev", "lo"]).unwrap()
+    );
     captured_as_istio_does(&node, &pod, &other);
     // ztunnel restarts: the new one is sent the pod.
     drop(zt);

@@ -78,17 +78,7 @@ impl HostProbes {
     /// # Errors
     /// When the kernel refuses an entry.
     pub fn add(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
-        self.sets(|sets| {
-            for ip in self.kept(ips) {
-                let entry = Entry {
-                    ip,
-                    comment: uid.to_owned(),
-                };
-                sets.add(set_of(ip), &entry)
-                    .map_err(|e| failed(format!("adding {ip} to {}", set_of(ip)), &e))?;
-            }
-            Ok(())
-        })
+        self.sets(|sets| self.add_in(sets, uid, ips))
     }
 
     /// Removes every entry that carries `uid` (another pod's entry for one of its addresses
@@ -102,22 +92,43 @@ impl HostProbes {
     }
 
     /// Makes the sets exactly `pods`' addresses, as (uid, addresses): each added, every other
-    /// entry removed.
+    /// entry removed, in one visit to the node. With `ambient.ipv6` off, the IPv6 set an
+    /// earlier agent filled (the setting on) is emptied: its rule, which only `uninstall`
+    /// removes, then matches nothing, where its entries would go on SNAT-ing probes to
+    /// addresses whose pods left while no agent kept the set.
     ///
     /// # Errors
     /// When the sets cannot be read or the kernel refuses.
     pub fn sync(&self, pods: &[(String, Vec<IpAddr>)]) -> Result<(), AmbientError> {
-        for (uid, ips) in pods {
-            self.add(uid, ips)?;
-        }
         let wanted: BTreeSet<IpAddr> = pods.iter().flat_map(|(_, ips)| ips.clone()).collect();
-        self.delete_where(|e| {
-            let stale = !wanted.contains(&e.ip);
-            if stale {
-                info!(ip = %e.ip, uid = e.comment, "dropping a probe address no enrolled pod holds");
+        self.sets(|sets| {
+            for (uid, ips) in pods {
+                self.add_in(sets, uid, ips)?;
             }
-            stale
+            self.delete_in(sets, &|e| {
+                let stale = !wanted.contains(&e.ip);
+                if stale {
+                    info!(ip = %e.ip, uid = e.comment, "dropping a probe address no enrolled pod holds");
+                }
+                stale
+            })?;
+            if !self.ipv6 {
+                empty_left_v6(sets)?;
+            }
+            Ok(())
         })
+    }
+
+    fn add_in(&self, sets: &mut IpSets, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
+        for ip in self.kept(ips) {
+            let entry = Entry {
+                ip,
+                comment: uid.to_owned(),
+            };
+            sets.add(set_of(ip), &entry)
+                .map_err(|e| failed(format!("adding {ip} to {}", set_of(ip)), &e))?;
+        }
+        Ok(())
     }
 
     /// Deletes every entry of the sets `doomed` picks.
@@ -125,19 +136,25 @@ impl HostProbes {
         &self,
         doomed: impl Fn(&Entry) -> bool + Send + Sync,
     ) -> Result<(), AmbientError> {
-        self.sets(|sets| {
-            for family in self.families() {
-                let set = set_name(family);
-                let listed = sets
-                    .list(set)
-                    .map_err(|e| failed(format!("listing {set}"), &e))?;
-                for entry in listed.iter().filter(|e| doomed(e)) {
-                    sets.delete(set, entry.ip)
-                        .map_err(|e| failed(format!("deleting {} from {set}", entry.ip), &e))?;
-                }
+        self.sets(|sets| self.delete_in(sets, &doomed))
+    }
+
+    fn delete_in(
+        &self,
+        sets: &mut IpSets,
+        doomed: &dyn Fn(&Entry) -> bool,
+    ) -> Result<(), AmbientError> {
+        for family in self.families() {
+            let set = set_name(family);
+            let listed = sets
+                .list(set)
+                .map_err(|e| failed(format!("listing {set}"), &e))?;
+            for entry in listed.iter().filter(|e| doomed(e)) {
+                sets.delete(set, entry.ip)
+                    .map_err(|e| failed(format!("deleting {} from {set}", entry.ip), &e))?;
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     fn families(&self) -> impl Iterator<Item = Family> {
@@ -178,6 +195,20 @@ pub fn remove_from_node(
         }
         Ok(())
     })
+}
+
+/// Empties the IPv6 probe set, if an agent with `ambient.ipv6` left one.
+fn empty_left_v6(sets: &mut IpSets) -> Result<(), AmbientError> {
+    let listed = match sets.list(PROBE_SET_V6) {
+        Err(err) if ipset::is_missing(&err) => return Ok(()),
+        listed => listed.map_err(|e| failed(format!("listing {PROBE_SET_V6}"), &e))?,
+    };
+    for entry in listed {
+        info!(ip = %entry.ip, uid = entry.comment, "ambient.ipv6 is off: dropping an IPv6 probe address an earlier agent left");
+        sets.delete(PROBE_SET_V6, entry.ip)
+            .map_err(|e| failed(format!("deleting {} from {PROBE_SET_V6}", entry.ip), &e))?;
+    }
+    Ok(())
 }
 
 /// How long a set may stay held after the rule matching it went (see [`destroy`]).
