@@ -35,6 +35,7 @@ meshcap_tests::test_on_both_backends!(
     running_pods_join_and_leave_as_their_labels_change,
     a_starting_agent_makes_enrolled_pods_rules_its_own,
     a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way,
+    an_enrolled_pod_whose_netns_went_without_a_del_is_dropped,
 );
 
 /// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
@@ -78,16 +79,30 @@ fn ambient_agent_capturing(
     socket: &Path,
     in_kernel: bool,
 ) -> Agent {
+    ambient_agent_with(backend, node, pods, socket, in_kernel, &[])
+}
+
+/// [`ambient_agent_capturing`] with more arguments.
+fn ambient_agent_with(
+    backend: Backend,
+    node: &Node,
+    pods: &ManifestDir,
+    socket: &Path,
+    in_kernel: bool,
+    more: &[&str],
+) -> Agent {
     let socket = socket.to_str().expect("utf-8");
     let node_netns = node.netns.path();
+    let mut args = vec![
+        "--pods",
+        "dir",
+        "--pod-dir",
+        pods.0.to_str().expect("utf-8"),
+    ];
+    args.extend_from_slice(more);
     Agent::start_in(
         backend,
-        &[
-            "--pods",
-            "dir",
-            "--pod-dir",
-            pods.0.to_str().expect("utf-8"),
-        ],
+        &args,
         &[
             ("MESHCAP_AMBIENT_ENABLED", "true"),
             (
@@ -188,6 +203,11 @@ impl Scene {
 
 /// A stand-in ztunnel, connected and sent its snapshot (`expected`, then `snapshot_sent`).
 fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
+    ztunnel_with(node, socket, expected, &[])
+}
+
+/// [`ztunnel`] with more arguments.
+fn ztunnel_with(node: &Node, socket: &Path, expected: &[String], more: &[&str]) -> Proc {
     let socket = socket.to_str().expect("utf-8");
     // In the node's cgroup, as ztunnel's pod is under the root the programs attach to: its
     // own sockets are seen by them, and must be told apart by their mark.
@@ -195,7 +215,9 @@ fn ztunnel(node: &Node, socket: &Path, expected: &[String]) -> Proc {
         cgroup: Some(&node.cgroup),
         ..node.client()
     };
-    let mut zt = Proc::spawn(at, &bin::ztunnel(), &["--socket", socket]).expect("meshcap-ztunnel");
+    let mut args = vec!["--socket", socket];
+    args.extend_from_slice(more);
+    let mut zt = Proc::spawn(at, &bin::ztunnel(), &args).expect("meshcap-ztunnel");
     for line in expected {
         assert_eq!(&zt.wait_line().expect("ztunnel"), line);
     }
@@ -360,6 +382,73 @@ fn probe_jumps(node: &Node) -> usize {
                 .count()
         })
         .sum()
+}
+
+/// A pod whose netns went without a DEL this agent saw (its runtime's DEL came while an
+/// earlier agent was down): within `--gone-check-seconds` the running agent drops its
+/// enrollment whole, as a DEL would: ztunnel is told, its address leaves the probe set, and no
+/// record, rule record or pin is left. (In the kernel where [`in_kernel_here`] says so.)
+fn an_enrolled_pod_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
+    require_root();
+    let in_kernel = backend == Backend::Ebpf && in_kernel_here().1;
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    write_manifest(&pods.0, &ambient_pod("web"));
+    let agent = ambient_agent_with(
+        backend,
+        &node,
+        &pods,
+        &sockets.socket(),
+        in_kernel,
+        &["--gone-check-seconds", "1"],
+    );
+    // Acks only: the stand-in's listeners would be a process in the pod's netns, keeping it
+    // alive where ztunnel's own sockets (closed when it is told the pod left) do not count.
+    let mut zt = ztunnel_with(&node, &sockets.socket(), &[], &["--acks-only"]);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let add = cni("ADD", &Sandbox::new("shop", "web", &pod.netns), &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    assert_eq!(
+        zt.wait_line().expect("ztunnel"),
+        format!("add uid-web {} shop/web", inode(&pod.netns))
+    );
+    assert_eq!(probe_set(&node).len(), 1, "enrolled: in the probe set");
+    let enrolled = agent.status().expect("status").pods;
+    assert!(
+        enrolled[0].captured.summary.contains(if in_kernel {
+            "in the kernel"
+        } else {
+            "ztunnel"
+        }),
+        "{enrolled:?}"
+    );
+
+    drop(pod);
+    assert_eq!(
+        zt.wait_line().expect("ztunnel"),
+        "del uid-web",
+        "ztunnel is told\n{}",
+        agent.log()
+    );
+    eventually("the gone pod's enrollment is dropped whole", || {
+        let pins = agent.ebpf_leftovers().unwrap_or_default();
+        probe_set(&node).is_empty()
+            && agent.status().is_ok_and(|s| s.pods.is_empty())
+            && pins.is_empty()
+            && ["workloads", "iptables"].iter().all(|dir| {
+                std::fs::read_dir(agent.state_dir().join("ambient").join(dir))
+                    .map_or(true, |mut d| d.next().is_none())
+            })
+    })
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: probe set {:?}, pins {:?}\n{}",
+            probe_set(&node),
+            agent.ebpf_leftovers(),
+            agent.log()
+        )
+    });
 }
 
 fn an_ambient_pod_is_captured_for_ztunnel_and_released(backend: Backend) {

@@ -374,12 +374,16 @@ impl CaptureBackend for EbpfBackend {
         Ok(gone)
     }
 
+    /// Sidecar captures only: an ambient one is its enrollment's to drop
+    /// ([`Self::prune_gone_ambient`], which also tells ztunnel and forgets the probe
+    /// addresses); dropped here, a netns going between the two looks would leave its
+    /// enrollment behind.
     fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
         let live = podnet::live_cookies();
         let gone: Vec<_> = self
             .pinned_pods()
             .into_iter()
-            .filter(|pod| !live.contains(&pod.netns_cookie))
+            .filter(|pod| !pod.ambient && !live.contains(&pod.netns_cookie))
             .collect();
         *self.found_gone() = gone.iter().map(|pod| pod.netns_cookie).collect();
         Ok(gone.into_iter().map(|pod| pod.pod_ref()).collect())
