@@ -18,6 +18,7 @@
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
+//! - [`mountinfo`]: the process's mounts (the cgroup v2 hierarchy, bind-mounted netns);
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
 //! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
 //!   interfaces and addresses, routes, TC filters), over one netlink socket per visit, and
@@ -59,6 +60,7 @@ pub mod install;
 pub mod instance;
 pub mod ipset;
 pub mod logging;
+pub mod mountinfo;
 pub mod paths;
 pub mod podnet;
 pub mod pods;

@@ -688,10 +688,53 @@ fn sigkilled_agent_leaves_capture_in_place_and_restart_reconciles() {
     );
 }
 
+/// A pod netns mounted only in a directory of its own, as containerd keeps it with
+/// `netns_mounts_under_state_dir`, with no process in it: between a sandbox's CNI ADD and the
+/// start of its pause container. Moved back on drop, for the handle to delete.
+struct MountedElsewhere<'n> {
+    netns: &'n Netns,
+    dir: std::path::PathBuf,
+}
+
+impl<'n> MountedElsewhere<'n> {
+    fn new(netns: &'n Netns) -> Self {
+        let dir = std::env::temp_dir().join(unique_name("mc-state-dir"));
+        std::fs::create_dir_all(&dir).expect("state dir");
+        let moved = Self { netns, dir };
+        move_mount(&netns.path(), &moved.path()).expect("moving the netns mount");
+        moved
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.join("netns")
+    }
+}
+
+impl Drop for MountedElsewhere<'_> {
+    fn drop(&mut self) {
+        if let Err(err) = move_mount(&self.path(), &self.netns.path()) {
+            eprintln!("cleanup: {err:#}");
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Bind-mounts the namespace file `from` at `to` and takes it away from `from`.
+fn move_mount(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::File::create(to)?;
+    let (from_s, to_s) = (from.to_str().expect("utf-8"), to.to_str().expect("utf-8"));
+    meshcap_tests::run("mount", &["--bind", from_s, to_s])?;
+    meshcap_tests::run("umount", &[from_s])?;
+    std::fs::remove_file(from)?;
+    Ok(())
+}
+
 /// A pod whose runtime DEL came while the agent was down (the plugin lets it succeed) and whose
 /// netns went only after the agent was back: the running agent drops its capture within
 /// `--gone-check-seconds`, not at its next start only. Found by the chaos soak (one pod's pins
-/// and map entries left after 40 restarts, 1,000 pods). The live pod beside it stays captured.
+/// and map entries left after 40 restarts, 1,000 pods). The live pod beside it stays captured,
+/// and so does one whose netns is mounted outside `/run/netns` with no process in it yet
+/// ([`MountedElsewhere`]): the check that drops the gone pod sees it alive.
 fn a_capture_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
     require_root();
     let dir = ManifestDir::new();
@@ -713,12 +756,23 @@ fn a_capture_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
     // Pods with an eth0 (the eBPF backend's CHECK looks for its TC program there).
     let live = Wired::new(&agent);
     let gone = Wired::new(&agent);
-    for name in ["live", "gone"] {
+    let starting = Wired::new(&agent);
+    let elsewhere = MountedElsewhere::new(&starting.pod);
+    for name in ["live", "gone", "starting"] {
         write_manifest(&dir.0, &sidecar_pod("shop", name, &[]));
     }
     let live_sandbox = Sandbox::new("shop", "live", &live.pod);
-    for sandbox in [&live_sandbox, &Sandbox::new("shop", "gone", &gone.pod)] {
-        assert!(cni("ADD", sandbox, &conf).expect("ADD").success);
+    let starting_sandbox = Sandbox {
+        netns: elsewhere.path(),
+        ..Sandbox::new("shop", "starting", &starting.pod)
+    };
+    for sandbox in [
+        &live_sandbox,
+        &Sandbox::new("shop", "gone", &gone.pod),
+        &starting_sandbox,
+    ] {
+        let add = cni("ADD", sandbox, &conf).expect("ADD");
+        assert!(add.success, "{add:?}\n{}", agent.log());
     }
     let captured = || -> Vec<String> {
         let report = agent.status().expect("status");
@@ -728,19 +782,30 @@ fn a_capture_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
             .map(|p| p.captured.pod.name.clone())
             .collect()
     };
-    let mut both = captured();
-    both.sort();
-    assert_eq!(both, ["gone", "live"]);
+    let sorted = || {
+        let mut pods = captured();
+        pods.sort();
+        pods
+    };
+    assert_eq!(sorted(), ["gone", "live", "starting"]);
     drop(gone);
     eventually("the gone pod's capture is dropped", || {
-        captured() == ["live"]
+        !captured().contains(&"gone".to_owned())
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
-    assert!(
-        cni("CHECK", &live_sandbox, &conf).expect("CHECK").success,
-        "the live pod stays captured"
+    assert_eq!(
+        sorted(),
+        ["live", "starting"],
+        "the pods alive stay captured\n{}",
+        agent.log()
     );
-    assert!(cni("DEL", &live_sandbox, &conf).expect("DEL").success);
+    for sandbox in [&live_sandbox, &starting_sandbox] {
+        let check = cni("CHECK", sandbox, &conf).expect("CHECK");
+        assert!(check.success, "{check:?}");
+    }
+    for sandbox in [&live_sandbox, &starting_sandbox] {
+        assert!(cni("DEL", sandbox, &conf).expect("DEL").success);
+    }
     assert!(captured().is_empty());
     assert_eq!(agent.ebpf_leftovers().expect("pins"), Vec::<String>::new());
     let records = std::fs::read_dir(agent.state_dir().join("iptables")).map_or(0, Iterator::count);

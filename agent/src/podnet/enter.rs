@@ -12,6 +12,7 @@ use std::{
 use nix::sched::{CloneFlags, setns};
 
 use super::{PodNetError, Visit};
+use crate::mountinfo;
 
 /// `SO_NETNS_COOKIE` (Linux 5.14), not yet in every libc.
 const SO_NETNS_COOKIE: libc::c_int = 71;
@@ -101,9 +102,11 @@ pub fn cookie_of(path: &Path) -> Result<u64, PodNetError> {
 }
 
 /// The cookies of every network namespace alive on the host, as far as it can be seen: those
-/// of every process (`/proc/<pid>/ns/net`) and those bind-mounted where runtimes and `ip netns`
-/// keep them (`/run/netns`, `/var/run/netns`). Each namespace is entered once (deduplicated by
-/// inode).
+/// of every process (`/proc/<pid>/ns/net`), those bind-mounted where runtimes and `ip netns`
+/// keep them (`/run/netns`, `/var/run/netns`), and every other namespace bind mount the agent
+/// sees (`/proc/self/mountinfo`): containerd with `netns_mounts_under_state_dir` keeps a
+/// sandbox's under its state directory, the only trace of it between the CNI ADD and the start
+/// of its pause container. Each namespace is entered once (deduplicated by inode).
 #[must_use]
 pub fn live_cookies() -> HashSet<u64> {
     let mut candidates: Vec<PathBuf> = fs::read_dir("/proc")
@@ -127,6 +130,9 @@ pub fn live_cookies() -> HashSet<u64> {
                 .map(|e| e.path()),
         );
     }
+    // Other kinds of namespace are bind-mounted too (nsfs): entering them as a network
+    // namespace fails, and they are passed over.
+    candidates.extend(mountinfo::mount_points("nsfs").unwrap_or_default());
     let mut seen = HashSet::new();
     let mut cookies = HashSet::new();
     for path in candidates {
