@@ -303,14 +303,16 @@ impl EbpfBackend {
             .collect()
     }
 
-    /// Drops the ambient captures whose network namespace is gone and returns those pods.
+    /// Drops the ambient captures whose network namespace is gone and returns those pods. The
+    /// pins are listed before the namespaces are walked, as in `gone`.
     ///
     /// # Errors
     /// When an entry cannot be dropped.
     pub fn prune_gone_ambient(&self) -> Result<Vec<PodRef>, EbpfError> {
+        let pinned_pods = self.pinned_pods();
         let live = podnet::live_cookies();
         let mut gone = Vec::new();
-        for pinned in self.pinned_pods() {
+        for pinned in pinned_pods {
             if pinned.ambient && !live.contains(&pinned.netns_cookie) {
                 let pod = pinned.pod_ref();
                 Self::remove(self, &pod)?;
@@ -351,10 +353,12 @@ impl CaptureBackend for EbpfBackend {
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        // Listed before the walk, as in `gone`.
+        let pinned_pods = self.pinned_pods();
         let live = podnet::live_cookies();
         let mut gone = Vec::new();
         let mut pinned = HashSet::new();
-        for pod in self.pinned_pods() {
+        for pod in pinned_pods {
             if live.contains(&pod.netns_cookie) {
                 pinned.insert(pod.netns_cookie);
                 continue;
@@ -374,14 +378,17 @@ impl CaptureBackend for EbpfBackend {
         Ok(gone)
     }
 
+    /// The pins are listed before the namespaces are walked: a pod pinned by an ADD running
+    /// meanwhile, whose netns may be newer than the walk, is never judged on it.
+    ///
     /// Sidecar captures only: an ambient one is its enrollment's to drop
     /// ([`Self::prune_gone_ambient`], which also tells ztunnel and forgets the probe
     /// addresses); dropped here, a netns going between the two looks would leave its
     /// enrollment behind.
     fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        let pinned_pods = self.pinned_pods();
         let live = podnet::live_cookies();
-        let gone: Vec<_> = self
-            .pinned_pods()
+        let gone: Vec<_> = pinned_pods
             .into_iter()
             .filter(|pod| !pod.ambient && !live.contains(&pod.netns_cookie))
             .collect();
