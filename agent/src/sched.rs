@@ -82,6 +82,7 @@ mod tests {
     fn a_thread_that_asks_gets_the_short_slice_where_the_kernel_has_slices() {
         std::thread::spawn(|| {
             let before = slice_ns(0).unwrap();
+            // SAFETY: getpriority takes no pointer; 0 is the calling thread.
             let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
             ask_for_short_slice().unwrap();
             let after = slice_ns(0).unwrap();
@@ -90,7 +91,9 @@ mod tests {
                 Some(_) => assert_eq!(after, Some(SHORT_SLICE_NS)),
                 None => assert_eq!(after, None),
             }
-            assert_eq!(unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) }, nice);
+            // SAFETY: as above.
+            let nice_after = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+            assert_eq!(nice_after, nice);
         })
         .join()
         .unwrap();
