@@ -984,6 +984,75 @@ fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
+/// `ambient.inKernel` switched off, then on again, across restarts with a pod enrolled: each
+/// starting agent moves the pod's capture to its own way (Istio's in-pod rules, then the kernel
+/// programs), the pod captured as Istio does throughout and ztunnel sent it in each snapshot;
+/// nothing of the other way is left. Where the eBPF backend cannot run, the setting gives way
+/// on both starts and the pod keeps Istio's rules.
+#[test]
+fn switching_in_kernel_capture_moves_enrolled_pods() {
+    require_root();
+    let (backend, in_kernel) = in_kernel_here();
+    let Scene {
+        mut node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::capturing(backend, true);
+    node.forward().expect("forwarding");
+    let other = node.add_pod(false).expect("another pod");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    // (ISTIO rules in the pod, pinned pods and map entries of the eBPF backend)
+    let ways = |agent: &Agent| {
+        let rules = leftovers(&pod.netns)
+            .expect("the pod's netns")
+            .iter()
+            .any(|l| l.contains("ISTIO"));
+        (rules, !agent.ebpf_leftovers().expect("pins").is_empty())
+    };
+    let kernel_way = if in_kernel {
+        (false, true)
+    } else {
+        (true, false)
+    };
+    assert_eq!(ways(&agent), kernel_way);
+    captured_as_istio_does(&node, &pod, &other);
+
+    // Not reconciling on start: the move alone must leave the pod whole (reconciling would
+    // apply the capture once more after it).
+    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", Some("false"));
+    for (setting, way, what) in [
+        ("false", (true, false), "Istio's in-pod rules"),
+        ("true", kernel_way, "the kernel again"),
+    ] {
+        agent.set_env("MESHCAP_AMBIENT_IN_KERNEL", Some(setting));
+        agent.restart().expect("restart");
+        assert_eq!(zt.wait_line().expect("ztunnel"), added);
+        assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+        assert_eq!(
+            ways(&agent),
+            way,
+            "inKernel {setting}: captured by {what} alone\n{}",
+            agent.log()
+        );
+        captured_as_istio_does(&node, &pod, &other);
+    }
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
+    assert_eq!(
+        agent.ebpf_leftovers().expect("pins"),
+        Vec::<String>::new(),
+        "nothing pinned after DEL"
+    );
+}
+
 /// Restarts `agent` with `ambient.reconcileIptablesOnStartup` as `reconcile` says; ztunnel is
 /// sent the enrolled pod (`added`) in the new snapshot.
 fn restart_reconciling(agent: &mut Agent, zt: &mut Proc, added: &str, reconcile: bool) {

@@ -138,11 +138,17 @@ pub struct Ambient {
 impl Ambient {
     /// Opens the in-pod rules' records under `state_dir/ambient`, sets up the node's probe
     /// set and rule in `node_netns` (`None`: the agent's own) and serves ztunnel at `socket`;
-    /// enrolled pods are annotated through `api` when given. With `kernel`, enrolled pods are
-    /// captured by its programs instead of Istio's in-pod rules.
+    /// enrolled pods are annotated through `api` when given. `kernel` is the eBPF backend when
+    /// it serves the node; with `in_kernel` too, enrolled pods are captured by its programs
+    /// instead of Istio's in-pod rules. A pod an earlier agent captured the other way
+    /// (`ambient.inKernel` switched since) is moved to this one's ([`move_captures`]).
     ///
     /// # Errors
     /// When the state directory, the probe set or rule, or the socket cannot be set up.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "the agent's settings, each its own"
+    )]
     pub fn open(
         config: AmbientConfig,
         state_dir: &Path,
@@ -151,14 +157,25 @@ impl Ambient {
         api: Option<kube::Client>,
         node_netns: Option<PathBuf>,
         kernel: Option<Arc<EbpfBackend>>,
+        in_kernel: bool,
     ) -> Result<Self, AmbientError> {
         let state_dir = state_dir.join("ambient");
-        let rules = match kernel {
-            Some(ebpf) => InpodCapture::Ebpf(ebpf),
-            None => InpodCapture::Iptables(IptablesBackend::new(&IptablesConfig {
+        let in_pod_rules = || {
+            IptablesBackend::new(&IptablesConfig {
                 state_dir: state_dir.clone(),
                 flavour,
-            })?),
+            })
+        };
+        let (rules, earlier) = match kernel {
+            Some(ebpf) if in_kernel => (
+                InpodCapture::Ebpf(ebpf),
+                Some(InpodCapture::Iptables(in_pod_rules()?)),
+            ),
+            Some(ebpf) => (
+                InpodCapture::Iptables(in_pod_rules()?),
+                Some(InpodCapture::Ebpf(ebpf)),
+            ),
+            None => (InpodCapture::Iptables(in_pod_rules()?), None),
         };
         let workloads = state_dir.join("workloads");
         fs::create_dir_all(&workloads).map_err(|e| state(&workloads, &e))?;
@@ -166,10 +183,16 @@ impl Ambient {
         // is to be told about them. (A record of what ztunnel is told is written before the
         // rules' own, so that of a pod whose ADD was cut off may stand alone: it goes too.)
         rules.prune_gone()?;
+        if let Some(earlier) = &earlier {
+            earlier.prune_gone()?;
+        }
         for (path, workload) in records(&workloads) {
             if !workload.netns.exists() {
                 remove_file(&path);
             }
+        }
+        if let Some(earlier) = &earlier {
+            move_captures(earlier, &rules, &workloads, &config);
         }
         if config.reconcile_on_startup {
             reconcile(&rules, &workloads, &config);
@@ -464,6 +487,55 @@ fn reconcile(rules: &InpodCapture, workloads: &Path, config: &AmbientConfig) {
         };
         if let Err(err) = rules.add(&pod, &policy, &workload.ips) {
             warn!(pod = %pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
+        }
+    }
+}
+
+/// Moves every enrolled pod `earlier` captures (an agent before this one, with
+/// `ambient.inKernel` the other way) to `now`: captured by `now`, then released by `earlier`,
+/// then captured by `now` once more, as both keep the same reply route (the release took it):
+/// the pod is captured throughout. A pod that cannot be moved keeps the capture it has, with a
+/// warning naming it; the next start tries again.
+fn move_captures(
+    earlier: &InpodCapture,
+    now: &InpodCapture,
+    workloads: &Path,
+    config: &AmbientConfig,
+) {
+    let captured: Vec<String> = match earlier.list() {
+        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
+        Err(err) => {
+            warn!(error = %err, "listing the ambient captures of an earlier agent");
+            return;
+        }
+    };
+    for (_, workload) in records(workloads) {
+        if !captured.contains(&workload.container_id) {
+            continue;
+        }
+        let pod = PodRef {
+            namespace: workload.namespace,
+            name: workload.name,
+            container_id: workload.container_id,
+            netns: workload.netns,
+        };
+        let Some(mut policy) = workload.policy else {
+            warn!(pod = %pod, from = earlier.name(), "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
+            continue;
+        };
+        policy.ipv6 = config.ipv6;
+        policy.host_probe_snat = config.host_probe_snat;
+        let moved = now
+            .add(&pod, &policy, &workload.ips)
+            .and_then(|()| earlier.remove(&pod))
+            .and_then(|()| now.add(&pod, &policy, &workload.ips));
+        match moved {
+            Ok(()) => {
+                info!(pod = %pod, from = earlier.name(), to = now.name(), "ambient.inKernel changed: the enrolled pod's capture moved");
+            }
+            Err(err) => {
+                warn!(pod = %pod, from = earlier.name(), to = now.name(), error = %err, "moving an enrolled pod's capture failed: it stays captured as it was, and only this agent's next start can release it; restart the pod, or the agent to try again");
+            }
         }
     }
 }

@@ -157,14 +157,15 @@ fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     Ok(Some(config))
 }
 
-/// The eBPF backend for ambient pods when `ambient.inKernel` asks for it and it serves the
-/// node; otherwise (none) ambient pods get Istio's in-pod rules. (ztunnel's listeners have
+/// Whether `ambient.inKernel` asks for ambient pods to be captured by the eBPF backend; where it
+/// does not serve the node, the setting gives way (said here) and they get Istio's in-pod
+/// rules. (ztunnel's listeners have
 /// `SO_REUSEPORT`: before Linux 6.5 its inbound goes through the pods' socket lookup program,
 /// as a sidecar's does, docs/ebpf.md.)
-fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<Option<Arc<EbpfBackend>>> {
+fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<bool> {
     let lookup = |name: &str| std::env::var(name).ok();
     if !settings::bool_setting(&lookup, settings::AMBIENT_IN_KERNEL)? {
-        return Ok(None);
+        return Ok(false);
     }
     if ebpf.is_none() {
         warn!(
@@ -172,7 +173,7 @@ fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<Option<A
             "the eBPF backend does not serve this node: ambient pods get Istio's in-pod rules"
         );
     }
-    Ok(ebpf.cloned())
+    Ok(true)
 }
 
 /// Where this agent keeps what it owns, every path resolved.
@@ -329,10 +330,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 args.node_netns.clone(),
             );
             let api = kube_node.as_ref().map(|(client, _)| client.clone());
-            let kernel = in_kernel_ambient(ebpf.as_ref())?;
+            let in_kernel = in_kernel_ambient(ebpf.as_ref())?;
+            let kernel = ebpf.clone();
             let ambient = tokio::task::spawn_blocking(move || {
                 Ambient::open(
-                    config, &state_dir, flavour, &socket, api, node_netns, kernel,
+                    config, &state_dir, flavour, &socket, api, node_netns, kernel, in_kernel,
                 )
             })
             .await?
