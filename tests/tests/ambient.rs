@@ -1028,7 +1028,10 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
 
     // Not reconciling on start: the move alone must leave the pod whole (reconciling would
     // apply the capture once more after it).
-    agent.set_env("MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP", Some("false"));
+    agent.set_env(
+        "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
+        Some("false"),
+    );
     for (setting, way, what) in [
         ("false", (true, false), "Istio's in-pod rules"),
         ("true", kernel_way, "the kernel again"),

@@ -719,12 +719,13 @@ impl Drop for MountedElsewhere<'_> {
     }
 }
 
-/// Bind-mounts the namespace file `from` at `to` and takes it away from `from`.
+/// Bind-mounts the namespace file `from` at `to` and takes it away from `from` (syscalls: the
+/// VMs' initramfs has no `mount`).
 fn move_mount(from: &Path, to: &Path) -> anyhow::Result<()> {
+    use nix::mount::{MntFlags, MsFlags, mount, umount2};
     std::fs::File::create(to)?;
-    let (from_s, to_s) = (from.to_str().expect("utf-8"), to.to_str().expect("utf-8"));
-    meshcap_tests::run("mount", &["--bind", from_s, to_s])?;
-    meshcap_tests::run("umount", &[from_s])?;
+    mount(Some(from), to, None::<&str>, MsFlags::MS_BIND, None::<&str>)?;
+    umount2(from, MntFlags::empty())?;
     std::fs::remove_file(from)?;
     Ok(())
 }
