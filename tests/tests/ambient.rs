@@ -351,6 +351,20 @@ fn probe_set(node: &Node) -> Vec<(String, String)> {
         .expect("the node's probe sets")
 }
 
+/// Puts `ip` in the node's probe set `set` for a pod that is gone (uid `uid-gone`), as an
+/// earlier agent could have left it.
+fn left_in_probe_set(node: &Node, set: &str, ip: &str) {
+    node.netns
+        .run_in(|| {
+            let left = Entry {
+                ip: ip.parse()?,
+                comment: "uid-gone".into(),
+            };
+            Ok(IpSets::open()?.add(set, &left)?)
+        })
+        .expect("a probe address left behind");
+}
+
 /// Makes every ambient record of `agent` one of a build before records kept the pod's
 /// addresses.
 fn forget_addresses(agent: &Agent) {
@@ -543,15 +557,7 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     // pod's record is made one of a build before addresses were kept: the new agent finds
     // them in the pod's netns, and the DEL below still takes them all out.
     forget_addresses(&agent);
-    node.netns
-        .run_in(|| {
-            let stale = Entry {
-                ip: "10.77.99.2".parse()?,
-                comment: "uid-gone".into(),
-            };
-            Ok(IpSets::open()?.add(PROBE_SET_V4, &stale)?)
-        })
-        .expect("a stale probe address");
+    left_in_probe_set(&node, PROBE_SET_V4, "10.77.99.2");
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
@@ -566,15 +572,7 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     assert_eq!(probe_jumps(&node), 1, "a restart leaves one probe rule");
     // An IPv6 probe address an agent with `ambient.ipv6` left (its pod gone since) goes when
     // the agent starts with the setting off; the IPv4 set keeps the pod's.
-    node.netns
-        .run_in(|| {
-            let left = Entry {
-                ip: "fd00:77::2".parse()?,
-                comment: "uid-gone".into(),
-            };
-            Ok(IpSets::open()?.add(PROBE_SET_V6, &left)?)
-        })
-        .expect("an IPv6 probe address");
+    left_in_probe_set(&node, PROBE_SET_V6, "fd00:77::2");
     agent.set_env("MESHCAP_AMBIENT_IPV6", Some("false"));
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);

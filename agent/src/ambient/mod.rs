@@ -463,30 +463,12 @@ fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
 /// the pod was enrolled with and the node's settings now. Nothing happens to a pod whose rules
 /// are already those; a failure is logged and leaves the pod as it was, as in Istio.
 fn reconcile(rules: &InpodCapture, workloads: &Path, config: &AmbientConfig) {
-    let recorded: Vec<String> = match rules.list() {
-        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
-        Err(err) => {
-            warn!(error = %err, "reconciling in-pod rules: the records cannot be read");
-            return;
-        }
-    };
-    for (_, workload) in records(workloads) {
-        let Some(mut policy) = workload.policy else {
+    for held in held_by(rules, workloads, config, "reconciling in-pod rules") {
+        let Some(policy) = held.policy else {
             continue;
         };
-        if !recorded.contains(&workload.container_id) {
-            continue;
-        }
-        policy.ipv6 = config.ipv6;
-        policy.host_probe_snat = config.host_probe_snat;
-        let pod = PodRef {
-            namespace: workload.namespace,
-            name: workload.name,
-            container_id: workload.container_id,
-            netns: workload.netns,
-        };
-        if let Err(err) = rules.add(&pod, &policy, &workload.ips) {
-            warn!(pod = %pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
+        if let Err(err) = rules.add(&held.pod, &policy, &held.ips) {
+            warn!(pod = %held.pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
         }
     }
 }
@@ -502,42 +484,68 @@ fn move_captures(
     workloads: &Path,
     config: &AmbientConfig,
 ) {
-    let captured: Vec<String> = match earlier.list() {
-        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
-        Err(err) => {
-            warn!(error = %err, "listing the ambient captures of an earlier agent");
-            return;
-        }
-    };
-    for (_, workload) in records(workloads) {
-        if !captured.contains(&workload.container_id) {
-            continue;
-        }
-        let pod = PodRef {
-            namespace: workload.namespace,
-            name: workload.name,
-            container_id: workload.container_id,
-            netns: workload.netns,
-        };
-        let Some(mut policy) = workload.policy else {
-            warn!(pod = %pod, from = earlier.name(), "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
+    let (from, to) = (earlier.name(), now.name());
+    for Held { pod, policy, ips } in held_by(earlier, workloads, config, "moving captures") {
+        let Some(policy) = policy else {
+            warn!(pod = %pod, from, "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
             continue;
         };
-        policy.ipv6 = config.ipv6;
-        policy.host_probe_snat = config.host_probe_snat;
         let moved = now
-            .add(&pod, &policy, &workload.ips)
+            .add(&pod, &policy, &ips)
             .and_then(|()| earlier.remove(&pod))
-            .and_then(|()| now.add(&pod, &policy, &workload.ips));
+            .and_then(|()| now.add(&pod, &policy, &ips));
         match moved {
             Ok(()) => {
-                info!(pod = %pod, from = earlier.name(), to = now.name(), "ambient.inKernel changed: the enrolled pod's capture moved");
+                info!(pod = %pod, from, to, "ambient.inKernel changed: the enrolled pod's capture moved");
             }
             Err(err) => {
-                warn!(pod = %pod, from = earlier.name(), to = now.name(), error = %err, "moving an enrolled pod's capture failed: it stays captured as it was, and only this agent's next start can release it; restart the pod, or the agent to try again");
+                warn!(pod = %pod, from, to, error = %err, "moving an enrolled pod's capture failed: it stays captured as it was, and only this agent's next start can release it; restart the pod, or the agent to try again");
             }
         }
     }
+}
+
+/// An enrolled pod a capture holds.
+struct Held {
+    pod: PodRef,
+    /// The policy it was enrolled with, under the node's settings now (none in records of
+    /// builds before it was kept).
+    policy: Option<InpodPolicy>,
+    ips: Vec<IpAddr>,
+}
+
+/// The enrolled pods `capture` holds; none when its records cannot be read (logged, as
+/// `doing`).
+fn held_by(
+    capture: &InpodCapture,
+    workloads: &Path,
+    config: &AmbientConfig,
+    doing: &str,
+) -> Vec<Held> {
+    let captured: Vec<String> = match capture.list() {
+        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
+        Err(err) => {
+            warn!(error = %err, capture = capture.name(), "{doing}: the captures cannot be listed");
+            return Vec::new();
+        }
+    };
+    records(workloads)
+        .filter(|(_, w)| captured.contains(&w.container_id))
+        .map(|(_, w)| Held {
+            policy: w.policy.map(|mut policy| {
+                policy.ipv6 = config.ipv6;
+                policy.host_probe_snat = config.host_probe_snat;
+                policy
+            }),
+            ips: w.ips,
+            pod: PodRef {
+                namespace: w.namespace,
+                name: w.name,
+                container_id: w.container_id,
+                netns: w.netns,
+            },
+        })
+        .collect()
 }
 
 /// Every record in `workloads`, with its path.
