@@ -12,8 +12,8 @@ use crate::{
 
 /// Kernels `cargo xtask test` boots in QEMU after the host suite: every kernel
 /// `cargo xtask integration` supports. Measured on these 2-core machines, a clean clone under
-/// TCG (docs/development.md, session 12): 5.10 256 s (below the eBPF floor: the iptables tests
-/// in full, the eBPF ones only check the refusal), 6.1 514 s, 6.12 525 s; with the host gate's
+/// TCG (docs/development.md, session 13): 5.10 268 s (below the eBPF floor: the iptables tests
+/// in full, the eBPF ones only check the refusal), 6.1 547 s, 6.12 563 s; with the host gate's
 /// 8 minutes and the fuzz phase's 6.5 the whole run takes about 39 minutes of CI's 40.
 pub const CI_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
 
