@@ -18,7 +18,8 @@ use crate::{
 pub const CI_KERNELS: &[&str] = &["5.10", "6.1", "6.12"];
 
 /// What a clean clone's run writes to its disk, measured (docs/development.md "Disk"): build,
-/// clippy and fuzz target directories and the VMs' kernels and initramfs.
+/// clippy and fuzz target directories and the VMs' kernels (their initramfs is built in
+/// memory).
 const CLEAN_RUN_WRITES: u64 = 12_000_000_000;
 
 pub fn run(host_only: bool) -> anyhow::Result<()> {
