@@ -1,16 +1,29 @@
-//! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines):
-//! list and watch of pods (filtered by the `spec.nodeName` field selector, as kube-rs's
+//! A tiny Kubernetes API server for the tests (no kube-apiserver can run on these machines).
+//!
+//! It authenticates and authorizes as Kubernetes does: every request carries a ServiceAccount
+//! token, refused with 401 (a `Status` of reason `Unauthorized`) once its ServiceAccount, or the
+//! pod or Secret it is bound to, is deleted; every authenticated request is decided by RBAC
+//! ([`crate::rbac`]) from the shipped manifests (`deploy/`, and `deploy/features/` for the
+//! features a test turns on), refused with 403 (a `Status` of reason `Forbidden` naming the
+//! user, verb, resource and namespace as the API server words it). Self reviews
+//! (`SelfSubjectAccessReview`, `SelfSubjectRulesReview`) are answered from the same RBAC. A
+//! watch is authorized when it starts and streams on after the credential or the binding is
+//! gone, as a real one does until it times out ([`ApiServer::close_watches`] ends them all).
+//! Every grant used is recorded, so a test can require that nothing shipped goes unused.
+//!
+//! Served: list and watch of pods (filtered by the `spec.nodeName` field selector, as kube-rs's
 //! watcher asks; the watch streams the changes made through [`ApiServer::apply_pod`] after the
-//! resourceVersion it asks from) and of namespaces ([`ApiServer::apply_namespace`]), GET of one pod, DaemonSet or Namespace, DELETE of a pod with
-//! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), and creation of
+//! resourceVersion it asks from) and of namespaces ([`ApiServer::apply_namespace`]), GET of one pod, DaemonSet, Node or Namespace, list and
+//! watch of DaemonSets (one name, by field selector), a JSON patch of a Node, DELETE of a pod with
+//! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), creation and merge patch of
 //! `events.k8s.io/v1` Events, with real JSON on the real paths; kube-rs is the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     thread,
     time::Duration,
@@ -18,16 +31,63 @@ use std::{
 
 use serde_json::{Value, json};
 
+use crate::rbac::{self, Attributes, Grant, param};
+
+/// The namespace `deploy/` installs meshcap into.
+pub const SYSTEM_NAMESPACE: &str = "meshcap-system";
+/// The agent's ServiceAccount.
+pub const AGENT_ACCOUNT: &str = "meshcap-agent";
+/// The plugin's ServiceAccount (its decisions while no agent runs).
+pub const CNI_ACCOUNT: &str = "meshcap-cni";
+/// The Secret holding the plugin's token.
+pub const CNI_TOKEN_SECRET: &str = "meshcap-cni-token";
+/// The DaemonSet `deploy/` runs, and the uid this server gives it.
+pub const DAEMON_SET: &str = "meshcap-agent";
+/// The uid of the shipped DaemonSet here.
+pub const DAEMON_SET_UID: &str = "ds-1";
+/// The agent's pod, which owns the agent's token, on [`NODE`].
+pub const AGENT_POD: &str = "meshcap-agent-x7k2p";
+/// The node the tests' agents run on.
+pub const NODE: &str = "node-1";
+
+/// A ServiceAccount token the server issued.
+#[derive(Clone, Debug)]
+struct Token {
+    value: String,
+    namespace: String,
+    account: String,
+    account_uid: String,
+    /// A pod (namespace, name, uid) or a Secret (namespace, name) it is bound to.
+    pod: Option<(String, String, String)>,
+    secret: Option<(String, String)>,
+}
+
+/// Identities, RBAC and what was asked of them.
+#[derive(Default)]
+struct Auth {
+    /// The rendered objects that are not served as resources: ServiceAccounts, Secrets,
+    /// Roles, ClusterRoles and their bindings.
+    objects: Vec<Value>,
+    tokens: Vec<Token>,
+    /// Each allowed request's user and grant.
+    used: Vec<(String, Grant)>,
+    /// Each refused request: user (empty: unauthenticated), attributes, code.
+    refused: Vec<(String, Attributes, u16)>,
+}
+
 /// The server; stops when dropped.
 pub struct ApiServer {
     /// `127.0.0.1:<port>`.
     pub addr: String,
     /// The pods it serves; add or remove them at any time.
     pub pods: Arc<Mutex<Vec<Value>>>,
-    /// The DaemonSets it serves (GET by namespace and name).
+    /// The DaemonSets it serves; change them with [`ApiServer::apply_daemon_set`] and
+    /// [`ApiServer::delete`] so that watches see it.
     pub daemon_sets: Arc<Mutex<Vec<Value>>>,
     /// The Namespaces it serves (GET by name).
     pub namespaces: Arc<Mutex<Vec<Value>>>,
+    /// The Nodes it serves (GET, JSON patch).
+    pub nodes: Arc<Mutex<Vec<Value>>>,
     /// The Events created through it (POST), in order.
     pub events: Arc<Mutex<Vec<Value>>>,
     /// The requests that changed pods (`DELETE …/pods/NAME` and `PATCH …/pods/NAME/status`):
@@ -38,35 +98,74 @@ pub struct ApiServer {
     changes: Arc<Mutex<Vec<(String, Value)>>>,
     /// The same for namespaces changed through [`ApiServer::apply_namespace`].
     namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    /// The same for DaemonSets.
+    daemon_set_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    auth: Arc<Mutex<Auth>>,
+    /// Bumped by [`ApiServer::close_watches`]: a watch started before ends.
+    watch_epoch: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
 impl ApiServer {
-    /// Starts serving on a free port of 127.0.0.1.
+    /// Starts serving on a free port of 127.0.0.1 what `kubectl apply -f deploy/` creates:
+    /// its namespace, ServiceAccounts (the plugin's with its token Secret filled, as the token
+    /// controller does), RBAC and DaemonSet, the DaemonSet's pod on [`NODE`] (whose token
+    /// [`ApiServer::kubeconfig`] hands out) and the node.
     ///
     /// # Panics
     /// When it cannot bind.
     #[must_use]
     pub fn start() -> Self {
+        Self::with_features(&[])
+    }
+
+    /// [`ApiServer::start`], with the RBAC of `deploy/features/FEATURE.yaml` for each feature
+    /// named (`ambient`, `repair-delete-pods`, `repair-label-pods`) applied too.
+    ///
+    /// # Panics
+    /// When it cannot bind, or a manifest is missing.
+    #[must_use]
+    pub fn with_features(features: &[&str]) -> Self {
+        Self::with_objects(rbac::shipped(features))
+    }
+
+    /// Serves `objects` (rendered manifests: `deploy/`, or `helm template` output).
+    ///
+    /// # Panics
+    /// When it cannot bind, or the objects hold no DaemonSet for the agent.
+    #[must_use]
+    pub fn with_objects(objects: Vec<Value>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
-        let pods = Arc::new(Mutex::new(Vec::<Value>::new()));
-        let daemon_sets = Arc::new(Mutex::new(Vec::<Value>::new()));
-        let namespaces = Arc::new(Mutex::new(Vec::<Value>::new()));
-        let events = Arc::new(Mutex::new(Vec::<Value>::new()));
-        let writes = Arc::new(Mutex::new(Vec::new()));
-        let changes = Arc::new(Mutex::new(Vec::new()));
-        let namespace_changes = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
+        let server = Self {
+            addr,
+            pods: Arc::default(),
+            daemon_sets: Arc::default(),
+            namespaces: Arc::default(),
+            nodes: Arc::default(),
+            events: Arc::default(),
+            writes: Arc::default(),
+            changes: Arc::default(),
+            namespace_changes: Arc::default(),
+            daemon_set_changes: Arc::default(),
+            auth: Arc::default(),
+            watch_epoch: Arc::default(),
+            stop: Arc::default(),
+        };
+        server.install(objects);
         let state = Served {
-            namespace_changes: namespace_changes.clone(),
-            pods: pods.clone(),
-            daemon_sets: daemon_sets.clone(),
-            namespaces: namespaces.clone(),
-            events: events.clone(),
-            writes: writes.clone(),
-            changes: changes.clone(),
-            stop: stop.clone(),
+            pods: server.pods.clone(),
+            daemon_sets: server.daemon_sets.clone(),
+            namespaces: server.namespaces.clone(),
+            nodes: server.nodes.clone(),
+            events: server.events.clone(),
+            writes: server.writes.clone(),
+            changes: server.changes.clone(),
+            namespace_changes: server.namespace_changes.clone(),
+            daemon_set_changes: server.daemon_set_changes.clone(),
+            auth: server.auth.clone(),
+            watch_epoch: server.watch_epoch.clone(),
+            stop: server.stop.clone(),
         };
         thread::spawn(move || {
             for stream in listener.incoming().flatten() {
@@ -77,17 +176,117 @@ impl ApiServer {
                 thread::spawn(move || serve_api(stream, &state));
             }
         });
-        Self {
-            addr,
-            pods,
-            daemon_sets,
-            namespaces,
-            events,
-            writes,
-            changes,
-            namespace_changes,
-            stop,
+        server
+    }
+
+    /// Creates what the manifests hold, as the API server and its controllers would.
+    fn install(&self, objects: Vec<Value>) {
+        let mut auth = self.auth.lock().expect("auth");
+        for mut object in objects {
+            let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+            let name = object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            match kind.as_str() {
+                "Namespace" => record(&self.namespaces, &self.namespace_changes, object),
+                "DaemonSet" => {
+                    object["metadata"]["uid"] = json!(DAEMON_SET_UID);
+                    record(&self.daemon_sets, &self.daemon_set_changes, object);
+                }
+                "ServiceAccount" => {
+                    object["metadata"]["uid"] = json!(format!("sa-{name}"));
+                    auth.objects.push(object);
+                }
+                "ConfigMap" => {}
+                _ => auth.objects.push(object),
+            }
         }
+        // The token controller fills each ServiceAccount token Secret.
+        let secrets: Vec<(String, String, String)> = auth
+            .objects
+            .iter()
+            .filter(|o| o["kind"] == "Secret" && o["type"] == "kubernetes.io/service-account-token")
+            .map(|o| {
+                let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+                (
+                    text(&o["metadata"]["namespace"]),
+                    text(&o["metadata"]["name"]),
+                    text(&o["metadata"]["annotations"]["kubernetes.io/service-account.name"]),
+                )
+            })
+            .collect();
+        drop(auth);
+        for (namespace, secret, account) in secrets {
+            let token = self.issue(&namespace, &account, None, Some(&secret));
+            let mut auth = self.auth.lock().expect("auth");
+            if let Some(object) = auth.objects.iter_mut().find(|o| {
+                o["kind"] == "Secret"
+                    && o["metadata"]["namespace"] == namespace.as_str()
+                    && o["metadata"]["name"] == secret.as_str()
+            }) {
+                object["data"] = json!({"token": token});
+            }
+        }
+        self.nodes.lock().expect("nodes").push(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE, "uid": "node-uid-1", "resourceVersion": "1",
+                         "labels": {"kubernetes.io/hostname": NODE}},
+            "spec": {},
+        }));
+        self.apply_pod(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": AGENT_POD, "namespace": SYSTEM_NAMESPACE, "uid": "agent-pod-1",
+                         "labels": {"app.kubernetes.io/name": DAEMON_SET},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                              "name": DAEMON_SET, "uid": DAEMON_SET_UID,
+                                              "controller": true}]},
+            "spec": {"nodeName": NODE, "serviceAccountName": AGENT_ACCOUNT, "hostNetwork": true,
+                     "containers": [{"name": "agent", "image": "meshcap/meshcap:0.1.0"}]},
+        }));
+    }
+
+    /// Issues a token for the ServiceAccount `namespace/account`, bound to the pod `pod` of its
+    /// namespace (as kubelet's projected tokens are) or to the Secret `secret`.
+    ///
+    /// # Panics
+    /// When the ServiceAccount or the pod does not exist.
+    #[must_use]
+    pub fn issue(
+        &self,
+        namespace: &str,
+        account: &str,
+        pod: Option<&str>,
+        secret: Option<&str>,
+    ) -> String {
+        let pod = pod.map(|name| {
+            let pods = self.pods.lock().expect("pods");
+            let found = pods
+                .iter()
+                .find(|p| p["metadata"]["namespace"] == namespace && p["metadata"]["name"] == name)
+                .unwrap_or_else(|| panic!("no pod {namespace}/{name} to bind a token to"));
+            (
+                namespace.to_owned(),
+                name.to_owned(),
+                found["metadata"]["uid"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        });
+        let mut auth = self.auth.lock().expect("auth");
+        let account_uid = account_uid(&auth.objects, namespace, account)
+            .unwrap_or_else(|| panic!("no ServiceAccount {namespace}/{account}"));
+        let value = format!("token-{account}-{}", auth.tokens.len() + 1);
+        auth.tokens.push(Token {
+            value: value.clone(),
+            namespace: namespace.to_owned(),
+            account: account.to_owned(),
+            account_uid,
+            pod,
+            secret: secret.map(|s| (namespace.to_owned(), s.to_owned())),
+        });
+        value
     }
 
     /// Adds `pod`, or replaces the pod of its namespace and name, as a change watches see
@@ -107,24 +306,199 @@ impl ApiServer {
         record(&self.namespaces, &self.namespace_changes, namespace);
     }
 
-    /// A kubeconfig for it (plain HTTP, no credentials), written into `dir`.
+    /// Adds `daemon_set`, or replaces its namesake, as a change DaemonSet watches see.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    pub fn apply_daemon_set(&self, daemon_set: Value) {
+        record(&self.daemon_sets, &self.daemon_set_changes, daemon_set);
+    }
+
+    /// The DaemonSet as served now.
+    ///
+    /// # Panics
+    /// When it is not there.
+    #[must_use]
+    pub fn daemon_set(&self) -> Value {
+        self.daemon_sets
+            .lock()
+            .expect("daemon sets")
+            .iter()
+            .find(|d| d["metadata"]["name"] == DAEMON_SET)
+            .cloned()
+            .expect("the DaemonSet")
+    }
+
+    /// Deletes the object `kind` `namespace/name` (`namespace` empty for a cluster-scoped
+    /// one) as the API server does at once: a deleted ServiceAccount, pod or Secret revokes the
+    /// tokens bound to it; a deleted DaemonSet or pod is a `DELETED` change for watches.
+    ///
+    /// # Panics
+    /// When there is no such object.
+    pub fn delete(&self, kind: &str, namespace: &str, name: &str) {
+        let same = |o: &Value| {
+            o["metadata"]["name"] == name
+                && (namespace.is_empty() || o["metadata"]["namespace"] == namespace)
+        };
+        let (store, changes) = match kind {
+            "Pod" => (&self.pods, &self.changes),
+            "DaemonSet" => (&self.daemon_sets, &self.daemon_set_changes),
+            _ => {
+                let mut auth = self.auth.lock().expect("auth");
+                let before = auth.objects.len();
+                auth.objects.retain(|o| !(o["kind"] == kind && same(o)));
+                assert!(auth.objects.len() < before, "no {kind} {namespace}/{name}");
+                return;
+            }
+        };
+        let mut changes = changes.lock().expect("changes");
+        let mut objects = store.lock().expect("objects");
+        let index = objects
+            .iter()
+            .position(|o| same(o))
+            .unwrap_or_else(|| panic!("no {kind} {namespace}/{name}"));
+        let mut gone = objects.remove(index);
+        gone["metadata"]["resourceVersion"] = json!((changes.len() + 1).to_string());
+        changes.push(("DELETED".to_owned(), gone));
+    }
+
+    /// Marks the DaemonSet, a pod or a Namespace as being deleted (a `deletionTimestamp`, and
+    /// for a DaemonSet the `foregroundDeletion` finalizer a foreground deletion sets), as a
+    /// change watches see.
+    ///
+    /// # Panics
+    /// When there is no such object.
+    pub fn mark_deleting(&self, kind: &str, namespace: &str, name: &str) {
+        let (store, changes) = match kind {
+            "Pod" => (&self.pods, &self.changes),
+            "DaemonSet" => (&self.daemon_sets, &self.daemon_set_changes),
+            "Namespace" => (&self.namespaces, &self.namespace_changes),
+            other => panic!("{other} is not served as a resource"),
+        };
+        let found = store
+            .lock()
+            .expect("objects")
+            .iter()
+            .find(|o| {
+                o["metadata"]["name"] == name
+                    && (namespace.is_empty() || o["metadata"]["namespace"] == namespace)
+            })
+            .cloned();
+        let mut object = found.unwrap_or_else(|| panic!("no {kind} {namespace}/{name}"));
+        object["metadata"]["deletionTimestamp"] = json!("2026-11-24T00:00:00Z");
+        if kind == "DaemonSet" {
+            object["metadata"]["finalizers"] = json!(["foregroundDeletion"]);
+        }
+        record(store, changes, object);
+    }
+
+    /// Ends every watch now streaming (as an API server does when one times out): the clients
+    /// then list and watch again, authorized afresh.
+    pub fn close_watches(&self) {
+        self.watch_epoch.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A kubeconfig for it (plain HTTP) with the agent's token, bound to [`AGENT_POD`] as
+    /// kubelet's projected token is, written into `dir`.
     ///
     /// # Panics
     /// When it cannot be written.
     #[must_use]
-    pub fn kubeconfig(&self, dir: &Path) -> std::path::PathBuf {
-        let path = dir.join("kubeconfig");
+    pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
+        let token = self.issue(SYSTEM_NAMESPACE, AGENT_ACCOUNT, Some(AGENT_POD), None);
+        self.kubeconfig_with(dir, "kubeconfig", &token)
+    }
+
+    /// A kubeconfig for it with `token`, written into `dir/name`.
+    ///
+    /// # Panics
+    /// When it cannot be written.
+    #[must_use]
+    pub fn kubeconfig_with(&self, dir: &Path, name: &str, token: &str) -> PathBuf {
+        let path = dir.join(name);
         std::fs::write(
             &path,
             format!(
                 "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster: {{server: \"http://{}\"}}\n\
-                 users:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context: {{cluster: test, user: test}}\n\
+                 users:\n- name: test\n  user: {{token: \"{token}\"}}\ncontexts:\n- name: test\n  context: {{cluster: test, user: test}}\n\
                  current-context: test\n",
                 self.addr
             ),
         )
         .expect("kubeconfig");
         path
+    }
+
+    /// The plugin's token Secret mounted as kubelet mounts it (a `token` file) under `dir`,
+    /// for the agent's `MESHCAP_CNI_TOKEN_DIR`.
+    ///
+    /// # Panics
+    /// When it cannot be written, or the Secret has no token.
+    #[must_use]
+    pub fn cni_token_dir(&self, dir: &Path) -> PathBuf {
+        let token = {
+            let auth = self.auth.lock().expect("auth");
+            auth.objects
+                .iter()
+                .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == CNI_TOKEN_SECRET)
+                .and_then(|o| o["data"]["token"].as_str().map(str::to_owned))
+                .expect("the plugin's token Secret, filled")
+        };
+        let mounted = dir.join("cni-token");
+        std::fs::create_dir_all(&mounted).expect("token dir");
+        std::fs::write(mounted.join("token"), token).expect("token");
+        mounted
+    }
+
+    /// Every `(role, rule, verb)` the RBAC gives the ServiceAccount `account` of meshcap's
+    /// namespace, and those that allowed at least one of its requests so far.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    #[must_use]
+    pub fn grants(&self, account: &str) -> (Vec<Grant>, Vec<Grant>) {
+        let user = rbac::service_account_user(SYSTEM_NAMESPACE, account);
+        let auth = self.auth.lock().expect("auth");
+        let granted = rbac::granted(&auth.objects, &user);
+        let mut used: Vec<Grant> = auth
+            .used
+            .iter()
+            .filter(|(u, _)| *u == user)
+            .map(|(_, g)| g.clone())
+            .collect();
+        used.sort();
+        used.dedup();
+        (granted, used)
+    }
+
+    /// Asserts that every rule and verb of the ClusterRole `role` allowed at least one request
+    /// of `account`, and that no request was refused: the RBAC a feature ships is the RBAC it
+    /// uses.
+    ///
+    /// # Panics
+    /// When one went unused, or a request was refused.
+    pub fn assert_role_used(&self, account: &str, role: &str) {
+        let (granted, used) = self.grants(account);
+        let role = format!("ClusterRole/{role}");
+        let of_role: Vec<&Grant> = granted.iter().filter(|g| g.0 == role).collect();
+        assert!(!of_role.is_empty(), "{account} is not bound to {role}");
+        let unused: Vec<&&Grant> = of_role.iter().filter(|g| !used.contains(g)).collect();
+        assert!(
+            unused.is_empty(),
+            "{account}: granted and never used: {unused:?}"
+        );
+        let refused = self.refused();
+        assert!(refused.is_empty(), "refused: {refused:?}");
+    }
+
+    /// The requests refused so far: the user (empty when no valid token was presented), what
+    /// was asked, 401 or 403.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    #[must_use]
+    pub fn refused(&self) -> Vec<(String, Attributes, u16)> {
+        self.auth.lock().expect("auth").refused.clone()
     }
 }
 
@@ -135,58 +509,109 @@ impl Drop for ApiServer {
     }
 }
 
+fn account_uid(objects: &[Value], namespace: &str, account: &str) -> Option<String> {
+    objects
+        .iter()
+        .find(|o| {
+            o["kind"] == "ServiceAccount"
+                && o["metadata"]["namespace"] == namespace
+                && o["metadata"]["name"] == account
+        })
+        .and_then(|o| o["metadata"]["uid"].as_str().map(str::to_owned))
+}
+
 /// What the server holds, shared by its connections.
 #[derive(Clone)]
 struct Served {
     pods: Arc<Mutex<Vec<Value>>>,
     daemon_sets: Arc<Mutex<Vec<Value>>>,
     namespaces: Arc<Mutex<Vec<Value>>>,
+    nodes: Arc<Mutex<Vec<Value>>>,
     events: Arc<Mutex<Vec<Value>>>,
     writes: Arc<Mutex<Vec<(String, String, Value)>>>,
     changes: Arc<Mutex<Vec<(String, Value)>>>,
     namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    daemon_set_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    auth: Arc<Mutex<Auth>>,
+    watch_epoch: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
-/// Stores `pod` (added or replacing its namesake) with the next resourceVersion and logs the
-/// change.
-fn record(pods: &Mutex<Vec<Value>>, changes: &Mutex<Vec<(String, Value)>>, mut pod: Value) {
+impl Served {
+    /// The user a bearer token authenticates, if it is valid: issued here, its ServiceAccount
+    /// there with the same uid, and the pod or Secret it is bound to there too.
+    fn authenticate(&self, bearer: Option<&str>) -> Option<String> {
+        let bearer = bearer?;
+        let auth = self.auth.lock().expect("auth");
+        let token = auth.tokens.iter().find(|t| t.value == bearer)?;
+        if account_uid(&auth.objects, &token.namespace, &token.account).as_deref()
+            != Some(token.account_uid.as_str())
+        {
+            return None;
+        }
+        if let Some((ns, name, uid)) = &token.pod
+            && !self.pods.lock().expect("pods").iter().any(|p| {
+                p["metadata"]["namespace"] == ns.as_str()
+                    && p["metadata"]["name"] == name.as_str()
+                    && p["metadata"]["uid"] == uid.as_str()
+            })
+        {
+            return None;
+        }
+        if let Some((ns, name)) = &token.secret
+            && !auth.objects.iter().any(|o| {
+                o["kind"] == "Secret"
+                    && o["metadata"]["namespace"] == ns.as_str()
+                    && o["metadata"]["name"] == name.as_str()
+            })
+        {
+            return None;
+        }
+        Some(rbac::service_account_user(&token.namespace, &token.account))
+    }
+}
+
+/// Stores `object` (added or replacing its namesake) with the next resourceVersion and logs
+/// the change.
+fn record(objects: &Mutex<Vec<Value>>, changes: &Mutex<Vec<(String, Value)>>, mut object: Value) {
     let mut changes = changes.lock().expect("changes");
-    let mut pods = pods.lock().expect("pods");
-    pod["metadata"]["resourceVersion"] = json!((changes.len() + 1).to_string());
+    let mut objects = objects.lock().expect("objects");
+    object["metadata"]["resourceVersion"] = json!((changes.len() + 1).to_string());
     let same = |p: &Value| {
-        p["metadata"]["namespace"] == pod["metadata"]["namespace"]
-            && p["metadata"]["name"] == pod["metadata"]["name"]
+        p["metadata"]["namespace"] == object["metadata"]["namespace"]
+            && p["metadata"]["name"] == object["metadata"]["name"]
     };
-    let kind = if let Some(slot) = pods.iter_mut().find(|p| same(p)) {
-        *slot = pod.clone();
+    let kind = if let Some(slot) = objects.iter_mut().find(|p| same(p)) {
+        *slot = object.clone();
         "MODIFIED"
     } else {
-        pods.push(pod.clone());
+        objects.push(object.clone());
         "ADDED"
     };
-    changes.push((kind.to_owned(), pod));
+    changes.push((kind.to_owned(), object));
 }
 
 /// Streams the `changes` after the resourceVersion `query` asks from, then each new one that
-/// `keep` accepts, for a minute (kube-rs then watches again from the last it saw).
+/// `keep` accepts, for a minute or until [`ApiServer::close_watches`] (kube-rs then watches
+/// again from the last it saw).
 fn watch(
     stream: &mut TcpStream,
     changes: &Mutex<Vec<(String, Value)>>,
     query: &str,
-    stop: &AtomicBool,
+    state: &Served,
     keep: impl Fn(&Value) -> bool,
 ) {
+    let epoch = state.watch_epoch.load(Ordering::SeqCst);
     let mut next: usize = param(query, "resourceVersion")
         .and_then(|rv| rv.parse().ok())
         .unwrap_or(0);
     let _ = write!(
         stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
     );
     let _ = stream.flush();
     for _ in 0..12_000 {
-        if stop.load(Ordering::Relaxed) {
+        if state.stop.load(Ordering::Relaxed) || state.watch_epoch.load(Ordering::SeqCst) != epoch {
             break;
         }
         let pending: Vec<(String, Value)> = {
@@ -206,22 +631,17 @@ fn watch(
         let _ = stream.flush();
         thread::sleep(Duration::from_millis(5));
     }
+    let _ = write!(stream, "0\r\n\r\n");
 }
 
-/// The node a `fieldSelector=spec.nodeName=NODE` query asks for (URL-encoded or not).
-fn node_selected(query: &str) -> Option<String> {
-    query.split('&').find_map(|kv| {
-        let value = kv.strip_prefix("fieldSelector=")?;
-        let value = value.replace("%3D", "=").replace("%3d", "=");
-        value.strip_prefix("spec.nodeName=").map(str::to_owned)
-    })
-}
-
-/// The query parameter `name`'s value.
-fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
-    query
-        .split('&')
-        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+/// The value a field selector `FIELD=VALUE` in `query` asks for (URL-encoded or not).
+fn field_selected(query: &str, field: &str) -> Option<String> {
+    let value = param(query, "fieldSelector")?;
+    let value = value.replace("%3D", "=").replace("%3d", "=");
+    value
+        .strip_prefix(field)
+        .and_then(|v| v.strip_prefix('='))
+        .map(str::to_owned)
 }
 
 fn on_node(pod: &Value, node: Option<&str>) -> bool {
@@ -238,35 +658,162 @@ fn respond(stream: &mut TcpStream, code: &str, body: &Value) {
     );
 }
 
+/// A `Status` failure as the API server words it.
+fn status(stream: &mut TcpStream, code: u16, reason: &str, message: &str, details: &Value) {
+    let line = match code {
+        401 => "401 Unauthorized",
+        403 => "403 Forbidden",
+        404 => "404 Not Found",
+        409 => "409 Conflict",
+        _ => "422 Unprocessable Entity",
+    };
+    let mut body = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "code": code
+    });
+    if !details.is_null() {
+        body["details"] = details.clone();
+    }
+    respond(stream, line, &body);
+}
+
 /// The API server's answer for an object it does not have.
-fn not_found(stream: &mut TcpStream, name: &str) {
-    respond(
+fn not_found(stream: &mut TcpStream, resource: &str, name: &str) {
+    status(
         stream,
-        "404 Not Found",
-        &json!({
-            "apiVersion": "v1", "kind": "Status", "status": "Failure",
-            "message": format!("\"{name}\" not found"), "reason": "NotFound", "code": 404
-        }),
+        404,
+        "NotFound",
+        &format!("{resource} \"{name}\" not found"),
+        &json!({"name": name, "kind": resource}),
     );
 }
 
+/// The API server's 403, as `k8s.io/apiserver`'s `forbiddenMessage` words it.
+fn forbidden(stream: &mut TcpStream, user: &str, attrs: &Attributes) {
+    let resource = attrs.combined_resource();
+    let subject = if attrs.name.is_empty() {
+        resource.clone()
+    } else {
+        format!("{} \"{}\"", attrs.resource, attrs.name)
+    };
+    let scope = if attrs.namespace.is_empty() {
+        "at the cluster scope".to_owned()
+    } else {
+        format!("in the namespace \"{}\"", attrs.namespace)
+    };
+    status(
+        stream,
+        403,
+        "Forbidden",
+        &format!(
+            "{subject} is forbidden: User \"{user}\" cannot {} resource \"{resource}\" in API group \"{}\" {scope}",
+            attrs.verb, attrs.api_group
+        ),
+        &json!({"name": attrs.name, "group": attrs.api_group, "kind": attrs.resource}),
+    );
+}
+
+/// A self review's answer, from the same RBAC as every request.
+fn review(objects: &[Value], user: &str, resource: &str, mut body: Value) -> Value {
+    if resource == "selfsubjectaccessreviews" {
+        let a = &body["spec"]["resourceAttributes"];
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        let attrs = Attributes {
+            verb: text(&a["verb"]),
+            api_group: text(&a["group"]),
+            resource: text(&a["resource"]),
+            subresource: text(&a["subresource"]),
+            namespace: text(&a["namespace"]),
+            name: text(&a["name"]),
+            non_resource: false,
+        };
+        body["status"] = json!({"allowed": rbac::authorize(objects, user, &attrs).is_some()});
+    } else {
+        let namespace = body["spec"]["namespace"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        let rules: Vec<Value> = objects
+            .iter()
+            .filter(|b| {
+                (b["kind"] == "ClusterRoleBinding"
+                    || (b["kind"] == "RoleBinding"
+                        && b["metadata"]["namespace"] == namespace.as_str()))
+                    && rbac::granted(std::slice::from_ref(b), user).is_empty()
+                    && b["subjects"].as_array().is_some_and(|s| {
+                        s.iter().any(|s| {
+                            s["kind"] == "ServiceAccount"
+                                && rbac::service_account_user(
+                                    s["namespace"].as_str().unwrap_or_default(),
+                                    s["name"].as_str().unwrap_or_default(),
+                                ) == user
+                        })
+                    })
+            })
+            .flat_map(|b| {
+                let kind = b["roleRef"]["kind"].as_str().unwrap_or_default();
+                let name = b["roleRef"]["name"].as_str().unwrap_or_default();
+                let ns = b["metadata"]["namespace"].as_str().unwrap_or_default();
+                objects
+                    .iter()
+                    .find(|r| {
+                        r["kind"] == kind
+                            && r["metadata"]["name"] == name
+                            && (kind == "ClusterRole" || r["metadata"]["namespace"] == ns)
+                    })
+                    .and_then(|r| r["rules"].as_array().cloned())
+                    .unwrap_or_default()
+            })
+            .collect();
+        body["status"] =
+            json!({"resourceRules": rules, "nonResourceRules": [], "incomplete": false});
+    }
+    body
+}
+
+/// Applies the JSON patch `ops` (RFC 6902: `test`, `replace`, `add`, `remove`) to `target`;
+/// `None` when a `test` fails or a path is missing (422).
+fn json_patch(mut target: Value, ops: &Value) -> Option<Value> {
+    for op in ops.as_array()? {
+        let path = op["path"].as_str()?;
+        let (parent, key) = path.rsplit_once('/')?;
+        match op["op"].as_str()? {
+            "test" => {
+                if target.pointer(path)? != &op["value"] {
+                    return None;
+                }
+            }
+            "replace" | "add" => {
+                target.pointer_mut(parent)?[key] = op["value"].clone();
+            }
+            "remove" => {
+                target.pointer_mut(parent)?.as_object_mut()?.remove(key)?;
+            }
+            _ => return None,
+        }
+    }
+    Some(target)
+}
+
 fn serve_api(mut stream: TcpStream, state: &Served) {
-    let (pods, daemon_sets, stop) = (&*state.pods, &*state.daemon_sets, &*state.stop);
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
         return;
     }
     let mut length = 0;
+    let mut bearer = None;
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
             break;
         }
-        if let Some((name, value)) = header.split_once(':')
-            && name.trim().eq_ignore_ascii_case("content-length")
-        {
-            length = value.trim().parse().unwrap_or(0);
+        if let Some((name, value)) = header.split_once(':') {
+            if name.trim().eq_ignore_ascii_case("content-length") {
+                length = value.trim().parse().unwrap_or(0);
+            } else if name.trim().eq_ignore_ascii_case("authorization") {
+                bearer = value.trim().strip_prefix("Bearer ").map(str::to_owned);
+            }
         }
     }
     let mut body = vec![0; length];
@@ -284,23 +831,127 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
         .unwrap_or("/")
         .to_owned();
     let (route, query) = path.split_once('?').unwrap_or((&path, ""));
+    let attrs = Attributes::of(&method, route, query);
+    let Some(user) = state.authenticate(bearer.as_deref()) else {
+        state
+            .auth
+            .lock()
+            .expect("auth")
+            .refused
+            .push((String::new(), attrs, 401));
+        status(
+            &mut stream,
+            401,
+            "Unauthorized",
+            "Unauthorized",
+            &Value::Null,
+        );
+        return;
+    };
+    {
+        let mut auth = state.auth.lock().expect("auth");
+        match rbac::authorize(&auth.objects, &user, &attrs) {
+            Some(grant) => auth.used.push((user.clone(), grant)),
+            None => {
+                auth.refused.push((user.clone(), attrs.clone(), 403));
+                drop(auth);
+                forbidden(&mut stream, &user, &attrs);
+                return;
+            }
+        }
+    }
+    route_request(&mut stream, state, &method, route, query, &body, &user);
+    let mut rest = Vec::new();
+    let _ = reader.read_to_end(&mut rest);
+}
+
+#[allow(clippy::too_many_lines)]
+fn route_request(
+    stream: &mut TcpStream,
+    state: &Served,
+    method: &str,
+    route: &str,
+    query: &str,
+    body: &[u8],
+    user: &str,
+) {
+    let (pods, daemon_sets) = (&*state.pods, &*state.daemon_sets);
+    let watching = param(query, "watch").is_some_and(|w| w == "true" || w == "1");
     let parts: Vec<&str> = route.trim_matches('/').split('/').collect();
     match parts.as_slice() {
-        ["apis", "events.k8s.io", "v1", "namespaces", _, "events"] if method == "POST" => {
-            let event: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-            state.events.lock().expect("events").push(event.clone());
-            respond(&mut stream, "201 Created", &event);
+        ["apis", "authorization.k8s.io", "v1", resource] if method == "POST" => {
+            let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let objects = state.auth.lock().expect("auth").objects.clone();
+            respond(
+                stream,
+                "201 Created",
+                &review(&objects, user, resource, request),
+            );
         }
-        ["api", "v1", "pods"] if param(query, "watch").is_some_and(|w| w == "true" || w == "1") => {
-            let node = node_selected(query);
-            watch(&mut stream, &state.changes, query, stop, |pod| {
+        ["apis", "events.k8s.io", "v1", "namespaces", _, "events"] if method == "POST" => {
+            let event: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            state.events.lock().expect("events").push(event.clone());
+            respond(stream, "201 Created", &event);
+        }
+        [
+            "apis",
+            "events.k8s.io",
+            "v1",
+            "namespaces",
+            _,
+            "events",
+            name,
+        ] if method == "PATCH" => {
+            let patch: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let mut events = state.events.lock().expect("events");
+            match events.iter_mut().find(|e| e["metadata"]["name"] == *name) {
+                Some(event) => {
+                    for (k, v) in patch.as_object().into_iter().flatten() {
+                        event[k] = v.clone();
+                    }
+                    respond(stream, "200 OK", event);
+                }
+                None => not_found(stream, "events", name),
+            }
+        }
+        ["api", "v1", "pods"] if watching => {
+            let node = field_selected(query, "spec.nodeName");
+            watch(stream, &state.changes, query, state, |pod| {
                 on_node(pod, node.as_deref())
             });
         }
-        ["api", "v1", "namespaces"]
-            if param(query, "watch").is_some_and(|w| w == "true" || w == "1") =>
-        {
-            watch(&mut stream, &state.namespace_changes, query, stop, |_| true);
+        ["api", "v1", "namespaces"] if watching => {
+            watch(stream, &state.namespace_changes, query, state, |_| true);
+        }
+        ["apis", "apps", "v1", "namespaces", ns, "daemonsets"] => {
+            let name = field_selected(query, "metadata.name");
+            let keep = |d: &Value| {
+                d["metadata"]["namespace"] == *ns
+                    && name.as_deref().is_none_or(|n| d["metadata"]["name"] == n)
+            };
+            if watching {
+                watch(stream, &state.daemon_set_changes, query, state, keep);
+            } else {
+                let items: Vec<Value> = daemon_sets
+                    .lock()
+                    .expect("daemon sets")
+                    .iter()
+                    .filter(|d| keep(d))
+                    .cloned()
+                    .collect();
+                let version = state
+                    .daemon_set_changes
+                    .lock()
+                    .expect("changes")
+                    .len()
+                    .to_string();
+                respond(
+                    stream,
+                    "200 OK",
+                    &json!({"apiVersion": "apps/v1", "kind": "DaemonSetList",
+                            "metadata": {"resourceVersion": version}, "items": items}),
+                );
+            }
         }
         ["api", "v1", "namespaces"] => {
             let items = state.namespaces.lock().expect("namespaces").clone();
@@ -311,7 +962,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .len()
                 .to_string();
             respond(
-                &mut stream,
+                stream,
                 "200 OK",
                 &json!({
                     "apiVersion": "v1", "kind": "NamespaceList", "metadata": {"resourceVersion": version}, "items": items
@@ -319,7 +970,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             );
         }
         ["api", "v1", "pods"] => {
-            let node = node_selected(query);
+            let node = field_selected(query, "spec.nodeName");
             let items: Vec<Value> = pods
                 .lock()
                 .expect("pods")
@@ -329,17 +980,39 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .collect();
             let version = state.changes.lock().expect("changes").len().to_string();
             respond(
-                &mut stream,
+                stream,
                 "200 OK",
                 &json!({
                     "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
                 }),
             );
         }
+        ["api", "v1", "nodes", name] => {
+            let mut nodes = state.nodes.lock().expect("nodes");
+            let Some(node) = nodes.iter_mut().find(|n| n["metadata"]["name"] == *name) else {
+                return not_found(stream, "nodes", name);
+            };
+            if method == "PATCH" {
+                let ops: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+                match json_patch(node.clone(), &ops) {
+                    Some(patched) => *node = patched,
+                    None => {
+                        return status(
+                            stream,
+                            422,
+                            "Invalid",
+                            "the server rejected our request due to an error in our request",
+                            &Value::Null,
+                        );
+                    }
+                }
+            }
+            respond(stream, "200 OK", node);
+        }
         ["api", "v1", "namespaces", ns, "pods", name] if method == "DELETE" => {
-            let options: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let options: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
             state.writes.lock().expect("writes").push((
-                method.clone(),
+                method.to_owned(),
                 route.to_owned(),
                 options.clone(),
             ));
@@ -354,12 +1027,9 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                     .any(|k| !pre[k].is_null() && pre[k] != all[i]["metadata"][k])
             });
             match index {
-                Some(_) if conflict => respond(
-                    &mut stream,
-                    "409 Conflict",
-                    &json!({"kind": "Status", "status": "Failure", "reason": "Conflict", "code": 409,
-                            "message": "Precondition failed"}),
-                ),
+                Some(_) if conflict => {
+                    status(stream, 409, "Conflict", "Precondition failed", &Value::Null)
+                }
                 Some(i) => {
                     let pod = all.remove(i);
                     drop(all);
@@ -368,20 +1038,15 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                         .lock()
                         .expect("changes")
                         .push(("DELETED".into(), pod.clone()));
-                    respond(&mut stream, "200 OK", &pod);
+                    respond(stream, "200 OK", &pod);
                 }
-                None => respond(
-                    &mut stream,
-                    "404 Not Found",
-                    &json!({"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404,
-                            "message": format!("pods \"{name}\" not found")}),
-                ),
+                None => not_found(stream, "pods", name),
             }
         }
         ["api", "v1", "namespaces", ns, "pods", name, "status"] if method == "PATCH" => {
-            let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let patch: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
             state.writes.lock().expect("writes").push((
-                method.clone(),
+                method.to_owned(),
                 route.to_owned(),
                 patch.clone(),
             ));
@@ -405,13 +1070,9 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                     }
                 }
                 record(pods, &state.changes, pod.clone());
-                respond(&mut stream, "200 OK", &pod);
+                respond(stream, "200 OK", &pod);
             } else {
-                respond(
-                    &mut stream,
-                    "404 Not Found",
-                    &json!({"kind": "Status", "code": 404}),
-                );
+                not_found(stream, "pods", name);
             }
         }
         ["api", "v1", "namespaces", name] => {
@@ -423,13 +1084,17 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .find(|n| n["metadata"]["name"] == *name)
                 .cloned();
             match found {
-                Some(namespace) => respond(&mut stream, "200 OK", &namespace),
-                None => not_found(&mut stream, name),
+                Some(namespace) => respond(stream, "200 OK", &namespace),
+                None => not_found(stream, "namespaces", name),
             }
         }
         ["api", "v1", "namespaces", ns, "pods", name]
         | ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name] => {
-            let objects = if parts[0] == "api" { pods } else { daemon_sets };
+            let (objects, resource) = if parts[0] == "api" {
+                (pods, "pods")
+            } else {
+                (daemon_sets, "daemonsets.apps")
+            };
             let found = objects
                 .lock()
                 .expect("objects")
@@ -437,16 +1102,16 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                 .find(|p| p["metadata"]["namespace"] == *ns && p["metadata"]["name"] == *name)
                 .cloned();
             match found {
-                Some(pod) => respond(&mut stream, "200 OK", &pod),
-                None => not_found(&mut stream, name),
+                Some(pod) => respond(stream, "200 OK", &pod),
+                None => not_found(stream, resource, name),
             }
         }
-        _ => respond(
-            &mut stream,
-            "404 Not Found",
-            &json!({"kind": "Status", "code": 404}),
+        _ => status(
+            stream,
+            404,
+            "NotFound",
+            "the server could not find the requested resource",
+            &Value::Null,
         ),
     }
-    let mut rest = Vec::new();
-    let _ = reader.read_to_end(&mut rest);
 }

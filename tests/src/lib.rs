@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod agent;
 pub mod apiserver;
+pub mod cluster;
 pub mod containerd;
 pub mod cri;
 pub mod fixtures;
@@ -33,6 +34,7 @@ pub mod kubelet;
 pub mod oci;
 pub mod one_pod;
 pub mod plugin;
+pub mod rbac;
 pub mod socklb;
 pub mod wired;
 
