@@ -124,6 +124,8 @@ pub struct Capture {
     /// Where the plugin's installation stands, when this agent installs it: readiness waits
     /// for the entry to be in place.
     install: Mutex<Option<watch::Receiver<InstallStatus>>>,
+    /// What else holds readiness ([`Capture::hold_readiness`]).
+    holds: Mutex<Vec<watch::Receiver<Option<String>>>>,
     events: Mutex<Option<EventSink>>,
     /// Ambient mode, when this node runs it.
     ambient: Mutex<Option<Arc<Ambient>>>,
@@ -154,6 +156,7 @@ impl Capture {
             locks: Mutex::new(HashMap::new()),
             policies: Mutex::new(HashMap::new()),
             install: Mutex::new(None),
+            holds: Mutex::new(Vec::new()),
             events: Mutex::new(None),
             ambient: Mutex::new(None),
             gauge: Mutex::new(()),
@@ -176,6 +179,11 @@ impl Capture {
     /// Makes readiness wait for the plugin's entry to be in place (this agent installs it).
     pub fn watch_install(&self, status: watch::Receiver<InstallStatus>) {
         *lock(&self.install) = Some(status);
+    }
+
+    /// Holds readiness while `hold` says why (`Some`): a missing permission, a refused watch.
+    pub fn hold_readiness(&self, hold: watch::Receiver<Option<String>>) {
+        lock(&self.holds).push(hold);
     }
 
     /// Runs ambient mode: pods its selectors enroll are captured for ztunnel.
@@ -209,7 +217,9 @@ impl Capture {
                 return Some(format!("meshcap-cni is not in place: {}", *status));
             }
         }
-        None
+        lock(&self.holds)
+            .iter()
+            .find_map(|hold| hold.borrow().clone())
     }
 
     fn update_captured_gauge(&self) {

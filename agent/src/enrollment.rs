@@ -97,8 +97,9 @@ impl LiveEnrollment {
         }
     }
 
-    /// Watches until the watches end (never, in practice: they retry with backoff).
-    pub async fn run(mut self) {
+    /// Watches until the watches end (never, in practice: they retry with backoff), reporting
+    /// refusals to `health`.
+    pub async fn run(mut self, health: crate::access::WatchHealth) {
         info!("ambient mode: watching this node's pods and every namespace for enrollment changes");
         let pods = watcher(
             Api::<Pod>::all(self.client.clone()),
@@ -116,8 +117,14 @@ impl LiveEnrollment {
         let mut listing = HashMap::new();
         while let Some(change) = changes.next().await {
             match change {
-                Change::Pods(event) => self.on_pod(*event).await,
-                Change::Namespaces(event) => self.on_namespace(*event, &mut listing).await,
+                Change::Pods(event) => {
+                    health.observe("ambient mode's pod", event.as_ref());
+                    self.on_pod(*event).await;
+                }
+                Change::Namespaces(event) => {
+                    health.observe("namespace", event.as_ref());
+                    self.on_namespace(*event, &mut listing).await;
+                }
             }
         }
     }

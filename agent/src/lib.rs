@@ -1,6 +1,7 @@
 //! meshcap-agent: the node daemon that captures sidecar pods' traffic.
 //!
 //! Layout, one concern per module:
+//! - [`access`]: the permissions the enabled features need, checked at start;
 //! - [`ambient`]: ambient mode: an enrolled pod's in-pod rules and its hand-over to ztunnel;
 //! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection)
 //!   and the health, readiness and metrics endpoint;
@@ -32,7 +33,8 @@
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
-//! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted;
+//! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
+//!   how the agent tells that apart from a restart ([`uninstall::verdict`]);
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
@@ -46,6 +48,7 @@
 //! same kind of visit.
 //! Dependencies point one way: api → capture → backend → podnet and policy.
 
+pub mod access;
 pub mod ambient;
 pub mod api;
 pub mod backend;

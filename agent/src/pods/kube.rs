@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::Lookup;
+use crate::access::WatchHealth;
 
 /// The Kubernetes source.
 pub struct KubePods {
@@ -29,9 +30,10 @@ pub struct KubePods {
 }
 
 impl KubePods {
-    /// Starts watching the pods of `node` (the watch reconnects with backoff on its own).
+    /// Starts watching the pods of `node` (the watch reconnects with backoff on its own),
+    /// reporting refusals to `health`.
     #[must_use]
-    pub fn start(client: Client, node: String) -> Self {
+    pub fn start(client: Client, node: String, health: WatchHealth) -> Self {
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
         let stream = reflector(writer, watcher(Api::<Pod>::all(client.clone()), config))
@@ -40,6 +42,7 @@ impl KubePods {
         let watch = tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
+                health.observe("pod", &event);
                 if let Err(err) = event {
                     warn!(error = %err, "watching this node's pods; retrying");
                 }

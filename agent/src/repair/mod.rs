@@ -164,8 +164,8 @@ impl Repairer {
     }
 
     /// Watches this node's pods until the watch ends (never, in practice: it retries with
-    /// backoff).
-    pub async fn run(mut self) {
+    /// backoff), reporting refusals to `health`.
+    pub async fn run(mut self, health: crate::access::WatchHealth) {
         info!(
             mode = self.mode.label(),
             "repair controller watching this node's pods"
@@ -175,6 +175,7 @@ impl Repairer {
             .default_backoff()
             .boxed();
         while let Some(event) = events.next().await {
+            health.observe("repair controller's pod", &event);
             match event {
                 Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
                     self.reconcile(&pod).await;
