@@ -1,9 +1,13 @@
 //! The credentials the plugin's fallback decision uses when the agent is down: a kubeconfig
 //! beside the CNI configuration, as Istio's install-cni writes `ZZZ-istio-cni-kubeconfig`.
-//! In a cluster it is rendered from the agent's own service account (its token, CA and the API
-//! server's in-cluster address) and rewritten whenever the token or CA changes (projected
-//! tokens are rotated by kubelet); an agent started with `$KUBECONFIG` copies that file.
-//! Readable by root only.
+//!
+//! Its token is the plugin's own, not the agent's: the `meshcap-cni` ServiceAccount's token
+//! Secret, which the DaemonSet mounts at [`CNI_TOKEN_DIR`]. The agent's projected token is
+//! bound to the agent's pod and stops working when that pod object is deleted — exactly when
+//! the plugin is needed (an upgrade to an image that cannot be pulled, an eviction, a
+//! node-affinity change); Istio's plugin, which uses its agent's token, fails there
+//! (istio/istio#57438). The server and CA are the agent's (in-cluster, or `$KUBECONFIG`'s).
+//! Rewritten whenever a file it is made from changes; readable by root only.
 use std::{fs, path::PathBuf};
 
 use base64::Engine as _;
@@ -14,26 +18,46 @@ use super::{InstallError, conflist};
 /// Where the service account's files are in a pod.
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
+/// Where the DaemonSet mounts the plugin's token Secret (`token`).
+pub const CNI_TOKEN_DIR: &str = "/var/run/secrets/meshcap.io/cni";
+
+/// The variable naming another directory for the plugin's token.
+pub const CNI_TOKEN_DIR_ENV: &str = "MESHCAP_CNI_TOKEN_DIR";
+
 /// What the plugin's kubeconfig is made from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
-    /// The agent's service account, for the API server at `server`.
+    /// The API server at `server` with the in-cluster CA, and the plugin's token.
     ServiceAccount {
         /// `https://<KUBERNETES_SERVICE_HOST>:<KUBERNETES_SERVICE_PORT>`.
         server: String,
-        /// The service account's directory (`token`, `ca.crt`).
+        /// The agent's service account directory (`ca.crt`).
         dir: PathBuf,
+        /// The plugin's token file.
+        token: PathBuf,
     },
-    /// A kubeconfig file, copied as it is.
-    File(PathBuf),
+    /// A kubeconfig file (the agent's `$KUBECONFIG`): copied with every user's credentials
+    /// replaced by the plugin's token when `token` is set, as it is otherwise.
+    File {
+        /// The kubeconfig.
+        path: PathBuf,
+        /// The plugin's token file.
+        token: Option<PathBuf>,
+    },
 }
 
 impl Source {
-    /// The agent's own: `$KUBECONFIG` when set, else its in-cluster service account, else none.
+    /// The agent's own server with the plugin's token: `$KUBECONFIG` when set (with the token
+    /// of `$MESHCAP_CNI_TOKEN_DIR` when that is set), else the in-cluster service account's
+    /// server and CA with the token at [`CNI_TOKEN_DIR`], else none.
     #[must_use]
     pub fn of_this_agent(lookup: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        let token_dir = lookup(CNI_TOKEN_DIR_ENV).filter(|p| !p.is_empty());
         if let Some(path) = lookup("KUBECONFIG").filter(|p| !p.is_empty()) {
-            return Some(Self::File(path.into()));
+            return Some(Self::File {
+                path: path.into(),
+                token: token_dir.map(|dir| PathBuf::from(dir).join("token")),
+            });
         }
         let host = lookup("KUBERNETES_SERVICE_HOST")?;
         let port = lookup("KUBERNETES_SERVICE_PORT").unwrap_or_else(|| "443".to_owned());
@@ -45,6 +69,7 @@ impl Source {
         Some(Self::ServiceAccount {
             server: format!("https://{host}:{port}"),
             dir: SERVICE_ACCOUNT_DIR.into(),
+            token: PathBuf::from(token_dir.as_deref().unwrap_or(CNI_TOKEN_DIR)).join("token"),
         })
     }
 
@@ -53,15 +78,34 @@ impl Source {
     /// # Errors
     /// When a file cannot be read.
     pub fn render(&self) -> Result<Vec<u8>, InstallError> {
+        let read = |path: &std::path::Path| {
+            fs::read(path).map_err(|e| InstallError::io("reading", path, e))
+        };
+        let token_of = |path: &std::path::Path| -> Result<String, InstallError> {
+            Ok(String::from_utf8_lossy(&read(path)?).trim().to_owned())
+        };
         match self {
-            Self::File(path) => fs::read(path).map_err(|e| InstallError::io("reading", path, e)),
-            Self::ServiceAccount { server, dir } => {
-                let read = |name: &str| {
-                    let path = dir.join(name);
-                    fs::read(&path).map_err(|e| InstallError::io("reading", &path, e))
-                };
-                let token = String::from_utf8_lossy(&read("token")?).trim().to_owned();
-                let ca = base64::engine::general_purpose::STANDARD.encode(read("ca.crt")?);
+            Self::File { path, token: None } => read(path),
+            Self::File {
+                path,
+                token: Some(token),
+            } => {
+                let token = token_of(token)?;
+                let text = String::from_utf8_lossy(&read(path)?).into_owned();
+                let mut config: serde_json::Value =
+                    yaml_serde::from_str(&text).map_err(|e| InstallError::InvalidKubeconfig {
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    })?;
+                for user in config["users"].as_array_mut().into_iter().flatten() {
+                    user["user"] = json!({"token": token});
+                }
+                Ok(conflist::render(&config))
+            }
+            Self::ServiceAccount { server, dir, token } => {
+                let token = token_of(token)?;
+                let ca =
+                    base64::engine::general_purpose::STANDARD.encode(read(&dir.join("ca.crt"))?);
                 Ok(conflist::render(&json!({
                     "apiVersion": "v1",
                     "kind": "Config",
@@ -110,13 +154,17 @@ mod tests {
             Source::of_this_agent(env),
             Some(Source::ServiceAccount {
                 server: "https://[fd00::1]:6443".into(),
-                dir: SERVICE_ACCOUNT_DIR.into()
+                dir: SERVICE_ACCOUNT_DIR.into(),
+                token: PathBuf::from(CNI_TOKEN_DIR).join("token"),
             })
         );
         let dev = |name: &str| (name == "KUBECONFIG").then(|| "/root/.kube/config".to_owned());
         assert_eq!(
             Source::of_this_agent(dev),
-            Some(Source::File("/root/.kube/config".into()))
+            Some(Source::File {
+                path: "/root/.kube/config".into(),
+                token: None
+            })
         );
         assert_eq!(Source::of_this_agent(|_| None), None);
     }
@@ -129,6 +177,7 @@ mod tests {
         let source = Source::ServiceAccount {
             server: "https://10.96.0.1:443".into(),
             dir: dir.path().into(),
+            token: dir.path().join("token"),
         };
         let path = dir.path().join("meshcap-cni.kubeconfig");
         assert!(ensure(&source, &path).unwrap());
@@ -146,5 +195,29 @@ mod tests {
         );
         fs::write(dir.path().join("token"), "second").unwrap();
         assert!(ensure(&source, &path).unwrap(), "rotated: written");
+    }
+
+    #[test]
+    fn a_kubeconfig_file_gets_the_plugins_token() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let agent = dir.path().join("kubeconfig");
+        fs::write(
+            &agent,
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {server: \"https://api:6443\"}\n\
+             users:\n- name: u\n  user: {token: agent-token, client-key: key}\n\
+             contexts:\n- name: c\n  context: {cluster: c, user: u}\ncurrent-context: c\n",
+        )
+        .unwrap();
+        fs::write(dir.path().join("token"), "plugin-token\n").unwrap();
+        let source = Source::File {
+            path: agent,
+            token: Some(dir.path().join("token")),
+        };
+        let config: serde_json::Value = serde_json::from_slice(&source.render().unwrap()).unwrap();
+        assert_eq!(config["users"][0]["user"], json!({"token": "plugin-token"}));
+        assert_eq!(
+            config["clusters"][0]["cluster"]["server"],
+            "https://api:6443"
+        );
     }
 }

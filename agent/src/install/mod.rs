@@ -212,6 +212,14 @@ pub enum InstallError {
         /// Why libcni would refuse it.
         reason: String,
     },
+    /// The agent's kubeconfig, from which the plugin's is made, does not parse.
+    #[error("the kubeconfig {}: {reason}", path.display())]
+    InvalidKubeconfig {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// Watching the directories failed.
     #[error("watching {}: {source}", path.display())]
     Watch {

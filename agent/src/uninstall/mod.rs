@@ -2,11 +2,8 @@
 //! set-up, and its eBPF programs detached with their pins once no pod they capture lives.
 //! Never on a restart, an upgrade, a drain or a crash: pods created before the next agent runs
 //! would start uncaptured. Run by `meshcap-agent uninstall`, and by the agent itself when it is
-//! stopped because meshcap is being deleted ([`is_being_deleted`]).
+//! stopped because meshcap is being deleted ([`verdict`], from what [`witness`] observed).
 use std::path::{Path, PathBuf};
-
-use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Pod};
-use kube::Api;
 
 use crate::{
     ambient::{self, AmbientError},
@@ -17,6 +14,9 @@ use crate::{
     install::{self, InstallConfig, InstallError},
     policy::ambient::HostProbeSnat,
 };
+
+pub mod verdict;
+pub mod witness;
 
 /// What an uninstall removed, and what it had to keep.
 #[derive(Debug, Default)]
@@ -87,43 +87,4 @@ pub fn probes(netns: Option<&Path>, flavour: FlavourChoice) -> Result<(), Uninst
         flavour,
         HostProbeSnat::default(),
     )?)
-}
-
-/// Why meshcap is being deleted from the cluster, if it is: the DaemonSet that owns the agent's
-/// pod `namespace/pod` is gone, or is being deleted (a foreground deletion). `None` on a rolling
-/// update, a restart, an eviction or a drain (the DaemonSet is there), and when the pod has no
-/// DaemonSet owner (an agent run by hand).
-///
-/// # Errors
-/// When the API server cannot be asked: the caller then keeps everything in place.
-pub async fn is_being_deleted(
-    client: &kube::Client,
-    namespace: &str,
-    pod: &str,
-) -> Result<Option<String>, kube::Error> {
-    let Some(own) = Api::<Pod>::namespaced(client.clone(), namespace)
-        .get_opt(pod)
-        .await?
-    else {
-        return Ok(None);
-    };
-    let Some(owner) = own
-        .metadata
-        .owner_references
-        .unwrap_or_default()
-        .into_iter()
-        .find(|o| o.kind == "DaemonSet")
-    else {
-        return Ok(None);
-    };
-    let daemon_sets = Api::<DaemonSet>::namespaced(client.clone(), namespace);
-    Ok(match daemon_sets.get_opt(&owner.name).await? {
-        None => Some(format!("the DaemonSet {namespace}/{} is gone", owner.name)),
-        Some(ds) if ds.metadata.uid.as_deref() != Some(owner.uid.as_str()) => None,
-        Some(ds) if ds.metadata.deletion_timestamp.is_some() => Some(format!(
-            "the DaemonSet {namespace}/{} is being deleted",
-            owner.name
-        )),
-        Some(_) => None,
-    })
 }

@@ -6,6 +6,7 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
+    access::{self, WatchHealth},
     ambient::Ambient,
     api::{Server, ServerConfig, http},
     backend::{
@@ -25,7 +26,9 @@ use meshcap_agent::{
     },
     probe::{self, ProbeReport},
     repair::{RepairConfig, Repairer},
-    settings, taint, ztunnel,
+    settings, taint,
+    uninstall::{verdict::Verdict, witness::Departure},
+    ztunnel,
 };
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -270,6 +273,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // the default action that skips the uninstall.
     let mut shutdown = ShutdownSignal::register()?;
     let mut kube_node = None;
+    let health = WatchHealth::default();
     let source = match args.pods {
         PodSourceKind::Dir => {
             let dir = args
@@ -287,7 +291,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .await
                 .context("building a Kubernetes client (in-cluster config or $KUBECONFIG)")?;
             kube_node = Some((client.clone(), node.clone()));
-            PodSource::Kube(KubePods::start(client, node))
+            PodSource::Kube(KubePods::start(client, node, health.clone()))
         }
     };
     let paths = args.paths()?;
@@ -362,6 +366,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(ambient) = &ambient {
         capture.serve_ambient(ambient.clone());
     }
+    capture.hold_readiness(health.gate());
     tokio::spawn(log_warnings(capture.clone()));
     tokio::spawn(drop_gone(
         capture.clone(),
@@ -412,10 +417,34 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     if installer.is_some() {
         tokio::spawn(track_install(capture.clone(), install_rx.clone()));
     }
+    let mut departure = None;
     if let Some((client, node)) = &kube_node {
         let events = EventSink::new(client.clone(), node);
         capture.publish_events(events.clone());
         let config = RepairConfig::from_settings(|name| std::env::var(name).ok())?;
+        let own_pod = own_pod();
+        let leaving = Arc::new(Departure::start(
+            client.clone(),
+            own_pod.clone(),
+            health.clone(),
+        ));
+        departure = Some(leaving.clone());
+        let features = Features {
+            node: node.clone(),
+            startup_taint: !args.startup_taint.is_empty(),
+            ambient: ambient.is_some(),
+            repair: config.mode,
+        };
+        let (gate_tx, gate) = watch::channel(Some("checking what the agent may do".to_owned()));
+        capture.hold_readiness(gate);
+        tokio::spawn(check_access(
+            client.clone(),
+            features,
+            leaving,
+            gate_tx,
+            events.clone(),
+            own_pod,
+        ));
         if let Some(repairer) = Repairer::new(
             client.clone(),
             node.clone(),
@@ -424,7 +453,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             events,
             meshcap_agent::paths::NETNS_DIR.into(),
         ) {
-            tokio::spawn(repairer.run());
+            tokio::spawn(repairer.run(health.clone()));
         } else {
             info!("repair controller off (repair.enabled, or no repair mode set)");
         }
@@ -437,7 +466,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 args.exclude_namespaces.clone(),
                 meshcap_agent::paths::NETNS_DIR.into(),
             );
-            tokio::spawn(live.run());
+            tokio::spawn(live.run(health.clone()));
         }
     }
     if let Some((client, node)) = kube_node.clone()
@@ -457,45 +486,139 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     serve.await?;
     http_task.await??;
-    if let (Some((watcher, config)), Some((client, _))) = (installer, kube_node) {
+    if let (Some((watcher, config)), Some((client, node)), Some(departure)) =
+        (installer, kube_node, departure)
+    {
         // The watcher would put back what an uninstall removes.
         drop(watcher);
         let probes = ambient
             .is_some()
             .then(|| (args.node_netns.clone(), args.iptables_flavour));
-        uninstall_if_deleted(&client, config, paths.bpffs_dir, probes).await;
+        let features = Features {
+            node,
+            startup_taint: !args.startup_taint.is_empty(),
+            ambient: ambient.is_some(),
+            repair: RepairConfig::from_settings(|name| std::env::var(name).ok())?.mode,
+        };
+        uninstall_if_deleted(
+            &client,
+            &departure,
+            &features,
+            config,
+            paths.bpffs_dir,
+            probes,
+        )
+        .await;
     }
     info!("stopped");
     Ok(())
 }
 
-/// Stopped because meshcap is being deleted from the cluster (its DaemonSet gone or being
-/// deleted, as `kubectl delete -f deploy/` does): removes the plugin from this node, so new pods
-/// no longer wait for an agent that will never come back, and the eBPF programs once no pod
-/// they capture lives. On a rolling update, a restart, an eviction or a drain the DaemonSet is
-/// there and nothing is removed; when the API server cannot be asked, nothing is either.
-/// With ambient mode on, `probes` (the node's netns and iptables) says where its probe rule
-/// and sets go from.
+/// The agent's own pod, as the DaemonSet passes it (`metadata.namespace`, `metadata.name`).
+fn own_pod() -> Option<(String, String)> {
+    Some((
+        std::env::var(settings::POD_NAMESPACE_ENV).ok()?,
+        std::env::var(settings::POD_NAME_ENV).ok()?,
+    ))
+}
+
+/// The settings that decide what the agent asks of the API server.
+struct Features {
+    node: String,
+    startup_taint: bool,
+    ambient: bool,
+    repair: Option<meshcap_agent::repair::Mode>,
+}
+
+impl Features {
+    /// Every request they make, with the DaemonSet `owner` watched.
+    fn needs(&self, owner: Option<&meshcap_agent::uninstall::witness::Owner>) -> Vec<access::Need> {
+        use meshcap_agent::repair::Mode;
+        access::needs(&access::Features {
+            node: self.node.clone(),
+            startup_taint: self.startup_taint,
+            daemon_set: owner.map(|o| (o.namespace.clone(), o.name.clone())),
+            ambient: self.ambient,
+            repair: match self.repair {
+                Some(Mode::Delete) => access::RepairWrites::DeletePods,
+                Some(Mode::Label) => access::RepairWrites::LabelPods,
+                Some(Mode::Repair) | None => access::RepairWrites::None,
+            },
+        })
+    }
+}
+
+/// Checks, once the agent's DaemonSet is known, that the agent may make every request its
+/// settings need; readiness is held (`gate`) and a Warning Event published on its pod while
+/// any is missing.
+async fn check_access(
+    client: kube::Client,
+    features: Features,
+    departure: Arc<Departure>,
+    gate: watch::Sender<Option<String>>,
+    events: EventSink,
+    own_pod: Option<(String, String)>,
+) {
+    let owner = departure.owner().await;
+    let needs = features.needs(owner.as_ref());
+    access::enforce(client, needs, gate, move |why| {
+        if let Some((namespace, name)) = &own_pod {
+            let pod = meshcap_agent::events::PodObject {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                uid: None,
+            };
+            events.warn(pod, "MissingPermissions", "CheckPermissions", why);
+        }
+    })
+    .await;
+}
+
+/// At SIGTERM: removes meshcap from this node when it is being deleted from the cluster
+/// (docs/install.md, "Uninstalling", and [`meshcap_agent::uninstall::verdict`]), so new pods no
+/// longer wait for an agent that will never come back, and the eBPF programs once no pod they
+/// capture lives. On a restart, an update, an eviction or a drain, and whenever nothing proves
+/// an uninstall, nothing is removed. With ambient mode on, `probes` (the node's netns and
+/// iptables) says where its probe rule and sets go from.
 async fn uninstall_if_deleted(
     client: &kube::Client,
+    departure: &Departure,
+    features: &Features,
     config: install::InstallConfig,
     bpffs_dir: PathBuf,
     probes: Option<(Option<PathBuf>, FlavourChoice)>,
 ) {
-    let (Ok(namespace), Ok(pod)) = (
-        std::env::var(settings::POD_NAMESPACE_ENV),
-        std::env::var(settings::POD_NAME_ENV),
-    ) else {
-        return;
+    let plugin = match &config.plugin.kubeconfig {
+        Some(path) => match meshcap_agent::uninstall::witness::plugin_client(path).await {
+            Ok(plugin) => Some((
+                plugin,
+                meshcap_agent::uninstall::witness::plugin_needs(features.ambient),
+            )),
+            Err(err) => {
+                warn!(kubeconfig = %path.display(), error = %err, "the plugin's kubeconfig");
+                None
+            }
+        },
+        None => None,
     };
-    let why = match meshcap_agent::uninstall::is_being_deleted(client, &namespace, &pod).await {
-        Ok(Some(why)) => why,
-        Ok(None) => {
-            info!("meshcap stays installed on this node (a restart, an update or a drain)");
+    let owner = departure.owner().await;
+    let needs = features.needs(owner.as_ref());
+    let verdict =
+        tokio::time::timeout(DECISION_TIMEOUT, departure.conclude(client, &needs, plugin)).await;
+    let why = match verdict {
+        Ok(Some(Verdict::Uninstall(why))) => why,
+        Ok(Some(Verdict::Stay(why))) => {
+            info!(%why, "meshcap stays installed on this node");
             return;
         }
-        Err(err) => {
-            warn!(error = %err, "cannot tell whether meshcap is being deleted: it stays installed");
+        Ok(None) => {
+            info!("no DaemonSet owns this agent: meshcap stays installed on this node");
+            return;
+        }
+        Err(_) => {
+            warn!(
+                "no answer within {DECISION_TIMEOUT:?} on whether meshcap is being deleted: it stays installed"
+            );
             return;
         }
     };
@@ -518,6 +641,10 @@ async fn uninstall_if_deleted(
         Err(err) => warn!(error = %err, "uninstalling"),
     }
 }
+
+/// How long a stopping agent may take to decide whether it is being uninstalled: within the
+/// DaemonSet's `terminationGracePeriodSeconds` (10), leaving time to remove what it must.
+const DECISION_TIMEOUT: Duration = Duration::from_secs(7);
 
 /// Keeps the install-ready gauge with the installation's state.
 async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<InstallStatus>) {
