@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, fs, path::Path};
 use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
-        core::v1::{ConfigMap, Container, Namespace, PodSpec, ServiceAccount},
+        core::v1::{ConfigMap, Container, Namespace, PodSpec, Secret, ServiceAccount},
         rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding},
     },
     serde::{Deserialize as _, Serialize, de::DeserializeOwned},
@@ -19,6 +19,7 @@ use serde_json::Value;
 struct Manifests {
     namespaces: Vec<Namespace>,
     service_accounts: Vec<ServiceAccount>,
+    secrets: Vec<Secret>,
     cluster_roles: Vec<ClusterRole>,
     bindings: Vec<ClusterRoleBinding>,
     roles: Vec<Role>,
@@ -41,9 +42,12 @@ fn typed<T: DeserializeOwned + Serialize>(file: &str, doc: &Value) -> T {
 }
 
 fn manifests() -> Manifests {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    manifests_in(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy"))
+}
+
+fn manifests_in(dir: &Path) -> Manifests {
     let mut found = Manifests::default();
-    let mut names: Vec<_> = fs::read_dir(&dir)
+    let mut names: Vec<_> = fs::read_dir(dir)
         .expect("deploy/")
         .map(|e| e.expect("entry").path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
@@ -55,9 +59,13 @@ fn manifests() -> Manifests {
         let text = fs::read_to_string(&path).expect("reading");
         for doc in yaml_serde::Deserializer::from_str(&text) {
             let doc = Value::deserialize(doc).unwrap_or_else(|e| panic!("{file}: {e}"));
+            if doc.is_null() {
+                continue;
+            }
             match doc["kind"].as_str() {
                 Some("Namespace") => found.namespaces.push(typed(&file, &doc)),
                 Some("ServiceAccount") => found.service_accounts.push(typed(&file, &doc)),
+                Some("Secret") => found.secrets.push(typed(&file, &doc)),
                 Some("ClusterRole") => found.cluster_roles.push(typed(&file, &doc)),
                 Some("ClusterRoleBinding") => found.bindings.push(typed(&file, &doc)),
                 Some("Role") => found.roles.push(typed(&file, &doc)),
@@ -85,100 +93,222 @@ fn agent_container(ds: &DaemonSet) -> (&PodSpec, &Container) {
     (pod, one(&pod.containers, "container"))
 }
 
-#[test]
-fn rbac_is_exactly_what_the_agent_calls() {
-    let m = manifests();
-    let role = one(&m.cluster_roles, "ClusterRole");
-    let rules: Vec<_> = role
-        .rules
-        .iter()
-        .flatten()
-        .map(|r| {
-            assert!(r.resource_names.is_none() && r.non_resource_urls.is_none());
-            (
-                r.api_groups.clone().unwrap_or_default(),
-                r.resources.clone().unwrap_or_default(),
-                r.verbs.clone(),
-            )
-        })
-        .collect();
-    let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<_>>();
-    assert_eq!(
-        rules,
-        [
-            (s(&[""]), s(&["pods"]), s(&["get", "list", "watch"])),
-            (s(&[""]), s(&["namespaces"]), s(&["get", "list", "watch"])),
-            (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
-            (
-                s(&["events.k8s.io"]),
-                s(&["events"]),
-                s(&["create", "patch"])
-            ),
-        ]
-    );
+/// `(apiGroup, resource, verb)` of every rule of `roles` bound to `account` by `bindings`, with
+/// the rule's resourceNames.
+type Rules = BTreeMap<(String, String, String), Vec<String>>;
 
-    let ns = one(&m.namespaces, "Namespace").metadata.name.clone();
-    let sa = one(&m.service_accounts, "ServiceAccount");
-    assert_eq!(sa.metadata.namespace, ns);
-    let binding = one(&m.bindings, "ClusterRoleBinding");
+fn rules_of(roles: &[(String, Vec<k8s_openapi::api::rbac::v1::PolicyRule>)]) -> Rules {
+    let mut all = Rules::new();
+    for (_, rules) in roles {
+        for rule in rules {
+            assert!(rule.non_resource_urls.is_none());
+            for group in rule.api_groups.iter().flatten() {
+                for resource in rule.resources.iter().flatten() {
+                    for verb in &rule.verbs {
+                        let previous = all.insert(
+                            (group.clone(), resource.clone(), verb.clone()),
+                            rule.resource_names.clone().unwrap_or_default(),
+                        );
+                        assert!(
+                            previous.is_none(),
+                            "{group}/{resource} {verb} granted twice"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    all
+}
+
+/// The roles bound to the ServiceAccount `account` of `namespace` in `m`.
+fn bound(
+    m: &Manifests,
+    namespace: &str,
+    account: &str,
+) -> Vec<(String, Vec<k8s_openapi::api::rbac::v1::PolicyRule>)> {
+    let subject = |subjects: &Option<Vec<k8s_openapi::api::rbac::v1::Subject>>| {
+        subjects.iter().flatten().any(|s| {
+            s.kind == "ServiceAccount"
+                && s.name == account
+                && s.namespace.as_deref() == Some(namespace)
+        })
+    };
+    let mut roles = Vec::new();
+    for binding in m.bindings.iter().filter(|b| subject(&b.subjects)) {
+        assert_eq!(binding.role_ref.kind, "ClusterRole");
+        let role = m
+            .cluster_roles
+            .iter()
+            .find(|r| r.metadata.name.as_deref() == Some(binding.role_ref.name.as_str()))
+            .unwrap_or_else(|| panic!("ClusterRole {} not shipped", binding.role_ref.name));
+        roles.push((
+            binding.role_ref.name.clone(),
+            role.rules.clone().unwrap_or_default(),
+        ));
+    }
+    for binding in m.role_bindings.iter().filter(|b| subject(&b.subjects)) {
+        assert_eq!(binding.metadata.namespace.as_deref(), Some(namespace));
+        let role = m
+            .roles
+            .iter()
+            .find(|r| r.metadata.name.as_deref() == Some(binding.role_ref.name.as_str()))
+            .unwrap_or_else(|| panic!("Role {} not shipped", binding.role_ref.name));
+        assert_eq!(role.metadata.namespace.as_deref(), Some(namespace));
+        roles.push((
+            binding.role_ref.name.clone(),
+            role.rules.clone().unwrap_or_default(),
+        ));
+    }
+    roles
+}
+
+/// What `needs` ask, as rules: `(group, resource[/subresource], verb)` and the name.
+fn rules_needed(needs: &[meshcap_agent::access::Need]) -> Rules {
+    needs
+        .iter()
+        .map(|n| {
+            let resource = if n.subresource.is_empty() {
+                n.resource.to_owned()
+            } else {
+                format!("{}/{}", n.resource, n.subresource)
+            };
+            // A node's name is this node's: RBAC cannot name it in advance.
+            let names = if n.name.is_empty() || n.resource == "nodes" {
+                Vec::new()
+            } else {
+                vec![n.name.clone()]
+            };
+            ((n.group.to_owned(), resource, n.verb.to_owned()), names)
+        })
+        .collect()
+}
+
+#[test]
+fn rbac_is_exactly_what_the_agent_and_the_plugin_call() {
+    use meshcap_agent::access::{Features, RepairWrites, needs};
+
+    let m = manifests();
+    let ns = one(&m.namespaces, "Namespace")
+        .metadata
+        .name
+        .clone()
+        .expect("name");
+    let ds = one(&m.daemon_sets, "DaemonSet");
+    let ds_name = ds.metadata.name.clone().expect("name");
+    // The defaults: a startup taint, repair in place, no ambient mode; the DaemonSet watched.
+    let defaults = Features {
+        node: "any".into(),
+        startup_taint: true,
+        daemon_set: Some((ns.clone(), ds_name.clone())),
+        ambient: false,
+        repair: RepairWrites::None,
+    };
+    let agent = rules_of(&bound(&m, &ns, "meshcap-agent"));
+    assert_eq!(agent, rules_needed(&needs(&defaults)));
+    // The plugin may read pods, nothing else.
+    let plugin = rules_of(&bound(&m, &ns, "meshcap-cni"));
+    let decide = meshcap_agent::uninstall::witness::plugin_needs(false);
+    assert_eq!(plugin, rules_needed(&decide));
+    let secret = one(&m.secrets, "Secret");
     assert_eq!(
-        binding.role_ref.name,
-        role.metadata.name.clone().unwrap_or_default()
+        secret.type_.as_deref(),
+        Some("kubernetes.io/service-account-token")
     );
-    let subject = one(binding.subjects.as_deref().unwrap_or_default(), "subject");
-    assert_eq!(
-        (Some(subject.name.clone()), subject.namespace.clone()),
-        (sa.metadata.name.clone(), ns.clone())
-    );
-    // In its own namespace only: its DaemonSet, read when it stops (uninstall on deletion).
-    let local = one(&m.roles, "Role");
-    assert_eq!(local.metadata.namespace, ns);
-    let local_rules: Vec<_> = local
-        .rules
+    let token_of = secret
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get("kubernetes.io/service-account.name"));
+    assert_eq!(token_of.map(String::as_str), Some("meshcap-cni"));
+    let (pod, agent_container) = agent_container(ds);
+    let mounted = pod
+        .volumes
         .iter()
         .flatten()
-        .map(|r| {
-            (
-                r.api_groups.clone().unwrap_or_default(),
-                r.resources.clone().unwrap_or_default(),
-                r.verbs.clone(),
-            )
+        .find_map(|v| {
+            v.secret
+                .as_ref()
+                .filter(|s| s.secret_name == secret.metadata.name)
         })
-        .collect();
-    assert_eq!(
-        local_rules,
-        [(s(&["apps"]), s(&["daemonsets"]), s(&["get"]))]
+        .map(|_| ());
+    assert!(
+        mounted.is_some(),
+        "the DaemonSet mounts the plugin's token Secret"
     );
-    let local_binding = one(&m.role_bindings, "RoleBinding");
-    assert_eq!(local_binding.metadata.namespace, ns);
-    assert_eq!(
-        (
-            local_binding.role_ref.kind.as_str(),
-            Some(local_binding.role_ref.name.clone())
-        ),
-        ("Role", local.metadata.name.clone())
+    assert!(
+        agent_container
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|v| v.mount_path == meshcap_agent::install::kubeconfig::CNI_TOKEN_DIR),
+        "at the path the agent reads it from"
     );
-    let subject = one(
-        local_binding.subjects.as_deref().unwrap_or_default(),
-        "subject",
-    );
-    assert_eq!(
-        (Some(subject.name.clone()), subject.namespace.clone()),
-        (sa.metadata.name.clone(), ns.clone())
-    );
-    let ds = one(&m.daemon_sets, "DaemonSet");
-    assert_eq!(ds.metadata.namespace, ns);
+    assert_eq!(pod.service_account_name.as_deref(), Some("meshcap-agent"));
     // The plugin recognises the agent's own pods by these (it must never wait for them).
-    assert_eq!(
-        ns.as_deref(),
-        Some(meshcap_agent::install::AGENT_POD_NAMESPACE)
-    );
-    assert_eq!(
-        ds.metadata.name.clone().map(|n| n + "-").as_deref(),
-        Some(meshcap_agent::install::AGENT_POD_PREFIX)
-    );
-    let (pod, _) = agent_container(ds);
-    assert_eq!(pod.service_account_name, sa.metadata.name);
+    assert_eq!(ns, meshcap_agent::install::AGENT_POD_NAMESPACE);
+    assert_eq!(ds_name + "-", meshcap_agent::install::AGENT_POD_PREFIX);
+
+    // Each optional feature's file adds exactly what the feature asks.
+    let features = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/features");
+    for (file, feature, plugin_extra) in [
+        (
+            "ambient.yaml",
+            Features {
+                ambient: true,
+                ..defaults.clone()
+            },
+            true,
+        ),
+        (
+            "repair-delete-pods.yaml",
+            Features {
+                repair: RepairWrites::DeletePods,
+                ..defaults.clone()
+            },
+            false,
+        ),
+        (
+            "repair-label-pods.yaml",
+            Features {
+                repair: RepairWrites::LabelPods,
+                ..defaults.clone()
+            },
+            false,
+        ),
+    ] {
+        let dir = tempdir_with(&features.join(file));
+        let extra = manifests_in(&dir);
+        let _ = fs::remove_dir_all(&dir);
+        let mut wanted = rules_needed(&needs(&feature));
+        wanted.retain(|rule, _| !rules_needed(&needs(&defaults)).contains_key(rule));
+        assert_eq!(
+            rules_of(&bound(&extra, &ns, "meshcap-agent")),
+            wanted,
+            "{file}"
+        );
+        let mut plugin_wanted = rules_needed(&meshcap_agent::uninstall::witness::plugin_needs(
+            plugin_extra,
+        ));
+        plugin_wanted.retain(|rule, _| !rules_needed(&decide).contains_key(rule));
+        assert_eq!(
+            rules_of(&bound(&extra, &ns, "meshcap-cni")),
+            plugin_wanted,
+            "{file}"
+        );
+    }
+}
+
+/// A directory holding only `file`.
+fn tempdir_with(file: &Path) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "meshcap-deploy-{}-{}",
+        std::process::id(),
+        file.file_stem().and_then(|s| s.to_str()).unwrap_or("x")
+    ));
+    fs::create_dir_all(&dir).expect("temp dir");
+    fs::copy(file, dir.join(file.file_name().expect("name"))).expect("copy");
+    dir
 }
 
 #[test]
@@ -274,10 +404,18 @@ fn the_daemon_set_mounts_what_the_agent_expects() {
             .map(|h| h.path.clone())
             .unwrap_or_else(|| panic!("volume {volume} is not a hostPath"))
     };
+    // The host's directories; the plugin's token Secret is checked with the RBAC.
+    let is_secret = |volume: &str| {
+        pod.volumes
+            .iter()
+            .flatten()
+            .any(|v| v.name == volume && v.secret.is_some())
+    };
     let mounts: BTreeMap<_, _> = agent
         .volume_mounts
         .iter()
         .flatten()
+        .filter(|m| !is_secret(&m.name))
         .map(|m| {
             (
                 m.mount_path.as_str(),

@@ -19,7 +19,7 @@ use meshcap_agent::{
 use meshcap_tests::{
     APP_UID, Netns, PROXY_UID, Placement, Proc, Report,
     agent::{Agent, Backend},
-    apiserver::ApiServer,
+    apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
     kubelet::{Sandbox, cni, config},
@@ -727,7 +727,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
     let mut node = Node::new().expect("node");
     let pod = node.add_pod(false).expect("pod");
     let sockets = SocketDir::new();
-    let api = ApiServer::start();
+    let api = ApiServer::with_features(&["ambient"]);
     let mut manifest = ambient_pod("web");
     manifest["metadata"]["labels"] = json!({});
     manifest["spec"]["nodeName"] = json!("node-1");
@@ -748,7 +748,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         zt.wait_line().expect("ztunnel"),
         format!("add uid-web {} shop/web", inode(&pod.netns))
     );
-    let served = api.pods.lock().expect("pods")[0].clone();
+    let served = web_pod(&api);
     assert_eq!(
         served["metadata"]["annotations"]["ambient.istio.io/redirection"], "enabled",
         "{served}"
@@ -764,7 +764,19 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
         patches.contains(&"PATCH /api/v1/namespaces/shop/pods/web/status".to_owned()),
         "{patches:?}"
     );
+    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-ambient");
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// The pod `shop/web` as the API server holds it now.
+fn web_pod(api: &ApiServer) -> Value {
+    api.pods
+        .lock()
+        .expect("pods")
+        .iter()
+        .find(|p| p["metadata"]["name"] == "web")
+        .cloned()
+        .expect("shop/web")
 }
 
 /// Live enrollment, as Istio's node agent's informers: a running pod that the CNI ADD left
@@ -794,7 +806,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
         .expect("the pod's address");
     let sockets = SocketDir::new();
-    let api = ApiServer::start();
+    let api = ApiServer::with_features(&["ambient"]);
     let mut manifest = ambient_pod("web");
     manifest["metadata"]["labels"] = json!({});
     manifest["spec"]["nodeName"] = json!("node-1");
@@ -822,14 +834,12 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     );
 
     let relabel = |labels: Value| {
-        let mut current = api.pods.lock().expect("pods")[0].clone();
+        let mut current = web_pod(&api);
         current["metadata"]["labels"] = labels;
         api.apply_pod(current);
     };
-    let annotation = || {
-        api.pods.lock().expect("pods")[0]["metadata"]["annotations"]["ambient.istio.io/redirection"]
-            .clone()
-    };
+    let annotation =
+        || web_pod(&api)["metadata"]["annotations"]["ambient.istio.io/redirection"].clone();
     let added = format!("add uid-web {} shop/web", inode(&pod.netns));
 
     relabel(json!({"istio.io/dataplane-mode": "ambient"}));

@@ -1,7 +1,8 @@
 //! Agent outage: with `meshcap-agent` down (crash loop, image pull failure, eviction) a pod
 //! the mesh concerns still fails closed, and every other pod starts. The agent installs a copy
-//! of itself beside the plugin with the credentials (or, standalone, the manifest directory)
-//! it uses; the plugin runs `meshcap-agent decide` from there. Everything through the real
+//! of itself beside the plugin with the plugin's own credentials (a token of its own, bound to
+//! no pod: the agent's pod object may be gone too) or, standalone, the manifest directory it
+//! uses; the plugin runs `meshcap-agent decide` from there. Everything through the real
 //! binaries: the agent installs into throwaway CNI directories, is killed, and the plugin it
 //! installed is run with the entry it chained.
 use std::{
@@ -15,7 +16,7 @@ use std::{
 use meshcap_tests::{
     Netns,
     agent::binaries,
-    apiserver::ApiServer,
+    apiserver::{AGENT_POD, ApiServer, SYSTEM_NAMESPACE},
     fixtures::{plain_pod, sidecar_pod, write_manifest},
     kubelet::{CniOutput, run_plugin_at},
     require_root, unique_name,
@@ -160,10 +161,17 @@ fn with_the_agent_down_only_mesh_pods_wait_api_source() {
         pods.push(sidecar_pod("shop", "web", &[]));
     }
     let kubeconfig = api.kubeconfig(&node.root.0);
+    let token_dir = api.cni_token_dir(&node.root.0);
     let conf = node.install_then_kill(
         &["--pods", "kube", "--node-name", "node-1"],
-        &[("KUBECONFIG", &kubeconfig)],
+        &[
+            ("KUBECONFIG", &kubeconfig),
+            ("MESHCAP_CNI_TOKEN_DIR", &token_dir),
+        ],
     );
+    // The agent's pod object goes too (an eviction, an upgrade to an image that cannot be
+    // pulled): its token is revoked, and the plugin decides with its own.
+    api.delete("Pod", SYSTEM_NAMESPACE, AGENT_POD);
     let written = conf["kubeconfig"]
         .as_str()
         .expect("the entry names the plugin's kubeconfig");

@@ -1,10 +1,11 @@
 //! The repair controller against the in-test API server and the real kernel: a pod that
 //! started without its capture (its `istio-validation` last exited 126) is captured in place in
 //! `repairPods` mode, labelled in `labelPods`, deleted with preconditions in `deletePods`; a
-//! healthy pod, a pod of another node and a pod repaired once are left alone.
+//! healthy pod, a pod of another node and a pod repaired once are left alone. Each mode with
+//! exactly the RBAC `deploy/features/` ships for it, every rule of which it uses.
 use meshcap_tests::{
     agent::{Agent, Backend},
-    apiserver::ApiServer,
+    apiserver::{AGENT_ACCOUNT, ApiServer},
     fixtures::{ManifestDir, broken_pod, eventually, leftovers, sidecar_pod, unique_ip},
     kubelet::{Sandbox, cni, config},
     require_root,
@@ -153,7 +154,7 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
 #[test]
 fn label_pods_patches_exactly_the_label() {
     require_root();
-    let api = ApiServer::start();
+    let api = ApiServer::with_features(&["repair-label-pods"]);
     let dir = ManifestDir::new();
     let agent = kube_agent(
         Backend::Iptables,
@@ -192,12 +193,13 @@ fn label_pods_patches_exactly_the_label() {
         ]
     );
     assert_eq!(api.writes.lock().expect("writes").len(), 1);
+    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair-label");
 }
 
 #[test]
 fn delete_pods_deletes_with_preconditions() {
     require_root();
-    let api = ApiServer::start();
+    let api = ApiServer::with_features(&["repair-delete-pods"]);
     let dir = ManifestDir::new();
     let agent = kube_agent(
         Backend::Iptables,
@@ -214,6 +216,14 @@ fn delete_pods_deletes_with_preconditions() {
         &unique_ip(),
         3,
     ));
+    let version = api
+        .pods
+        .lock()
+        .expect("pods")
+        .iter()
+        .find(|p| p["metadata"]["name"] == "doomed")
+        .map(|p| p["metadata"]["resourceVersion"].clone())
+        .expect("the pod");
     eventually("the controller deletes the pod", || {
         !api.writes.lock().expect("writes").is_empty()
     })
@@ -225,10 +235,16 @@ fn delete_pods_deletes_with_preconditions() {
     );
     assert_eq!(
         options["preconditions"],
-        json!({"uid": "uid-doomed", "resourceVersion": "1"}),
+        json!({"uid": "uid-doomed", "resourceVersion": version}),
         "{options}"
     );
-    assert!(api.pods.lock().expect("pods").is_empty());
+    assert!(
+        !api.pods
+            .lock()
+            .expect("pods")
+            .iter()
+            .any(|p| p["metadata"]["name"] == "doomed")
+    );
     // The server has the request before the controller has the answer it counts.
     let deleted = ["meshcap_cni_repair_pods_repaired_total{type=\"delete\",result=\"success\"} 1"];
     eventually("the deletion is counted", || repairs(&agent) == deleted)
@@ -238,4 +254,5 @@ fn delete_pods_deletes_with_preconditions() {
         1,
         "deletePods wins over labelPods"
     );
+    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair-delete");
 }
