@@ -355,7 +355,7 @@ impl ApiServer {
         let mut objects = store.lock().expect("objects");
         let index = objects
             .iter()
-            .position(|o| same(o))
+            .position(same)
             .unwrap_or_else(|| panic!("no {kind} {namespace}/{name}"));
         let mut gone = objects.remove(index);
         gone["metadata"]["resourceVersion"] = json!((changes.len() + 1).to_string());
@@ -865,7 +865,6 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
     let _ = reader.read_to_end(&mut rest);
 }
 
-#[allow(clippy::too_many_lines)]
 fn route_request(
     stream: &mut TcpStream,
     state: &Served,

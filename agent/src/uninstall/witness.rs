@@ -215,12 +215,11 @@ pub async fn conclude(
 ) -> Verdict {
     let fresh = read(client, owner).await;
     let mut seen = witness.as_ref().map_or(Witnessed::Nothing, |w| w.seen());
-    if verdict::verdict(&owner.uid, &fresh, &seen).is_err()
-        || matches!(fresh, Fresh::Unreachable(_))
+    if let Some(witness) = witness
+        && (verdict::verdict(&owner.uid, &fresh, &seen).is_err()
+            || matches!(fresh, Fresh::Unreachable(_)))
     {
-        if let Some(witness) = witness {
-            seen = witness.settled(&owner.uid, WITNESS_GRACE).await;
-        }
+        seen = witness.settled(&owner.uid, WITNESS_GRACE).await;
     }
     match verdict::verdict(&owner.uid, &fresh, &seen) {
         Ok(verdict) => verdict,

@@ -24,11 +24,23 @@ const HELPERS: &[&str] = &[
 
 /// Tests that run on the host only, with the reason printed by every `integration` run: what
 /// they need is not in the guest's initramfs.
-pub const HOST_ONLY: &[(&str, &str)] = &[(
-    "containerd",
-    "drives a real containerd 1.6 with runc, ctr and the CNI reference plugins, which the \
-     guest's initramfs does not carry; the kernel paths it crosses are the other tests'",
-)];
+pub const HOST_ONLY: &[(&str, &str)] = &[
+    (
+        "containerd",
+        "drives a real containerd 1.6 with runc, ctr and the CNI reference plugins, which the \
+         guest's initramfs does not carry; the kernel paths it crosses are the other tests'",
+    ),
+    (
+        "leaving",
+        "the agent's uninstall decisions against the test API server: no pod is captured, and \
+         the removal of the kernel programs is uninstall's, which runs in the guest",
+    ),
+    (
+        "permissions",
+        "the shipped RBAC against what the agent and the plugin ask the test API server: no \
+         kernel path is crossed that the other tests do not cross",
+    ),
+];
 
 /// What the VM runs.
 pub struct Binaries {
