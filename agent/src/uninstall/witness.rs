@@ -261,6 +261,12 @@ impl Departure {
             let found = loop {
                 match self::owner(&client, &namespace, &pod).await {
                     Ok(found) => break found,
+                    // Not allowed to read its own pod: the permission check names it, and
+                    // without an owner the agent never uninstalls itself.
+                    Err(err) if access::is_refused(&err) => {
+                        tracing::warn!(error = %err, "this agent may not read its own pod: it cannot tell an uninstall");
+                        break None;
+                    }
                     Err(err) => {
                         tracing::warn!(error = %err, "reading this agent's pod to find its DaemonSet; retrying");
                         tokio::time::sleep(OWNER_RETRY).await;
