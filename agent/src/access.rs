@@ -227,12 +227,13 @@ pub async fn missing(client: &kube::Client, needs: &[Need]) -> Result<Vec<Need>,
     Ok(missing)
 }
 
-/// Why readiness is held, in words, from what [`missing`] found.
+/// Why readiness is held, in words, from what [`missing`] found for `who` (`the agent`, `the
+/// plugin`).
 #[must_use]
-pub fn describe_missing(missing: &[Need]) -> String {
+pub fn describe_missing(who: &str, missing: &[Need]) -> String {
     let each: Vec<String> = missing.iter().map(ToString::to_string).collect();
     format!(
-        "the agent may not {} (add the rules deploy/ ships for these settings)",
+        "{who} may not {} (add the rules deploy/ ships for these settings)",
         each.join("; ")
     )
 }
@@ -240,10 +241,12 @@ pub fn describe_missing(missing: &[Need]) -> String {
 /// How often missing permissions are checked again.
 const RECHECK: Duration = Duration::from_secs(30);
 
-/// Checks `needs` now and every [`RECHECK`] while any is missing, publishing why readiness is
-/// held on `gate` (`None`: nothing missing) and calling `report` once per new set of missing
-/// permissions (the Warning Event).
+/// Checks that `who` (`the agent`, `the plugin`), with `client`, may make `needs`, now and
+/// every [`RECHECK`] while any is missing, publishing why readiness is held on `gate` (`None`:
+/// nothing missing) and calling `report` once per new set of missing permissions (the Warning
+/// Event). A refused credential (401) is reported the same way.
 pub async fn enforce(
+    who: &'static str,
     client: kube::Client,
     needs: Vec<Need>,
     gate: watch::Sender<Option<String>>,
@@ -251,10 +254,21 @@ pub async fn enforce(
 ) {
     let mut reported = None;
     loop {
-        let held = match missing(&client, &needs).await {
-            Ok(missing) if missing.is_empty() => None,
-            Ok(missing) => {
-                let why = describe_missing(&missing);
+        let outcome = match missing(&client, &needs).await {
+            Err(kube::Error::Api(status)) if status.code == 401 => Err(format!(
+                "{who}'s token is refused (401): {}",
+                status.message
+            )),
+            Err(err) => Ok(Err(format!(
+                "cannot ask the API server what {who} may do: {err}"
+            ))),
+            Ok(missing) if missing.is_empty() => Ok(Ok(())),
+            Ok(missing) => Err(describe_missing(who, &missing)),
+        };
+        let held = match outcome {
+            Ok(Ok(())) => None,
+            Ok(Err(unknown)) => Some(unknown),
+            Err(why) => {
                 if reported.as_ref() != Some(&why) {
                     tracing::warn!("{why}");
                     report(why.clone());
@@ -262,16 +276,13 @@ pub async fn enforce(
                 }
                 Some(why)
             }
-            Err(err) => Some(format!(
-                "cannot ask the API server what the agent may do: {err}"
-            )),
         };
         let done = held.is_none();
         gate.send_replace(held);
         if done {
             tracing::info!(
                 checked = needs.len(),
-                "the agent may make every request its settings need"
+                "{who} may make every request its settings need"
             );
             return;
         }

@@ -121,3 +121,29 @@ fn a_missing_permission_is_named_at_start() {
     // before the agent knew.
     assert!(api.refused().is_empty(), "{:?}", api.refused());
 }
+
+/// The plugin's own credential is checked at start too: without it, the node would learn that
+/// it cannot decide pods only once the agent is away and every pod of the node fails.
+#[test]
+fn a_plugin_that_may_not_read_pods_is_named_at_start() {
+    require_root();
+    let api = ApiServer::start();
+    api.delete("ClusterRoleBinding", "", "meshcap-cni");
+    let node = ClusterNode::new(&api);
+    let env = node.env(&[]);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let agent = meshcap_tests::agent::Agent::start(
+        Backend::Iptables,
+        &["--pods", "kube", "--node-name", NODE],
+        &env,
+    )
+    .expect("agent");
+    let wanted = "the plugin may not get pods (the plugin's decision while no agent runs)";
+    eventually("readiness names the plugin's missing permission", || {
+        agent
+            .http_get("/readyz")
+            .is_ok_and(|(code, body)| code == 503 && body.contains(wanted))
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", agent.http_get("/readyz"), agent.log()));
+    assert!(api.refused().is_empty(), "{:?}", api.refused());
+}

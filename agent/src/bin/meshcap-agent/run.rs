@@ -435,6 +435,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             ambient: ambient.is_some(),
             repair: config.mode,
         };
+        if let Some(kubeconfig) = installer
+            .as_ref()
+            .and_then(|(_, config)| config.plugin.kubeconfig.clone())
+        {
+            let (gate_tx, gate) =
+                watch::channel(Some("checking what the plugin may do".to_owned()));
+            capture.hold_readiness(gate);
+            tokio::spawn(check_plugin_access(
+                kubeconfig,
+                install_rx.clone(),
+                ambient.is_some(),
+                gate_tx,
+                report_on(events.clone(), own_pod.clone()),
+            ));
+        }
         let (gate_tx, gate) = watch::channel(Some("checking what the agent may do".to_owned()));
         capture.hold_readiness(gate);
         tokio::spawn(check_access(
@@ -561,7 +576,12 @@ async fn check_access(
 ) {
     let owner = departure.owner().await;
     let needs = features.needs(owner.as_ref());
-    access::enforce(client, needs, gate, move |why| {
+    access::enforce("the agent", client, needs, gate, report_on(events, own_pod)).await;
+}
+
+/// Publishes why readiness is held as a Warning Event on the agent's own pod.
+fn report_on(events: EventSink, own_pod: Option<(String, String)>) -> impl Fn(String) + Send {
+    move |why| {
         if let Some((namespace, name)) = &own_pod {
             let pod = meshcap_agent::events::PodObject {
                 namespace: namespace.clone(),
@@ -570,8 +590,34 @@ async fn check_access(
             };
             events.warn(pod, "MissingPermissions", "CheckPermissions", why);
         }
-    })
-    .await;
+    }
+}
+
+/// Checks, once the plugin's kubeconfig is written, that the plugin may make what it asks while
+/// no agent runs, with its own token: a token Secret never filled, or its ServiceAccount or
+/// binding missing, would otherwise show only when the agent is away and every pod of the node
+/// fails.
+async fn check_plugin_access(
+    kubeconfig: PathBuf,
+    mut install: watch::Receiver<InstallStatus>,
+    ambient: bool,
+    gate: watch::Sender<Option<String>>,
+    report: impl Fn(String) + Send,
+) {
+    if install.wait_for(InstallStatus::is_installed).await.is_err() {
+        return;
+    }
+    let client = match meshcap_agent::uninstall::witness::plugin_client(&kubeconfig).await {
+        Ok(client) => client,
+        Err(err) => {
+            let why = format!("the plugin's kubeconfig {}: {err}", kubeconfig.display());
+            report(why.clone());
+            gate.send_replace(Some(why));
+            return;
+        }
+    };
+    let needs = meshcap_agent::uninstall::witness::plugin_needs(ambient);
+    access::enforce("the plugin", client, needs, gate, report).await;
 }
 
 /// At SIGTERM: removes meshcap from this node when it is being deleted from the cluster
