@@ -193,7 +193,7 @@ fn label_pods_patches_exactly_the_label() {
         ]
     );
     assert_eq!(api.writes.lock().expect("writes").len(), 1);
-    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair-label");
+    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair");
 }
 
 #[test]
@@ -254,5 +254,5 @@ fn delete_pods_deletes_with_preconditions() {
         1,
         "deletePods wins over labelPods"
     );
-    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair-delete");
+    api.assert_role_used(AGENT_ACCOUNT, "meshcap-agent-repair");
 }
