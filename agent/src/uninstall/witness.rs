@@ -8,7 +8,10 @@ use futures::StreamExt as _;
 use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Pod};
 use kube::{
     Api,
-    runtime::watcher::{self, Event},
+    runtime::{
+        WatchStreamExt as _,
+        watcher::{self, Event},
+    },
 };
 use tokio::sync::watch;
 
@@ -84,7 +87,9 @@ impl Witness {
         let api = Api::<DaemonSet>::namespaced(client, &owner.namespace);
         let config = watcher::Config::default().fields(&format!("metadata.name={}", owner.name));
         let task = tokio::spawn(async move {
-            let stream = watcher::watcher(api, config);
+            // Backing off between failures, as every watch of the agent does: a refused or
+            // unreachable API server must not make it spin (nor keep its runtime from stopping).
+            let stream = watcher::watcher(api, config).default_backoff();
             futures::pin_mut!(stream);
             let mut listed = None;
             while let Some(event) = stream.next().await {
