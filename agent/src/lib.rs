@@ -7,19 +7,20 @@
 //! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`) behind
 //!   one trait;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
-//! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
 //! - [`enrollment`]: ambient mode's live enrollment: running pods join and leave as their
 //!   labels and their namespace's change;
 //! - [`events`]: Kubernetes Events on pods whose capture failed;
+//! - [`hub`]: what the agent does with a pod, whoever asks: lookup → decision → capture;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`mountinfo`]: the process's mounts (the cgroup v2 hierarchy, bind-mounted netns);
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
+//! - [`pod`]: who a pod is: its name, and the sandbox a capture is keyed by;
 //! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
 //!   interfaces and addresses, routes, TC filters), over one netlink socket per visit, and
 //!   finding a running pod's namespace by its address;
@@ -50,18 +51,19 @@ pub mod ambient;
 pub mod api;
 pub mod backend;
 pub mod bpf;
-pub mod capture;
 pub mod cgroup;
 pub mod crashpoint;
 pub mod decide;
 pub mod enrollment;
 pub mod events;
+pub mod hub;
 pub mod install;
 pub mod instance;
 pub mod ipset;
 pub mod logging;
 pub mod mountinfo;
 pub mod paths;
+pub mod pod;
 pub mod podnet;
 pub mod pods;
 pub mod policy;

@@ -6,10 +6,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_agent::{
     backend::ebpf::{Entries, encode, encode_ambient},
+    pod::PodName,
     podnet::PodNet,
     policy::{
-        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodRef, PortSelection,
-        RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,
+        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PortSelection, RedirectPolicy,
+        RuleEvaluator, Verdict as RuleVerdict,
         ambient::{HostProbeSnat, InpodPolicy},
     },
 };
@@ -95,7 +96,7 @@ fn policy(g: &mut Gen) -> RedirectPolicy {
     let mut exclude_inbound_ports = g.some(&PORTS, 20);
     exclude_inbound_ports.extend([15020, 15021, 15090]);
     RedirectPolicy {
-        pod: PodRef {
+        pod: PodName {
             namespace: "default".into(),
             name: "gen".into(),
         },

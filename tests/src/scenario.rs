@@ -9,10 +9,11 @@ use std::{
 use anyhow::{Context as _, bail};
 use meshcap_agent::{
     backend::{
-        CaptureBackend as _, PodRef,
+        CaptureBackend as _,
         ebpf::{EbpfBackend, EbpfConfig, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
+    pod::{PodName, PodRef},
     policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
 };
 
@@ -194,7 +195,7 @@ impl Backend for IptablesUnderTest {
 pub fn default_policy(name: &str, pod_ips: Vec<IpAddr>) -> RedirectPolicy {
     let ipv6 = pod_ips.iter().any(IpAddr::is_ipv6);
     RedirectPolicy {
-        pod: meshcap_agent::policy::PodRef {
+        pod: PodName {
             namespace: "default".into(),
             name: name.into(),
         },

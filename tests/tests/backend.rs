@@ -9,10 +9,8 @@ use std::{path::Path, process::Command, thread, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
 use meshcap_agent::{
-    backend::{
-        PodRef,
-        ebpf::{Pins, TcAttach},
-    },
+    backend::ebpf::{Pins, TcAttach},
+    pod::PodRef,
     policy::RedirectPolicy,
 };
 use meshcap_common::{FlowKey, OrigDst, PodConfig, maps};

@@ -4,7 +4,8 @@
 use std::net::IpAddr;
 
 use meshcap_agent::{
-    backend::{PodRef, ebpf::unpin_link},
+    backend::ebpf::unpin_link,
+    pod::PodRef,
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{

@@ -6,10 +6,11 @@ use std::{net::IpAddr, sync::Arc};
 
 use crate::{
     backend::{
-        BackendError, CaptureBackend as _, CapturedPod, PodRef,
+        BackendError, CaptureBackend as _, CapturedPod,
         ebpf::{EbpfBackend, EbpfError},
         iptables::IptablesBackend,
     },
+    pod::PodRef,
     policy::ambient::InpodPolicy,
 };
 

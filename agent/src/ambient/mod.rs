@@ -41,12 +41,13 @@ use tracing::{info, warn};
 
 use crate::{
     backend::{
-        BackendError, CapturedPod, PodRef,
+        BackendError, CapturedPod,
         ebpf::EbpfBackend,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
-        record_file_name, same_netns,
     },
-    crashpoint, podnet,
+    crashpoint,
+    pod::{PodRef, record_file_name, same_netns},
+    podnet,
     policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
     ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
 };
@@ -98,7 +99,7 @@ pub enum AmbientError {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Workload {
     /// The id the pod is enrolled under: the runtime's sandbox, or one of
-    /// [`crate::capture::in_place_id`]'s for a pod enrolled while it runs.
+    /// [`crate::pod::InPlace`]'s for a pod enrolled while it runs.
     #[serde(default)]
     container_id: String,
     uid: String,

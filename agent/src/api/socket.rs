@@ -20,7 +20,8 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-use crate::capture::Capture;
+use super::wire;
+use crate::hub::Hub;
 
 /// Socket settings.
 #[derive(Clone, Debug)]
@@ -85,7 +86,7 @@ impl Server {
     }
 
     /// Serves until `shutdown` completes, then waits for requests in flight.
-    pub async fn serve(self, capture: Arc<Capture>, shutdown: impl Future<Output = ()>) {
+    pub async fn serve(self, hub: Arc<Hub>, shutdown: impl Future<Output = ()>) {
         let slots = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
         let mut inflight = JoinSet::new();
         let config = Arc::new(self.config);
@@ -96,9 +97,9 @@ impl Server {
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let Ok(permit) = slots.clone().acquire_owned().await else { break };
-                        let (capture, config) = (capture.clone(), config.clone());
+                        let (hub, config) = (hub.clone(), config.clone());
                         inflight.spawn(async move {
-                            connection(stream, &capture, &config).await;
+                            connection(stream, &hub, &config).await;
                             drop(permit);
                         });
                     }
@@ -110,7 +111,7 @@ impl Server {
                 Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             }
         }
-        capture.set_serving(false);
+        hub.readiness().set_serving(false);
         info!(
             inflight = inflight.len(),
             "plugin socket closing; finishing requests in flight"
@@ -129,18 +130,18 @@ fn remove_socket(path: &Path) {
 }
 
 /// Serves one connection: one request, one response.
-async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &ServerConfig) {
+async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
     let response = match stream.peer_cred() {
         Ok(cred) if cred.uid() == 0 => match read_request(&mut stream, config.io_timeout).await {
             Ok(body) => match protocol::decode_request(&body) {
                 Ok(request) => {
                     let op = request.op.name();
-                    match tokio::time::timeout(config.request_timeout, capture.handle(request.op))
+                    match tokio::time::timeout(config.request_timeout, wire::serve(hub, request.op))
                         .await
                     {
                         Ok(response) => response,
                         Err(_) => {
-                            capture.metrics().error(op, "timeout");
+                            hub.metrics().error(op, "timeout");
                             Response::error(
                                 ErrorKind::Internal,
                                 format!("{op} did not finish within {:?}", config.request_timeout),
@@ -149,12 +150,12 @@ async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &Ser
                         }
                     }
                 }
-                Err(err) => reject(capture, &err),
+                Err(err) => reject(hub, &err),
             },
-            Err(err) => reject(capture, &err),
+            Err(err) => reject(hub, &err),
         },
         Ok(cred) => {
-            capture.metrics().error("connect", "forbidden");
+            hub.metrics().error("connect", "forbidden");
             warn!(uid = cred.uid(), pid = ?cred.pid(), "refusing a non-root peer on the plugin socket");
             Response::error(
                 ErrorKind::Forbidden,
@@ -184,8 +185,8 @@ async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &Ser
     }
 }
 
-fn reject(capture: &Capture, err: &ProtocolError) -> Response {
-    capture.metrics().error("decode", "bad_request");
+fn reject(hub: &Hub, err: &ProtocolError) -> Response {
+    hub.metrics().error("decode", "bad_request");
     warn!(error = %err, "bad request on the plugin socket");
     Response::error(err.kind(), err.to_string(), "")
 }

@@ -4,38 +4,14 @@
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::{
-    fmt,
-    os::unix::fs::MetadataExt as _,
-    path::{Path, PathBuf},
-};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{podnet::PodNetError, policy::RedirectPolicy};
+use crate::{pod::PodRef, podnet::PodNetError, policy::RedirectPolicy};
 
 pub mod ebpf;
 pub mod iptables;
-
-/// The pod a backend works on: its identity and its sandbox.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PodRef {
-    /// `metadata.namespace`.
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-    /// The sandbox (pause) container's ID, as CNI names it: the key of a capture.
-    pub container_id: String,
-    /// The sandbox's network namespace file (may be empty on DEL: the runtime may have
-    /// removed it already).
-    pub netns: PathBuf,
-}
-
-impl fmt::Display for PodRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pod {}/{}", self.namespace, self.name)
-    }
-}
 
 /// A capture in place, as a backend reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,36 +116,6 @@ pub enum BackendError {
     /// The eBPF backend's own failure (maps, programs, links, pins).
     #[error(transparent)]
     Ebpf(#[from] ebpf::EbpfError),
-}
-
-/// A file name for what is recorded about one container: its id as the runtime gave it (hex,
-/// in practice), anything else in it replaced, so that no id names a path elsewhere.
-#[must_use]
-pub fn record_file_name(container_id: &str) -> String {
-    let safe: String = container_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("{safe}.json")
-}
-
-/// Whether two netns paths name the same namespace file (`/run/netns/x` and
-/// `/var/run/netns/x` are one); an empty path names none.
-#[must_use]
-pub fn same_netns(a: &Path, b: &Path) -> bool {
-    if a.as_os_str().is_empty() || b.as_os_str().is_empty() {
-        return false;
-    }
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => a == b,
-    }
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.

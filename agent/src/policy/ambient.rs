@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 use super::{
     annotations::{parse_ambient_interface_list, parse_go_bool},
     error::PolicyError,
-    model::{PodRef, keys},
+    model::keys,
 };
+use crate::pod::PodName;
 
 /// Annotation and label names of ambient mode, exactly as Istio spells them.
 pub mod ambient_keys {
@@ -353,7 +354,7 @@ pub fn never_enrolled(
     exclude_namespaces: &[String],
     config: &AmbientConfig,
 ) -> Option<NotEnrolledReason> {
-    let namespace = PodRef::of(pod).namespace;
+    let namespace = PodName::of(pod).namespace;
     if exclude_namespaces.contains(&namespace) {
         return Some(NotEnrolledReason::ExcludedNamespace(namespace));
     }
@@ -387,7 +388,7 @@ pub fn enroll(
     if let Some(reason) = never_enrolled(pod, exclude_namespaces, config) {
         return not(reason);
     }
-    let pod_ref = PodRef::of(pod);
+    let pod_ref = PodName::of(pod);
     let labels = pod.metadata.labels.clone().unwrap_or_default();
     if !config.selects(&labels, namespace_labels) {
         return not(NotEnrolledReason::NotSelected);

@@ -9,6 +9,7 @@ use std::{fmt, net::IpAddr};
 use serde::{Deserialize, Serialize};
 
 pub use super::addr::{CidrSet, Family, IpPrefix, IpRanges, PrefixParseError};
+use crate::pod::PodName;
 
 /// Envoy's outbound listener (`ISTIO_REDIRECT`, `REDIRECT --to-ports 15001`). CNI cannot move it.
 pub const OUTBOUND_CAPTURE_PORT: u16 = 15001;
@@ -95,36 +96,6 @@ pub mod keys {
     pub const ENV_DISABLE_ENVOY: &str = "DISABLE_ENVOY";
 }
 
-/// A pod's identity, as errors and logs show it: `namespace/name`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PodRef {
-    /// `metadata.namespace` (`default` when the manifest has none).
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-}
-
-impl PodRef {
-    /// `pod`'s namespace and name.
-    #[must_use]
-    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
-        Self {
-            namespace: pod
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".to_owned()),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-        }
-    }
-}
-
-impl fmt::Display for PodRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
 /// How inbound traffic reaches Envoy. Outbound is always REDIRECT (NAT to 15001).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -171,7 +142,7 @@ impl PortSelection {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RedirectPolicy {
     /// The pod this policy is for.
-    pub pod: PodRef,
+    pub pod: PodName,
     /// The pod's addresses (as given: from CNI's `prevResult` or the pod's status).
     pub pod_ips: Vec<IpAddr>,
     /// Whether IPv6 rules are installed (ip6tables, `::1`/`::6`, the v6 policy route): true when

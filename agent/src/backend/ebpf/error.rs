@@ -4,10 +4,7 @@ use std::io;
 use aya::programs::ProgramError;
 
 use super::sys;
-use crate::{
-    backend::{BackendError, PodRef},
-    podnet::PodNetError,
-};
+use crate::{backend::BackendError, pod::PodRef, podnet::PodNetError};
 
 /// Errors of the eBPF backend.
 #[derive(Debug, thiserror::Error)]

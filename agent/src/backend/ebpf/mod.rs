@@ -48,8 +48,8 @@ pub use pins::{PinnedPod, Pins, unpin_link};
 pub use release::assigns_to_reuseport_listeners;
 pub use tc::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodRef};
-use crate::{podnet, policy::RedirectPolicy};
+use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram};
+use crate::{pod::PodRef, podnet, policy::RedirectPolicy};
 
 /// Where the backend attaches and pins.
 #[derive(Clone, Debug, PartialEq, Eq)]

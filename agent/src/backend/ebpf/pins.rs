@@ -25,7 +25,7 @@ use std::{
 };
 
 use super::sys;
-use crate::{backend::PodRef, podnet::tc::Filter};
+use crate::{pod::PodRef, podnet::tc::Filter};
 
 /// The directory in a netlink TC record that says, until the filter's own record is pinned,
 /// that meshcap may have added the interface's clsact qdisc (written ahead of the netlink

@@ -12,8 +12,8 @@ use meshcap_common::{PodConfig, flags};
 
 use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, sys, tc};
 use crate::{
-    backend::PodRef,
     crashpoint,
+    pod::PodRef,
     podnet::{self, PodNet, Visit},
     policy::{MarkRoute, PolicyRoutes, RedirectPolicy, ambient::InpodPolicy},
 };

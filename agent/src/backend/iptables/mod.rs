@@ -38,9 +38,11 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
+use super::{BackendError, CaptureBackend, CapturedPod};
 use crate::{
-    crashpoint, podnet,
+    crashpoint,
+    pod::{PodRef, record_file_name},
+    podnet,
     policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
 };
 
@@ -161,7 +163,7 @@ impl IptablesBackend {
     }
 
     fn record_path(&self, container_id: &str) -> PathBuf {
-        self.records.join(super::record_file_name(container_id))
+        self.records.join(record_file_name(container_id))
     }
 
     fn save(&self, record: &Applied) -> Result<(), BackendError> {
@@ -204,7 +206,7 @@ impl IptablesBackend {
             .or_else(|| {
                 applied
                     .iter()
-                    .find(|(_, r)| super::same_netns(&r.pod.netns, &pod.netns))
+                    .find(|(_, r)| r.pod.in_netns(&pod.netns))
                     .map(|(id, r)| (id.clone(), r.clone()))
             })
     }

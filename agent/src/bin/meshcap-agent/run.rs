@@ -13,14 +13,14 @@ use meshcap_agent::{
         ebpf::{self, EbpfBackend, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
-    capture::{Capture, Settings},
     enrollment::LiveEnrollment,
     events::EventSink,
+    hub::{Hub, Parts, Settings},
     install::{self, watch::InstallStatus},
     paths::AgentPaths,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
     policy::{
-        SelectConfig,
+        NodeSettings, SelectConfig,
         ambient::{AmbientConfig, EnablementSelector},
     },
     probe::{self, ProbeReport},
@@ -320,7 +320,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         dropped = gone.len(),
         "reconciled with live pods: captures whose netns is gone dropped"
     );
-    let ambient = match ambient_config()? {
+    let ambient_config = ambient_config()?;
+    let ambient = match ambient_config.clone() {
         None => None,
         Some(config) => {
             let (state_dir, flavour, socket, node_netns) = (
@@ -343,44 +344,50 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             Some(Arc::new(ambient))
         }
     };
-    let capture = Arc::new(Capture::new(
-        source,
-        backend,
-        reason,
-        probe,
+    // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
+    // the socket come up before the first install ends (copying the binaries can take seconds),
+    // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
+    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
+    let events = kube_node
+        .as_ref()
+        .map(|(client, node)| EventSink::new(client.clone(), node));
+    let node_settings = NodeSettings {
+        select: SelectConfig {
+            exclude_namespaces: args.exclude_namespaces.clone(),
+        },
+        ambient: ambient_config,
+    };
+    let hub = Arc::new(Hub::new(
+        Parts {
+            source: Arc::new(source),
+            backend,
+            backend_reason: reason,
+            probe,
+            ambient: ambient.clone(),
+            install: args.install_cni.then(|| install_rx.clone()),
+            events: events.clone(),
+        },
         Settings {
             retry: Retry {
                 attempts: args.pod_lookup_attempts,
                 interval: Duration::from_millis(args.pod_lookup_interval_ms),
             },
-            select: SelectConfig {
-                exclude_namespaces: args.exclude_namespaces.clone(),
-            },
+            node: node_settings.clone(),
             socket: paths.socket.clone(),
         },
     ));
-    if let Some(ambient) = &ambient {
-        capture.serve_ambient(ambient.clone());
-    }
-    tokio::spawn(log_warnings(capture.clone()));
+    tokio::spawn(log_warnings(hub.clone()));
     tokio::spawn(drop_gone(
-        capture.clone(),
+        hub.clone(),
         Duration::from_secs(args.gone_check_seconds.max(1)),
     ));
-    // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
-    // the socket come up before the first install ends (copying the binaries can take seconds),
-    // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
-    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
-    if args.install_cni {
-        capture.watch_install(install_rx.clone());
-    }
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     let (http_addr, http_server) =
-        http::bind(paths.http_listen, capture.clone(), stopped(stop_rx.clone()))
+        http::bind(paths.http_listen, hub.clone(), stopped(stop_rx.clone()))
             .await
             .with_context(|| format!("binding --http-listen {}", paths.http_listen))?;
     info!(%http_addr, "health and metrics endpoint listening");
@@ -393,11 +400,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         max_connections: args.max_connections,
     })
     .await?;
-    capture.set_serving(true);
-    let serve = tokio::spawn(server.serve(capture.clone(), stopped(stop_rx)));
+    hub.readiness().set_serving(true);
+    let serve = tokio::spawn(server.serve(hub.clone(), stopped(stop_rx)));
 
     let installer = if args.install_cni {
-        let metrics = capture.clone();
+        let metrics = hub.clone();
         Some(start_install(
             &args,
             &paths.socket,
@@ -410,17 +417,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         None
     };
     if installer.is_some() {
-        tokio::spawn(track_install(capture.clone(), install_rx.clone()));
+        tokio::spawn(track_install(hub.clone(), install_rx.clone()));
     }
-    if let Some((client, node)) = &kube_node {
-        let events = EventSink::new(client.clone(), node);
-        capture.publish_events(events.clone());
+    if let (Some((client, node)), Some(events)) = (&kube_node, events) {
         let config = RepairConfig::from_settings(|name| std::env::var(name).ok())?;
         if let Some(repairer) = Repairer::new(
             client.clone(),
             node.clone(),
             config,
-            capture.clone(),
+            hub.clone(),
             events,
             meshcap_agent::paths::NETNS_DIR.into(),
         ) {
@@ -432,9 +437,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             let live = LiveEnrollment::new(
                 client.clone(),
                 node.clone(),
-                capture.clone(),
+                hub.clone(),
                 ambient.clone(),
-                args.exclude_namespaces.clone(),
+                node_settings.clone(),
                 meshcap_agent::paths::NETNS_DIR.into(),
             );
             tokio::spawn(live.run());
@@ -520,10 +525,10 @@ async fn uninstall_if_deleted(
 }
 
 /// Keeps the install-ready gauge with the installation's state.
-async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<InstallStatus>) {
+async fn track_install(hub: Arc<Hub>, mut status: watch::Receiver<InstallStatus>) {
     loop {
         let installed = status.borrow_and_update().is_installed();
-        capture.metrics().set_install_ready(installed);
+        hub.metrics().set_install_ready(installed);
         if status.changed().await.is_err() {
             return;
         }
@@ -531,13 +536,13 @@ async fn track_install(capture: Arc<Capture>, mut status: watch::Receiver<Instal
 }
 
 /// Drops, every `every`, the captures whose netns went without a DEL this agent saw (see
-/// [`Capture::drop_gone`]); the start-up reconciliation has done it once already.
-async fn drop_gone(capture: Arc<Capture>, every: Duration) {
+/// [`Hub::drop_gone`]); the start-up reconciliation has done it once already.
+async fn drop_gone(hub: Arc<Hub>, every: Duration) {
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        let dropped = capture.drop_gone().await;
+        let dropped = hub.drop_gone().await;
         if dropped > 0 {
             info!(
                 dropped,
@@ -553,10 +558,10 @@ const WARNINGS_EVERY: Duration = Duration::from_secs(60);
 /// Logs each of the backend's warnings when it first appears (checked at start and every
 /// [`WARNINGS_EVERY`]; `meshcap-agent status` shows the current ones), and keeps the metric
 /// of other programs on its hooks current.
-async fn log_warnings(capture: Arc<Capture>) {
+async fn log_warnings(hub: Arc<Hub>) {
     let mut logged = std::collections::HashSet::new();
     loop {
-        let current = capture.check_backend().await;
+        let current = hub.check_backend().await;
         for warning in &current {
             if !logged.contains(warning) {
                 warn!("{warning}");

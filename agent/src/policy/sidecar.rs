@@ -1,5 +1,6 @@
-//! From a Kubernetes pod to a [`Selection`]: the checks of Istio's CNI plugin (`plugin.go`),
-//! in its order, then the redirect inputs (`sidecar_redirect.go`).
+//! From a Kubernetes pod to a [`Selection`], the sidecar's half of the pod's decision
+//! ([`super::decide`]): the checks of Istio's CNI plugin (`plugin.go`), in its order, then the
+//! redirect inputs (`sidecar_redirect.go`).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -14,9 +15,10 @@ use super::{
     error::PolicyError,
     model::{
         ALWAYS_EXCLUDED_INBOUND_PORTS, CidrSet, DEFAULT_PROXY_ID, InterceptionMode, IpRanges,
-        PodRef, PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
+        PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
     },
 };
+use crate::pod::PodName;
 
 /// The node-level settings of the selection (Istio's CNI config `exclude_namespaces`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,7 +47,7 @@ pub fn select(
     config: &SelectConfig,
 ) -> Result<Selection, PolicyError> {
     let skip = |reason| Ok(Selection::Skip { reason });
-    let pod_ref = PodRef::of(pod);
+    let pod_ref = PodName::of(pod);
     if config.exclude_namespaces.contains(&pod_ref.namespace) {
         return skip(SkipReason::ExcludedNamespace(pod_ref.namespace));
     }
@@ -173,7 +175,7 @@ impl RedirectPolicy {
     /// # Errors
     /// The first invalid input, in the order Istio checks them.
     pub fn from_pod(pod: &Pod, pod_ips: &[IpAddr]) -> Result<Self, PolicyError> {
-        let pod_ref = PodRef::of(pod);
+        let pod_ref = PodName::of(pod);
         let annotations = annotations(pod);
         let proxy = ProxyInfo::of(pod);
         let reader = Reader {
@@ -284,7 +286,7 @@ fn ipv6_enabled(pod_ips: &[IpAddr], dual_stack: bool) -> bool {
 }
 
 /// A set `runAsUser`/`runAsGroup` of 0 means the default, as unset does.
-fn proxy_id(pod: &PodRef, field: &'static str, value: Option<i64>) -> Result<u32, PolicyError> {
+fn proxy_id(pod: &PodName, field: &'static str, value: Option<i64>) -> Result<u32, PolicyError> {
     match value {
         None | Some(0) => Ok(DEFAULT_PROXY_ID),
         Some(id) => u32::try_from(id).map_err(|_| PolicyError::InvalidProxyId {
@@ -296,7 +298,7 @@ fn proxy_id(pod: &PodRef, field: &'static str, value: Option<i64>) -> Result<u32
 }
 
 struct Reader<'a> {
-    pod: &'a PodRef,
+    pod: &'a PodName,
     annotations: &'a BTreeMap<String, String>,
 }
 
