@@ -142,7 +142,7 @@ impl Drop for EbpfUnderTest {
 
 impl Backend for EbpfUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
-        Ok(self.get().add(pod, policy)?)
+        Ok(self.get().add(pod, &policy.clone().into())?)
     }
 
     fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
@@ -182,7 +182,7 @@ impl Drop for IptablesUnderTest {
 
 impl Backend for IptablesUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
-        Ok(self.backend.add(pod, policy)?)
+        Ok(self.backend.add(pod, &policy.clone().into())?)
     }
 
     fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {

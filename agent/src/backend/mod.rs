@@ -1,17 +1,70 @@
-//! Capture backends: translations of a [`RedirectPolicy`] into kernel state for one pod —
-//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback).
+//! Capture backends: translations of a pod's policy into kernel state for one pod —
+//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback) — behind
+//! one interface for both data plane modes, [`CaptureBackend`]: the policy is the variant
+//! ([`PodPolicy`]). [`Router`] sends each mode to the backend chosen at start to serve it: the
+//! node's backend for sidecar pods; for ambient pods the same kernel programs, or Istio's
+//! in-pod rules in a state directory of their own, wrapped by ambient mode's own layer
+//! ([`crate::ambient`]).
 //!
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::path::PathBuf;
+use std::{net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{pod::PodRef, podnet::PodNetError, policy::RedirectPolicy};
+use crate::{
+    pod::PodRef,
+    podnet::PodNetError,
+    policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy},
+};
 
 pub mod ebpf;
 pub mod iptables;
+mod router;
+
+pub use router::Router;
+
+/// What a backend is asked to capture a pod as: the mode is the variant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodPolicy {
+    /// Its sidecar's capture.
+    Sidecar(Box<RedirectPolicy>),
+    /// Ambient mode's in-pod capture, for ztunnel.
+    Ambient(Box<AmbientCapture>),
+}
+
+impl PodPolicy {
+    /// The mode this policy captures for.
+    #[must_use]
+    pub const fn dataplane(&self) -> DataplaneMode {
+        match self {
+            Self::Sidecar(_) => DataplaneMode::Sidecar,
+            Self::Ambient(_) => DataplaneMode::Ambient,
+        }
+    }
+}
+
+impl From<RedirectPolicy> for PodPolicy {
+    fn from(policy: RedirectPolicy) -> Self {
+        Self::Sidecar(Box::new(policy))
+    }
+}
+
+/// An ambient pod's capture: its in-pod policy, its addresses, and what ztunnel is told it is
+/// (which only ambient mode's own layer reads).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmbientCapture {
+    /// The in-pod capture.
+    pub policy: InpodPolicy,
+    /// The pod's addresses: the local address of its redirected connections, and the probe
+    /// set's entries (none: read in its netns).
+    pub ips: Vec<IpAddr>,
+    /// The pod's uid, by which ztunnel knows the workload.
+    pub uid: String,
+    /// The pod's service account (its workload identity).
+    pub service_account: String,
+}
 
 /// A capture in place, as a backend reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -113,9 +166,15 @@ pub enum BackendError {
     /// The backend cannot run here (missing binaries, kernel features).
     #[error("{0}")]
     Unavailable(String),
+    /// No backend on this node captures pods of this mode.
+    #[error("no backend on this node captures {0} pods")]
+    NotServed(DataplaneMode),
     /// The eBPF backend's own failure (maps, programs, links, pins).
     #[error(transparent)]
     Ebpf(#[from] ebpf::EbpfError),
+    /// Ambient mode's own failure around the capture (ztunnel, the probe set, its records).
+    #[error(transparent)]
+    Ambient(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.
@@ -124,30 +183,31 @@ pub trait CaptureBackend: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Captures the pod as the policy says. Idempotent; when the pod is already captured with
-    /// another policy, the capture is updated. On error nothing of this call stays applied.
+    /// another policy, the capture is updated, and what was removed behind meshcap's back is
+    /// put back. On error nothing of this call stays applied.
     ///
     /// # Errors
-    /// When the capture cannot be applied.
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
-
-    /// Removes the pod's capture. Idempotent: an unknown pod, or one whose netns is gone,
-    /// succeeds.
-    ///
-    /// # Errors
-    /// When capture state exists but cannot be removed.
-    fn remove(&self, pod: &PodRef) -> Result<(), BackendError>;
+    /// When the capture cannot be applied, or this backend does not serve the policy's mode.
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError>;
 
     /// Verifies that the pod is captured exactly as the policy says.
     ///
     /// # Errors
     /// [`BackendError::NotCaptured`] naming what is missing, or a failure to look.
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError>;
 
-    /// The captures this backend holds.
+    /// Removes the pod's capture, whatever its mode. Idempotent: an unknown pod, or one whose
+    /// netns is gone, succeeds.
+    ///
+    /// # Errors
+    /// When capture state exists but cannot be removed.
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError>;
+
+    /// The captures of `mode` this backend holds.
     ///
     /// # Errors
     /// When its state cannot be read.
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError>;
 
     /// The node-wide programs in place (none for a backend without kernel programs).
     fn programs(&self) -> Vec<AttachedProgram> {
@@ -166,33 +226,34 @@ pub trait CaptureBackend: Send + Sync {
         Vec::new()
     }
 
-    /// How many pods this backend captures (the metrics' gauge, updated after every ADD and
-    /// DEL): what [`Self::list`] would count, without building the list where the backend
-    /// keeps the number.
+    /// How many pods this backend captures, in either mode (the metrics' gauge, updated after
+    /// every ADD and DEL): what [`Self::list`] would count, without building the lists where
+    /// the backend keeps the number.
     ///
     /// # Errors
     /// When its state cannot be read.
     fn captured_count(&self) -> Result<usize, BackendError> {
-        self.list().map(|pods| pods.len())
+        Ok(self.list(DataplaneMode::Sidecar)?.len() + self.list(DataplaneMode::Ambient)?.len())
     }
 
     /// Reconciles the state a previous agent left with the live pods: drops every capture
-    /// whose network namespace no longer exists (its pod went while no agent ran), and
-    /// returns those pods, and drops what an agent stopped part-way through a request left
-    /// that nothing refers to. Live pods stay captured. Called once at start, before any
+    /// whose network namespace no longer exists (its pod went while no agent ran), in either
+    /// mode, and returns those pods, and drops what an agent stopped part-way through a request
+    /// left that nothing refers to. Live pods stay captured. Called once at start, before any
     /// request is served.
     ///
     /// # Errors
     /// When the state cannot be read or an entry cannot be dropped.
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError>;
 
-    /// The captured pods whose network namespace no longer exists, while the agent runs:
-    /// their runtime's DEL came while an earlier agent was down or dying (the plugin lets such
-    /// a DEL succeed) and the netns went after this agent started. Nothing is removed.
+    /// The pods of `mode` captured here whose network namespace no longer exists, while the
+    /// agent runs: their runtime's DEL came while an earlier agent was down or dying (the
+    /// plugin lets such a DEL succeed) and the netns went after this agent started. Nothing is
+    /// removed.
     ///
     /// # Errors
     /// When the state cannot be read.
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError>;
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError>;
 
     /// Drops `pod`'s capture if its network namespace is still gone, and says whether it did.
     /// The caller holds the container's request lock, so an ADD that captured the container

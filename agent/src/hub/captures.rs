@@ -3,7 +3,6 @@
 //! report, the captured-pods gauge, captures whose netns went without a DEL).
 use std::{
     collections::HashMap,
-    net::IpAddr,
     sync::{Arc, Mutex},
 };
 
@@ -15,21 +14,21 @@ use super::{
 };
 use crate::{
     ambient::Ambient,
-    backend::{CaptureBackend, CapturedPod},
+    backend::{AmbientCapture, CapturedPod, PodPolicy, Router},
     pod::{PodRef, made_in_place},
-    policy::{RedirectPolicy, ambient::InpodPolicy},
+    policy::{DataplaneMode, RedirectPolicy},
     probe::ProbeReport,
     status::metrics::Metrics,
 };
 
 /// Every capture, and what applies them.
 pub(super) struct Captures {
-    backend: Arc<dyn CaptureBackend>,
-    /// Why this backend.
+    router: Arc<Router>,
+    /// Why the node's backend.
     backend_reason: String,
     /// The kernel probe, when one ran.
     probe: Option<ProbeReport>,
-    /// Ambient mode, when this node runs it.
+    /// Ambient mode, when this node runs it: where enrolled pods are annotated.
     ambient: Option<Arc<Ambient>>,
     /// Each sidecar capture's policy in one line, by container, as this process applied it.
     policies: Mutex<HashMap<String, String>>,
@@ -41,13 +40,13 @@ pub(super) struct Captures {
 
 impl Captures {
     pub(super) fn new(
-        backend: Arc<dyn CaptureBackend>,
+        router: Router,
         backend_reason: String,
         probe: Option<ProbeReport>,
         ambient: Option<Arc<Ambient>>,
     ) -> Self {
         Self {
-            backend,
+            router: Arc::new(router),
             backend_reason,
             probe,
             ambient,
@@ -56,9 +55,9 @@ impl Captures {
         }
     }
 
-    /// The sidecar backend's name.
+    /// The node's backend's name.
     pub(super) fn backend_name(&self) -> &'static str {
-        self.backend.name()
+        self.router.node_backend().name()
     }
 
     pub(super) fn backend_reason(&self) -> &str {
@@ -69,11 +68,6 @@ impl Captures {
         self.probe.as_ref()
     }
 
-    /// Ambient mode, or why not.
-    fn ambient(&self) -> Result<&Arc<Ambient>, CaptureError> {
-        self.ambient.as_ref().ok_or(CaptureError::NoAmbient)
-    }
-
     /// Captures `pod` for its sidecar, as `policy` says; the capture in words.
     pub(super) async fn capture(
         &self,
@@ -82,35 +76,37 @@ impl Captures {
         metrics: &Metrics,
     ) -> Result<String, CaptureError> {
         let summary = policy.summary();
-        let target = pod.clone();
-        self.blocking(move |b| b.add(&target, &policy)).await??;
+        let policy = PodPolicy::Sidecar(policy);
+        self.routed(pod, move |router, pod| router.add(pod, &policy))
+            .await??;
         lock(&self.policies).insert(pod.container_id.clone(), summary.clone());
         self.update_gauge(metrics);
         Ok(format!(
             "captured by the {} backend: {summary}",
-            self.backend.name()
+            self.backend_name()
         ))
     }
 
-    /// Enrolls `pod` in ambient mode as `policy` says, annotated for istiod: whole or not at
+    /// Enrolls `pod` in ambient mode as `capture` says, annotated for istiod: whole or not at
     /// all (a pod that cannot be annotated is released again).
     pub(super) async fn enroll(
         &self,
         pod: &PodRef,
-        workload: (String, String),
-        policy: InpodPolicy,
-        ips: Vec<IpAddr>,
+        capture: AmbientCapture,
     ) -> Result<(), CaptureError> {
-        let ambient = self.ambient()?.clone();
-        {
-            let (ambient, target) = (ambient.clone(), pod.clone());
-            let (uid, service_account) = workload;
-            off_the_runtime(move || ambient.add(&target, &uid, &service_account, &policy, &ips))
-                .await??;
-        }
+        let ambient = self.ambient.clone().ok_or(CaptureError::NoAmbient)?;
+        let policy = PodPolicy::Ambient(Box::new(capture));
+        self.routed(pod, move |router, pod| router.add(pod, &policy))
+            .await??;
         if let Err(err) = ambient.annotate_enrolled(pod).await {
-            let (undo, target) = (ambient.clone(), pod.clone());
-            if let Err(undone) = off_the_runtime(move || undo.remove(&target)).await? {
+            let undone = self
+                .routed(pod, |router, pod| {
+                    router
+                        .serving(DataplaneMode::Ambient)
+                        .map_or(Ok(()), |ambient| ambient.remove(pod))
+                })
+                .await?;
+            if let Err(undone) = undone {
                 warn!(error = %undone, "undoing the enrollment of a pod that could not be annotated");
             }
             return Err(err.into());
@@ -118,24 +114,14 @@ impl Captures {
         Ok(())
     }
 
-    /// Whether `pod` is captured for its sidecar as `policy` says.
-    pub(super) async fn check(
-        &self,
-        pod: &PodRef,
-        policy: Box<RedirectPolicy>,
-    ) -> Result<(), CaptureError> {
-        let target = pod.clone();
-        Ok(self.blocking(move |b| b.check(&target, &policy)).await??)
-    }
-
-    /// Whether `pod`'s in-pod capture is as `policy` says.
-    pub(super) async fn check_enrolled(
-        &self,
-        pod: &PodRef,
-        policy: InpodPolicy,
-    ) -> Result<(), CaptureError> {
-        let (ambient, target) = (self.ambient()?.clone(), pod.clone());
-        Ok(off_the_runtime(move || ambient.check(&target, &policy)).await??)
+    /// Whether `pod` is captured as `policy` says.
+    pub(super) async fn check(&self, pod: &PodRef, policy: PodPolicy) -> Result<(), CaptureError> {
+        if policy.dataplane() == DataplaneMode::Ambient && self.ambient.is_none() {
+            return Err(CaptureError::NoAmbient);
+        }
+        Ok(self
+            .routed(pod, move |router, pod| router.check(pod, &policy))
+            .await??)
     }
 
     /// Releases whatever captures `pod`, in either mode.
@@ -144,19 +130,14 @@ impl Captures {
         pod: &PodRef,
         metrics: &Metrics,
     ) -> Result<(), CaptureError> {
-        if let Some(ambient) = self.ambient.clone() {
-            let target = pod.clone();
-            off_the_runtime(move || ambient.remove(&target)).await??;
-        }
-        let target = pod.clone();
-        self.blocking(move |b| b.remove(&target)).await??;
+        self.routed(pod, |router, pod| router.remove(pod)).await??;
         lock(&self.policies).remove(&pod.container_id);
         self.update_gauge(metrics);
         Ok(())
     }
 
     /// Removes the captures the runtime no longer has (`valid`: the sandboxes it has), each
-    /// under its container's lock; how many.
+    /// under its container's lock, ambient mode's first; how many.
     pub(super) async fn collect(
         &self,
         valid: &[String],
@@ -164,40 +145,30 @@ impl Captures {
         metrics: &Metrics,
     ) -> Result<usize, CaptureError> {
         let mut removed = 0;
-        if let Some(ambient) = &self.ambient {
-            let enrolled = {
-                let ambient = ambient.clone();
-                off_the_runtime(move || ambient.list()).await??
+        for (mode, backend) in self.router.modes() {
+            let listed = {
+                let backend = backend.clone();
+                off_the_runtime(move || backend.list(mode)).await??
             };
-            for stale in enrolled
+            for stale in listed
                 .into_iter()
                 .filter(|c| collectable(&c.pod.container_id, valid))
             {
                 let (pod, id) = (stale.pod.clone(), stale.pod.container_id.clone());
-                let ambient = ambient.clone();
-                let work = off_the_runtime(move || ambient.remove(&pod));
-                match locks.run(&id, work).await? {
+                let backend = backend.clone();
+                match locks
+                    .run(&id, off_the_runtime(move || backend.remove(&pod)))
+                    .await?
+                {
                     Ok(()) => removed += 1,
-                    Err(err) => {
-                        error!(container = %id, error = %err, "GC could not remove a stale ambient enrollment")
-                    }
-                }
-            }
-        }
-        let captured = self.blocking(|b| b.list()).await??;
-        for stale in captured
-            .into_iter()
-            .filter(|c| collectable(&c.pod.container_id, valid))
-        {
-            let pod = stale.pod.clone();
-            let id = pod.container_id.clone();
-            match locks
-                .run(&id, self.blocking(move |b| b.remove(&pod)))
-                .await?
-            {
-                Ok(()) => removed += 1,
-                Err(err) => {
-                    error!(container = %id, error = %err, "GC could not remove a stale capture")
+                    Err(err) => match mode {
+                        DataplaneMode::Ambient => {
+                            error!(container = %id, error = %err, "GC could not remove a stale ambient enrollment")
+                        }
+                        DataplaneMode::Sidecar => {
+                            error!(container = %id, error = %err, "GC could not remove a stale capture")
+                        }
+                    },
                 }
             }
         }
@@ -206,18 +177,22 @@ impl Captures {
     }
 
     /// Every capture, with the policy this process applied where it did; the node-wide programs,
-    /// the other programs on their hooks, and the backend's warnings.
+    /// the other programs on their hooks, and the node backend's warnings.
     pub(super) async fn report(&self) -> Result<Report, CaptureError> {
-        let (captured, programs, other_programs, warnings) = self
-            .blocking(|b| (b.list(), b.programs(), b.other_programs(), b.warnings()))
-            .await?;
-        let mut captured = captured?;
-        if let Some(ambient) = self.ambient.clone() {
-            captured.extend(off_the_runtime(move || ambient.list()).await??);
-        }
+        let router = self.router.clone();
+        let (captured, programs, other_programs, warnings) = off_the_runtime(move || {
+            let node = router.node_backend();
+            (
+                router.list(),
+                node.programs(),
+                node.other_programs(),
+                node.warnings(),
+            )
+        })
+        .await?;
         let policies = lock(&self.policies).clone();
         Ok(Report {
-            pods: captured
+            pods: captured?
                 .into_iter()
                 .map(|c| (policies.get(&c.pod.container_id).cloned(), c))
                 .collect(),
@@ -227,10 +202,13 @@ impl Captures {
         })
     }
 
-    /// The backend's periodic checks: its warnings (which also keep meshcap's programs first
-    /// where they can be moved), and the other programs on its hooks, counted in the metrics.
+    /// The node backend's periodic checks: its warnings (which also keep meshcap's programs
+    /// first where they can be moved), and the other programs on its hooks, counted in the
+    /// metrics.
     pub(super) async fn check_backend(&self, metrics: &Metrics) -> Vec<String> {
-        let Ok((warnings, others)) = self.blocking(|b| (b.warnings(), b.other_programs())).await
+        let node = self.router.node_backend().clone();
+        let Ok((warnings, others)) =
+            off_the_runtime(move || (node.warnings(), node.other_programs())).await
         else {
             return Vec::new();
         };
@@ -238,51 +216,50 @@ impl Captures {
         warnings
     }
 
-    /// Counts the other programs on the backend's hooks as they are now.
+    /// Counts the other programs on the node backend's hooks as they are now.
     pub(super) async fn count_other_programs(&self, metrics: &Metrics) {
-        if let Ok(others) = self.blocking(|b| b.other_programs()).await {
+        let node = self.router.node_backend().clone();
+        if let Ok(others) = off_the_runtime(move || node.other_programs()).await {
             metrics.set_other_programs(&others);
         }
     }
 
     /// Drops the captures whose network namespace went without a DEL this agent saw (their
     /// runtime's DEL came while an earlier agent was down or dying, and the netns went after
-    /// this one started): otherwise their pins and map entries, or iptables records, would
-    /// stay until the next start. Each is dropped under its container's request lock and only
-    /// if its netns is still gone there; what cannot be dropped is logged and tried again on
-    /// the next call. Returns how many were dropped.
+    /// this one started): otherwise their pins and map entries, or iptables records (and an
+    /// ambient pod's workload, probe addresses and ztunnel's hold), would stay until the next
+    /// start. Mode by mode, each is dropped under its container's request lock and only if its
+    /// netns is still gone there; what cannot be dropped is logged and tried again on the next
+    /// call. Returns how many were dropped.
     pub(super) async fn drop_gone(&self, locks: &Locks, metrics: &Metrics) -> usize {
         let mut dropped = 0;
-        if let Some(ambient) = self.ambient.clone() {
-            match off_the_runtime(move || ambient.prune_gone()).await {
-                Ok(Ok(gone)) => dropped += gone.len(),
-                Ok(Err(err)) => warn!(error = %err, "dropping ambient pods whose netns is gone"),
-                Err(failure) => {
-                    warn!(error = %failure, "dropping ambient pods whose netns is gone")
+        for (mode, backend) in self.router.modes() {
+            let gone = {
+                let backend = backend.clone();
+                match off_the_runtime(move || backend.gone(mode)).await {
+                    Ok(Ok(gone)) => gone,
+                    Ok(Err(err)) => {
+                        warn!(error = %err, %mode, "looking for captures whose netns is gone");
+                        continue;
+                    }
+                    Err(failure) => {
+                        warn!(error = %failure, %mode, "looking for captures whose netns is gone");
+                        continue;
+                    }
                 }
-            }
-        }
-        let gone = match self.blocking(|b| b.gone()).await {
-            Ok(Ok(gone)) => gone,
-            Ok(Err(err)) => {
-                warn!(error = %err, "looking for captures whose netns is gone");
-                return dropped;
-            }
-            Err(failure) => {
-                warn!(error = %failure, "looking for captures whose netns is gone");
-                return dropped;
-            }
-        };
-        for pod in gone {
-            let (id, name) = (pod.container_id.clone(), pod.to_string());
-            let work = self.blocking(move |b| b.drop_if_gone(&pod));
-            match locks.run(&id, work).await {
-                Ok(Ok(done)) => dropped += usize::from(done),
-                Ok(Err(err)) => {
-                    warn!(pod = %name, container = %id, error = %err, "dropping the capture of a pod whose netns is gone")
-                }
-                Err(failure) => {
-                    warn!(pod = %name, container = %id, error = %failure, "dropping the capture of a pod whose netns is gone")
+            };
+            for pod in gone {
+                let (id, name) = (pod.container_id.clone(), pod.to_string());
+                let backend = backend.clone();
+                let work = off_the_runtime(move || backend.drop_if_gone(&pod));
+                match locks.run(&id, work).await {
+                    Ok(Ok(done)) => dropped += usize::from(done),
+                    Ok(Err(err)) => {
+                        warn!(pod = %name, container = %id, error = %err, "dropping the capture of a pod whose netns is gone")
+                    }
+                    Err(failure) => {
+                        warn!(pod = %name, container = %id, error = %failure, "dropping the capture of a pod whose netns is gone")
+                    }
                 }
             }
         }
@@ -292,21 +269,23 @@ impl Captures {
         dropped
     }
 
-    /// Sets the captured-pods gauge to what the backend holds now.
+    /// Sets the captured-pods gauge to what the node's backend holds now.
     pub(super) fn update_gauge(&self, metrics: &Metrics) {
         let _serial = lock(&self.gauge);
-        if let Ok(count) = self.backend.captured_count() {
-            metrics.set_captured(self.backend.name(), count);
+        let node = self.router.node_backend();
+        if let Ok(count) = node.captured_count() {
+            metrics.set_captured(node.name(), count);
         }
     }
 
-    /// Runs a blocking backend call ([`off_the_runtime`]).
-    async fn blocking<T: Send + 'static>(
+    /// Runs `f` with the router for `pod`, as blocking work ([`off_the_runtime`]).
+    async fn routed<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&dyn CaptureBackend) -> T + Send + 'static,
+        pod: &PodRef,
+        f: impl FnOnce(&Router, &PodRef) -> T + Send + 'static,
     ) -> Result<T, CaptureError> {
-        let backend = self.backend.clone();
-        off_the_runtime(move || f(backend.as_ref())).await
+        let (router, pod) = (self.router.clone(), pod.clone());
+        off_the_runtime(move || f(&router, &pod)).await
     }
 }
 

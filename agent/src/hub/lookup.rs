@@ -7,10 +7,11 @@ use tracing::warn;
 
 use super::{CaptureError, blocking::off_the_runtime};
 use crate::{
+    backend::AmbientCapture,
     pod::Sandbox,
     podnet,
     pods::{PodSource, Retry},
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings},
+    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::InpodPolicy},
 };
 
 /// Looks pods up and decides them, with the node's settings.
@@ -113,18 +114,26 @@ async fn netns_addresses(sandbox: &Sandbox) -> Result<Vec<IpAddr>, CaptureError>
         })
 }
 
-/// What ztunnel is told an enrolled pod is: its uid (the runtime's, else the API's) and its
-/// service account (`default` when the spec names none).
-pub(super) fn workload_identity(sandbox: &Sandbox, found: &Pod) -> (String, String) {
-    let uid = sandbox
-        .uid
-        .clone()
-        .or_else(|| found.metadata.uid.clone())
-        .unwrap_or_default();
-    let service_account = found
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.service_account_name.clone())
-        .unwrap_or_else(|| "default".to_owned());
-    (uid, service_account)
+/// An enrolled pod's capture: `policy` with the pod's addresses and what ztunnel is told it is,
+/// its uid (the runtime's, else the API's) and its service account (`default` when the spec
+/// names none).
+pub(super) fn ambient_capture(
+    sandbox: &Sandbox,
+    found: &Pod,
+    policy: InpodPolicy,
+) -> AmbientCapture {
+    AmbientCapture {
+        policy,
+        ips: sandbox.ips.clone(),
+        uid: sandbox
+            .uid
+            .clone()
+            .or_else(|| found.metadata.uid.clone())
+            .unwrap_or_default(),
+        service_account: found
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.service_account_name.clone())
+            .unwrap_or_else(|| "default".to_owned()),
+    }
 }

@@ -30,12 +30,12 @@ use tokio::sync::watch;
 use self::{
     blocking::Locks,
     captures::Captures,
-    lookup::{Lookup, workload_identity},
+    lookup::{Lookup, ambient_capture},
     observe::Verb,
 };
 use crate::{
     ambient::Ambient,
-    backend::CaptureBackend,
+    backend::{PodPolicy, Router},
     events::EventSink,
     install::watch::InstallStatus,
     pod::{PodRef, Sandbox},
@@ -60,13 +60,14 @@ pub struct Settings {
 pub struct Parts {
     /// Where pods are looked up.
     pub source: Arc<PodSource>,
-    /// The backend that captures sidecar pods.
-    pub backend: Arc<dyn CaptureBackend>,
-    /// Why that backend.
+    /// The backend serving each mode.
+    pub router: Router,
+    /// Why the node's backend.
     pub backend_reason: String,
     /// The kernel probe, when one ran.
     pub probe: Option<ProbeReport>,
-    /// Ambient mode, when this node runs it.
+    /// Ambient mode, when this node runs it (the router sends it ambient pods; the hub has
+    /// enrolled pods annotated through it).
     pub ambient: Option<Arc<Ambient>>,
     /// Where the plugin's installation stands, when this agent installs it: readiness waits
     /// for the entry to be in place.
@@ -94,7 +95,7 @@ impl Hub {
             readiness: Readiness::new(parts.source.clone(), parts.install),
             lookup: Lookup::new(parts.source, settings.node, settings.retry),
             captures: Captures::new(
-                parts.backend,
+                parts.router,
                 parts.backend_reason,
                 parts.probe,
                 parts.ambient,
@@ -142,10 +143,8 @@ impl Hub {
                     .await?,
             )),
             Decision::Ambient { policy, .. } => {
-                let workload = workload_identity(sandbox, &found);
-                self.captures
-                    .enroll(&sandbox.pod, workload, policy, sandbox.ips.clone())
-                    .await?;
+                let capture = ambient_capture(sandbox, &found, policy);
+                self.captures.enroll(&sandbox.pod, capture).await?;
                 Ok(Done::Captured(ENROLLED.to_owned()))
             }
         }
@@ -171,10 +170,8 @@ impl Hub {
                 Ok(_) | Err(CaptureError::Invalid(_)) => return Err(CaptureError::NotEnrolled),
                 Err(other) => return Err(other),
             };
-            let workload = workload_identity(&sandbox, found);
-            self.captures
-                .enroll(&sandbox.pod, workload, policy, sandbox.ips.clone())
-                .await?;
+            let capture = ambient_capture(&sandbox, found, policy);
+            self.captures.enroll(&sandbox.pod, capture).await?;
             Ok(ENROLLED.to_owned())
         };
         self.locks.run(&sandbox.pod.container_id, work).await
@@ -200,14 +197,19 @@ impl Hub {
     pub async fn check(&self, sandbox: Sandbox) -> Result<Done, CaptureError> {
         let pod = sandbox.pod.clone();
         let work = self.locks.run(&pod.container_id, async {
-            match self.lookup.decide(&sandbox).await?.1 {
+            let (found, decision) = self.lookup.decide(&sandbox).await?;
+            match decision {
                 Decision::Skip { reason, .. } => Ok(Done::Skipped(reason)),
                 Decision::Ambient { policy, .. } => {
-                    self.captures.check_enrolled(&sandbox.pod, policy).await?;
+                    let capture = ambient_capture(&sandbox, &found, policy);
+                    let policy = PodPolicy::Ambient(Box::new(capture));
+                    self.captures.check(&sandbox.pod, policy).await?;
                     Ok(Done::Checked("in-pod capture is in place"))
                 }
                 Decision::Sidecar { policy, .. } => {
-                    self.captures.check(&sandbox.pod, policy).await?;
+                    self.captures
+                        .check(&sandbox.pod, PodPolicy::Sidecar(policy))
+                        .await?;
                     Ok(Done::Checked("capture is in place"))
                 }
             }

@@ -5,9 +5,9 @@ use std::sync::Mutex;
 
 use super::*;
 use crate::{
-    backend::{BackendError, CapturedPod},
+    backend::{BackendError, CaptureBackend, CapturedPod},
     pods::dir::DirPods,
-    policy::{RedirectPolicy, SelectConfig},
+    policy::{DataplaneMode, SelectConfig},
 };
 
 /// What the backend was asked, in order.
@@ -22,7 +22,10 @@ impl CaptureBackend for Recorder {
         "recorder"
     }
 
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        let PodPolicy::Sidecar(policy) = policy else {
+            return Err(BackendError::NotServed(DataplaneMode::Ambient));
+        };
         self.calls
             .lock()
             .unwrap()
@@ -43,7 +46,7 @@ impl CaptureBackend for Recorder {
         Ok(())
     }
 
-    fn check(&self, pod: &PodRef, _: &RedirectPolicy) -> Result<(), BackendError> {
+    fn check(&self, pod: &PodRef, _: &PodPolicy) -> Result<(), BackendError> {
         let captured = self.captured.lock().unwrap();
         if captured.iter().any(|c| c.container_id == pod.container_id) {
             Ok(())
@@ -55,7 +58,10 @@ impl CaptureBackend for Recorder {
         }
     }
 
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
+        if mode == DataplaneMode::Ambient {
+            return Ok(Vec::new());
+        }
         Ok(self
             .captured
             .lock()
@@ -73,7 +79,7 @@ impl CaptureBackend for Recorder {
         Ok(Vec::new())
     }
 
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+    fn gone(&self, _: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
         Ok(Vec::new())
     }
 
@@ -114,7 +120,7 @@ fn hub(backend: Arc<Recorder>) -> (Hub, tempfile::TempDir) {
     let hub = Hub::new(
         Parts {
             source: Arc::new(PodSource::Dir(DirPods::new(dir.path().to_owned()))),
-            backend,
+            router: Router::new(backend, None),
             backend_reason: "a test's".to_owned(),
             probe: None,
             ambient: None,

@@ -28,6 +28,15 @@ pub enum DataplaneMode {
     Ambient,
 }
 
+impl std::fmt::Display for DataplaneMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Sidecar => "sidecar",
+            Self::Ambient => "ambient",
+        })
+    }
+}
+
 /// The node's settings a pod's decision reads.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct NodeSettings {

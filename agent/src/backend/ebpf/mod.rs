@@ -48,8 +48,8 @@ pub use pins::{PinnedPod, Pins, unpin_link};
 pub use release::assigns_to_reuseport_listeners;
 pub use tc::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram};
-use crate::{pod::PodRef, podnet, policy::RedirectPolicy};
+use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy};
+use crate::{pod::PodRef, podnet, policy::DataplaneMode};
 
 /// Where the backend attaches and pins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -284,44 +284,6 @@ impl EbpfBackend {
         layout::remove(&dir)
     }
 
-    /// The pods captured for ztunnel (ambient mode), which [`CaptureBackend::list`] leaves
-    /// out: ambient mode lists them.
-    #[must_use]
-    pub fn list_ambient(&self) -> Vec<CapturedPod> {
-        self.pinned_pods()
-            .into_iter()
-            .filter(|pinned| pinned.ambient)
-            .map(|pinned| CapturedPod {
-                summary: format!(
-                    "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
-                    pinned.netns_cookie,
-                    pinned.interfaces.join(",")
-                ),
-                pod: pinned.pod_ref(),
-                backend: "ebpf".to_owned(),
-            })
-            .collect()
-    }
-
-    /// Drops the ambient captures whose network namespace is gone and returns those pods. The
-    /// pins are listed before the namespaces are walked, as in `gone`.
-    ///
-    /// # Errors
-    /// When an entry cannot be dropped.
-    pub fn prune_gone_ambient(&self) -> Result<Vec<PodRef>, EbpfError> {
-        let pinned_pods = self.pinned_pods();
-        let live = podnet::live_cookies();
-        let mut gone = Vec::new();
-        for pinned in pinned_pods {
-            if pinned.ambient && !live.contains(&pinned.netns_cookie) {
-                let pod = pinned.pod_ref();
-                Self::remove(self, &pod)?;
-                gone.push(pod);
-            }
-        }
-        Ok(gone)
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, tables::Tables> {
         self.tables
             .lock()
@@ -340,16 +302,34 @@ impl CaptureBackend for EbpfBackend {
         "ebpf"
     }
 
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Ok(Self::add(self, pod, policy)?)
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        Ok(match policy {
+            PodPolicy::Sidecar(policy) => self.add_entries(
+                pod,
+                encode(policy),
+                &policy.exclude_interfaces,
+                &policy.reroute_virtual_interfaces,
+            ),
+            PodPolicy::Ambient(ambient) => self.add_entries(
+                pod,
+                encode_ambient(&ambient.policy, &ambient.ips),
+                &[],
+                &ambient.policy.virtual_interfaces,
+            ),
+        }?)
     }
 
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        Ok(Self::remove(self, pod)?)
+        Ok(self.release(pod)?)
     }
 
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Self::check(self, pod, policy).map_err(EbpfError::into_check)
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        let entries = match policy {
+            PodPolicy::Sidecar(policy) => encode(policy),
+            PodPolicy::Ambient(ambient) => encode_ambient(&ambient.policy, &[]),
+        };
+        self.check_entries(pod, &entries)
+            .map_err(EbpfError::into_check)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
@@ -364,7 +344,7 @@ impl CaptureBackend for EbpfBackend {
                 continue;
             }
             let pod_ref = pod.pod_ref();
-            Self::remove(self, &pod_ref)?;
+            self.release(&pod_ref)?;
             tracing::info!(pod = %pod_ref, container = %pod_ref.container_id, netns_cookie = pod.netns_cookie, "netns gone: entries and pins dropped");
             gone.push(pod_ref);
         }
@@ -379,18 +359,14 @@ impl CaptureBackend for EbpfBackend {
     }
 
     /// The pins are listed before the namespaces are walked: a pod pinned by an ADD running
-    /// meanwhile, whose netns may be newer than the walk, is never judged on it.
-    ///
-    /// Sidecar captures only: an ambient one is its enrollment's to drop
-    /// ([`Self::prune_gone_ambient`], which also tells ztunnel and forgets the probe
-    /// addresses); dropped here, a netns going between the two looks would leave its
-    /// enrollment behind.
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+    /// meanwhile, whose netns may be newer than the walk, is never judged on it. The pods
+    /// found are remembered for [`CaptureBackend::drop_if_gone`]: ask for one mode at a time.
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
         let pinned_pods = self.pinned_pods();
         let live = podnet::live_cookies();
         let gone: Vec<_> = pinned_pods
             .into_iter()
-            .filter(|pod| !pod.ambient && !live.contains(&pod.netns_cookie))
+            .filter(|pod| pod.mode() == mode && !live.contains(&pod.netns_cookie))
             .collect();
         *self.found_gone() = gone.iter().map(|pod| pod.netns_cookie).collect();
         Ok(gone.into_iter().map(|pod| pod.pod_ref()).collect())
@@ -405,7 +381,7 @@ impl CaptureBackend for EbpfBackend {
         if !known_gone && podnet::live_cookies().contains(&cookie) {
             return Ok(false);
         }
-        Self::remove(self, pod)?;
+        self.release(pod)?;
         tracing::info!(pod = %pod, container = %pod.container_id, netns_cookie = cookie, "netns gone without a DEL this agent saw: entries and pins dropped");
         Ok(true)
     }
@@ -445,21 +421,28 @@ impl CaptureBackend for EbpfBackend {
         Ok(self.lock().pod_count())
     }
 
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(self
             .pinned_pods()
             .into_iter()
-            .filter(|pinned| !pinned.ambient)
+            .filter(|pinned| pinned.mode() == mode)
             .map(|pinned| CapturedPod {
-                summary: format!(
-                    "netns cookie {}, inbound TC on {}",
-                    pinned.netns_cookie,
-                    if pinned.interfaces.is_empty() {
-                        "no interface".to_owned()
-                    } else {
+                summary: match mode {
+                    DataplaneMode::Sidecar => format!(
+                        "netns cookie {}, inbound TC on {}",
+                        pinned.netns_cookie,
+                        if pinned.interfaces.is_empty() {
+                            "no interface".to_owned()
+                        } else {
+                            pinned.interfaces.join(",")
+                        }
+                    ),
+                    DataplaneMode::Ambient => format!(
+                        "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
+                        pinned.netns_cookie,
                         pinned.interfaces.join(",")
-                    }
-                ),
+                    ),
+                },
                 pod: pinned.pod_ref(),
                 backend: "ebpf".to_owned(),
             })

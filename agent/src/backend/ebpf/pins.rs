@@ -25,7 +25,7 @@ use std::{
 };
 
 use super::sys;
-use crate::{pod::PodRef, podnet::tc::Filter};
+use crate::{pod::PodRef, podnet::tc::Filter, policy::DataplaneMode};
 
 /// The directory in a netlink TC record that says, until the filter's own record is pinned,
 /// that meshcap may have added the interface's clsact qdisc (written ahead of the netlink
@@ -50,6 +50,16 @@ pub struct PinnedPod {
 }
 
 impl PinnedPod {
+    /// The mode it is captured for.
+    #[must_use]
+    pub const fn mode(&self) -> DataplaneMode {
+        if self.ambient {
+            DataplaneMode::Ambient
+        } else {
+            DataplaneMode::Sidecar
+        }
+    }
+
     /// The pod, as backends name it. The pins record the netns cookie, not the runtime's
     /// netns path, which stays empty.
     #[must_use]

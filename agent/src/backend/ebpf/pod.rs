@@ -10,71 +10,23 @@ use std::os::fd::AsFd as _;
 
 use meshcap_common::{PodConfig, flags};
 
-use super::{EbpfBackend, EbpfError, Entries, encode, node, pins, stub, sys, tc};
+use super::{EbpfBackend, EbpfError, Entries, node, pins, stub, sys, tc};
 use crate::{
     crashpoint,
     pod::PodRef,
     podnet::{self, PodNet, Visit},
-    policy::{MarkRoute, PolicyRoutes, RedirectPolicy, ambient::InpodPolicy},
+    policy::{MarkRoute, PolicyRoutes},
 };
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
 const MAX_PODS: usize = 1_024;
 
 impl EbpfBackend {
-    /// Captures `pod` with `policy`, or updates it to `policy`. Idempotent.
-    ///
-    /// # Errors
-    /// When the pod's netns cannot be entered or the kernel refuses.
-    pub fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
-        self.add_entries(
-            pod,
-            encode::encode(policy),
-            &policy.exclude_interfaces,
-            &policy.reroute_virtual_interfaces,
-        )
-    }
-
-    /// Verifies `pod` is captured with `policy`.
-    ///
-    /// # Errors
-    /// What is missing or different, naming the pod.
-    pub fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), EbpfError> {
-        self.check_entries(pod, &encode::encode(policy))
-    }
-
-    /// Captures an ambient `pod` for ztunnel as Istio's in-pod rules would (`ips`: its
-    /// addresses, the local address of its redirected connections), or updates it. Idempotent.
-    ///
-    /// # Errors
-    /// When the pod's netns cannot be entered or the kernel refuses.
-    pub fn add_ambient(
-        &self,
-        pod: &PodRef,
-        policy: &InpodPolicy,
-        ips: &[std::net::IpAddr],
-    ) -> Result<(), EbpfError> {
-        self.add_entries(
-            pod,
-            encode::encode_ambient(policy, ips),
-            &[],
-            &policy.virtual_interfaces,
-        )
-    }
-
-    /// Verifies an ambient `pod` is captured with `policy`.
-    ///
-    /// # Errors
-    /// What is missing or different, naming the pod.
-    pub fn check_ambient(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), EbpfError> {
-        self.check_entries(pod, &encode::encode_ambient(policy, &[]))
-    }
-
     /// Captures `pod` with these map entries, or updates its entries. Idempotent.
     ///
     /// # Errors
     /// When the pod's netns cannot be entered or the kernel refuses.
-    pub fn add_entries(
+    pub(super) fn add_entries(
         &self,
         pod: &PodRef,
         mut entries: Entries,
@@ -130,7 +82,7 @@ impl EbpfBackend {
             Ok(Err(err)) => {
                 // Nothing half-applied: a pod this agent did not capture yet loses what this
                 // ADD attached (an update keeps its capture as it was).
-                if !known && let Err(undo) = self.remove(pod) {
+                if !known && let Err(undo) = self.release(pod) {
                     tracing::warn!(error = %undo, "undoing a failed ADD");
                 }
                 return Err(err);
@@ -163,7 +115,7 @@ impl EbpfBackend {
             tables.remove_lists(pod_id);
             drop(tables);
             if old.is_none() {
-                self.remove(pod)?;
+                self.release(pod)?;
             }
             return Err(EbpfError::pod(
                 pod,
@@ -227,7 +179,7 @@ impl EbpfBackend {
 
     /// Sets the visited netns' `net.ipv4.tcp_fwmark_accept` to 1 when `on`, first recording the
     /// pod's own value in the pins; otherwise puts a recorded value back (an update that needs
-    /// it no more). Released pods get theirs back in [`Self::remove`].
+    /// it no more). Released pods get theirs back in [`Self::release`].
     fn set_fwmark_accept(&self, cookie: u64, on: bool) -> Result<(), EbpfError> {
         let before = self.pins.fwmark_accept_before(cookie);
         if !on {
@@ -277,7 +229,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// When the maps refuse.
-    pub fn remove(&self, pod: &PodRef) -> Result<(), EbpfError> {
+    pub(super) fn release(&self, pod: &PodRef) -> Result<(), EbpfError> {
         let Some(cookie) = self.find_cookie(pod) else {
             return Ok(());
         };
@@ -347,7 +299,7 @@ impl EbpfBackend {
     ///
     /// # Errors
     /// What is missing or different.
-    pub fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), EbpfError> {
+    pub(super) fn check_entries(&self, pod: &PodRef, entries: &Entries) -> Result<(), EbpfError> {
         let cookie = podnet::cookie_of(&pod.netns)?;
         let config = self
             .lock()

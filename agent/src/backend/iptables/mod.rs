@@ -38,12 +38,12 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod};
+use super::{BackendError, CaptureBackend, CapturedPod, PodPolicy};
 use crate::{
     crashpoint,
     pod::{PodRef, record_file_name},
     podnet,
-    policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
+    policy::{DataplaneMode, Family, InterceptionMode, IptablesRules, PolicyRoutes},
 };
 
 /// Backend configuration.
@@ -227,23 +227,27 @@ impl IptablesBackend {
         self.locks.join(format!("{id}.lock"))
     }
 
-    /// Applies an ambient pod's in-pod rules ([`crate::policy::ambient::InpodPolicy::render`]),
-    /// with the same records, rollback and crash consistency as a sidecar pod's.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::add`].
-    #[tracing::instrument(name = "iptables_add_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    pub fn add_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        self.apply(pod, rules, InterceptionMode::Redirect, true)
+    /// The rules a policy renders: Istio's sidecar rules, or ambient mode's in-pod rules
+    /// ([`crate::policy::ambient::InpodPolicy::render`]), with their interception mode and
+    /// whether they are ambient mode's. Both get the same records, rollback and crash
+    /// consistency.
+    fn rules(policy: &PodPolicy) -> (IptablesRules, InterceptionMode, bool) {
+        match policy {
+            PodPolicy::Sidecar(policy) => (policy.render(), policy.mode, false),
+            PodPolicy::Ambient(ambient) => {
+                (ambient.policy.render(), InterceptionMode::Redirect, true)
+            }
+        }
     }
 
-    /// Whether an ambient pod's in-pod rules are in place.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::check`].
-    #[tracing::instrument(name = "iptables_check_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    pub fn check_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        self.verify(pod, rules)
+    /// The records of `mode`'s pods.
+    fn of_mode(&self, mode: DataplaneMode) -> Vec<Applied> {
+        let ambient = mode == DataplaneMode::Ambient;
+        self.lock()
+            .values()
+            .filter(|record| record.ambient == ambient)
+            .cloned()
+            .collect()
     }
 
     /// Applies `rules` to the pod's netns, recorded (ahead) so that a DEL, an ADD or a
@@ -370,12 +374,18 @@ impl CaptureBackend for IptablesBackend {
     }
 
     #[tracing::instrument(name = "iptables_add", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        self.apply(pod, &policy.render(), policy.mode, false)
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        let (rules, mode, ambient) = Self::rules(policy);
+        self.apply(pod, &rules, mode, ambient)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone = self.gone()?;
+        let gone: Vec<PodRef> = self
+            .lock()
+            .values()
+            .filter(|record| !record.pod.netns.exists())
+            .map(|record| record.pod.clone())
+            .collect();
         for pod in &gone {
             // The rules lived in the netns and went with it: only the record is left.
             self.forget(&pod.container_id);
@@ -384,12 +394,12 @@ impl CaptureBackend for IptablesBackend {
         Ok(gone)
     }
 
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
         Ok(self
-            .lock()
-            .values()
+            .of_mode(mode)
+            .into_iter()
             .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod.clone())
+            .map(|record| record.pod)
             .collect())
     }
 
@@ -449,14 +459,14 @@ impl CaptureBackend for IptablesBackend {
     }
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        self.verify(pod, &policy.render())
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.verify(pod, &Self::rules(policy).0)
     }
 
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         let mut out: Vec<CapturedPod> = self
-            .lock()
-            .values()
+            .of_mode(mode)
+            .iter()
             .map(|a| CapturedPod {
                 pod: a.pod.clone(),
                 backend: self.name().to_owned(),

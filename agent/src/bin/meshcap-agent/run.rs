@@ -6,10 +6,10 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
-    ambient::Ambient,
+    ambient::{Ambient, AmbientPlaces},
     api::{Server, ServerConfig, http},
     backend::{
-        BackendChoice, CaptureBackend,
+        BackendChoice, BackendError, CaptureBackend, Router,
         ebpf::{self, EbpfBackend, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
@@ -176,6 +176,32 @@ fn in_kernel_ambient(ebpf: Option<&Arc<EbpfBackend>>) -> anyhow::Result<bool> {
     Ok(true)
 }
 
+/// A backend, shared by the router and whoever else needs it.
+type Shared = Arc<dyn CaptureBackend>;
+
+/// What captures ambient pods now, and what an earlier agent may have captured them with (the
+/// other way, `ambient.inKernel` switched since): the kernel programs where `in_kernel` asks
+/// for them and `kernel`, the eBPF backend, serves the node, else Istio's in-pod rules through
+/// the iptables machinery, in `state_dir/ambient`.
+fn ambient_ways(
+    kernel: Option<Arc<EbpfBackend>>,
+    in_kernel: bool,
+    state_dir: &std::path::Path,
+    flavour: FlavourChoice,
+) -> Result<(Shared, Option<Shared>), BackendError> {
+    let in_pod_rules = || -> Result<Shared, BackendError> {
+        Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+            state_dir: state_dir.join("ambient"),
+            flavour,
+        })?))
+    };
+    Ok(match kernel {
+        Some(ebpf) if in_kernel => (ebpf, Some(in_pod_rules()?)),
+        Some(ebpf) => (in_pod_rules()?, Some(ebpf)),
+        None => (in_pod_rules()?, None),
+    })
+}
+
 /// Where this agent keeps what it owns, every path resolved.
 struct Paths {
     socket: PathBuf,
@@ -333,10 +359,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             let api = kube_node.as_ref().map(|(client, _)| client.clone());
             let in_kernel = in_kernel_ambient(ebpf.as_ref())?;
             let kernel = ebpf.clone();
-            let ambient = tokio::task::spawn_blocking(move || {
-                Ambient::open(
-                    config, &state_dir, flavour, &socket, api, node_netns, kernel, in_kernel,
-                )
+            let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
+                let (now, earlier) = ambient_ways(kernel, in_kernel, &state_dir, flavour)?;
+                let places = AmbientPlaces {
+                    state_dir: &state_dir,
+                    socket: &socket,
+                    node_netns,
+                    flavour,
+                };
+                Ok(Ambient::open(config, now, earlier, places, api)?)
             })
             .await?
             .context("starting ambient mode")?;
@@ -360,7 +391,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let hub = Arc::new(Hub::new(
         Parts {
             source: Arc::new(source),
-            backend,
+            router: Router::new(
+                backend,
+                ambient
+                    .clone()
+                    .map(|ambient| ambient as Arc<dyn CaptureBackend>),
+            ),
             backend_reason: reason,
             probe,
             ambient: ambient.clone(),
