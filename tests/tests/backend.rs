@@ -403,7 +403,9 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
         for dev in ["eth0", "eth1"] {
             assert!(
                 Pins::new(&dir)
-                    .tc_record(listed[0].netns_cookie, dev)
+                    .pod(listed[0].netns_cookie)
+                    .tc(dev)
+                    .path()
                     .is_file(),
                 "{dev}: the TCX link's pin is kept, not replaced"
             );

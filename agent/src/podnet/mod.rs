@@ -4,19 +4,19 @@
 //! calling thread; callers run synchronous work, so nothing else runs on it meanwhile), so
 //! every log line of the visit stays in the caller's span and names the pod. The closure gets
 //! a [`Visit`], whose one netlink socket ([`netlink::Netlink`], synchronous, opened on first
-//! use) serves every request of the visit:
-//! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
-//! routes) and [`tc`] (the inbound TC filter). [`find`] finds a running pod's namespace by its
-//! address, for the controllers that capture pods in place.
+//! use) serves every request of the visit: [`inspect`] (the netns cookie, interfaces,
+//! addresses and routes), [`route`] (the policy routes) and [`clsact`] (the inbound TC filter
+//! on the clsact qdisc). [`find`] finds a running pod's namespace by its address, for the
+//! controllers that capture pods in place.
 //!
 //! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
 //! netlink and sockets, not BPF maps, pins or iptables.
+pub mod clsact;
 mod enter;
 pub mod find;
 mod inspect;
 pub mod netlink;
 pub mod route;
-pub mod tc;
 
 use std::{io, path::PathBuf};
 

@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use meshcap_common::{CidrKind, PodAddrs, PodConfig, PortKind, flags, iface_flags};
 
 use crate::{
+    backend::PodPolicy,
     podnet::PodNet,
     policy::{
         CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, ambient::InpodPolicy,
@@ -64,6 +65,38 @@ impl Entries {
                 self.ifaces.push((name.clone(), f));
             }
         }
+    }
+}
+
+/// A pod's map entries, once its netns has been observed: its policy's, then what its netns
+/// says ([`Entries::add_pod_net`]). The one encoding of a capture.
+#[must_use]
+pub fn entries(policy: &PodPolicy, net: &PodNet) -> Entries {
+    let mut entries = policy_entries(policy);
+    let (exclude, reroute) = interfaces(policy);
+    entries.add_pod_net(net, exclude, reroute);
+    entries
+}
+
+/// What a policy alone puts in the maps: what CHECK compares with what they hold.
+#[must_use]
+pub fn policy_entries(policy: &PodPolicy) -> Entries {
+    match policy {
+        PodPolicy::Sidecar(policy) => encode(policy),
+        PodPolicy::Ambient(ambient) => encode_ambient(&ambient.policy, &ambient.ips),
+    }
+}
+
+/// The interfaces a policy names: excluded ones (no stub, routes leaving by them not
+/// captured) and rerouted ones (inbound treated as outbound).
+#[must_use]
+pub fn interfaces(policy: &PodPolicy) -> (&[String], &[String]) {
+    match policy {
+        PodPolicy::Sidecar(policy) => (
+            &policy.exclude_interfaces,
+            &policy.reroute_virtual_interfaces,
+        ),
+        PodPolicy::Ambient(ambient) => (&[], &ambient.policy.virtual_interfaces),
     }
 }
 

@@ -45,7 +45,7 @@ pub enum EbpfError {
     PodNet(#[from] PodNetError),
     /// The kernel refused a pod's TC stub.
     #[error("loading the pod's TC stub: {0}")]
-    Stub(#[from] sys::LoadError),
+    Stub(#[from] sys::Refused),
     /// A pod-level failure.
     #[error("{pod}: {message}")]
     Pod {

@@ -115,7 +115,7 @@ fn program(cookie: u64, prog_array: i32) -> Vec<Insn> {
 ///
 /// # Errors
 /// The kernel's refusal, with the verifier log.
-pub fn load(cookie: u64, prog_array: impl AsFd) -> Result<OwnedFd, sys::LoadError> {
+pub fn load(cookie: u64, prog_array: impl AsFd) -> Result<OwnedFd, sys::Refused> {
     let insns = program(cookie, prog_array.as_fd().as_raw_fd());
     // The classifier it tail-calls is GPL (it calls GPL-only helpers): so is the caller.
     sys::prog_load_sched_cls(NAME, &insns, c"GPL")

@@ -176,7 +176,7 @@ const LOG_SIZE: usize = 64 * 1024;
 /// A program the kernel refused.
 #[derive(Debug, thiserror::Error)]
 #[error("{source}; verifier log: {log}")]
-pub struct LoadError {
+pub struct Refused {
     /// The kernel's errno.
     #[source]
     pub source: io::Error,
@@ -194,7 +194,7 @@ pub fn prog_load_sched_cls(
     name: &str,
     insns: &[[u8; 8]],
     license: &CStr,
-) -> Result<OwnedFd, LoadError> {
+) -> Result<OwnedFd, Refused> {
     let load = |log: Option<&mut Vec<u8>>| -> io::Result<OwnedFd> {
         let insn_cnt =
             u32::try_from(insns.len()).map_err(|_| io::Error::other("too many instructions"))?;
@@ -219,7 +219,7 @@ pub fn prog_load_sched_cls(
     };
     load(None).or_else(|_| {
         let mut log = vec![0u8; LOG_SIZE];
-        load(Some(&mut log)).map_err(|source| LoadError {
+        load(Some(&mut log)).map_err(|source| Refused {
             source,
             log: String::from_utf8_lossy(log.split(|b| *b == 0).next().unwrap_or_default())
                 .trim()

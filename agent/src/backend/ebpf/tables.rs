@@ -96,11 +96,23 @@ impl Tables {
         }
         for pinned in pins.pinned_pods() {
             tables.index.set_cookie(
-                super::pins::pod_record_name(&pinned.pod_ref()),
+                super::pins::record_name(&pinned.pod_ref()),
                 pinned.netns_cookie,
             );
         }
         Ok(tables)
+    }
+
+    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
+    /// of pod configurations, CIDR lists, port lists and interfaces.
+    pub(super) fn entry_counts(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            (maps::PODS, self.pods.keys().count()),
+            (maps::CIDRS4, self.cidrs4.keys().count()),
+            (maps::CIDRS6, self.cidrs6.keys().count()),
+            (maps::PORTS, self.ports.keys().count()),
+            (maps::IFACES, self.ifaces.keys().count()),
+        ]
     }
 
     /// The netns cookie of the pod whose record name is `record`, as pinned.
