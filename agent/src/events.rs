@@ -8,7 +8,7 @@ use kube::{
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
 
-use crate::pod::PodName;
+use crate::policy::PodName;
 
 /// Publishes events as `meshcap-agent` on this node.
 #[derive(Clone)]

@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::Pod;
 use tracing::warn;
 
-use super::{CaptureError, blocking::off_the_runtime};
+use super::{CaptureError, request::off_the_runtime};
 use crate::{
     backend::AmbientCapture,
     pod::Sandbox,

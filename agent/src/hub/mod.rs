@@ -7,31 +7,30 @@
 //!   happens to it ([`lookup`]), then captures it for its sidecar or enrolls it in ambient
 //!   mode; DEL releases; CHECK re-decides and asks whether the capture is in place. Requests
 //!   for one container run one at a time, their blocking work on the request's own worker
-//!   thread ([`blocking`]); each is observed ([`observe`]);
+//!   thread, and each is observed ([`request`]);
 //! - [`Readiness`]: whether the agent may be sent pods;
 //! - [`captures`]: the set of captures, through the backend that serves each mode, and the
 //!   node-wide views over it (GC, status, captures whose netns went without a DEL).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
-mod blocking;
 mod captures;
+mod error;
 mod lookup;
-mod observe;
-mod outcome;
 mod readiness;
+mod request;
 
 use std::{path::PathBuf, sync::Arc};
 
+pub use error::{CaptureError, ErrorClass};
 use k8s_openapi::api::core::v1::Pod;
-pub use outcome::{CaptureError, Done, ErrorClass};
 pub use readiness::Readiness;
+pub use request::Done;
 use tokio::sync::watch;
 
 use self::{
-    blocking::Locks,
     captures::Captures,
     lookup::{Lookup, ambient_capture},
-    observe::Verb,
+    request::{Locks, Verb},
 };
 use crate::{
     ambient::Ambient,

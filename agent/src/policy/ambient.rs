@@ -17,9 +17,8 @@ use serde::{Deserialize, Serialize};
 use super::{
     annotations::{parse_ambient_interface_list, parse_go_bool},
     error::PolicyError,
-    model::keys,
+    model::{PodName, keys},
 };
-use crate::pod::PodName;
 
 /// Annotation and label names of ambient mode, exactly as Istio spells them.
 pub mod ambient_keys {

@@ -15,10 +15,9 @@ use super::{
     error::PolicyError,
     model::{
         ALWAYS_EXCLUDED_INBOUND_PORTS, CidrSet, DEFAULT_PROXY_ID, InterceptionMode, IpRanges,
-        PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
+        PodName, PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
     },
 };
-use crate::pod::PodName;
 
 /// The node-level settings of the selection (Istio's CNI config `exclude_namespaces`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,7 +2,11 @@
 //! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use meshcap_common::{CidrKind, PodAddrs, PodConfig, PortKind, flags, iface_flags};
+use aya::maps::lpm_trie::Key;
+use meshcap_common::{
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, PodAddrs, PodConfig, PortKind,
+    flags, iface_flags,
+};
 
 use crate::{
     backend::PodPolicy,
@@ -244,7 +248,7 @@ fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
             IpAddr::V6(v6)
                 if addrs.v6 == [0; 4] && !v6.is_loopback() && !v6.is_unicast_link_local() =>
             {
-                addrs.v6 = meshcap_common::Addr::v6(v6.octets()).words();
+                addrs.v6 = Addr::v6(v6.octets()).words();
             }
             _ => {}
         }
@@ -267,4 +271,25 @@ fn prefixes(kind: CidrKind, set: &CidrSet) -> impl Iterator<Item = (CidrKind, Ip
         };
         (kind, addr, p.len(), 1)
     })
+}
+
+/// A CIDR list entry's key, in the map of its family.
+pub(super) enum CidrKey {
+    V4(Key<Cidr4Data>),
+    V6(Key<Cidr6Data>),
+}
+
+/// The key of `addr/len` in `pod_id`'s `kind` list.
+pub(super) fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
+    let prefix = CIDR_KEY_PREFIX_BITS + u32::from(len);
+    match addr {
+        IpAddr::V4(a) => CidrKey::V4(Key::new(
+            prefix,
+            Cidr4Data::new(pod_id, kind, u32::from_ne_bytes(a.octets())),
+        )),
+        IpAddr::V6(a) => CidrKey::V6(Key::new(
+            prefix,
+            Cidr6Data::new(pod_id, kind, Addr::v6(a.octets()).words()),
+        )),
+    }
 }

@@ -6,7 +6,7 @@
 //! - [`pod`](pod/mod.rs): each pod's capture as one transaction — observe its netns
 //!   ([`crate::podnet`]: cookie, interfaces, addresses, routes), plan its entries
 //!   ([`encode`](encode.rs) translates the policy and what was observed, once), attach its
-//!   stub on its interfaces ([`tc`](tc.rs), assembled by [`stub`](stub.rs)) and, where the
+//!   stub on its interfaces ([`stub`](stub.rs), assembled and attached) and, where the
 //!   kernel needs it ([`release`](release.rs)), the socket lookup program on its netns, then
 //!   commit its entries through [`tables`](tables.rs), the maps' only writer, which indexes
 //!   what each pod holds; and each pod's CHECK and release;
@@ -37,7 +37,6 @@ mod release;
 mod stub;
 mod sys;
 mod tables;
-mod tc;
 
 use std::{path::PathBuf, sync::Mutex};
 
@@ -49,7 +48,7 @@ pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, PodPins, TcRecord, unpin_link};
 use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
-pub use tc::TcAttach;
+pub use stub::TcAttach;
 
 use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy};
 use crate::{pod::PodRef, policy::DataplaneMode};

@@ -10,9 +10,9 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use meshcap_agent::{
     bpf, decide,
-    pod::PodName,
     pods::{PodSource, dir::DirPods, kube::KubePods},
-    policy, probe, settings,
+    policy::{self, PodName},
+    probe, settings,
     status::StatusReport,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};

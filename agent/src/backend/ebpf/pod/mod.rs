@@ -15,14 +15,14 @@ mod remove;
 
 use std::{collections::HashSet, os::fd::OwnedFd, sync::Mutex};
 
-use meshcap_common::{PodConfig, flags};
+use meshcap_common::{PodConfig, flags, maps};
 
 use super::{
     EbpfError, Entries, encode,
     pins::{Pins, PodPins, record_name},
-    stub, sys,
+    stub::{self, TcAttach},
+    sys,
     tables::Tables,
-    tc::{self, TcAttach},
 };
 use crate::{
     backend::PodPolicy,
@@ -85,21 +85,28 @@ impl Plan {
 
     /// `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
     /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
-    /// reply route, which rerouted interfaces share.
-    fn routes(&self) -> PolicyRoutes {
+    /// reply route, which rerouted interfaces share. `None` when the pod needs none.
+    fn routes(&self) -> Option<PolicyRoutes> {
         let config = &self.entries.config;
         let ipv6 = config.has(flags::IPV6);
-        let mut routes = if ipv6 && !self.ambient() {
+        let mark_route = if self.ambient() {
+            Some(MarkRoute::ambient(ipv6))
+        } else if config.has(flags::TPROXY) || self.reroute {
+            Some(MarkRoute::tproxy(ipv6))
+        } else {
+            None
+        };
+        let passthrough6 = ipv6 && !self.ambient();
+        if mark_route.is_none() && !passthrough6 {
+            return None;
+        }
+        let mut routes = if passthrough6 {
             PolicyRoutes::passthrough6()
         } else {
             PolicyRoutes::default()
         };
-        if self.ambient() {
-            routes.mark_route = Some(MarkRoute::ambient(ipv6));
-        } else if config.has(flags::TPROXY) || self.reroute {
-            routes.mark_route = Some(MarkRoute::tproxy(ipv6));
-        }
-        routes
+        routes.mark_route = mark_route;
+        Some(routes)
     }
 
     /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
@@ -177,8 +184,7 @@ impl Pods {
             pins.mark_ambient().map_err(pinning)?;
         }
         crashpoint::here(crashpoint::EBPF_ADD_PINNED);
-        let routes = plan.routes();
-        if !routes.is_empty() {
+        if let Some(routes) = plan.routes() {
             podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
         }
         set_fwmark_accept(&pins, plan.fwmark_accept())?;
@@ -199,7 +205,7 @@ impl Pods {
         pins: &PodPins,
         plan: &Plan,
     ) -> Result<(), EbpfError> {
-        let lo = (tc::LOOPBACK_IFINDEX, "lo".to_owned());
+        let lo = (stub::LOOPBACK_IFINDEX, "lo".to_owned());
         let mut todo = Vec::new();
         for (ifindex, name) in plan
             .net
@@ -212,11 +218,11 @@ impl Pods {
             }
             let record = pins.tc(name);
             if record.exists() {
-                let Err(stale) = tc::verify(visit, &record) else {
+                let Err(stale) = check::verify(visit, &record) else {
                     continue;
                 };
                 tracing::warn!(interface = %name, reason = %stale, "re-attaching the inbound TC stub");
-                tc::detach(visit, &record);
+                stub::detach(visit, &record);
             }
             todo.push((*ifindex, record));
         }
@@ -226,7 +232,7 @@ impl Pods {
         // One stub per pod, shared by its interfaces.
         let stub = stub::load(plan.net.cookie, &self.tc_prog)?;
         for (ifindex, record) in todo {
-            tc::attach(visit, self.tc_attach, &stub, ifindex, &record)?;
+            stub::attach(visit, self.tc_attach, &stub, ifindex, &record)?;
         }
         Ok(())
     }
@@ -298,9 +304,17 @@ impl Pods {
         self.lock().pod_count()
     }
 
-    /// How many entries each per-pod map holds.
+    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
+    /// of pod configurations, CIDR lists, port lists and interfaces.
     pub(super) fn entry_counts(&self) -> Vec<(&'static str, usize)> {
-        self.lock().entry_counts()
+        let tables = self.lock();
+        vec![
+            (maps::PODS, tables.pods.keys().count()),
+            (maps::CIDRS4, tables.cidrs4.keys().count()),
+            (maps::CIDRS6, tables.cidrs6.keys().count()),
+            (maps::PORTS, tables.ports.keys().count()),
+            (maps::IFACES, tables.ifaces.keys().count()),
+        ]
     }
 
     /// The pod's cookie: as the pins record it (indexed), else from its netns while it

@@ -6,43 +6,22 @@
 //! cookie each pinned pod is. A DEL or an update then removes exactly its own entries (one
 //! syscall each) instead of walking whole maps, and a new pod id costs no map walk. The index
 //! is rebuilt once from the pinned maps and pins when the backend opens.
-use std::{
-    collections::{HashMap as StdHashMap, HashSet},
-    net::IpAddr,
-};
+use std::collections::{HashMap as StdHashMap, HashSet};
 
 use aya::{
     Ebpf,
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodAddrs, PodConfig,
-    PortKey, iface_flags, maps,
+    Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodAddrs, PodConfig, PortKey, iface_flags, maps,
 };
 
-use super::{EbpfError, Entries, pins::Pins};
+use super::{
+    EbpfError, Entries,
+    encode::{CidrKey, cidr_key},
+    pins::Pins,
+};
 use crate::podnet::PodNet;
-
-/// A CIDR list entry's key, in the map of its family.
-enum CidrKey {
-    V4(Key<Cidr4Data>),
-    V6(Key<Cidr6Data>),
-}
-
-/// The key of `addr/len` in `pod_id`'s `kind` list.
-fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
-    let prefix = CIDR_KEY_PREFIX_BITS + u32::from(len);
-    match addr {
-        IpAddr::V4(a) => CidrKey::V4(Key::new(
-            prefix,
-            Cidr4Data::new(pod_id, kind, u32::from_ne_bytes(a.octets())),
-        )),
-        IpAddr::V6(a) => CidrKey::V6(Key::new(
-            prefix,
-            Cidr6Data::new(pod_id, kind, Addr::v6(a.octets()).words()),
-        )),
-    }
-}
 
 /// The per-pod maps, and what they hold per pod.
 pub(super) struct Tables {
@@ -103,18 +82,6 @@ impl Tables {
         Ok(tables)
     }
 
-    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
-    /// of pod configurations, CIDR lists, port lists and interfaces.
-    pub(super) fn entry_counts(&self) -> Vec<(&'static str, usize)> {
-        vec![
-            (maps::PODS, self.pods.keys().count()),
-            (maps::CIDRS4, self.cidrs4.keys().count()),
-            (maps::CIDRS6, self.cidrs6.keys().count()),
-            (maps::PORTS, self.ports.keys().count()),
-            (maps::IFACES, self.ifaces.keys().count()),
-        ]
-    }
-
     /// The netns cookie of the pod whose record name is `record`, as pinned.
     pub(super) fn cookie(&self, record: &str) -> Option<u64> {
         self.index.cookie(record)
@@ -167,14 +134,14 @@ impl Tables {
         Ok(())
     }
 
-    /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
-    /// there was one. The lists go also when the entry was removed behind meshcap's back (by
-    /// the id this agent recorded for the cookie).
     /// Whether the pod map has an entry for `cookie`.
     pub(super) fn has_pod(&self, cookie: u64) -> bool {
         self.pods.get(&cookie, 0).is_ok()
     }
 
+    /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
+    /// there was one. The lists go also when the entry was removed behind meshcap's back (by
+    /// the id this agent recorded for the cookie).
     pub(super) fn remove_pod(&mut self, cookie: u64) -> Result<Option<PodConfig>, EbpfError> {
         let config = self.pods.get(&cookie, 0).ok();
         if config.is_some() {
@@ -475,50 +442,4 @@ impl Index {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ids_go_round_and_skip_those_in_use() {
-        let mut index = Index::default();
-        index.use_id(2);
-        assert_eq!(index.allocate(), 3);
-        index.lists_mut(4).ports.push(PortKey::new(
-            4,
-            meshcap_common::PortKind::ExcludeOutbound,
-            1,
-        ));
-        assert_eq!(index.allocate(), 5);
-        assert_eq!(index.release(4).ports.len(), 1);
-        assert!(index.release(4).ports.is_empty(), "released once");
-        // 4 is free again, but ids go round first.
-        assert_eq!(index.allocate(), 6);
-        index.cursor = u32::MAX - 1;
-        assert_eq!(index.allocate(), u32::MAX);
-        assert_eq!(index.allocate(), 1, "0 is never an id");
-        assert_eq!(index.allocate(), 4, "2, 3, 5 and 6 are in use");
-    }
-
-    #[test]
-    fn ifaces_and_cookies_are_per_pod() {
-        let mut index = Index::default();
-        let key = |netns, ifindex| IfaceKey {
-            netns,
-            ifindex,
-            pad: 0,
-        };
-        index.add_iface(7, key(7, 2), 1);
-        index.add_iface(7, key(7, 3), 2);
-        index.add_iface(8, key(8, 2), 1);
-        assert_eq!(index.take_ifaces(7).len(), 2);
-        assert!(index.take_ifaces(7).is_empty());
-        assert_eq!(index.take_ifaces(8).len(), 1);
-        index.set_cookie("pod@a@b@c".into(), 7);
-        index.set_cookie("pod@a@b@d".into(), 9);
-        assert_eq!(index.cookie("pod@a@b@c"), Some(7));
-        assert_eq!(index.pods(), 2);
-        index.forget_cookie(7);
-        assert_eq!(index.cookie("pod@a@b@c"), None);
-        assert_eq!(index.pods(), 1);
-    }
-}
+mod tests;
