@@ -1,5 +1,7 @@
 //! A pod's capture configuration as map entries: the flags word, port lists and CIDR lists of
-//! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
+//! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes); and the
+//! [`Plan`] of a capture, made once the pod's netns has been observed: its entries and what
+//! its netns needs (the policy route, `tcp_fwmark_accept`, which interfaces get a stub).
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use aya::maps::lpm_trie::Key;
@@ -12,7 +14,8 @@ use crate::{
     backend::PodPolicy,
     podnet::PodNet,
     policy::{
-        CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, ambient::InpodPolicy,
+        CidrSet, InterceptionMode, IpRanges, MarkRoute, PolicyRoutes, PortSelection,
+        RedirectPolicy, ambient::InpodPolicy,
     },
 };
 
@@ -101,6 +104,71 @@ pub fn interfaces(policy: &PodPolicy) -> (&[String], &[String]) {
             &policy.reroute_virtual_interfaces,
         ),
         PodPolicy::Ambient(ambient) => (&[], &ambient.policy.virtual_interfaces),
+    }
+}
+
+/// A pod's capture, planned from its policy and its observed netns.
+pub(super) struct Plan {
+    pub(super) net: PodNet,
+    pub(super) entries: Entries,
+    /// Interfaces that get no stub (`excludeInterfaces`).
+    pub(super) exclude_interfaces: Vec<String>,
+    /// Whether the policy reroutes interfaces (their traffic needs the policy route).
+    reroute: bool,
+}
+
+impl Plan {
+    pub(super) fn new(policy: &PodPolicy, net: PodNet, handoff: bool) -> Self {
+        let mut entries = entries(policy, &net);
+        if handoff {
+            entries.config.flags |= flags::HANDOFF;
+        }
+        let (exclude, reroute) = interfaces(policy);
+        Self {
+            net,
+            entries,
+            exclude_interfaces: exclude.to_vec(),
+            reroute: !reroute.is_empty(),
+        }
+    }
+
+    pub(super) fn ambient(&self) -> bool {
+        self.entries.config.has(flags::AMBIENT)
+    }
+
+    /// `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
+    /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
+    /// reply route, which rerouted interfaces share. `None` when the pod needs none.
+    pub(super) fn routes(&self) -> Option<PolicyRoutes> {
+        let config = &self.entries.config;
+        let ipv6 = config.has(flags::IPV6);
+        let mark_route = if self.ambient() {
+            Some(MarkRoute::ambient(ipv6))
+        } else if config.has(flags::TPROXY) || self.reroute {
+            Some(MarkRoute::tproxy(ipv6))
+        } else {
+            None
+        };
+        let passthrough6 = ipv6 && !self.ambient();
+        if mark_route.is_none() && !passthrough6 {
+            return None;
+        }
+        let mut routes = if passthrough6 {
+            PolicyRoutes::passthrough6()
+        } else {
+            PolicyRoutes::default()
+        };
+        routes.mark_route = mark_route;
+        Some(routes)
+    }
+
+    /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
+    /// client source reach the proxy's transparent socket (in ambient mode, the mark the
+    /// classifier on `lo` gives ztunnel's SYNs). Rerouted interfaces need only the route: their
+    /// packets are marked by the TC program, and the proxy's sockets must not inherit that
+    /// mark.
+    pub(super) fn fwmark_accept(&self) -> bool {
+        self.entries.config.has(flags::TPROXY) || self.ambient()
     }
 }
 

@@ -8,7 +8,7 @@
 //!   ([`encode`](encode.rs) translates the policy and what was observed, once), attach its
 //!   stub on its interfaces ([`stub`](stub.rs), assembled and attached) and, where the
 //!   kernel needs it ([`release`](release.rs)), the socket lookup program on its netns, then
-//!   commit its entries through [`tables`](tables.rs), the maps' only writer, which indexes
+//!   commit its entries through [`tables`](tables/mod.rs), the maps' only writer, which indexes
 //!   what each pod holds; and each pod's CHECK and release;
 //! - [`pins`](pins/mod.rs): the pinned layout under one versioned bpffs directory
 //!   ([`EbpfConfig::bpffs_dir`], default `/sys/fs/bpf/meshcap/v3`), the source of truth across
@@ -16,7 +16,7 @@
 //!   [`layout`]: every layout version on the node, for uninstall;
 //! - [`order`](order.rs): other programs on the same hooks (a socket load balancer's), and
 //!   meshcap's programs kept first where the kernel can order them;
-//! - [`sys`](sys.rs): the raw `bpf()` calls aya does not offer (links for every hook,
+//! - [`sys`](sys/mod.rs): the raw `bpf()` calls aya does not offer (links for every hook,
 //!   pinning, queries); [`bpffs`](bpffs.rs) mounts bpffs where there is none; `klog.rs`
 //!   forwards the programs' own log records.
 //!
@@ -50,8 +50,7 @@ use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
 pub use stub::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy};
-use crate::{pod::PodRef, policy::DataplaneMode};
+use super::{AttachedProgram, OtherProgram};
 
 /// Where the backend attaches and pins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -205,7 +204,7 @@ impl EbpfBackend {
     /// changes the original destination; returns those it could not move, and why.
     fn keep_first(&self) -> Vec<(OtherProgram, String)> {
         let ahead: Vec<OtherProgram> = self
-            .other_programs()
+            .neighbours()
             .into_iter()
             .filter(order::decides_destination)
             .collect();
@@ -265,42 +264,10 @@ impl EbpfBackend {
         drop(self);
         layout::remove(&dir)
     }
-}
 
-impl CaptureBackend for EbpfBackend {
-    fn name(&self) -> &'static str {
-        "ebpf"
-    }
-
-    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        Ok(self.pods.capture(pod, policy)?)
-    }
-
-    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        Ok(self.pods.release(pod)?)
-    }
-
-    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        self.pods.check(pod, policy).map_err(EbpfError::into_check)
-    }
-
-    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self.pods.prune_gone()?)
-    }
-
-    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self.pods.gone(mode))
-    }
-
-    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        Ok(self.pods.drop_if_gone(pod)?)
-    }
-
-    fn programs(&self) -> Vec<AttachedProgram> {
-        self.attached()
-    }
-
-    fn other_programs(&self) -> Vec<OtherProgram> {
+    /// Other programs on the node-wide hooks, and where they run.
+    #[must_use]
+    pub fn neighbours(&self) -> Vec<OtherProgram> {
         order::neighbours(
             &self.config.cgroup_root,
             self.pods.pins(),
@@ -308,7 +275,10 @@ impl CaptureBackend for EbpfBackend {
         )
     }
 
-    fn warnings(&self) -> Vec<String> {
+    /// What an operator should know about the captures in place: processes the programs do
+    /// not run for, and other programs ahead of meshcap's that rewrite destinations.
+    #[must_use]
+    pub fn node_warnings(&self) -> Vec<String> {
         let mut out: Vec<String> = self
             .uncovered()
             .into_iter()
@@ -329,37 +299,5 @@ impl CaptureBackend for EbpfBackend {
             )
         }));
         out
-    }
-
-    fn captured_count(&self) -> Result<usize, BackendError> {
-        Ok(self.pods.count())
-    }
-
-    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
-        Ok(self
-            .pinned_pods()
-            .into_iter()
-            .filter(|pinned| pinned.mode() == mode)
-            .map(|pinned| CapturedPod {
-                summary: match mode {
-                    DataplaneMode::Sidecar => format!(
-                        "netns cookie {}, inbound TC on {}",
-                        pinned.netns_cookie,
-                        if pinned.interfaces.is_empty() {
-                            "no interface".to_owned()
-                        } else {
-                            pinned.interfaces.join(",")
-                        }
-                    ),
-                    DataplaneMode::Ambient => format!(
-                        "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
-                        pinned.netns_cookie,
-                        pinned.interfaces.join(",")
-                    ),
-                },
-                pod: pinned.pod_ref(),
-                backend: "ebpf".to_owned(),
-            })
-            .collect())
     }
 }

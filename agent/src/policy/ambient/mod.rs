@@ -214,9 +214,10 @@ pub struct InpodPolicy {
 
 /// Why `pod` is left out of ambient mode whatever its namespace's labels say (an excluded
 /// namespace, host network, a sidecar, ztunnel itself), or `None` when the selectors decide.
-/// [`enroll`] asks this first; a caller asks it before looking the namespace up.
+/// [`enroll`] asks this first, and [`super::reads_namespace_labels`] before the namespace is
+/// looked up.
 #[must_use]
-pub fn never_enrolled(
+pub(in crate::policy) fn never_enrolled(
     pod: &Pod,
     exclude_namespaces: &[String],
     config: &AmbientConfig,

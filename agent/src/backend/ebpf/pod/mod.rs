@@ -15,21 +15,24 @@ mod remove;
 
 use std::{collections::HashSet, os::fd::OwnedFd, sync::Mutex};
 
-use meshcap_common::{PodConfig, flags, maps};
+use meshcap_common::{PodConfig, maps};
 
 use super::{
-    EbpfError, Entries, encode,
+    EbpfBackend, EbpfError,
+    encode::{self, Plan},
     pins::{Pins, PodPins, record_name},
     stub::{self, TcAttach},
     sys,
     tables::Tables,
 };
 use crate::{
-    backend::PodPolicy,
+    backend::{
+        AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy,
+    },
     crashpoint,
     pod::PodRef,
-    podnet::{self, PodNet, Visit},
-    policy::{MarkRoute, PolicyRoutes},
+    podnet::{self, Visit},
+    policy::{DataplaneMode, PolicyRoutes},
 };
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
@@ -52,71 +55,6 @@ pub(super) struct Pods {
     /// cookie is never given to another, so dropping one of these needs no second walk of
     /// every namespace on the node.
     found_gone: Mutex<HashSet<u64>>,
-}
-
-/// A pod's capture, planned from its policy and its observed netns.
-struct Plan {
-    net: PodNet,
-    entries: Entries,
-    /// Interfaces that get no stub (`excludeInterfaces`).
-    exclude_interfaces: Vec<String>,
-    /// Whether the policy reroutes interfaces (their traffic needs the policy route).
-    reroute: bool,
-}
-
-impl Plan {
-    fn new(policy: &PodPolicy, net: PodNet, handoff: bool) -> Self {
-        let mut entries = encode::entries(policy, &net);
-        if handoff {
-            entries.config.flags |= flags::HANDOFF;
-        }
-        let (exclude, reroute) = encode::interfaces(policy);
-        Self {
-            net,
-            entries,
-            exclude_interfaces: exclude.to_vec(),
-            reroute: !reroute.is_empty(),
-        }
-    }
-
-    fn ambient(&self) -> bool {
-        self.entries.config.has(flags::AMBIENT)
-    }
-
-    /// `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
-    /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
-    /// reply route, which rerouted interfaces share. `None` when the pod needs none.
-    fn routes(&self) -> Option<PolicyRoutes> {
-        let config = &self.entries.config;
-        let ipv6 = config.has(flags::IPV6);
-        let mark_route = if self.ambient() {
-            Some(MarkRoute::ambient(ipv6))
-        } else if config.has(flags::TPROXY) || self.reroute {
-            Some(MarkRoute::tproxy(ipv6))
-        } else {
-            None
-        };
-        let passthrough6 = ipv6 && !self.ambient();
-        if mark_route.is_none() && !passthrough6 {
-            return None;
-        }
-        let mut routes = if passthrough6 {
-            PolicyRoutes::passthrough6()
-        } else {
-            PolicyRoutes::default()
-        };
-        routes.mark_route = mark_route;
-        Some(routes)
-    }
-
-    /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
-    /// client source reach the proxy's transparent socket (in ambient mode, the mark the
-    /// classifier on `lo` gives ztunnel's SYNs). Rerouted interfaces need only the route: their
-    /// packets are marked by the TC program, and the proxy's sockets must not inherit that
-    /// mark.
-    fn fwmark_accept(&self) -> bool {
-        self.entries.config.has(flags::TPROXY) || self.ambient()
-    }
 }
 
 impl Pods {
@@ -367,5 +305,81 @@ fn set_fwmark_accept(pins: &PodPins, on: bool) -> Result<(), EbpfError> {
 fn restore_fwmark_accept(value: u8) {
     if let Err(err) = std::fs::write(FWMARK_ACCEPT, value.to_string()) {
         tracing::warn!(error = %err, value, "restoring net.ipv4.tcp_fwmark_accept");
+    }
+}
+
+/// The kernel's answer to the backend interface: each pod's capture is a transaction of
+/// [`Pods`]; the node-wide questions are [`EbpfBackend`]'s.
+impl CaptureBackend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        Ok(self.pods.capture(pod, policy)?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        Ok(self.pods.release(pod)?)
+    }
+
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.pods.check(pod, policy).map_err(EbpfError::into_check)
+    }
+
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self.pods.prune_gone()?)
+    }
+
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self.pods.gone(mode))
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        Ok(self.pods.drop_if_gone(pod)?)
+    }
+
+    fn programs(&self) -> Vec<AttachedProgram> {
+        self.attached()
+    }
+
+    fn other_programs(&self) -> Vec<OtherProgram> {
+        self.neighbours()
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.node_warnings()
+    }
+
+    fn captured_count(&self) -> Result<usize, BackendError> {
+        Ok(self.pods.count())
+    }
+
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
+        Ok(self
+            .pinned_pods()
+            .into_iter()
+            .filter(|pinned| pinned.mode() == mode)
+            .map(|pinned| CapturedPod {
+                summary: match mode {
+                    DataplaneMode::Sidecar => format!(
+                        "netns cookie {}, inbound TC on {}",
+                        pinned.netns_cookie,
+                        if pinned.interfaces.is_empty() {
+                            "no interface".to_owned()
+                        } else {
+                            pinned.interfaces.join(",")
+                        }
+                    ),
+                    DataplaneMode::Ambient => format!(
+                        "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
+                        pinned.netns_cookie,
+                        pinned.interfaces.join(",")
+                    ),
+                },
+                pod: pinned.pod_ref(),
+                backend: "ebpf".to_owned(),
+            })
+            .collect())
     }
 }
