@@ -1,5 +1,6 @@
-//! Where the agent finds things on the node, by default. `deploy/daemonset.yaml` mounts exactly
-//! these paths (a test checks it), so a change here is a change to the manifests too.
+//! Where the agent finds things on the node, by default. The DaemonSet in `deploy/` mounts
+//! exactly these paths (`agent/tests/deploy.rs` checks it), so a change here is a change to the
+//! manifests too.
 //!
 //! Host directories are mounted at the same path inside the agent's container, so one set of
 //! defaults serves both the DaemonSet and a host-installed agent.

@@ -8,9 +8,9 @@
 //!   to it, then captures it for its sidecar or enrolls it in ambient
 //!   mode; DEL releases; CHECK re-decides and asks whether the capture is in place. Requests
 //!   for one container run one at a time, their blocking work on the request's own worker
-//!   thread, and each is observed ([`request`]);
+//!   thread, and each is observed (`request`);
 //! - [`Readiness`]: whether the agent may be sent pods;
-//! - [`captures`]: the set of captures, through the backend that serves each mode, and the
+//! - `captures`: the set of captures, through the backend that serves each mode, and the
 //!   node-wide views over it (GC, status, captures whose netns went without a DEL).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
@@ -292,7 +292,7 @@ impl Hub {
     }
 
     /// Drops the captures whose network namespace went without a DEL this agent saw (see
-    /// [`captures`]); how many.
+    /// `captures`); how many.
     pub async fn drop_gone(&self) -> usize {
         self.captures.drop_gone(&self.locks, &self.metrics).await
     }

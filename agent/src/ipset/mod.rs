@@ -2,7 +2,7 @@
 //! Istio's node agent (through `vishvananda/netlink`) do: `hash:ip` sets whose entries carry a
 //! comment, created, filled, listed and emptied. Only what ambient mode's probe set needs.
 //!
-//! Messages are built by hand ([`message`]). Without `NLM_F_EXCL` the kernel
+//! Messages are built by hand (`message`). Without `NLM_F_EXCL` the kernel
 //! treats every request as `-exist`: creating a set that is there, adding an entry that is
 //! there (its comment replaced) and deleting one that is not all succeed.
 //!

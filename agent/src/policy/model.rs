@@ -1,7 +1,7 @@
 //! The redirect policy: everything Istio's CNI plugin derives from a pod, as one value.
 //!
 //! Both backends translate this model; nothing else in meshcap reads the annotations. Field by
-//! field it is the table in DESIGN.md ("Redirect semantics: identical to Istio"), already parsed,
+//! field it is the table in docs/development.md ("Redirect semantics"), already parsed,
 //! validated, defaulted and split per address family.
 
 use std::{fmt, net::IpAddr};

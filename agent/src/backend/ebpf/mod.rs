@@ -88,7 +88,7 @@ impl EbpfConfig {
     }
 }
 
-/// The eBPF capture backend: the node-wide programs, and each pod's capture ([`Pods`]). Cheap
+/// The eBPF capture backend: the node-wide programs, and each pod's capture (`pod::Pods`). Cheap
 /// to call concurrently: map updates are serialised, netns work runs on each calling thread
 /// (which enters the pod's netns and returns).
 pub struct EbpfBackend {

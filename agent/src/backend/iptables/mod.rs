@@ -11,7 +11,7 @@
 //!   less machinery: `XTABLES_LOCKFILE` (iptables ≥ 1.8.3) points each netns at its own lock
 //!   file, and `-w` waits for it. Two operations on one pod are already serialized by the
 //!   agent, so the lock only guards against foreign writers in that netns. nft takes no lock.
-//! - **Idempotence and updates**: what was applied is recorded per pod ([`records`]: in memory
+//! - **Idempotence and updates**: what was applied is recorded per pod (`records`: in memory
 //!   and in `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
 //!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).

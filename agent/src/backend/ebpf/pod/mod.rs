@@ -309,7 +309,7 @@ fn restore_fwmark_accept(value: u8) {
 }
 
 /// The kernel's answer to the backend interface: each pod's capture is a transaction of
-/// [`Pods`]; the node-wide questions are [`EbpfBackend`]'s.
+/// `Pods`; the node-wide questions are [`EbpfBackend`]'s.
 impl CaptureBackend for EbpfBackend {
     fn name(&self) -> &'static str {
         "ebpf"
