@@ -181,31 +181,20 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
             (Some(ambient), None) => print_json(&serde_json::json!({ "ambient": ambient }))?,
             (None, sidecar) => print_json(&sidecar)?,
         },
-        PolicyFormat::Iptables => match decision {
-            policy::Decision::Ambient { policy, .. } => {
-                let rules = policy.render();
-                print_restore(&rules.v4, rules.v6.as_deref());
+        PolicyFormat::Iptables => {
+            if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
+                println!("# not enrolled in ambient mode: {reason}");
             }
-            policy::Decision::Skip {
-                reason,
-                not_enrolled,
-            } => {
-                if let Some(why) = not_enrolled {
-                    println!("# not enrolled in ambient mode: {why}");
+            let rules = match decision {
+                policy::Decision::Ambient { policy, .. } => policy.render(),
+                policy::Decision::Sidecar { policy, .. } => policy.render(),
+                policy::Decision::Skip { reason, .. } => {
+                    println!("# not captured: {reason}");
+                    return Ok(());
                 }
-                println!("# not captured: {reason}");
-            }
-            policy::Decision::Sidecar {
-                policy,
-                not_enrolled,
-            } => {
-                if let Some(why) = not_enrolled {
-                    println!("# not enrolled in ambient mode: {why}");
-                }
-                let rules = policy.render();
-                print_restore(&rules.v4, rules.v6.as_deref());
-            }
-        },
+            };
+            print_restore(&rules.v4, rules.v6.as_deref());
+        }
     }
     Ok(())
 }
