@@ -65,8 +65,9 @@ fn image_archive(scratch: &Path) -> PathBuf {
     out
 }
 
-/// The name `ctr images import` gives the archive's image (its index's annotation).
-fn image_name(archive: &Path) -> String {
+/// The name `ctr images import` gives the archive's image (its index's annotation), and the
+/// architectures its index holds.
+fn image_name(archive: &Path) -> (String, Vec<String>) {
     let mut tar = tar::Archive::new(std::fs::File::open(archive).expect("image archive"));
     for entry in tar.entries().expect("tar") {
         let mut entry = entry.expect("tar entry");
@@ -74,10 +75,17 @@ fn image_name(archive: &Path) -> String {
             let mut text = String::new();
             entry.read_to_string(&mut text).expect("index.json");
             let index: Value = serde_json::from_str(&text).expect("index.json");
-            return index["manifests"][0]["annotations"]["io.containerd.image.name"]
+            let name = index["manifests"][0]["annotations"]["io.containerd.image.name"]
                 .as_str()
                 .expect("the image's name")
                 .to_owned();
+            let architectures = index["manifests"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["platform"]["architecture"].as_str().map(str::to_owned))
+                .collect();
+            return (name, architectures);
         }
     }
     panic!("{}: no index.json", archive.display());
@@ -361,7 +369,7 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     let scratch = ctd.log_dir.join("test");
     std::fs::create_dir_all(&scratch).expect("scratch dir");
     let archive = image_archive(&scratch);
-    let image = image_name(&archive);
+    let (image, architectures) = image_name(&archive);
     let mut cri = ctd.start().expect("containerd");
     let out = Command::new("/usr/bin/ctr")
         .arg("--address")
@@ -410,6 +418,20 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     let template = &ds["spec"]["template"];
     let (pod, container) = (&template["spec"], &template["spec"]["containers"][0]);
     assert_eq!(container["image"].as_str(), Some(image.as_str()));
+    // Scheduled only where the image runs: the architectures its index holds.
+    let mut scheduled: Vec<String> = serde_json::from_value(
+        pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+            .clone(),
+    )
+    .expect("the architectures");
+    scheduled.sort();
+    let mut carried = architectures.clone();
+    carried.sort();
+    assert_eq!(
+        scheduled, carried,
+        "meshcap.imageArchitectures and the image"
+    );
 
     // The agent's pod: a host-network sandbox, then its container from the rendered spec.
     let agent_pod = PodMeta {
