@@ -172,10 +172,41 @@ fn container(objects: &[Value]) -> &Value {
     &pod_spec(objects)["containers"][0]
 }
 
+/// Istio's own values file (its chart's values.yaml: every key with its default, under
+/// `_internal_defaults_do_not_set`), rebuilt from the expectations' table of them.
+fn istio_values_file() -> PathBuf {
+    let mut defaults = serde_json::Map::new();
+    for (path, value) in expectations()["istioDefaults"]
+        .as_object()
+        .expect("istioDefaults")
+    {
+        let keys: Vec<&str> = path.split('.').collect();
+        let mut map = &mut defaults;
+        for key in &keys[..keys.len() - 1] {
+            map = map
+                .entry((*key).to_owned())
+                .or_insert_with(|| json!({}))
+                .as_object_mut()
+                .expect("a map");
+        }
+        map.insert(keys[keys.len() - 1].to_owned(), value.clone());
+    }
+    let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("istio-cni-values.yaml");
+    let text =
+        yaml_serde::to_string(&json!({"_internal_defaults_do_not_set": defaults})).expect("YAML");
+    fs::write(&file, text).expect("writing");
+    file
+}
+
 /// The configurations every check runs over.
 fn matrix() -> Vec<Config> {
     let mut all = vec![
         Config::new("defaults", &[]),
+        Config {
+            name: "Istio's own values file".to_owned(),
+            set: Vec::new(),
+            files: vec![istio_values_file()],
+        },
         Config::file("an istio-cni values file", "istio-values.yaml"),
         Config::file(
             "an IstioOperator's spec.values",
