@@ -127,12 +127,13 @@ pub(crate) fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     }
     let selectors = settings::AMBIENT_ENABLEMENT_SELECTORS;
     let text = lookup(selectors.env).unwrap_or_else(|| selectors.default.to_owned());
-    let parsed: Vec<EnablementSelector> = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{}: {text:?} is not a list of enablement selectors",
-            selectors.env
-        )
-    })?;
+    let parsed: Vec<EnablementSelector> =
+        serde_json::from_value(settings::enablement_selectors(&text)?).with_context(|| {
+            format!(
+                "{}: {text:?} is not a list of enablement selectors",
+                selectors.env
+            )
+        })?;
     let mut config = AmbientConfig::new(parsed).with_context(|| selectors.env.to_owned())?;
     config.dns_capture = settings::bool_setting(&lookup, settings::AMBIENT_DNS_CAPTURE)?;
     config.ipv6 = settings::bool_setting(&lookup, settings::AMBIENT_IPV6)?;
@@ -143,6 +144,26 @@ pub(crate) fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
         config.system_namespace = namespace;
     }
     Ok(Some(config))
+}
+
+/// Warns of each setting Istio has and meshcap does not support yet that is on.
+pub(crate) fn warn_not_supported() -> anyhow::Result<()> {
+    for (key, instead) in settings::not_supported(&|name: &str| std::env::var(name).ok())? {
+        warn!(
+            setting = key,
+            "not supported by meshcap yet, ignored: {instead}"
+        );
+    }
+    Ok(())
+}
+
+/// Where the runtime keeps pods' network namespaces (`cniNetnsDir`): where the controllers
+/// that capture pods in place look for them.
+pub(crate) fn netns_dir() -> PathBuf {
+    PathBuf::from(
+        std::env::var(settings::CNI_NETNS_DIR.env)
+            .unwrap_or_else(|_| settings::CNI_NETNS_DIR.default.to_owned()),
+    )
 }
 
 /// Whether `ambient.inKernel` asks for ambient pods to be captured by the eBPF backend

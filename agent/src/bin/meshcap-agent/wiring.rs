@@ -3,7 +3,11 @@
 //! captures its pods), builds the hub on them, serves the plugin socket and the health
 //! endpoint, installs the plugin and keeps it chained, starts the controllers, serves until
 //! SIGTERM, and uninstalls when meshcap is being deleted ([`crate::lifecycle`]).
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use meshcap_agent::{
@@ -28,7 +32,10 @@ use tracing::{info, warn};
 
 use crate::{
     lifecycle::{self, ShutdownSignal},
-    run::{Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient},
+    run::{
+        Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, netns_dir,
+        warn_not_supported,
+    },
 };
 
 /// A backend, shared by the router and whoever else needs it.
@@ -43,6 +50,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // DaemonSet deleted right after a restart) must end in the same orderly shutdown, not in
     // the default action that skips the uninstall.
     let mut shutdown = ShutdownSignal::register()?;
+    warn_not_supported()?;
     let (source, kube_node) = pod_source(&args).await?;
     let paths = args.paths()?;
     // Held until the process ends: nothing below may run beside another agent's writes.
@@ -96,7 +104,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         None
     };
     if let (Some((client, node_name)), Some(events)) = (&kube_node, events) {
-        start_controllers(client, node_name, &hub, events, node.ambient, node.settings)?;
+        let in_place = Controllers {
+            events,
+            ambient: node.ambient,
+            settings: node.settings,
+            netns_dir: netns_dir(),
+        };
+        start_controllers(client, node_name, &hub, in_place)?;
     }
     if let Some((client, node)) = kube_node.clone()
         && !args.startup_taint.is_empty()
@@ -336,15 +350,22 @@ async fn serve(
     Ok((http_task, serve))
 }
 
+/// What the controllers that capture running pods in place work with besides the hub.
+struct Controllers {
+    events: EventSink,
+    ambient: Option<Arc<Ambient>>,
+    settings: NodeSettings,
+    /// Where they look for a running pod's netns.
+    netns_dir: PathBuf,
+}
+
 /// The controllers that watch this node's pods: the repair controller, and, with ambient mode
 /// on, live enrollment.
 fn start_controllers(
     client: &kube::Client,
     node: &str,
     hub: &Arc<Hub>,
-    events: EventSink,
-    ambient: Option<Arc<Ambient>>,
-    settings: NodeSettings,
+    with: Controllers,
 ) -> anyhow::Result<()> {
     let config = RepairConfig::from_settings(|name| std::env::var(name).ok())?;
     if let Some(repairer) = Repairer::new(
@@ -352,21 +373,21 @@ fn start_controllers(
         node.to_owned(),
         config,
         hub.clone(),
-        events,
-        meshcap_agent::paths::NETNS_DIR.into(),
+        with.events,
+        with.netns_dir.clone(),
     ) {
         tokio::spawn(repairer.run());
     } else {
         info!("repair controller off (repair.enabled, or no repair mode set)");
     }
-    if let Some(ambient) = ambient {
+    if let Some(ambient) = with.ambient {
         let live = LiveEnrollment::new(
             client.clone(),
             node.to_owned(),
             hub.clone(),
             ambient,
-            settings,
-            meshcap_agent::paths::NETNS_DIR.into(),
+            with.settings,
+            with.netns_dir,
         );
         tokio::spawn(live.run());
     }
