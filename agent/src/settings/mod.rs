@@ -1,0 +1,295 @@
+//! The node settings a cluster install gives the agent: the keys of the `meshcap-config`
+//! ConfigMap, each named after the Helm value it comes from (Istio's istio-cni chart's names and
+//! defaults where Istio has the setting, `deploy/chart`), and the environment variable the
+//! DaemonSet passes each in. The chart's rendering is checked against this table by a test, and
+//! the agent's `run` reads exactly these variables.
+mod read;
+
+pub use read::{
+    LogLevels, SettingsError, bool_setting, enablement_selectors, install_config, log_levels,
+    not_supported, parse_bool, parse_list,
+};
+
+use crate::{paths, taint};
+
+/// One setting: its ConfigMap key, the agent's environment variable and the default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setting {
+    /// Key in the ConfigMap (Istio's value name where one exists).
+    pub key: &'static str,
+    /// Environment variable the agent reads.
+    pub env: &'static str,
+    /// The default, as the ConfigMap ships it.
+    pub default: &'static str,
+}
+
+/// `cniBinDir`: where the plugin binary is installed.
+pub const CNI_BIN_DIR: Setting = Setting {
+    key: "cniBinDir",
+    env: "MESHCAP_CNI_BIN_DIR",
+    default: paths::CNI_BIN_DIR,
+};
+
+/// `cniConfDir`: the runtime's CNI configuration directory.
+pub const CNI_CONF_DIR: Setting = Setting {
+    key: "cniConfDir",
+    env: "MESHCAP_CNI_CONF_DIR",
+    default: paths::CNI_CONF_DIR,
+};
+
+/// `cniConfFileName`: the file to chain into; empty picks the runtime's own choice.
+pub const CNI_CONF_FILE_NAME: Setting = Setting {
+    key: "cniConfFileName",
+    env: "MESHCAP_CNI_CONF_FILE_NAME",
+    default: "",
+};
+
+/// `chained`: `true` inserts into the primary CNI's list, `false` writes
+/// [`crate::install::STANDALONE_FILE_NAME`].
+pub const CHAINED: Setting = Setting {
+    key: "chained",
+    env: "MESHCAP_CHAINED",
+    default: "true",
+};
+
+/// `excludeNamespaces`: comma-separated namespaces the plugin never captures.
+pub const EXCLUDE_NAMESPACES: Setting = Setting {
+    key: "excludeNamespaces",
+    env: "MESHCAP_EXCLUDE_NAMESPACES",
+    default: "kube-system",
+};
+
+/// `logging.level` (or `global.logging.level`): the agent's and the plugin's log level, in
+/// Istio's `--log_output_level` form ([`log_levels`]).
+pub const LOG_LEVEL: Setting = Setting {
+    key: "logging.level",
+    env: "MESHCAP_LOG_LEVEL",
+    default: "info",
+};
+
+/// `global.logAsJson`: the agent logs one JSON object per line.
+pub const LOG_AS_JSON: Setting = Setting {
+    key: "global.logAsJson",
+    env: "MESHCAP_LOG_AS_JSON",
+    default: "false",
+};
+
+/// `cniNetnsDir`: where the runtime bind-mounts pod network namespaces (the DaemonSet mounts it
+/// at the same path); the repair controller and ambient mode look for a pod's netns there.
+pub const CNI_NETNS_DIR: Setting = Setting {
+    key: "cniNetnsDir",
+    env: "MESHCAP_CNI_NETNS_DIR",
+    default: paths::NETNS_DIR,
+};
+
+/// `meshcap.backend` (meshcap's own): `auto` (eBPF when the kernel can, else iptables), `ebpf`
+/// or `iptables`.
+pub const MODE: Setting = Setting {
+    key: "meshcap.backend",
+    env: "MESHCAP_MODE",
+    default: "auto",
+};
+
+/// `meshcap.startupTaint` (meshcap's own): the taint key the agent removes from its node when
+/// ready; empty disables.
+pub const STARTUP_TAINT: Setting = Setting {
+    key: "meshcap.startupTaint",
+    env: "MESHCAP_STARTUP_TAINT",
+    default: taint::DEFAULT_KEY,
+};
+
+/// `repair.enabled`: run the repair controller (pods that started before their capture).
+pub const REPAIR_ENABLED: Setting = Setting {
+    key: "repair.enabled",
+    env: "MESHCAP_REPAIR_ENABLED",
+    default: "true",
+};
+
+/// `repair.repairPods`: capture a broken pod in place (the default mode; first of the three).
+pub const REPAIR_REPAIR_PODS: Setting = Setting {
+    key: "repair.repairPods",
+    env: "MESHCAP_REPAIR_REPAIR_PODS",
+    default: "true",
+};
+
+/// `repair.deletePods`: delete a broken pod (when `repairPods` is off).
+pub const REPAIR_DELETE_PODS: Setting = Setting {
+    key: "repair.deletePods",
+    env: "MESHCAP_REPAIR_DELETE_PODS",
+    default: "false",
+};
+
+/// `repair.labelPods`: label a broken pod (when the other two are off).
+pub const REPAIR_LABEL_PODS: Setting = Setting {
+    key: "repair.labelPods",
+    env: "MESHCAP_REPAIR_LABEL_PODS",
+    default: "false",
+};
+
+/// `repair.initContainerName`: the init container whose failure marks a broken pod.
+pub const REPAIR_INIT_CONTAINER_NAME: Setting = Setting {
+    key: "repair.initContainerName",
+    env: "MESHCAP_REPAIR_INIT_CONTAINER_NAME",
+    default: "istio-validation",
+};
+
+/// `repair.brokenPodLabelKey`: the label `labelPods` sets.
+pub const REPAIR_BROKEN_POD_LABEL_KEY: Setting = Setting {
+    key: "repair.brokenPodLabelKey",
+    env: "MESHCAP_REPAIR_BROKEN_POD_LABEL_KEY",
+    default: "cni.istio.io/uninitialized",
+};
+
+/// `repair.brokenPodLabelValue`: its value.
+pub const REPAIR_BROKEN_POD_LABEL_VALUE: Setting = Setting {
+    key: "repair.brokenPodLabelValue",
+    env: "MESHCAP_REPAIR_BROKEN_POD_LABEL_VALUE",
+    default: "true",
+};
+
+/// `ambient.enabled`: capture pods enrolled in ambient mode for ztunnel.
+pub const AMBIENT_ENABLED: Setting = Setting {
+    key: "ambient.enabled",
+    env: "MESHCAP_AMBIENT_ENABLED",
+    default: "false",
+};
+
+/// `ambient.dnsCapture`: DNS of enrolled pods to ztunnel's DNS proxy (unless a pod says not).
+pub const AMBIENT_DNS_CAPTURE: Setting = Setting {
+    key: "ambient.dnsCapture",
+    env: "MESHCAP_AMBIENT_DNS_CAPTURE",
+    default: "true",
+};
+
+/// `ambient.ipv6`: IPv6 in-pod rules beside IPv4.
+pub const AMBIENT_IPV6: Setting = Setting {
+    key: "ambient.ipv6",
+    env: "MESHCAP_AMBIENT_IPV6",
+    default: "true",
+};
+
+/// `meshcap.ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs
+/// (the eBPF backend, when it serves the node) instead of Istio's in-pod rules.
+pub const AMBIENT_IN_KERNEL: Setting = Setting {
+    key: "meshcap.ambient.inKernel",
+    env: "MESHCAP_AMBIENT_IN_KERNEL",
+    default: "false",
+};
+
+/// `ambient.reconcileIptablesOnStartup`: a starting agent rewrites the in-pod rules of pods
+/// enrolled before it started where they differ from its own (an upgrade, or rules changed
+/// behind its back).
+pub const AMBIENT_RECONCILE_IPTABLES_ON_STARTUP: Setting = Setting {
+    key: "ambient.reconcileIptablesOnStartup",
+    env: "MESHCAP_AMBIENT_RECONCILE_IPTABLES_ON_STARTUP",
+    default: "true",
+};
+
+/// `ambient.enablementSelectors`: which pods ambient mode enrolls, as YAML (Istio's chart renders
+/// its list with `toYaml`; JSON is YAML too). Istio's chart default: the pod labelled
+/// `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the pod says `none`.
+pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
+    key: "ambient.enablementSelectors",
+    env: "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS",
+    default: r#"[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]"#,
+};
+
+/// `istioOwnedCNIConfig`: Istio's own conflist merging the primary's (Istio 1.27). meshcap does
+/// not have it yet: accepted, and reported at start when set ([`not_supported`]).
+pub const ISTIO_OWNED_CNI_CONFIG: Setting = Setting {
+    key: "istioOwnedCNIConfig",
+    env: "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
+    default: "false",
+};
+
+/// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27). Not in meshcap yet
+/// (its iptables backend picks legacy or nft iptables per pod, as Istio's iptables mode does).
+pub const NATIVE_NFTABLES: Setting = Setting {
+    key: "global.nativeNftables",
+    env: "MESHCAP_NATIVE_NFTABLES",
+    default: "false",
+};
+
+/// `ambient.enableAmbientDetectionRetry`: Istio's plugin retries its ambient check on API
+/// errors. Not in meshcap yet.
+pub const AMBIENT_DETECTION_RETRY: Setting = Setting {
+    key: "ambient.enableAmbientDetectionRetry",
+    env: "MESHCAP_AMBIENT_ENABLE_AMBIENT_DETECTION_RETRY",
+    default: "false",
+};
+
+/// Istio settings meshcap accepts but does not act on yet, and what it does instead.
+pub const NOT_SUPPORTED: [(Setting, &str); 3] = [
+    (
+        ISTIO_OWNED_CNI_CONFIG,
+        "meshcap chains its entry into the primary CNI's configuration (or writes its \
+         standalone file with chained=false)",
+    ),
+    (
+        NATIVE_NFTABLES,
+        "the iptables backend writes Istio's iptables rules (legacy or nft iptables, chosen per \
+         pod as Istio does); the eBPF backend needs neither",
+    ),
+    (
+        AMBIENT_DETECTION_RETRY,
+        "the plugin asks the agent, which looks a pod up again while the pod source lags",
+    ),
+];
+
+/// Every ConfigMap setting, in the ConfigMap's order.
+pub const ALL: [Setting; 26] = [
+    CNI_BIN_DIR,
+    CNI_CONF_DIR,
+    CNI_CONF_FILE_NAME,
+    CNI_NETNS_DIR,
+    CHAINED,
+    EXCLUDE_NAMESPACES,
+    LOG_LEVEL,
+    LOG_AS_JSON,
+    MODE,
+    STARTUP_TAINT,
+    REPAIR_ENABLED,
+    REPAIR_REPAIR_PODS,
+    REPAIR_DELETE_PODS,
+    REPAIR_LABEL_PODS,
+    REPAIR_INIT_CONTAINER_NAME,
+    REPAIR_BROKEN_POD_LABEL_KEY,
+    REPAIR_BROKEN_POD_LABEL_VALUE,
+    AMBIENT_ENABLED,
+    AMBIENT_DNS_CAPTURE,
+    AMBIENT_IPV6,
+    AMBIENT_IN_KERNEL,
+    AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
+    AMBIENT_ENABLEMENT_SELECTORS,
+    ISTIO_OWNED_CNI_CONFIG,
+    NATIVE_NFTABLES,
+    AMBIENT_DETECTION_RETRY,
+];
+
+/// The node the agent runs on (the downward API's `spec.nodeName`).
+pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";
+
+/// The node's network namespace, where ambient mode SNATs kubelet's probes (unset: the agent's
+/// own, the node's in the host-network DaemonSet).
+pub const NODE_NETNS_ENV: &str = "MESHCAP_NODE_NETNS";
+
+/// The agent's own namespace (the downward API's `metadata.namespace`).
+pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
+
+/// The agent's own pod name (the downward API's `metadata.name`): its DaemonSet, the pod's
+/// owner, says at shutdown whether meshcap is being deleted.
+pub const POD_NAME_ENV: &str = "MESHCAP_POD_NAME";
+
+/// The cgroup v2 root the programs attach to ([`paths::HOST_CGROUP_ROOT`] in the DaemonSet;
+/// found in mountinfo when unset).
+pub const CGROUP_ROOT_ENV: &str = "MESHCAP_CGROUP_ROOT";
+
+/// The versioned bpffs directory the agent pins under (on the [`paths::BPFFS`] mount;
+/// [`crate::backend::ebpf::DEFAULT_BPFFS_DIR`] by default).
+pub const BPFFS_DIR_ENV: &str = "MESHCAP_BPFFS_DIR";
+
+/// `true` in the DaemonSet: install the plugin and keep its conflist entry in place.
+pub const INSTALL_CNI_ENV: &str = "MESHCAP_INSTALL_CNI";
+
+/// Where the `meshcap-cni` binary to install is, in the agent's image: beside the agent.
+pub const PLUGIN_SOURCE: &str = "/usr/local/bin/meshcap-cni";
