@@ -103,8 +103,8 @@ fn need(
     }
 }
 
-/// Every request `features` make, as RBAC sees them (what `deploy/` and `deploy/features/`
-/// grant, rule for rule).
+/// Every request `features` make, as RBAC sees them (what the chart grants for those settings,
+/// rule for rule: `agent/tests/chart.rs`).
 #[must_use]
 pub fn needs(features: &Features) -> Vec<Need> {
     let mut all = vec![
@@ -233,7 +233,7 @@ pub async fn missing(client: &kube::Client, needs: &[Need]) -> Result<Vec<Need>,
 pub fn describe_missing(who: &str, missing: &[Need]) -> String {
     let each: Vec<String> = missing.iter().map(ToString::to_string).collect();
     format!(
-        "{who} may not {} (add the rules deploy/ ships for these settings)",
+        "{who} may not {} (set these settings through the chart's values: it grants what they need)",
         each.join("; ")
     )
 }

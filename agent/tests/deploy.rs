@@ -1,7 +1,10 @@
-//! `deploy/` against the agent: every manifest parses into its k8s-openapi type without a field
-//! lost (a misspelt field would be dropped silently by the API server), the RBAC rules are
-//! exactly what the agent calls, and the ConfigMap and DaemonSet carry exactly the settings and
-//! host paths the agent's defaults name.
+//! `deploy/` (the plain manifests, rendered from `deploy/chart` with its defaults) against the
+//! agent: every manifest parses into its k8s-openapi type without a field lost (a misspelt field
+//! would be dropped silently by the API server), the RBAC rules are exactly what the agent and the
+//! plugin call with the default settings (the agent's own list of its requests,
+//! `meshcap_agent::access::needs`), and the ConfigMap and DaemonSet carry exactly the settings and
+//! host paths the agent's defaults name. `chart.rs` checks the chart's other configurations and
+//! that these files are its.
 use std::{collections::BTreeMap, fs, path::Path};
 
 use k8s_openapi::{
@@ -42,12 +45,9 @@ fn typed<T: DeserializeOwned + Serialize>(file: &str, doc: &Value) -> T {
 }
 
 fn manifests() -> Manifests {
-    manifests_in(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy"))
-}
-
-fn manifests_in(dir: &Path) -> Manifests {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
     let mut found = Manifests::default();
-    let mut names: Vec<_> = fs::read_dir(dir)
+    let mut names: Vec<_> = fs::read_dir(&dir)
         .expect("deploy/")
         .map(|e| e.expect("entry").path())
         .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
@@ -59,9 +59,6 @@ fn manifests_in(dir: &Path) -> Manifests {
         let text = fs::read_to_string(&path).expect("reading");
         for doc in yaml_serde::Deserializer::from_str(&text) {
             let doc = Value::deserialize(doc).unwrap_or_else(|e| panic!("{file}: {e}"));
-            if doc.is_null() {
-                continue;
-            }
             match doc["kind"].as_str() {
                 Some("Namespace") => found.namespaces.push(typed(&file, &doc)),
                 Some("ServiceAccount") => found.service_accounts.push(typed(&file, &doc)),
@@ -222,93 +219,35 @@ fn rbac_is_exactly_what_the_agent_and_the_plugin_call() {
         .and_then(|a| a.get("kubernetes.io/service-account.name"));
     assert_eq!(token_of.map(String::as_str), Some("meshcap-cni"));
     let (pod, agent_container) = agent_container(ds);
-    let mounted = pod
+    // Mounted read-only, root's alone (0400), at the path the agent reads it from.
+    let volume = pod
         .volumes
         .iter()
         .flatten()
-        .find_map(|v| {
+        .find(|v| {
             v.secret
                 .as_ref()
-                .filter(|s| s.secret_name == secret.metadata.name)
+                .is_some_and(|s| s.secret_name == secret.metadata.name)
         })
-        .map(|_| ());
-    assert!(
-        mounted.is_some(),
-        "the DaemonSet mounts the plugin's token Secret"
+        .expect("the DaemonSet mounts the plugin's token Secret");
+    assert_eq!(
+        volume.secret.as_ref().and_then(|s| s.default_mode),
+        Some(0o400)
     );
-    assert!(
-        agent_container
-            .volume_mounts
-            .iter()
-            .flatten()
-            .any(|v| v.mount_path == meshcap_agent::install::kubeconfig::CNI_TOKEN_DIR),
-        "at the path the agent reads it from"
+    let mount = agent_container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|v| v.name == volume.name)
+        .expect("the agent mounts it");
+    assert_eq!(
+        (mount.mount_path.as_str(), mount.read_only),
+        (paths::CNI_TOKEN_DIR, Some(true))
     );
     assert_eq!(pod.service_account_name.as_deref(), Some("meshcap-agent"));
     // The plugin recognises the agent's own pods by these (it must never wait for them).
     assert_eq!(ns, meshcap_agent::install::AGENT_POD_NAMESPACE);
     assert_eq!(ds_name + "-", meshcap_agent::install::AGENT_POD_PREFIX);
-
-    // Each optional feature's file adds exactly what the feature asks.
-    let features = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/features");
-    for (file, feature, plugin_extra) in [
-        (
-            "ambient.yaml",
-            Features {
-                ambient: true,
-                ..defaults.clone()
-            },
-            true,
-        ),
-        (
-            "repair-delete-pods.yaml",
-            Features {
-                repair: RepairWrites::DeletePods,
-                ..defaults.clone()
-            },
-            false,
-        ),
-        (
-            "repair-label-pods.yaml",
-            Features {
-                repair: RepairWrites::LabelPods,
-                ..defaults.clone()
-            },
-            false,
-        ),
-    ] {
-        let dir = tempdir_with(&features.join(file));
-        let extra = manifests_in(&dir);
-        let _ = fs::remove_dir_all(&dir);
-        let mut wanted = rules_needed(&needs(&feature));
-        wanted.retain(|rule, _| !rules_needed(&needs(&defaults)).contains_key(rule));
-        assert_eq!(
-            rules_of(&bound(&extra, &ns, "meshcap-agent")),
-            wanted,
-            "{file}"
-        );
-        let mut plugin_wanted = rules_needed(&meshcap_agent::uninstall::witness::plugin_needs(
-            plugin_extra,
-        ));
-        plugin_wanted.retain(|rule, _| !rules_needed(&decide).contains_key(rule));
-        assert_eq!(
-            rules_of(&bound(&extra, &ns, "meshcap-cni")),
-            plugin_wanted,
-            "{file}"
-        );
-    }
-}
-
-/// A directory holding only `file`.
-fn tempdir_with(file: &Path) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "meshcap-deploy-{}-{}",
-        std::process::id(),
-        file.file_stem().and_then(|s| s.to_str()).unwrap_or("x")
-    ));
-    fs::create_dir_all(&dir).expect("temp dir");
-    fs::copy(file, dir.join(file.file_name().expect("name"))).expect("copy");
-    dir
 }
 
 #[test]
@@ -318,10 +257,18 @@ fn the_config_map_has_every_setting_with_its_default() {
         .data
         .clone()
         .unwrap_or_default();
-    let expected: BTreeMap<String, String> = settings::ALL
+    let mut expected: BTreeMap<String, String> = settings::ALL
         .iter()
         .map(|s| (s.key.to_owned(), s.default.to_owned()))
         .collect();
+    // The selectors are YAML in the ConfigMap (the chart's toYaml of Istio's default list) and
+    // JSON in the agent's default: the same list.
+    let key = settings::AMBIENT_ENABLEMENT_SELECTORS.key;
+    assert_eq!(
+        settings::enablement_selectors(&data[key]).expect("YAML selectors"),
+        settings::enablement_selectors(&expected[key]).expect("JSON selectors")
+    );
+    expected.insert(key.to_owned(), data[key].clone());
     assert_eq!(data, expected);
 }
 
@@ -345,9 +292,11 @@ fn the_daemon_set_passes_every_setting_in_its_variable() {
             .as_ref()
             .and_then(|v| v.config_map_key_ref.as_ref())
             .unwrap_or_else(|| panic!("{} is not from the ConfigMap", setting.env));
+        // Optional: a key deleted from the ConfigMap leaves the agent on its default instead of
+        // failing the pod (CreateContainerConfigError).
         assert_eq!(
-            (Some(key.name.clone()), key.key.as_str()),
-            (config_map.clone(), setting.key)
+            (Some(key.name.clone()), key.key.as_str(), key.optional),
+            (config_map.clone(), setting.key, Some(true))
         );
     }
     let field = |name: &str| {
@@ -483,13 +432,24 @@ fn the_daemon_set_runs_first_everywhere_with_narrow_capabilities() {
     );
     assert_eq!(pod.host_network, Some(true));
     let tolerations = pod.tolerations.as_deref().unwrap_or_default();
-    assert!(
-        tolerations
-            .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists")
-                && t.key.is_none()
-                && t.effect.is_none()),
-        "tolerates every taint, the startup taint included: {tolerations:?}"
+    for effect in ["NoSchedule", "NoExecute"] {
+        assert!(
+            tolerations
+                .iter()
+                .any(|t| t.operator.as_deref() == Some("Exists")
+                    && t.key.is_none()
+                    && t.effect.as_deref() == Some(effect)),
+            "tolerates every {effect} taint, the startup taint included: {tolerations:?}"
+        );
+    }
+    // Linux nodes only, and the architectures the image carries.
+    assert_eq!(
+        pod.node_selector
+            .clone()
+            .unwrap_or_default()
+            .get("kubernetes.io/os")
+            .map(String::as_str),
+        Some("linux")
     );
     let security = agent.security_context.as_ref().expect("securityContext");
     assert_eq!(security.privileged, Some(false));

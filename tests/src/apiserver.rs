@@ -3,8 +3,8 @@
 //! It authenticates and authorizes as Kubernetes does: every request carries a ServiceAccount
 //! token, refused with 401 (a `Status` of reason `Unauthorized`) once its ServiceAccount, or the
 //! pod or Secret it is bound to, is deleted; every authenticated request is decided by RBAC
-//! ([`crate::rbac`]) from the shipped manifests (`deploy/`, and `deploy/features/` for the
-//! features a test turns on), refused with 403 (a `Status` of reason `Forbidden` naming the
+//! ([`crate::rbac`]) from the chart's rendering (its configuration with the values a test turns
+//! on: [`crate::chart::configuration`]), refused with 403 (a `Status` of reason `Forbidden` naming the
 //! user, verb, resource and namespace as the API server words it). Self reviews
 //! (`SelfSubjectAccessReview`, `SelfSubjectRulesReview`) are answered from the same RBAC. A
 //! watch is authorized when it starts and streams on after the credential or the binding is
@@ -33,7 +33,8 @@ use serde_json::{Value, json};
 
 use crate::rbac::{self, Attributes, Grant, param};
 
-/// The namespace `deploy/` installs meshcap into.
+/// The namespace `deploy/` installs meshcap into (another when the objects served say so:
+/// [`ApiServer::namespace`]).
 pub const SYSTEM_NAMESPACE: &str = "meshcap-system";
 /// The agent's ServiceAccount.
 pub const AGENT_ACCOUNT: &str = "meshcap-agent";
@@ -66,7 +67,7 @@ struct Token {
 #[derive(Default)]
 struct Auth {
     /// The rendered objects that are not served as resources: ServiceAccounts, Secrets,
-    /// Roles, ClusterRoles and their bindings.
+    /// Roles, ClusterRoles and their bindings, the ConfigMap.
     objects: Vec<Value>,
     tokens: Vec<Token>,
     /// Each allowed request's user and grant.
@@ -79,6 +80,8 @@ struct Auth {
 pub struct ApiServer {
     /// `127.0.0.1:<port>`.
     pub addr: String,
+    /// The namespace meshcap is installed in: its DaemonSet's.
+    pub namespace: String,
     /// The pods it serves; add or remove them at any time.
     pub pods: Arc<Mutex<Vec<Value>>>,
     /// The DaemonSets it serves; change them with [`ApiServer::apply_daemon_set`] and
@@ -107,26 +110,30 @@ pub struct ApiServer {
 }
 
 impl ApiServer {
-    /// Starts serving on a free port of 127.0.0.1 what `kubectl apply -f deploy/` creates:
-    /// its namespace, ServiceAccounts (the plugin's with its token Secret filled, as the token
-    /// controller does), RBAC and DaemonSet, the DaemonSet's pod on [`NODE`] (whose token
-    /// [`ApiServer::kubeconfig`] hands out) and the node.
+    /// Starts serving on a free port of 127.0.0.1 what `kubectl apply -f deploy/` creates (the
+    /// chart's defaults): its namespace, ServiceAccounts (the plugin's with its token Secret
+    /// filled, as the token controller does), RBAC and DaemonSet, the DaemonSet's pod on
+    /// [`NODE`] (whose token [`ApiServer::kubeconfig`] hands out) and the node.
     ///
     /// # Panics
     /// When it cannot bind.
     #[must_use]
     pub fn start() -> Self {
-        Self::with_features(&[])
+        Self::with_configuration("defaults")
     }
 
-    /// [`ApiServer::start`], with the RBAC of `deploy/features/FEATURE.yaml` for each feature
-    /// named (`ambient`, `repair-delete-pods`, `repair-label-pods`) applied too.
+    /// [`ApiServer::start`] with what the chart renders for the configuration `name` of
+    /// `tests/chart-configurations.yaml` (`ambient`, `repair-label-pods`, ...): its RBAC is
+    /// what a feature's test runs under.
     ///
     /// # Panics
-    /// When it cannot bind, or a manifest is missing.
+    /// When it cannot bind, or the configuration cannot be rendered.
     #[must_use]
-    pub fn with_features(features: &[&str]) -> Self {
-        Self::with_objects(rbac::shipped(features))
+    pub fn with_configuration(name: &str) -> Self {
+        Self::with_objects(
+            crate::chart::configuration(name)
+                .unwrap_or_else(|e| panic!("the chart's {name} configuration: {e:#}")),
+        )
     }
 
     /// Serves `objects` (rendered manifests: `deploy/`, or `helm template` output).
@@ -137,8 +144,15 @@ impl ApiServer {
     pub fn with_objects(objects: Vec<Value>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = listener.local_addr().expect("addr").to_string();
+        let namespace = objects
+            .iter()
+            .find(|o| o["kind"] == "DaemonSet" && o["metadata"]["name"] == DAEMON_SET)
+            .and_then(|o| o["metadata"]["namespace"].as_str())
+            .expect("the objects hold meshcap's DaemonSet")
+            .to_owned();
         let server = Self {
             addr,
+            namespace,
             pods: Arc::default(),
             daemon_sets: Arc::default(),
             namespaces: Arc::default(),
@@ -198,7 +212,6 @@ impl ApiServer {
                     object["metadata"]["uid"] = json!(format!("sa-{name}"));
                     auth.objects.push(object);
                 }
-                "ConfigMap" => {}
                 _ => auth.objects.push(object),
             }
         }
@@ -236,7 +249,7 @@ impl ApiServer {
         }));
         self.apply_pod(json!({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": AGENT_POD, "namespace": SYSTEM_NAMESPACE, "uid": "agent-pod-1",
+            "metadata": {"name": AGENT_POD, "namespace": self.namespace, "uid": "agent-pod-1",
                          "labels": {"app.kubernetes.io/name": DAEMON_SET},
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
                                               "name": DAEMON_SET, "uid": DAEMON_SET_UID,
@@ -405,8 +418,32 @@ impl ApiServer {
     /// When it cannot be written.
     #[must_use]
     pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
-        let token = self.issue(SYSTEM_NAMESPACE, AGENT_ACCOUNT, Some(AGENT_POD), None);
+        let token = self.agent_token();
         self.kubeconfig_with(dir, "kubeconfig", &token)
+    }
+
+    /// A token for the agent's ServiceAccount bound to [`AGENT_POD`], as kubelet projects it
+    /// into the pod.
+    ///
+    /// # Panics
+    /// When the ServiceAccount or the pod is gone.
+    #[must_use]
+    pub fn agent_token(&self) -> String {
+        self.issue(&self.namespace, AGENT_ACCOUNT, Some(AGENT_POD), None)
+    }
+
+    /// The plugin's token, as the token controller filled its Secret.
+    ///
+    /// # Panics
+    /// When the Secret is not there.
+    #[must_use]
+    pub fn cni_token(&self) -> String {
+        let auth = self.auth.lock().expect("auth");
+        auth.objects
+            .iter()
+            .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == CNI_TOKEN_SECRET)
+            .and_then(|o| o["data"]["token"].as_str().map(str::to_owned))
+            .expect("the plugin's token Secret, filled")
     }
 
     /// A kubeconfig for it with `token`, written into `dir/name`.
@@ -436,14 +473,7 @@ impl ApiServer {
     /// When it cannot be written, or the Secret has no token.
     #[must_use]
     pub fn cni_token_dir(&self, dir: &Path) -> PathBuf {
-        let token = {
-            let auth = self.auth.lock().expect("auth");
-            auth.objects
-                .iter()
-                .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == CNI_TOKEN_SECRET)
-                .and_then(|o| o["data"]["token"].as_str().map(str::to_owned))
-                .expect("the plugin's token Secret, filled")
-        };
+        let token = self.cni_token();
         let mounted = dir.join("cni-token");
         std::fs::create_dir_all(&mounted).expect("token dir");
         std::fs::write(mounted.join("token"), token).expect("token");
@@ -457,7 +487,7 @@ impl ApiServer {
     /// When a lock is poisoned.
     #[must_use]
     pub fn grants(&self, account: &str) -> (Vec<Grant>, Vec<Grant>) {
-        let user = rbac::service_account_user(SYSTEM_NAMESPACE, account);
+        let user = rbac::service_account_user(&self.namespace, account);
         let auth = self.auth.lock().expect("auth");
         let granted = rbac::granted(&auth.objects, &user);
         let mut used: Vec<Grant> = auth

@@ -1,6 +1,6 @@
 //! Kubernetes' RBAC authorizer, for the test API server: Roles, ClusterRoles and their bindings
-//! read from rendered manifests (`deploy/*.yaml` today, `helm template` output as well: any set
-//! of YAML documents), and a request's attributes decided as the API server decides them
+//! read from rendered manifests (the chart's configurations, `deploy/*.yaml`: any set of YAML
+//! documents), and a request's attributes decided as the API server decides them
 //! (k8s.io/apiserver's request info, `plugin/pkg/auth/authorizer/rbac`): verbs, API groups,
 //! resources and `resource/subresource`, resourceNames (which never authorize a create or an
 //! unnamed list), RoleBindings only in their namespace, ClusterRoleBindings everywhere, and the
@@ -326,20 +326,6 @@ pub fn load(paths: &[&Path]) -> Vec<Value> {
         }
     }
     objects
-}
-
-/// The repository's `deploy/` directory (and `deploy/features/FEATURE.yaml` for each named
-/// feature).
-#[must_use]
-pub fn shipped(features: &[&str]) -> Vec<Value> {
-    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-    let mut paths = vec![deploy.clone()];
-    paths.extend(
-        features
-            .iter()
-            .map(|f| deploy.join("features").join(format!("{f}.yaml"))),
-    );
-    load(&paths.iter().map(|p| p.as_path()).collect::<Vec<_>>())
 }
 
 #[cfg(test)]

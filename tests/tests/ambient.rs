@@ -727,7 +727,7 @@ fn with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated(backend: Ba
     let mut node = Node::new().expect("node");
     let pod = node.add_pod(false).expect("pod");
     let sockets = SocketDir::new();
-    let api = ApiServer::with_features(&["ambient"]);
+    let api = ApiServer::with_configuration("ambient");
     let mut manifest = ambient_pod("web");
     manifest["metadata"]["labels"] = json!({});
     manifest["spec"]["nodeName"] = json!("node-1");
@@ -806,7 +806,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
         .expect("the pod's address");
     let sockets = SocketDir::new();
-    let api = ApiServer::with_features(&["ambient"]);
+    let api = ApiServer::with_configuration("ambient");
     let mut manifest = ambient_pod("web");
     manifest["metadata"]["labels"] = json!({});
     manifest["spec"]["nodeName"] = json!("node-1");

@@ -6,47 +6,68 @@
 //! still deciding: a pod outside the mesh starts, a mesh pod waits. No kernel path is crossed
 //! here that the other tests do not cross (the agents run the iptables backend and capture no
 //! pod): host only.
+use std::path::Path;
+
 use meshcap_tests::{
     agent::{Agent, Backend},
-    apiserver::{
-        AGENT_ACCOUNT, AGENT_POD, ApiServer, CNI_ACCOUNT, CNI_TOKEN_SECRET, DAEMON_SET,
-        SYSTEM_NAMESPACE,
-    },
+    apiserver::{AGENT_POD, ApiServer, DAEMON_SET, SYSTEM_NAMESPACE},
+    chart,
     cluster::ClusterNode,
     fixtures::{eventually, plain_pod, sidecar_pod},
-    require_root,
+    rbac, require_root,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
-/// Deletes `(kind, name)` of meshcap's namespace (cluster-scoped kinds by name alone), in
-/// order.
-fn delete_all(api: &ApiServer, objects: &[(&str, &str)]) {
-    for (kind, name) in objects {
-        let namespace = if kind.starts_with("Cluster") {
-            ""
+/// The order `helm uninstall` deletes a release's objects in, by kind (helm's `UninstallOrder`,
+/// `pkg/release/v1/util/kind_sorter.go`, helm v4; the same order in v3), without waiting for
+/// the DaemonSet's pods to stop.
+const HELM_UNINSTALL_ORDER: &[&str] = &[
+    "DaemonSet",
+    "RoleBinding",
+    "Role",
+    "ClusterRoleBinding",
+    "ClusterRole",
+    "ConfigMap",
+    "Secret",
+    "ServiceAccount",
+    "Namespace",
+];
+
+/// What `kubectl delete -f deploy/` deletes, in its order: the files by name, each file's
+/// objects as written.
+fn deploy_files() -> Vec<Value> {
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    rbac::load(&[deploy.as_path()])
+}
+
+/// Deletes each of `objects` (rendered), in order, as the API server does: a Namespace starts
+/// being deleted (its controller removes what it holds later), anything else goes at once.
+fn delete_all<'a>(api: &ApiServer, objects: impl IntoIterator<Item = &'a Value>) {
+    for object in objects {
+        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        let (kind, namespace, name) = (
+            text(&object["kind"]),
+            text(&object["metadata"]["namespace"]),
+            text(&object["metadata"]["name"]),
+        );
+        if kind == "Namespace" {
+            api.mark_deleting("Namespace", "", &name);
         } else {
-            SYSTEM_NAMESPACE
-        };
-        api.delete(kind, namespace, name);
+            api.delete(&kind, &namespace, &name);
+        }
     }
 }
 
-/// Every RBAC object `deploy/` ships, in file order.
-const RBAC: &[(&str, &str)] = &[
-    ("ClusterRole", "meshcap-agent"),
-    ("ClusterRole", "meshcap-cni"),
-    ("Role", "meshcap-agent"),
-    ("ClusterRoleBinding", "meshcap-agent"),
-    ("ClusterRoleBinding", "meshcap-cni"),
-    ("RoleBinding", "meshcap-agent"),
-];
+/// Of `objects`, those of the kinds `kinds`.
+fn of_kinds<'a>(objects: &'a [Value], kinds: &[&str]) -> Vec<&'a Value> {
+    objects
+        .iter()
+        .filter(|o| kinds.iter().any(|k| o["kind"] == *k))
+        .collect()
+}
 
-/// The ServiceAccounts and the plugin's token Secret, in file order.
-const IDENTITIES: &[(&str, &str)] = &[
-    ("ServiceAccount", AGENT_ACCOUNT),
-    ("ServiceAccount", CNI_ACCOUNT),
-    ("Secret", CNI_TOKEN_SECRET),
-];
+/// The roles and bindings, as RBAC kinds.
+const RBAC: &[&str] = &["ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding"];
 
 /// One row: an agent installed on a node, `then` done to the cluster, the agent stopped as
 /// kubelet stops it (SIGTERM); whether meshcap is then gone from the node. Returns the node
@@ -137,41 +158,39 @@ fn each_uninstall_order_leaves_the_node_clean() {
         |api, _| api.mark_deleting("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET),
         true,
     );
-    // kubectl delete -f deploy/: the namespace (its deletion starts), then each file's
-    // objects; the namespace controller and the garbage collector stop the pod last.
+    // kubectl delete -f deploy/: file by file, the namespace first (its deletion starts; its
+    // controller and the garbage collector stop the agent's pod last), the ServiceAccounts and
+    // the plugin's token next: every token is refused (401) before the pod stops.
     row(
-        "kubectl delete -f deploy/ (401: the ServiceAccount went first)",
-        |api, _| {
-            api.mark_deleting("Namespace", "", SYSTEM_NAMESPACE);
-            delete_all(api, IDENTITIES);
-            delete_all(api, RBAC);
-            api.delete("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
-        },
+        "kubectl delete -f deploy/ (401: the ServiceAccounts went first)",
+        |api, _| delete_all(api, &deploy_files()),
         true,
     );
+    // kubectl delete namespace: its controller deletes what it holds (the cluster-wide RBAC
+    // stays, bound to ServiceAccounts that are gone).
     row(
         "kubectl delete namespace meshcap-system",
         |api, _| {
-            api.mark_deleting("Namespace", "", SYSTEM_NAMESPACE);
-            delete_all(api, IDENTITIES);
-            delete_all(
-                api,
-                &[("Role", "meshcap-agent"), ("RoleBinding", "meshcap-agent")],
-            );
-            api.delete("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
+            let objects = deploy_files();
+            delete_all(api, of_kinds(&objects, &["Namespace"]));
+            let held: Vec<&Value> = objects
+                .iter()
+                .filter(|o| !o["metadata"]["namespace"].is_null() && o["kind"] != "DaemonSet")
+                .collect();
+            delete_all(api, held);
+            delete_all(api, of_kinds(&objects, &["DaemonSet"]));
         },
         true,
     );
-    // helm uninstall: the DaemonSet, then RBAC, then ServiceAccounts and Secrets, without
-    // waiting for the pods.
+    // helm uninstall: by kind in helm's order (the DaemonSet, then RBAC, then the plugin's
+    // token and the ServiceAccounts), without waiting for the pods.
     row(
-        "helm uninstall (DaemonSet, RBAC, ServiceAccounts)",
+        "helm uninstall (DaemonSet, RBAC, Secret, ServiceAccounts)",
         |api, _| {
-            api.delete("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
-            let mut rbac = RBAC.to_vec();
-            rbac.reverse();
-            delete_all(api, &rbac);
-            delete_all(api, IDENTITIES);
+            let objects = chart::configuration("defaults").expect("the chart");
+            for kind in HELM_UNINSTALL_ORDER {
+                delete_all(api, of_kinds(&objects, &[kind]));
+            }
         },
         true,
     );
@@ -181,7 +200,7 @@ fn each_uninstall_order_leaves_the_node_clean() {
     row(
         "RBAC deleted before the DaemonSet (403, the watch refused)",
         |api, agent| {
-            delete_all(api, RBAC);
+            delete_all(api, of_kinds(&deploy_files(), RBAC));
             api.close_watches();
             eventually("the refused watch holds readiness", || {
                 agent

@@ -1,8 +1,8 @@
 //! The shipped RBAC against what the agent and the plugin really ask, through the real binaries
-//! and the test API server, which enforces RBAC from `deploy/` as Kubernetes does: with the
-//! default settings every rule `deploy/` grants is used and no request is refused; a permission
-//! a setting needs and the RBAC lacks is named at start (readiness held, a Warning Event on the
-//! agent's pod).
+//! and the test API server, which enforces the chart's RBAC as Kubernetes does: with the
+//! default settings (`deploy/`) every rule granted is used and no request is refused; a
+//! permission a setting needs and the RBAC lacks is named at start (readiness held, a Warning
+//! Event on the agent's pod).
 use meshcap_tests::{
     agent::Backend,
     apiserver::{AGENT_ACCOUNT, AGENT_POD, ApiServer, CNI_ACCOUNT, NODE},
@@ -77,7 +77,7 @@ fn with_the_default_settings_every_shipped_permission_is_used_and_none_is_missin
 #[test]
 fn a_missing_permission_is_named_at_start() {
     require_root();
-    // repair.labelPods without deploy/features/repair-label-pods.yaml.
+    // repair.labelPods set on the agent alone, not in the chart's values: its RBAC is missing.
     let api = ApiServer::start();
     let node = ClusterNode::new(&api);
     let env = node.env(&[

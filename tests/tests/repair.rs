@@ -2,7 +2,7 @@
 //! started without its capture (its `istio-validation` last exited 126) is captured in place in
 //! `repairPods` mode, labelled in `labelPods`, deleted with preconditions in `deletePods`; a
 //! healthy pod, a pod of another node and a pod repaired once are left alone. Each mode with
-//! exactly the RBAC `deploy/features/` ships for it, every rule of which it uses.
+//! exactly the RBAC the chart renders for it, every rule of which it uses.
 use meshcap_tests::{
     agent::{Agent, Backend},
     apiserver::{AGENT_ACCOUNT, ApiServer},
@@ -154,7 +154,7 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
 #[test]
 fn label_pods_patches_exactly_the_label() {
     require_root();
-    let api = ApiServer::with_features(&["repair-label-pods"]);
+    let api = ApiServer::with_configuration("repair-label-pods");
     let dir = ManifestDir::new();
     let agent = kube_agent(
         Backend::Iptables,
@@ -199,7 +199,7 @@ fn label_pods_patches_exactly_the_label() {
 #[test]
 fn delete_pods_deletes_with_preconditions() {
     require_root();
-    let api = ApiServer::with_features(&["repair-delete-pods"]);
+    let api = ApiServer::with_configuration("repair-delete-pods");
     let dir = ManifestDir::new();
     let agent = kube_agent(
         Backend::Iptables,

@@ -2,13 +2,16 @@
 //! beside the CNI configuration, as Istio's install-cni writes `ZZZ-istio-cni-kubeconfig`.
 //!
 //! Its token is the plugin's own, not the agent's: the `meshcap-cni` ServiceAccount's token
-//! Secret, which the DaemonSet mounts at [`CNI_TOKEN_DIR`]. The agent's projected token is
+//! Secret, which the DaemonSet mounts at [`crate::paths::CNI_TOKEN_DIR`]. The agent's projected token is
 //! bound to the agent's pod and stops working when that pod object is deleted — exactly when
 //! the plugin is needed (an upgrade to an image that cannot be pulled, an eviction, a
 //! node-affinity change); Istio's plugin, which uses its agent's token, fails there
 //! (istio/istio#57438). The server and CA are the agent's (in-cluster, or `$KUBECONFIG`'s).
 //! Rewritten whenever a file it is made from changes; readable by root only.
-use std::{fs, path::PathBuf};
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
 
 use base64::Engine as _;
 use serde_json::json;
@@ -17,12 +20,6 @@ use super::{InstallError, conflist};
 
 /// Where the service account's files are in a pod.
 const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
-
-/// Where the DaemonSet mounts the plugin's token Secret (`token`).
-pub const CNI_TOKEN_DIR: &str = "/var/run/secrets/meshcap.io/cni";
-
-/// The variable naming another directory for the plugin's token.
-pub const CNI_TOKEN_DIR_ENV: &str = "MESHCAP_CNI_TOKEN_DIR";
 
 /// What the plugin's kubeconfig is made from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,16 +44,19 @@ pub enum Source {
 }
 
 impl Source {
-    /// The agent's own server with the plugin's token: `$KUBECONFIG` when set (with the token
-    /// of `$MESHCAP_CNI_TOKEN_DIR` when that is set), else the in-cluster service account's
-    /// server and CA with the token at [`CNI_TOKEN_DIR`], else none.
+    /// The agent's own server with the plugin's token, in `token_dir` (`--cni-token-dir`):
+    /// `$KUBECONFIG` when set (with that token only when `token_dir` is given: an agent run
+    /// by hand has none), else the in-cluster service account's server and CA with the token
+    /// in `token_dir` or [`crate::paths::CNI_TOKEN_DIR`], else none.
     #[must_use]
-    pub fn of_this_agent(lookup: impl Fn(&str) -> Option<String>) -> Option<Self> {
-        let token_dir = lookup(CNI_TOKEN_DIR_ENV).filter(|p| !p.is_empty());
+    pub fn of_this_agent(
+        lookup: impl Fn(&str) -> Option<String>,
+        token_dir: Option<&Path>,
+    ) -> Option<Self> {
         if let Some(path) = lookup("KUBECONFIG").filter(|p| !p.is_empty()) {
             return Some(Self::File {
                 path: path.into(),
-                token: token_dir.map(|dir| PathBuf::from(dir).join("token")),
+                token: token_dir.map(|dir| dir.join("token")),
             });
         }
         let host = lookup("KUBERNETES_SERVICE_HOST")?;
@@ -69,7 +69,9 @@ impl Source {
         Some(Self::ServiceAccount {
             server: format!("https://{host}:{port}"),
             dir: SERVICE_ACCOUNT_DIR.into(),
-            token: PathBuf::from(token_dir.as_deref().unwrap_or(CNI_TOKEN_DIR)).join("token"),
+            token: token_dir
+                .unwrap_or(Path::new(crate::paths::CNI_TOKEN_DIR))
+                .join("token"),
         })
     }
 
@@ -78,10 +80,8 @@ impl Source {
     /// # Errors
     /// When a file cannot be read.
     pub fn render(&self) -> Result<Vec<u8>, InstallError> {
-        let read = |path: &std::path::Path| {
-            fs::read(path).map_err(|e| InstallError::io("reading", path, e))
-        };
-        let token_of = |path: &std::path::Path| -> Result<String, InstallError> {
+        let read = |path: &Path| fs::read(path).map_err(|e| InstallError::io("reading", path, e));
+        let token_of = |path: &Path| -> Result<String, InstallError> {
             Ok(String::from_utf8_lossy(&read(path)?).trim().to_owned())
         };
         match self {
@@ -151,22 +151,29 @@ mod tests {
             _ => None,
         };
         assert_eq!(
-            Source::of_this_agent(env),
+            Source::of_this_agent(env, None),
             Some(Source::ServiceAccount {
                 server: "https://[fd00::1]:6443".into(),
                 dir: SERVICE_ACCOUNT_DIR.into(),
-                token: PathBuf::from(CNI_TOKEN_DIR).join("token"),
+                token: PathBuf::from(crate::paths::CNI_TOKEN_DIR).join("token"),
             })
         );
         let dev = |name: &str| (name == "KUBECONFIG").then(|| "/root/.kube/config".to_owned());
         assert_eq!(
-            Source::of_this_agent(dev),
+            Source::of_this_agent(dev, None),
             Some(Source::File {
                 path: "/root/.kube/config".into(),
                 token: None
             })
         );
-        assert_eq!(Source::of_this_agent(|_| None), None);
+        assert_eq!(
+            Source::of_this_agent(dev, Some(Path::new("/run/cni-token"))),
+            Some(Source::File {
+                path: "/root/.kube/config".into(),
+                token: Some("/run/cni-token/token".into())
+            })
+        );
+        assert_eq!(Source::of_this_agent(|_| None, None), None);
     }
 
     #[test]

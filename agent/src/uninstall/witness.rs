@@ -168,17 +168,27 @@ pub async fn lost(client: &kube::Client, needs: &[Need]) -> bool {
     true
 }
 
+/// Why a client with the plugin's kubeconfig cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginClientError {
+    /// The file cannot be read, or is no kubeconfig kube-rs can use.
+    #[error(transparent)]
+    Kubeconfig(#[from] kube::config::KubeconfigError),
+    /// kube-rs cannot make a client of it.
+    #[error(transparent)]
+    Client(#[from] kube::Error),
+}
+
 /// A client with the plugin's kubeconfig (what `meshcap-agent decide` uses).
 ///
 /// # Errors
 /// When it cannot be read or is not a kubeconfig.
-pub async fn plugin_client(kubeconfig: &Path) -> Result<kube::Client, String> {
-    let config = kube::config::Kubeconfig::read_from(kubeconfig).map_err(|e| e.to_string())?;
+pub async fn plugin_client(kubeconfig: &Path) -> Result<kube::Client, PluginClientError> {
+    let config = kube::config::Kubeconfig::read_from(kubeconfig)?;
     let config =
         kube::Config::from_custom_kubeconfig(config, &kube::config::KubeConfigOptions::default())
-            .await
-            .map_err(|e| e.to_string())?;
-    kube::Client::try_from(config).map_err(|e| e.to_string())
+            .await?;
+    Ok(kube::Client::try_from(config)?)
 }
 
 /// What the plugin asks while no agent runs: a pod, and with ambient mode its namespace.

@@ -311,6 +311,8 @@ fn run_one(binary: &str, test: Option<&str>) -> Result<(), String> {
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .env("RUST_BACKTRACE", "1")
         .env("MESHCAP_BIN_DIR", "/tests")
+        // The chart's configurations, rendered on the host (no helm here).
+        .env("MESHCAP_CHART_RENDERED", "/chart")
         // Emulated CPUs: a smaller burst keeps the parallel-pods test within the plugin's
         // agent timeout (the host suite runs 100).
         .env("MESHCAP_PARALLEL_PODS", "20")

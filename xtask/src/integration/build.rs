@@ -31,6 +31,11 @@ pub const HOST_ONLY: &[(&str, &str)] = &[
          guest's initramfs does not carry; the kernel paths it crosses are the other tests'",
     ),
     (
+        "daemonset",
+        "runs the chart's DaemonSet under that containerd, from the image archive and the \
+         chart rendered by helm, none of which the guest carries",
+    ),
+    (
         "leaving",
         "the agent's uninstall decisions against the test API server: no pod is captured, and \
          the removal of the kernel programs is uninstall's, which runs in the guest",

@@ -16,6 +16,7 @@ use std::{
 use anyhow::{Context as _, bail};
 
 mod build;
+mod chart;
 mod cpio;
 mod kernel;
 mod qemu;
@@ -93,6 +94,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
     eprintln!("integration: building the test binaries (as `cargo xtask test` does)");
     let binaries = build::build(&workspace)?;
+    let charts = chart::render(&workspace)?;
     eprintln!(
         "integration: binaries ready in {:.0}s",
         started.elapsed().as_secs_f64()
@@ -104,7 +106,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let mut failures = Vec::new();
     let mut summary = Vec::new();
     for series in &args.kernels {
-        match run_kernel(series, &cache, &binaries, args) {
+        match run_kernel(series, &cache, (&binaries, &charts), args) {
             Ok(boots) => summarise(series, &cache, &boots, args, &mut summary, &mut failures),
             Err(err) => {
                 summary.push(format!("{series}: FAILED: {err:#}"));
@@ -208,12 +210,15 @@ fn summarise(
 fn run_kernel(
     series: &str,
     cache: &Path,
-    binaries: &build::Binaries,
+    (binaries, charts): (&build::Binaries, &[(String, Vec<u8>)]),
     args: &Args,
 ) -> anyhow::Result<Boots> {
     let kernel = kernel::fetch(series, cache)?;
     let mut archive = cpio::Archive::default();
     add_userland(&mut archive, binaries)?;
+    for (name, rendered) in charts {
+        archive.file(&format!("chart/{name}.yaml"), 0o644, rendered);
+    }
     archive.file(
         "tests.list",
         0o644,
