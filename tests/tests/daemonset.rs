@@ -13,12 +13,19 @@
 //! values point the other host paths at the test's directories, as an operator points them at a
 //! platform's: `cniBinDir`, `cniConfDir` and `cniNetnsDir` at containerd's, and
 //! `meshcap.cgroupHostPath` at containerd's throwaway cgroup, which the eBPF programs then attach
-//! to instead of the machine's root. The one thing the rendered spec does not say is how the
-//! agent reaches the API server (kubelet projects a service account token): a kubeconfig of the
-//! in-test API server, mounted and named by `KUBECONFIG`.
+//! to instead of the machine's root. The in-test API server serves the same rendering and
+//! enforces its RBAC: the agent's pod is the DaemonSet's, the plugin's token Secret is mounted
+//! where the DaemonSet mounts it (as kubelet writes a Secret volume), and no request the agent
+//! makes may be refused. The one thing the rendered spec does not say is how the agent reaches
+//! the API server (kubelet projects a service account token): a kubeconfig of the in-test API
+//! server with the agent's token bound to its pod, mounted and named by `KUBECONFIG`. An agent
+//! given `KUBECONFIG` copies it for the plugin as it is unless told where the plugin's token is
+//! (in a pod it reads the Secret's mount by default), so the test names that mount in
+//! `MESHCAP_CNI_TOKEN_DIR`.
 use std::{
     collections::BTreeMap,
     io::{Read as _, Write as _},
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
@@ -27,7 +34,7 @@ use std::{
 use meshcap_tests::{
     APP_UID, Netns, PROXY_UID, Placement, Report,
     agent::binaries,
-    apiserver::ApiServer,
+    apiserver::{AGENT_POD, ApiServer, CNI_TOKEN_SECRET},
     bin, chart,
     containerd::{Containerd, GATEWAY, IMAGE},
     cri::{self, ContainerSpec, Cri, PodMeta, v1},
@@ -112,8 +119,10 @@ fn http_get(node: &Netns, port: u16, path: &str) -> Option<(u16, String)> {
     .ok()
 }
 
-/// The container's environment as kubelet resolves it.
+/// The container's environment as kubelet resolves it, and where the API server and the
+/// plugin's token are.
 fn environment(
+    pod_spec: &Value,
     container: &Value,
     data: &BTreeMap<String, String>,
     pod: &PodMeta,
@@ -149,12 +158,41 @@ fn environment(
         key: "KUBECONFIG".into(),
         value: KUBECONFIG.into(),
     });
+    envs.push(v1::KeyValue {
+        key: "MESHCAP_CNI_TOKEN_DIR".into(),
+        value: token_mount(pod_spec, container).into(),
+    });
     envs
 }
 
+/// Where the container mounts the plugin's token Secret.
+fn token_mount(pod: &Value, container: &Value) -> String {
+    let volume = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["secret"]["secretName"] == CNI_TOKEN_SECRET)
+        .expect("the plugin's token Secret as a volume");
+    container["volumeMounts"]
+        .as_array()
+        .expect("volumeMounts")
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .and_then(|m| m["mountPath"].as_str())
+        .expect("the plugin's token Secret mounted")
+        .to_owned()
+}
+
 /// The container's mounts: each volume must be a hostPath this node has (`allowed`), so that
-/// nothing of the machine's own is mounted.
-fn mounts(pod: &Value, container: &Value, allowed: &[&Path], kubeconfig: &Path) -> Vec<v1::Mount> {
+/// nothing of the machine's own is mounted, or the plugin's token Secret, which kubelet writes
+/// into a directory of its own (`token_dir`, given the volume's `defaultMode` here).
+fn mounts(
+    pod: &Value,
+    container: &Value,
+    allowed: &[&Path],
+    kubeconfig: &Path,
+    token_dir: &Path,
+) -> Vec<v1::Mount> {
     let volumes: BTreeMap<&str, &Value> = pod["volumes"]
         .as_array()
         .expect("volumes")
@@ -164,6 +202,23 @@ fn mounts(pod: &Value, container: &Value, allowed: &[&Path], kubeconfig: &Path) 
     let mut mounts = Vec::new();
     for mount in container["volumeMounts"].as_array().expect("volumeMounts") {
         let volume = volumes[mount["name"].as_str().expect("name")];
+        if let Some(secret) = volume.get("secret") {
+            assert_eq!(secret["secretName"], CNI_TOKEN_SECRET, "{volume}");
+            let mode = u32::try_from(secret["defaultMode"].as_u64().unwrap_or(0o644))
+                .expect("a file mode");
+            for file in std::fs::read_dir(token_dir).expect("the token dir") {
+                let path = file.expect("a token file").path();
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                    .expect("the token's mode");
+            }
+            mounts.push(v1::Mount {
+                container_path: mount["mountPath"].as_str().expect("mountPath").to_owned(),
+                host_path: token_dir.display().to_string(),
+                readonly: true,
+                ..v1::Mount::default()
+            });
+            continue;
+        }
         let host = volume["hostPath"]["path"]
             .as_str()
             .unwrap_or_else(|| panic!("volume {} is not a hostPath", volume["name"]));
@@ -385,13 +440,6 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    // The API server where the node's pods are: reachable from the node's network namespace.
-    let api = ctd
-        .node
-        .run_in(|| Ok(ApiServer::start()))
-        .expect("API server");
-    let kubeconfig = api.kubeconfig(&scratch);
-
     // The chart, with this node's paths: `hub`/`image`/`tag` composed into the imported name.
     let (hub, rest) = image.rsplit_once('/').expect("a repository");
     let (name, tag) = rest.split_once(':').expect("a tag");
@@ -413,6 +461,15 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
         args.extend(["--set", set.as_str()]);
     }
     let objects = chart::render(&args).expect("the chart");
+    // The API server where the node's pods are, serving this rendering (its RBAC, its
+    // DaemonSet, the agent's pod, the plugin's token Secret): reachable from the node's network
+    // namespace.
+    let api = ctd
+        .node
+        .run_in(|| Ok(ApiServer::with_objects(objects.clone())))
+        .expect("API server");
+    let kubeconfig = api.kubeconfig(&scratch);
+    let token_dir = api.cni_token_dir(&scratch);
     let data: BTreeMap<String, String> = serde_json::from_value(
         chart::one(&objects, "ConfigMap").expect("ConfigMap")["data"].clone(),
     )
@@ -438,11 +495,8 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
 
     // The agent's pod: a host-network sandbox, then its container from the rendered spec.
     let agent_pod = PodMeta {
-        namespace: "istio-system".into(),
-        name: unique_name(&format!(
-            "{}-",
-            ds["metadata"]["name"].as_str().expect("name")
-        )),
+        namespace: api.namespace.clone(),
+        name: AGENT_POD.into(),
         uid: unique_name("uid-agent"),
     };
     let parent = ctd.cgroup_parent();
@@ -487,8 +541,8 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
                 .unwrap_or(Value::Array(Vec::new())),
         )
         .expect("args"),
-        envs: environment(container, &data, &agent_pod),
-        mounts: mounts(pod, container, &allowed, &kubeconfig),
+        envs: environment(pod, container, &data, &agent_pod),
+        mounts: mounts(pod, container, &allowed, &kubeconfig, &token_dir),
         log_path: "agent.log".into(),
         linux: Some(v1::LinuxContainerConfig {
             security_context: Some(security(
@@ -540,6 +594,13 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
             .map(|p| &p["type"]),
         Some(&Value::from("meshcap-cni")),
         "{conflist}"
+    );
+    // The plugin's kubeconfig carries its own token, read from the mounted Secret.
+    let plugin_kubeconfig = std::fs::read_to_string(ctd.conf_dir.join("meshcap-cni.kubeconfig"))
+        .expect("the plugin's kubeconfig");
+    assert!(
+        plugin_kubeconfig.contains(&api.cni_token()),
+        "{plugin_kubeconfig}"
     );
 
     // A sidecar pod created afterwards is captured: its app's connection reaches the stand-in
@@ -603,5 +664,12 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     assert!(
         captured.len() == 1 && captured[0].ends_with(" 0"),
         "{captured:?}"
+    );
+    // Everything the agent asked was within the chart's RBAC.
+    assert!(
+        api.refused().is_empty(),
+        "{:?}\n{}",
+        api.refused(),
+        agent_log()
     );
 }
