@@ -10,7 +10,7 @@ use std::{
     path::Path,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     thread,
     time::Duration,
@@ -38,6 +38,12 @@ pub struct ApiServer {
     changes: Arc<Mutex<Vec<(String, Value)>>>,
     /// The same for namespaces changed through [`ApiServer::apply_namespace`].
     namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    /// While set, each GET of a Namespace waits until it is cleared, counted in
+    /// [`Self::held_namespace_gets`] as it starts waiting: a test holds the agent in the middle
+    /// of a pod's decision (which reads its namespace's labels) to change the node meanwhile.
+    pub hold_namespace_gets: Arc<AtomicBool>,
+    /// The GETs of a Namespace that waited.
+    pub held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
@@ -58,7 +64,11 @@ impl ApiServer {
         let changes = Arc::new(Mutex::new(Vec::new()));
         let namespace_changes = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
+        let hold_namespace_gets = Arc::new(AtomicBool::new(false));
+        let held_namespace_gets = Arc::new(AtomicUsize::new(0));
         let state = Served {
+            hold_namespace_gets: hold_namespace_gets.clone(),
+            held_namespace_gets: held_namespace_gets.clone(),
             namespace_changes: namespace_changes.clone(),
             pods: pods.clone(),
             daemon_sets: daemon_sets.clone(),
@@ -86,6 +96,8 @@ impl ApiServer {
             writes,
             changes,
             namespace_changes,
+            hold_namespace_gets,
+            held_namespace_gets,
             stop,
         }
     }
@@ -145,6 +157,8 @@ struct Served {
     writes: Arc<Mutex<Vec<(String, String, Value)>>>,
     changes: Arc<Mutex<Vec<(String, Value)>>>,
     namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
+    hold_namespace_gets: Arc<AtomicBool>,
+    held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
@@ -415,6 +429,12 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             }
         }
         ["api", "v1", "namespaces", name] => {
+            if state.hold_namespace_gets.load(Ordering::SeqCst) {
+                state.held_namespace_gets.fetch_add(1, Ordering::SeqCst);
+                while state.hold_namespace_gets.load(Ordering::SeqCst) {
+                    thread::sleep(Duration::from_millis(10));
+                }
+            }
             let found = state
                 .namespaces
                 .lock()

@@ -9,7 +9,10 @@
 //! through to the app, with the pod's addresses in the node's probe set while it is enrolled. An agent restart and a
 //! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
 //! ztunnel the ADD fails whole.
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::atomic::Ordering,
+};
 
 use meshcap_agent::{
     crashpoint,
@@ -865,9 +868,34 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         Vec::<String>::new()
     );
 
-    // The namespace's label enrolls the (unlabelled) pod.
+    // The namespace's label enrolls the (unlabelled) pod, but only into a netns that still
+    // holds its IP: the agent is held in its decision (the namespace's labels, read from the
+    // API) after it found the netns, and the IP leaves the netns meanwhile.
     relabel(json!({}));
+    api.hold_namespace_gets.store(true, Ordering::SeqCst);
     api.apply_namespace(namespace(json!({"istio.io/dataplane-mode": "ambient"})));
+    eventually("the enrollment reads the namespace's labels", || {
+        api.held_namespace_gets.load(Ordering::SeqCst) > 0
+    })
+    .expect("held");
+    pod.netns
+        .ip(&["addr", "del", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the IP leaves");
+    api.hold_namespace_gets.store(false, Ordering::SeqCst);
+    eventually("the in-place enrollment is refused, naming the pod", || {
+        agent.log().lines().any(|l| {
+            l.contains("pod shop/web: network namespace")
+                && l.contains(&format!("holds none of its IPs [{ip}]"))
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(outbound(&node, &pod), "peer", "nothing captured");
+    assert!(annotation().is_null(), "not annotated");
+    // The IP back, the pod's next change enrolls it.
+    pod.netns
+        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the IP back");
+    relabel(json!({}));
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
     assert_eq!(
