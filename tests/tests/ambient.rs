@@ -812,7 +812,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     };
     api.apply_namespace(namespace(json!({})));
     let socket = sockets.socket();
-    let agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
+    let mut agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -923,6 +923,32 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+
+    // Enrolled again, then its namespace becomes excluded (`excludeNamespaces`, which the
+    // agent reads at start): as Istio's agent since 1.30, the restarted agent takes it out.
+    relabel(json!({"istio.io/dataplane-mode": "ambient"}));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
+    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
+    agent.set_env("MESHCAP_EXCLUDE_NAMESPACES", Some("kube-system,shop"));
+    agent.restart().expect("restart");
+    // The new snapshot may carry the pod before the pod watch takes it out.
+    let mut told = Vec::new();
+    while told.len() < 3 && told.last().is_none_or(|l| l != "del uid-web") {
+        told.push(zt.wait_line().expect("ztunnel"));
+    }
+    assert_eq!(
+        told.last().map(String::as_str),
+        Some("del uid-web"),
+        "ztunnel is told the pod left: {told:?}\n{}",
+        agent.log()
+    );
+    eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
+    assert_eq!(outbound(&node, &pod), "peer", "excluded: released");
+    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
 }
 
 /// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent
