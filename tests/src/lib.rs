@@ -187,8 +187,11 @@ impl Netns {
     /// When the kernel refuses, or `ip` fails.
     pub fn in_user_namespace(prefix: &str, base: u32) -> anyhow::Result<Self> {
         let name = unique_name(prefix);
-        let (ready_read, ready_write) = nix::unistd::pipe()?;
-        let (go_read, go_write) = nix::unistd::pipe()?;
+        // Close-on-exec: no process another test starts meanwhile holds them. The child is
+        // told to go by a byte, not by the pipe's end: a child another test forks meanwhile
+        // holds a copy of the write end.
+        let (ready_read, ready_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let (go_read, go_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let (ready, go) = (ready_write.as_raw_fd(), go_read.as_raw_fd());
         // SAFETY: the child makes only async-signal-safe system calls (unshare, write, read,
         // _exit) on its own stack and never returns into Rust code.
@@ -218,9 +221,10 @@ impl Netns {
             run("ip", &["netns", "attach", &name, &pid.to_string()])?;
             Ok(())
         })();
-        // The child's read ends: it exits, the name (if made) keeps the namespaces.
-        drop(go_write);
+        // The child reads its byte and exits; the name (if made) keeps the namespaces.
+        let sent = File::from(go_write).write_all(&[1]);
         nix::sys::wait::waitpid(child, None)?;
+        sent?;
         made?;
         let ns = Self {
             path: Path::new("/run/netns").join(&name),
