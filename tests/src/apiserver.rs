@@ -38,11 +38,11 @@ pub struct ApiServer {
     changes: Arc<Mutex<Vec<(String, Value)>>>,
     /// The same for namespaces changed through [`ApiServer::apply_namespace`].
     namespace_changes: Arc<Mutex<Vec<(String, Value)>>>,
-    /// While set, each GET of a Namespace waits until it is cleared, counted in
+    /// While set, each GET or list of Namespaces waits until it is cleared, counted in
     /// [`Self::held_namespace_gets`] as it starts waiting: a test holds the agent in the middle
     /// of a pod's decision (which reads its namespace's labels) to change the node meanwhile.
     pub hold_namespace_gets: Arc<AtomicBool>,
-    /// The GETs of a Namespace that waited.
+    /// The GETs and lists of Namespaces that waited.
     pub held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
@@ -160,6 +160,16 @@ struct Served {
     hold_namespace_gets: Arc<AtomicBool>,
     held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
+}
+
+/// Waits while [`ApiServer::hold_namespace_gets`] is set, counted.
+fn hold(state: &Served) {
+    if state.hold_namespace_gets.load(Ordering::SeqCst) {
+        state.held_namespace_gets.fetch_add(1, Ordering::SeqCst);
+        while state.hold_namespace_gets.load(Ordering::SeqCst) {
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 /// Stores `pod` (added or replacing its namesake) with the next resourceVersion and logs the
@@ -317,6 +327,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             watch(&mut stream, &state.namespace_changes, query, stop, |_| true);
         }
         ["api", "v1", "namespaces"] => {
+            hold(&state);
             let items = state.namespaces.lock().expect("namespaces").clone();
             let version = state
                 .namespace_changes
@@ -429,12 +440,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             }
         }
         ["api", "v1", "namespaces", name] => {
-            if state.hold_namespace_gets.load(Ordering::SeqCst) {
-                state.held_namespace_gets.fetch_add(1, Ordering::SeqCst);
-                while state.hold_namespace_gets.load(Ordering::SeqCst) {
-                    thread::sleep(Duration::from_millis(10));
-                }
-            }
+            hold(&state);
             let found = state
                 .namespaces
                 .lock()

@@ -904,6 +904,23 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         "enrolled by its namespace: captured"
     );
 
+    // Its namespace becomes excluded (`excludeNamespaces`, which the agent reads at start): as
+    // Istio's agent since 1.30, the restarted agent takes it out. The agent's namespace list
+    // is held until ztunnel has its snapshot (naming the pod), so that ztunnel is told after.
+    excluded(&mut agent, &api, &mut zt, &added, true);
+    // The annotation goes once the pod is out whole.
+    eventually("the annotation is removed", || annotation().is_null())
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(outbound(&node, &pod), "peer", "excluded: released");
+    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+    // Not excluded any more: the restarted agent enrolls it again.
+    excluded(&mut agent, &api, &mut zt, &added, false);
+    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
+
     // The runtime's GC lists its sandboxes only: a pod enrolled in place is not collected.
     let mut gc_conf = config("1.1.0", &agent.socket, &pod.v4().to_string());
     gc_conf["cni.dev/valid-attachments"] =
@@ -923,32 +940,34 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
 
-    // Enrolled again, then its namespace becomes excluded (`excludeNamespaces`, which the
-    // agent reads at start): as Istio's agent since 1.30, the restarted agent takes it out.
-    relabel(json!({"istio.io/dataplane-mode": "ambient"}));
-    assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
-    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
-    agent.set_env("MESHCAP_EXCLUDE_NAMESPACES", Some("kube-system,shop"));
+/// Restarts `agent` with the pod's namespace `shop` in `excludeNamespaces` (or not), holding
+/// the agent's namespace list until ztunnel has the new snapshot; then ztunnel is told the pod
+/// left (excluded) or is sent it again (`added`).
+fn excluded(agent: &mut Agent, api: &ApiServer, zt: &mut Proc, added: &str, exclude: bool) {
+    let namespaces = if exclude {
+        "kube-system,shop"
+    } else {
+        "kube-system"
+    };
+    agent.set_env("MESHCAP_EXCLUDE_NAMESPACES", Some(namespaces));
+    api.hold_namespace_gets.store(true, Ordering::SeqCst);
     agent.restart().expect("restart");
-    // The new snapshot may carry the pod before the pod watch takes it out.
-    let mut told = Vec::new();
-    while told.len() < 3 && told.last().is_none_or(|l| l != "del uid-web") {
+    let mut told = vec![zt.wait_line().expect("ztunnel")];
+    while told.last().is_some_and(|l| l != "snapshot_sent") {
         told.push(zt.wait_line().expect("ztunnel"));
     }
-    assert_eq!(
-        told.last().map(String::as_str),
-        Some("del uid-web"),
-        "ztunnel is told the pod left: {told:?}\n{}",
-        agent.log()
-    );
-    eventually("the annotation is removed", || annotation().is_null()).expect("unannotated");
-    assert_eq!(outbound(&node, &pod), "peer", "excluded: released");
-    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
-    assert_eq!(
-        leftovers(&pod.netns).expect("leftovers"),
-        Vec::<String>::new()
-    );
+    api.hold_namespace_gets.store(false, Ordering::SeqCst);
+    let expected = if exclude {
+        vec![added.to_owned(), "snapshot_sent".to_owned()]
+    } else {
+        vec!["snapshot_sent".to_owned()]
+    };
+    assert_eq!(told, expected, "the snapshot\n{}", agent.log());
+    let next = zt.wait_line().expect("ztunnel");
+    let wanted = if exclude { "del uid-web" } else { added };
+    assert_eq!(next, wanted, "{}", agent.log());
 }
 
 /// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent
