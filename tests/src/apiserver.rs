@@ -327,7 +327,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             watch(&mut stream, &state.namespace_changes, query, stop, |_| true);
         }
         ["api", "v1", "namespaces"] => {
-            hold(&state);
+            hold(state);
             let items = state.namespaces.lock().expect("namespaces").clone();
             let version = state
                 .namespace_changes
@@ -440,7 +440,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
             }
         }
         ["api", "v1", "namespaces", name] => {
-            hold(&state);
+            hold(state);
             let found = state
                 .namespaces
                 .lock()
