@@ -10,9 +10,11 @@
 //! - a pod that should be enrolled and is not is enrolled in place: its network namespace is
 //!   found by its address ([`crate::podnet::find`]) and it is enrolled as an ADD enrolls
 //!   (same rules, same ztunnel hand-over, same annotation), decided on the pod as this watch
-//!   saw it, recorded under an id of its own ([`crate::pod::InPlace`]);
+//!   saw it, recorded under an id of its own ([`crate::pod::InPlace`]), once the hub has
+//!   checked that the namespace still holds one of its IPs (Istio 1.31);
 //! - an enrolled pod that should not be (its label set to `none` or removed, its namespace
-//!   unlabelled), or that has terminated, leaves: ztunnel is told, its in-pod rules go and its
+//!   unlabelled or in `excludeNamespaces`, as Istio's agent since 1.30), or that has
+//!   terminated, leaves: ztunnel is told, its in-pod rules go and its
 //!   `ambient.istio.io/redirection` annotation is removed.
 //!
 //! Where Istio reads "enrolled" off the pod's annotation, meshcap reads it off its own

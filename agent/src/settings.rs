@@ -194,12 +194,21 @@ pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
     default: r#"[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]"#,
 };
 
-/// `istioOwnedCNIConfig`: Istio's own conflist merging the primary's (Istio 1.27). meshcap does
-/// not have it yet: accepted, and reported at start when set ([`not_supported`]).
+/// `istioOwnedCNIConfig` (Istio 1.27): chained, meshcap writes a file of its own that merges the
+/// primary CNI's configuration with its entry, instead of editing the primary's file, so that
+/// a primary rewriting its file cannot drop meshcap ([`crate::install::owned`]).
 pub const ISTIO_OWNED_CNI_CONFIG: Setting = Setting {
     key: "istioOwnedCNIConfig",
     env: "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
     default: "false",
+};
+
+/// `istioOwnedCNIConfigFileName`: that file's name; empty: Istio's
+/// [`crate::install::OWNED_FILE_NAME`]. It must sort before the primary's.
+pub const ISTIO_OWNED_CNI_CONFIG_FILE_NAME: Setting = Setting {
+    key: "istioOwnedCNIConfigFileName",
+    env: "MESHCAP_ISTIO_OWNED_CNI_CONFIG_FILE_NAME",
+    default: "",
 };
 
 /// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27). Not in meshcap yet
@@ -219,12 +228,7 @@ pub const AMBIENT_DETECTION_RETRY: Setting = Setting {
 };
 
 /// Istio settings meshcap accepts but does not act on yet, and what it does instead.
-pub const NOT_SUPPORTED: [(Setting, &str); 3] = [
-    (
-        ISTIO_OWNED_CNI_CONFIG,
-        "meshcap chains its entry into the primary CNI's configuration (or writes its \
-         standalone file with chained=false)",
-    ),
+pub const NOT_SUPPORTED: [(Setting, &str); 2] = [
     (
         NATIVE_NFTABLES,
         "the iptables backend writes Istio's iptables rules (legacy or nft iptables, chosen per \
@@ -237,7 +241,7 @@ pub const NOT_SUPPORTED: [(Setting, &str); 3] = [
 ];
 
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 26] = [
+pub const ALL: [Setting; 27] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -262,9 +266,14 @@ pub const ALL: [Setting; 26] = [
     AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
     ISTIO_OWNED_CNI_CONFIG,
+    ISTIO_OWNED_CNI_CONFIG_FILE_NAME,
     NATIVE_NFTABLES,
     AMBIENT_DETECTION_RETRY,
 ];
+
+/// Istio's `CNI_CONF_GROUP_READ` (Istio 1.30), set through the chart's `env` as with Istio:
+/// `true` writes meshcap's own CNI configuration files 0640 instead of 0600.
+pub const CNI_CONF_GROUP_READ_ENV: &str = "CNI_CONF_GROUP_READ";
 
 /// The node the agent runs on (the downward API's `spec.nodeName`).
 pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";

@@ -776,12 +776,16 @@ fn an_istio_values_file_is_taken_as_it_is() {
         one(&objects, "DaemonSet")["metadata"]["labels"]["istio.io/rev"],
         "canary"
     );
+    // istioOwnedCNIConfig reaches the agent, which acts on it; its file name is Istio's.
+    assert_eq!(data["istioOwnedCNIConfig"], "true");
+    assert_eq!(data["istioOwnedCNIConfigFileName"], "");
     // Istio's features meshcap lacks: reported, and passed on for the agent to log.
     let notes = config.notes();
-    for key in ["istioOwnedCNIConfig: true", "global.nativeNftables: true"] {
-        assert!(notes.contains(key), "NOTES name {key}:\n{notes}");
-    }
-    assert_eq!(data["istioOwnedCNIConfig"], "true");
+    assert!(
+        notes.contains("global.nativeNftables: true"),
+        "NOTES name it:\n{notes}"
+    );
+    assert!(!notes.contains("istioOwnedCNIConfig"), "{notes}");
     assert_eq!(data["global.nativeNftables"], "true");
     let lookup = |name: &str| {
         settings::ALL
@@ -794,7 +798,29 @@ fn an_istio_values_file_is_taken_as_it_is() {
         .into_iter()
         .map(|(key, _)| key)
         .collect();
-    assert_eq!(reported, ["istioOwnedCNIConfig", "global.nativeNftables"]);
+    assert_eq!(reported, ["global.nativeNftables"]);
+    let named = Config::new(
+        "owned file named",
+        &[
+            "istioOwnedCNIConfig=true",
+            "istioOwnedCNIConfigFileName=00-meshcap.conflist",
+        ],
+    );
+    assert_eq!(
+        config_map(&named.render("1.35.0"))["istioOwnedCNIConfigFileName"],
+        "00-meshcap.conflist"
+    );
+    let standalone = Config::new(
+        "owned but standalone",
+        &["istioOwnedCNIConfig=true", "chained=false"],
+    );
+    assert!(
+        standalone
+            .notes()
+            .contains("istioOwnedCNIConfig has no effect with chained: false"),
+        "{}",
+        standalone.notes()
+    );
 }
 
 #[test]

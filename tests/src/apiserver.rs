@@ -106,6 +106,12 @@ pub struct ApiServer {
     auth: Arc<Mutex<Auth>>,
     /// Bumped by [`ApiServer::close_watches`]: a watch started before ends.
     watch_epoch: Arc<AtomicUsize>,
+    /// While set, each GET or list of Namespaces waits until it is cleared, counted in
+    /// [`Self::held_namespace_gets`] as it starts waiting: a test holds the agent in the middle
+    /// of a pod's decision (which reads its namespace's labels) to change the node meanwhile.
+    pub hold_namespace_gets: Arc<AtomicBool>,
+    /// The GETs and lists of Namespaces that waited.
+    pub held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
@@ -164,6 +170,8 @@ impl ApiServer {
             daemon_set_changes: Arc::default(),
             auth: Arc::default(),
             watch_epoch: Arc::default(),
+            hold_namespace_gets: Arc::default(),
+            held_namespace_gets: Arc::default(),
             stop: Arc::default(),
         };
         server.install(objects);
@@ -179,6 +187,8 @@ impl ApiServer {
             daemon_set_changes: server.daemon_set_changes.clone(),
             auth: server.auth.clone(),
             watch_epoch: server.watch_epoch.clone(),
+            hold_namespace_gets: server.hold_namespace_gets.clone(),
+            held_namespace_gets: server.held_namespace_gets.clone(),
             stop: server.stop.clone(),
         };
         thread::spawn(move || {
@@ -564,6 +574,8 @@ struct Served {
     daemon_set_changes: Arc<Mutex<Vec<(String, Value)>>>,
     auth: Arc<Mutex<Auth>>,
     watch_epoch: Arc<AtomicUsize>,
+    hold_namespace_gets: Arc<AtomicBool>,
+    held_namespace_gets: Arc<AtomicUsize>,
     stop: Arc<AtomicBool>,
 }
 
@@ -598,6 +610,16 @@ impl Served {
             return None;
         }
         Some(rbac::service_account_user(&token.namespace, &token.account))
+    }
+}
+
+/// Waits while [`ApiServer::hold_namespace_gets`] is set, counted.
+fn hold(state: &Served) {
+    if state.hold_namespace_gets.load(Ordering::SeqCst) {
+        state.held_namespace_gets.fetch_add(1, Ordering::SeqCst);
+        while state.hold_namespace_gets.load(Ordering::SeqCst) {
+            thread::sleep(Duration::from_millis(10));
+        }
     }
 }
 
@@ -983,6 +1005,7 @@ fn route_request(
             }
         }
         ["api", "v1", "namespaces"] => {
+            hold(state);
             let items = state.namespaces.lock().expect("namespaces").clone();
             let version = state
                 .namespace_changes
@@ -1105,6 +1128,7 @@ fn route_request(
             }
         }
         ["api", "v1", "namespaces", name] => {
+            hold(state);
             let found = state
                 .namespaces
                 .lock()

@@ -179,6 +179,68 @@ impl Netns {
         Ok(ns)
     }
 
+    /// A namespace owned by a user namespace of its own that maps ids `0`..`65535` to the
+    /// node's `base`.. (a pod with `hostUsers: false`, as containerd 2 with runc makes it: the
+    /// user namespace first, the network namespace inside it), set up as [`Self::new`] does.
+    /// A child process creates both, the test writes its id maps and names its netns with `ip
+    /// netns attach`; the child then exits, the name keeps the namespaces.
+    ///
+    /// # Errors
+    /// When the kernel refuses, or `ip` fails.
+    pub fn in_user_namespace(prefix: &str, base: u32) -> anyhow::Result<Self> {
+        let name = unique_name(prefix);
+        // Close-on-exec: no process another test starts meanwhile holds them. The child is
+        // told to go by a byte, not by the pipe's end: a child another test forks meanwhile
+        // holds a copy of the write end.
+        let (ready_read, ready_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let (go_read, go_write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let (ready, go) = (ready_write.as_raw_fd(), go_read.as_raw_fd());
+        // SAFETY: the child makes only async-signal-safe system calls (unshare, write, read,
+        // _exit) on its own stack and never returns into Rust code.
+        let pid = unsafe { libc::fork() };
+        ensure!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: as above.
+            unsafe {
+                let made = libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET) == 0;
+                let byte = [u8::from(made)];
+                libc::write(ready, byte.as_ptr().cast(), 1);
+                let mut wait = [0_u8; 1];
+                libc::read(go, wait.as_mut_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        drop((ready_write, go_read));
+        let child = nix::unistd::Pid::from_raw(pid);
+        let made = (|| {
+            let mut byte = [0_u8; 1];
+            File::from(ready_read).read_exact(&mut byte)?;
+            ensure!(byte[0] == 1, "unshare(CLONE_NEWUSER | CLONE_NEWNET) failed");
+            for map in ["uid_map", "gid_map"] {
+                fs::write(format!("/proc/{pid}/{map}"), format!("0 {base} 65536\n"))
+                    .with_context(|| format!("writing {map}"))?;
+            }
+            run("ip", &["netns", "attach", &name, &pid.to_string()])?;
+            Ok(())
+        })();
+        // The child reads its byte and exits; the name (if made) keeps the namespaces.
+        let sent = File::from(go_write).write_all(&[1]);
+        nix::sys::wait::waitpid(child, None)?;
+        sent?;
+        made?;
+        let ns = Self {
+            path: Path::new("/run/netns").join(&name),
+            name,
+            owned: true,
+        };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.run_in(|| {
+            fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
+                .context("unprivileged ports sysctl")
+        })?;
+        Ok(ns)
+    }
+
     /// A namespace someone else made (a container runtime's pod), at `path`: used as it is
     /// and never deleted by this handle. Its [`Self::name`] is the file's name, which `ip -n`
     /// knows only for a file in `/run/netns`.

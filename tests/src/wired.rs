@@ -16,6 +16,8 @@ pub struct Wired {
     /// The upstream's netns.
     pub upstream: Netns,
     cgroup: Option<Arc<TestCgroup>>,
+    /// What the pod's user namespace maps its id 0 to on the node (0: it has none of its own).
+    ids_base: u32,
 }
 
 impl Wired {
@@ -35,7 +37,21 @@ impl Wired {
     /// When the kernel refuses.
     #[must_use]
     pub fn in_cgroup(cgroup: Option<Arc<TestCgroup>>) -> Self {
-        let pod = Netns::new("mc-e2e-pod").expect("pod netns");
+        Self::around(Netns::new("mc-e2e-pod").expect("pod netns"), cgroup, 0)
+    }
+
+    /// Wires a new pod with a user namespace of its own (`hostUsers: false`) mapping its ids
+    /// to the node's from `base`; its processes run as the node's ids of the pod's.
+    ///
+    /// # Panics
+    /// When the kernel refuses.
+    #[must_use]
+    pub fn in_user_namespace(cgroup: Option<Arc<TestCgroup>>, base: u32) -> Self {
+        let pod = Netns::in_user_namespace("mc-e2e-userns", base).expect("pod netns");
+        Self::around(pod, cgroup, base)
+    }
+
+    fn around(pod: Netns, cgroup: Option<Arc<TestCgroup>>, ids_base: u32) -> Self {
         let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
         pod.ip(&[
             "link",
@@ -59,17 +75,20 @@ impl Wired {
             pod,
             upstream,
             cgroup,
+            ids_base,
         }
     }
 
-    /// A process of the pod running as `uid`.
+    /// A process of the pod running as the pod's `uid` (and gid): the node's id its user
+    /// namespace maps it to, which is what the kernel compares (a process inside that user
+    /// namespace with the pod's id has it too).
     #[must_use]
     pub fn in_pod(&self, uid: u32) -> Placement<'_> {
         Placement {
             netns: &self.pod,
             cgroup: self.cgroup.as_deref(),
-            uid,
-            gid: uid,
+            uid: self.ids_base + uid,
+            gid: self.ids_base + uid,
         }
     }
 

@@ -307,3 +307,132 @@ fn ready_never_before_the_plugin_is_chained() {
     let chained = read_json(&conflist);
     assert_eq!(meshcap_entries(&chained).len(), 1, "{chained}");
 }
+
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    fs::metadata(path).expect("stat").permissions().mode() & 0o7777
+}
+
+/// `istioOwnedCNIConfig`, as Istio 1.27: meshcap writes a file of its own (Istio's
+/// `02-istio-cni.conflist`, 0600 as Istio's since 1.30, 0640 with `CNI_CONF_GROUP_READ`) that
+/// merges the primary's configuration with its entry, and never touches the primary's file; a
+/// primary rewriting its file is followed, a valid file sorting before meshcap's leaves the
+/// agent not ready naming it, and the uninstall removes meshcap's file whole.
+#[test]
+fn an_owned_conflist_keeps_meshcap_while_the_primary_rewrites_its_file() {
+    require_root();
+    let root = Scratch(std::env::temp_dir().join(unique_name("meshcap-owned")));
+    let (conf_dir, bin_dir) = (root.0.join("net.d"), root.0.join("bin"));
+    for dir in [&conf_dir, &bin_dir] {
+        fs::create_dir_all(dir).expect("scratch dirs");
+    }
+    let primary = conf_dir.join("10-calico.conflist");
+    let calico = json!({"cniVersion": "1.0.0", "name": "k8s-pod-network",
+                        "plugins": [{"type": "calico"}, {"type": "portmap"}]});
+    fs::write(&primary, calico.to_string()).expect("primary conflist");
+    let owned = conf_dir.join("02-istio-cni.conflist");
+    let pods = ManifestDir::new();
+    let (conf, bin) = (
+        conf_dir.to_str().expect("utf-8"),
+        bin_dir.to_str().expect("utf-8"),
+    );
+    let mut agent = Agent::start(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_INSTALL_CNI", "true"),
+            ("MESHCAP_CNI_CONF_DIR", conf),
+            ("MESHCAP_CNI_BIN_DIR", bin),
+            ("MESHCAP_ISTIO_OWNED_CNI_CONFIG", "true"),
+        ],
+    )
+    .expect("agent");
+    let ready = |agent: &Agent| agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200);
+    eventually("the agent is ready with its own file", || ready(&agent))
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    let merged = read_json(&owned);
+    assert_eq!(
+        merged["plugins"]
+            .as_array()
+            .expect("plugins")
+            .iter()
+            .map(|p| p["type"].clone())
+            .collect::<Vec<_>>(),
+        ["calico", "portmap", "meshcap-cni"],
+        "the primary's plugins, then meshcap's: {merged}"
+    );
+    assert_eq!(merged["name"], "k8s-pod-network", "{merged}");
+    assert_eq!(mode(&owned), 0o600, "written 0600");
+    assert_eq!(read_json(&primary), calico, "the primary's file left alone");
+
+    // The primary rewrites its file (at a reboot, before the agent is back): the runtime still
+    // uses meshcap's file, which follows the primary's new configuration.
+    let rewritten = json!({"cniVersion": "1.0.0", "name": "k8s-pod-network",
+                           "plugins": [{"type": "calico", "mtu": 1400}]});
+    fs::write(&primary, rewritten.to_string()).expect("rewrite");
+    eventually("meshcap's file follows the primary's", || {
+        let merged = read_json(&owned);
+        merged["plugins"][0]["mtu"] == 1400 && merged["plugins"][1]["type"] == "meshcap-cni"
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(read_json(&primary), rewritten, "still never touched");
+
+    // A valid file sorting first is the one the runtime uses: not ready, and why.
+    let first = conf_dir.join("01-other.conflist");
+    fs::write(
+        &first,
+        json!({"cniVersion": "1.0.0", "name": "other", "plugins": [{"type": "bridge"}]})
+            .to_string(),
+    )
+    .expect("a file sorting first");
+    eventually("not ready while a file sorts first", || {
+        agent
+            .http_get("/readyz")
+            .is_ok_and(|(code, body)| code == 503 && body.contains("01-other.conflist"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    fs::remove_file(&first).expect("rm");
+    eventually("ready again", || ready(&agent)).unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+
+    // CNI_CONF_GROUP_READ: the file becomes 0640.
+    agent.set_env("CNI_CONF_GROUP_READ", Some("true"));
+    agent.restart().expect("restart");
+    eventually("0640 with CNI_CONF_GROUP_READ", || mode(&owned) == 0o640)
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    agent.terminate().expect("stop");
+    assert!(owned.exists(), "an agent that stops leaves its file");
+
+    let out = Command::new(binaries().join("meshcap-agent"))
+        .arg("uninstall")
+        .arg("--bpffs-dir")
+        .arg(root.0.join("bpffs"))
+        .env("MESHCAP_CNI_CONF_DIR", &conf_dir)
+        .env("MESHCAP_CNI_BIN_DIR", &bin_dir)
+        .env("MESHCAP_ISTIO_OWNED_CNI_CONFIG", "true")
+        .output()
+        .expect("running meshcap-agent uninstall");
+    assert!(out.status.success(), "uninstall: {out:?}");
+    assert!(
+        !owned.exists(),
+        "the uninstall removes meshcap's file whole"
+    );
+    assert_eq!(
+        read_json(&primary),
+        rewritten,
+        "and leaves the primary's as it is"
+    );
+
+    // Not chained: the standalone file is meshcap's own too, 0600.
+    agent.set_env("CNI_CONF_GROUP_READ", None);
+    agent.set_env("MESHCAP_CHAINED", Some("false"));
+    agent.restart().expect("restart");
+    let standalone = conf_dir.join("YYY-meshcap-cni.conf");
+    eventually("the standalone file", || standalone.exists())
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(mode(&standalone), 0o600, "written 0600");
+}

@@ -9,7 +9,10 @@
 //! through to the app, with the pod's addresses in the node's probe set while it is enrolled. An agent restart and a
 //! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
 //! ztunnel the ADD fails whole.
-use std::path::{Path, PathBuf};
+use std::{
+    path::{Path, PathBuf},
+    sync::atomic::Ordering,
+};
 
 use meshcap_agent::{
     crashpoint,
@@ -821,7 +824,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     };
     api.apply_namespace(namespace(json!({})));
     let socket = sockets.socket();
-    let agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
+    let mut agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
     let mut zt = ztunnel(&node, &socket, &[]);
     let sandbox = Sandbox::new("shop", "web", &pod.netns);
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
@@ -875,9 +878,34 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         Vec::<String>::new()
     );
 
-    // The namespace's label enrolls the (unlabelled) pod.
+    // The namespace's label enrolls the (unlabelled) pod, but only into a netns that still
+    // holds its IP: the agent is held in its decision (the namespace's labels, read from the
+    // API) after it found the netns, and the IP leaves the netns meanwhile.
     relabel(json!({}));
+    api.hold_namespace_gets.store(true, Ordering::SeqCst);
     api.apply_namespace(namespace(json!({"istio.io/dataplane-mode": "ambient"})));
+    eventually("the enrollment reads the namespace's labels", || {
+        api.held_namespace_gets.load(Ordering::SeqCst) > 0
+    })
+    .expect("held");
+    pod.netns
+        .ip(&["addr", "del", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the IP leaves");
+    api.hold_namespace_gets.store(false, Ordering::SeqCst);
+    eventually("the in-place enrollment is refused, naming the pod", || {
+        agent.log().lines().any(|l| {
+            l.contains("pod shop/web: network namespace")
+                && l.contains(&format!("holds none of its IPs [{ip}]"))
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(outbound(&node, &pod), "peer", "nothing captured");
+    assert!(annotation().is_null(), "not annotated");
+    // The IP back, the pod's next change enrolls it.
+    pod.netns
+        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the IP back");
+    relabel(json!({}));
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
     eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
     assert_eq!(
@@ -885,6 +913,23 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         "ztunnel",
         "enrolled by its namespace: captured"
     );
+
+    // Its namespace becomes excluded (`excludeNamespaces`, which the agent reads at start): as
+    // Istio's agent since 1.30, the restarted agent takes it out. The agent's namespace list
+    // is held until ztunnel has its snapshot (naming the pod), so that ztunnel is told after.
+    excluded(&mut agent, &api, &mut zt, &added, true);
+    // The annotation goes once the pod is out whole.
+    eventually("the annotation is removed", || annotation().is_null())
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(outbound(&node, &pod), "peer", "excluded: released");
+    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
+    assert_eq!(
+        leftovers(&pod.netns).expect("leftovers"),
+        Vec::<String>::new()
+    );
+    // Not excluded any more: the restarted agent enrolls it again.
+    excluded(&mut agent, &api, &mut zt, &added, false);
+    eventually("the pod is annotated", || annotation() == "enabled").expect("annotated");
 
     // The runtime's GC lists its sandboxes only: a pod enrolled in place is not collected.
     let mut gc_conf = config("1.1.0", &agent.socket, &pod.v4().to_string());
@@ -905,6 +950,34 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
 
     // The runtime's own DEL (its sandbox id) finds the pod enrolled in place, by its netns.
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// Restarts `agent` with the pod's namespace `shop` in `excludeNamespaces` (or not), holding
+/// the agent's namespace list until ztunnel has the new snapshot; then ztunnel is told the pod
+/// left (excluded) or is sent it again (`added`).
+fn excluded(agent: &mut Agent, api: &ApiServer, zt: &mut Proc, added: &str, exclude: bool) {
+    let namespaces = if exclude {
+        "kube-system,shop"
+    } else {
+        "kube-system"
+    };
+    agent.set_env("MESHCAP_EXCLUDE_NAMESPACES", Some(namespaces));
+    api.hold_namespace_gets.store(true, Ordering::SeqCst);
+    agent.restart().expect("restart");
+    let mut told = vec![zt.wait_line().expect("ztunnel")];
+    while told.last().is_some_and(|l| l != "snapshot_sent") {
+        told.push(zt.wait_line().expect("ztunnel"));
+    }
+    api.hold_namespace_gets.store(false, Ordering::SeqCst);
+    let expected = if exclude {
+        vec![added.to_owned(), "snapshot_sent".to_owned()]
+    } else {
+        vec!["snapshot_sent".to_owned()]
+    };
+    assert_eq!(told, expected, "the snapshot\n{}", agent.log());
+    let next = zt.wait_line().expect("ztunnel");
+    let wanted = if exclude { "del uid-web" } else { added };
+    assert_eq!(next, wanted, "{}", agent.log());
 }
 
 /// `ambient.reconcileIptablesOnStartup`, as Istio's `reconcileExistingPod`: a starting agent

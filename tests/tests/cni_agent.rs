@@ -32,6 +32,7 @@ meshcap_tests::test_on_both_backends!(
     bad_input_gets_clear_errors_and_the_agent_keeps_serving,
     a_hundred_pods_in_parallel_leave_nothing_behind,
     a_capture_whose_netns_went_without_a_del_is_dropped,
+    a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does,
 );
 
 fn dir_agent(backend: Backend, dir: &ManifestDir) -> Agent {
@@ -970,4 +971,73 @@ fn the_agents_threads_ask_for_a_short_slice() {
         let slice = meshcap_agent::sched::slice_ns(tid).expect("sched_getattr");
         assert_eq!(slice, expected, "thread {tid} of the agent");
     }
+}
+
+/// Where the pod's user namespace maps its id 0 on the node.
+const USERNS_BASE: u32 = 100_000;
+
+/// Pods with `hostUsers: false` (Kubernetes user namespaces): the pod's network namespace is
+/// owned by a user namespace of its own that maps the pod's ids to a range of the node's, here
+/// `0`..`65535` to `100000`.. (the test makes it as containerd 2 with runc does: the user
+/// namespace, then the network namespace inside it). The pod's processes run as the node's ids
+/// of the pod's (`101337` for the proxy's `1337`), which is what the kernel compares.
+///
+/// Without meshcap's handling, each backend breaks such a pod differently: the kernel refuses
+/// Istio's `--uid-owner` rules from outside the pod's user namespace (`iptables-restore` fails,
+/// and the ADD with it), and the kernel programs, comparing the node's ids with the pod's
+/// `1337`, would capture the proxy's own connections (a loop back into Envoy). Here the ADD
+/// captures the app's traffic for Envoy, Envoy's own connection passes, CHECK passes, and the
+/// DEL leaves nothing.
+///
+/// Not run here: a real user-namespaced pod (containerd 1.6 cannot create one; kubelet 1.30+
+/// with containerd 2 and idmapped mounts would), and processes inside the user namespace (the
+/// kernel sees the same node ids either way).
+fn a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does(backend: Backend) {
+    require_root();
+    let dir = ManifestDir::new();
+    write_manifest(&dir.0, &sidecar_pod("shop", "web", &[]));
+    let agent = Agent::start(
+        backend,
+        &["--pods", "dir", "--pod-dir", dir.0.to_str().expect("utf-8")],
+        &[],
+    )
+    .expect("agent");
+    let wired = Wired::in_user_namespace(agent.cgroup(), USERNS_BASE);
+    let _servers = wired.servers();
+    let sandbox = Sandbox::new("shop", "web", &wired.pod);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD: {add:?}\n{}", agent.log());
+    assert_eq!(
+        wired.app_dial(),
+        ("envoy".to_owned(), Some("10.0.0.1:80".to_owned())),
+        "the app (uid {}) is captured\n{}",
+        USERNS_BASE + APP_UID,
+        agent.log()
+    );
+    let proxy = dial(wired.in_pod(PROXY_UID), "tcp:10.0.0.1:80", None)
+        .expect("dial")
+        .expect("something answers");
+    assert_eq!(
+        (proxy.server.as_str(), proxy.original_dst),
+        ("upstream", None),
+        "the proxy's own connection (uid {}) passes\n{}",
+        USERNS_BASE + PROXY_UID,
+        agent.log()
+    );
+    let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
+    assert!(check.success, "CHECK: {check:?}\n{}", agent.log());
+
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL: {del:?}");
+    assert_eq!(wired.app_dial().0, "upstream", "released");
+    assert_eq!(
+        leftovers(&wired.pod).expect("netns state"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        agent.ebpf_leftovers().expect("eBPF state"),
+        Vec::<String>::new()
+    );
 }

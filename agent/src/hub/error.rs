@@ -52,6 +52,20 @@ pub enum CaptureError {
         #[source]
         source: PodNetError,
     },
+    /// A pod to capture in place: its netns holds none of its IPs (any more), so it is not the
+    /// pod's; nothing is captured.
+    #[error(
+        "pod {pod}: network namespace {netns} holds none of its IPs {ips:?} (the pod is gone, or \
+         the namespace is another pod's): not captured in place"
+    )]
+    NotThePodsNetns {
+        /// The pod.
+        pod: PodName,
+        /// The netns found for it.
+        netns: String,
+        /// The pod's IPs (its status').
+        ips: Vec<std::net::IpAddr>,
+    },
     /// The backend failed, or (CHECK) the capture is not as the policy says.
     #[error(transparent)]
     Backend(Box<BackendError>),
@@ -116,7 +130,7 @@ impl CaptureError {
             },
             Self::Namespace { .. } => ErrorClass::PodSourceUnavailable,
             Self::Invalid(_) | Self::NotEnrolled => ErrorClass::InvalidPod,
-            Self::Netns { .. } => ErrorClass::BadRequest,
+            Self::Netns { .. } | Self::NotThePodsNetns { .. } => ErrorClass::BadRequest,
             Self::Backend(err) => backend_class(err),
             Self::Ambient(err) => match &**err {
                 AmbientError::Rules(err) => backend_class(err),

@@ -37,7 +37,7 @@ use crate::{
     backend::{AmbientCapture, PodPolicy, Router},
     events::EventSink,
     install::watch::InstallStatus,
-    pod::{PodRef, Sandbox},
+    pod::{PodRef, Sandbox, made_in_place},
     podnet,
     pods::{PodSource, Retry},
     policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::InpodPolicy},
@@ -138,6 +138,9 @@ impl Hub {
 
     async fn capture(&self, sandbox: &Sandbox) -> Result<Done, CaptureError> {
         let (found, decision) = self.lookup.decide(sandbox).await?;
+        if !matches!(decision, Decision::Skip { .. }) {
+            netns_still_the_pods(sandbox).await?;
+        }
         match decision {
             Decision::Skip { reason, .. } => Ok(Done::Skipped(reason)),
             Decision::Sidecar { policy, .. } => Ok(Done::Captured(
@@ -173,6 +176,7 @@ impl Hub {
                 Ok(_) | Err(CaptureError::Invalid(_)) => return Err(CaptureError::NotEnrolled),
                 Err(other) => return Err(other),
             };
+            netns_still_the_pods(&sandbox).await?;
             let capture = ambient_capture(&sandbox, found, policy);
             self.captures.enroll(&sandbox.pod, capture).await?;
             Ok(ENROLLED.to_owned())
@@ -395,6 +399,27 @@ async fn netns_addresses(sandbox: &Sandbox) -> Result<Vec<IpAddr>, CaptureError>
             netns: sandbox.pod.netns.display().to_string(),
             source,
         })
+}
+
+/// For a pod captured in place (the repair controller, live enrollment): that its netns still
+/// holds one of the pod's IPs, as Istio checks before it enrolls a running pod (1.31,
+/// `releasenotes/notes/validate-netns-ownership.yaml`). meshcap found the netns by those IPs
+/// ([`podnet::find`]), but its decision came after (an API call away): by now the pod may be
+/// gone and its netns another's. Checked under the pod's lock, just before the capture; a
+/// runtime's ADD names the netns it made and is not checked.
+async fn netns_still_the_pods(sandbox: &Sandbox) -> Result<(), CaptureError> {
+    if !made_in_place(&sandbox.pod.container_id) {
+        return Ok(());
+    }
+    let held = netns_addresses(sandbox).await?;
+    if sandbox.ips.iter().any(|ip| held.contains(ip)) {
+        return Ok(());
+    }
+    Err(CaptureError::NotThePodsNetns {
+        pod: sandbox.pod.pod_name(),
+        netns: sandbox.pod.netns.display().to_string(),
+        ips: sandbox.ips.clone(),
+    })
 }
 
 /// An enrolled pod's capture: `policy` with the pod's addresses and what ztunnel is told it is,

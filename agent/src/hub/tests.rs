@@ -207,14 +207,57 @@ async fn a_pod_outside_the_mesh_is_left_alone_and_a_bad_one_refused() {
     );
 }
 
+/// A pod captured in place in the test's own netns, with `ips`.
+fn in_place_sandbox(container_id: &str, ips: Vec<std::net::IpAddr>) -> Sandbox {
+    let mut sandbox = sandbox("web", container_id);
+    sandbox.pod.netns = PathBuf::from("/proc/self/ns/net");
+    sandbox.ips = ips;
+    sandbox
+}
+
+/// The global addresses of the test's netns (the host's).
+fn here() -> Vec<std::net::IpAddr> {
+    let ips = crate::podnet::global_addresses().expect("addresses");
+    assert!(!ips.is_empty(), "the host has a global address");
+    ips
+}
+
+#[tokio::test]
+async fn a_capture_in_place_needs_a_netns_holding_one_of_the_pods_ips() {
+    let backend = Arc::new(Recorder::default());
+    let (hub, _dir) = hub(backend.clone());
+    let id = crate::pod::InPlace::Repair.container_id("u1");
+    // 192.0.2.0/24 is documentation's (RFC 5737): no netns holds it.
+    let elsewhere = in_place_sandbox(&id, vec!["192.0.2.77".parse().unwrap()]);
+    let err = hub.add(elsewhere).await.expect_err("refused");
+    assert_eq!(
+        err.to_string(),
+        "pod shop/web: network namespace /proc/self/ns/net holds none of its IPs [192.0.2.77] \
+         (the pod is gone, or the namespace is another pod's): not captured in place"
+    );
+    assert!(
+        backend.captured.lock().unwrap().is_empty(),
+        "nothing captured"
+    );
+    hub.add(in_place_sandbox(&id, here()))
+        .await
+        .expect("captured where the netns holds its IP");
+    // A runtime's ADD names the netns it made: not checked (this one does not even exist).
+    hub.add(sandbox("web", "c1")).await.expect("added");
+    assert_eq!(backend.captured.lock().unwrap().len(), 2);
+}
+
 #[tokio::test]
 async fn gc_leaves_captures_made_in_place_and_those_the_runtime_has() {
     let backend = Arc::new(Recorder::default());
     let (hub, _dir) = hub(backend.clone());
     let in_place = crate::pod::InPlace::Repair.container_id("u1");
-    for id in ["kept", "stale", in_place.as_str()] {
+    for id in ["kept", "stale"] {
         hub.add(sandbox("web", id)).await.expect("added");
     }
+    hub.add(in_place_sandbox(&in_place, here()))
+        .await
+        .expect("added");
     let collected = hub.gc(vec!["kept".to_owned()]).await.expect("collected");
     assert_eq!(collected.message(), "removed 1 stale captures");
     let left: Vec<String> = backend

@@ -262,18 +262,30 @@ pub fn render(value: &Value) -> Vec<u8> {
 }
 
 /// Writes `bytes` to `path` atomically: a hidden temporary file in the same directory (an
-/// extension libcni ignores), synced, given `mode`, then renamed over `path`. The runtime sees
-/// either the old file or the new one, never a partial write.
+/// extension libcni ignores), created with `mode` (never readable by more than `mode` allows,
+/// not even while it is written: the kubeconfig holds a token), synced, then renamed over
+/// `path`. The runtime sees either the old file or the new one, never a partial write.
 ///
 /// # Errors
 /// When any step fails; the temporary file is removed then.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError> {
-    use std::io::Write as _;
+    use std::{io::Write as _, os::unix::fs::OpenOptionsExt as _};
 
     let tmp = temporary_path(path);
     let result = (|| {
-        let mut file = fs::File::create(&tmp)?;
+        // A temporary file left by a crash of an agent with this pid goes first, so that the
+        // new one is created with `mode`.
+        match fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)?;
         file.write_all(bytes)?;
+        // The umask may have taken bits `mode` asks for (0640 under umask 077).
         file.set_permissions(fs::Permissions::from_mode(mode))?;
         file.sync_all()?;
         fs::rename(&tmp, path)?;

@@ -1,7 +1,12 @@
 //! Installing meshcap into the node's CNI set-up, as Istio's install-cni does: the plugin binary
 //! into the CNI bin dir, and meshcap's entry chained last into the runtime's network
-//! configuration (or a standalone file when `chained` is false), kept there by [`watch`] while
-//! other components rewrite the file.
+//! configuration (or a standalone file when `chained` is false, or, with `istioOwnedCNIConfig`,
+//! a file of meshcap's own that merges the primary's: [`owned`]), kept there by [`watch`] while
+//! other components rewrite the files.
+//!
+//! The files meshcap owns in the conf dir (the standalone file, the owned file, the plugin's
+//! kubeconfig) are written 0600 (0640 for the first two with Istio's `CNI_CONF_GROUP_READ`), as
+//! Istio's since 1.30; a primary's file meshcap chains into keeps the mode it has.
 //!
 //! Unlike Istio in sidecar mode, nothing is removed when the agent stops: across restarts and
 //! upgrades the entry stays, so a pod created while no agent runs waits (the plugin fails closed
@@ -21,6 +26,7 @@ use crate::paths;
 pub mod binary;
 pub mod conflist;
 pub mod kubeconfig;
+pub mod owned;
 pub mod watch;
 
 /// The plugin's CNI `type`.
@@ -54,6 +60,18 @@ pub const STANDALONE_NETWORK_NAME: &str = "istio-cni";
 
 /// The CNI version of the standalone file (Istio's).
 pub const STANDALONE_CNI_VERSION: &str = "0.3.1";
+
+/// The file `istioOwnedCNIConfig` writes when `istioOwnedCNIConfigFileName` is empty: Istio's
+/// name (`cni/pkg/constants`), so that meshcap takes over a file istio-cni left rather than
+/// sorting behind it.
+pub const OWNED_FILE_NAME: &str = "02-istio-cni.conflist";
+
+/// The mode of the CNI configuration files meshcap owns: Istio's since 1.30 (CIS Kubernetes
+/// benchmark; the runtime reads them as root).
+pub const CONF_MODE: u32 = 0o600;
+
+/// The same with Istio's `CNI_CONF_GROUP_READ`.
+pub const CONF_MODE_GROUP_READ: u32 = 0o640;
 
 /// The Istio CNI plugin's type, whose entry must not run beside meshcap's.
 const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
@@ -145,6 +163,14 @@ pub struct InstallConfig {
     pub cni_conf_file_name: Option<String>,
     /// `chained`: insert into the primary CNI's list (true) or write a standalone file.
     pub chained: bool,
+    /// `istioOwnedCNIConfig`: chained, write [`Self::owned_file_name`] merging the primary's
+    /// configuration with meshcap's entry instead of editing the primary's file.
+    pub owned: bool,
+    /// `istioOwnedCNIConfigFileName` ([`OWNED_FILE_NAME`] when unset), known even while
+    /// `owned` is off, so that the file left from when it was on is found and removed.
+    pub owned_file_name: String,
+    /// The mode of the standalone and owned files ([`CONF_MODE`] or [`CONF_MODE_GROUP_READ`]).
+    pub conf_mode: u32,
     /// The `meshcap-cni` binary to copy (shipped beside the agent).
     pub plugin_source: PathBuf,
     /// The agent binary to copy beside the plugin, for its decisions while the agent is down
@@ -165,6 +191,9 @@ impl InstallConfig {
             cni_conf_dir: PathBuf::from(paths::CNI_CONF_DIR),
             cni_conf_file_name: None,
             chained: true,
+            owned: false,
+            owned_file_name: OWNED_FILE_NAME.to_owned(),
+            conf_mode: CONF_MODE,
             plugin_source,
             decider_source: None,
             kubeconfig_source: None,
@@ -186,6 +215,14 @@ pub enum ConfState {
     /// Chained, but the primary CNI has written no valid configuration yet: wait for it (the
     /// runtime creates no pods on this node until it has one either).
     NoPrimaryConfig,
+    /// meshcap's own file ([`InstallConfig::owned`]) is written, but a valid file sorts before
+    /// it: the runtime uses that one, without meshcap.
+    Preempted {
+        /// meshcap's file.
+        path: PathBuf,
+        /// The file the runtime uses instead.
+        first: String,
+    },
 }
 
 impl fmt::Display for ConfState {
@@ -193,6 +230,12 @@ impl fmt::Display for ConfState {
         match self {
             Self::Installed { path, .. } => write!(f, "installed in {}", path.display()),
             Self::NoPrimaryConfig => f.write_str("waiting for the primary CNI's configuration"),
+            Self::Preempted { path, first } => write!(
+                f,
+                "{} is written, but the runtime uses {first}, which sorts before it: name \
+                 istioOwnedCNIConfigFileName to sort first",
+                path.display()
+            ),
         }
     }
 }
@@ -273,82 +316,111 @@ pub fn install(config: &InstallConfig) -> Result<ConfState, InstallError> {
 /// # Errors
 /// When a file cannot be read or written.
 pub fn ensure_conf(config: &InstallConfig) -> Result<ConfState, InstallError> {
-    if config.chained {
-        ensure_chained(config)
-    } else {
-        ensure_standalone(config)
+    match (config.chained, config.owned) {
+        (false, _) => ensure_standalone(config),
+        (true, true) => owned::ensure(config),
+        (true, false) => ensure_chained(config),
     }
 }
 
 fn ensure_chained(config: &InstallConfig) -> Result<ConfState, InstallError> {
     let dir = &config.cni_conf_dir;
-    let files = conflist::read_dir(dir)?;
+    let mut files = conflist::read_dir(dir)?;
+    // meshcap's own file from when istioOwnedCNIConfig was on: not the primary's, and removed
+    // once the primary's holds the entry (until then it keeps pods waiting for meshcap).
+    let leftover = owned::own_file(config, &files);
+    files.retain(|(name, _)| Some(name) != leftover.as_ref());
     let configured = config.cni_conf_file_name.as_deref();
     let Some(current) = conflist::primary(&files, configured) else {
-        if let Some((name, bytes)) =
-            configured.and_then(|wanted| files.iter().find(|(name, _)| name == wanted))
-            && let Some(reason) = conflist::invalid_reason(name, bytes)
-        {
-            return Err(InstallError::InvalidConfigured {
-                path: dir.join(name),
-                reason,
-            });
-        }
-        return Ok(ConfState::NoPrimaryConfig);
+        return no_primary(dir, &files, configured);
     };
-    let plugins = current.value.get("plugins").and_then(Value::as_array);
+    warn_if_istio_cni(dir, &current);
+    let wanted = conflist::with_entry(&current, &config.plugin.entry());
+    let path = dir.join(&wanted.name);
+    let written = wanted != current;
+    if written {
+        let old_path = dir.join(&current.name);
+        let mode = file_mode(&old_path)?;
+        conflist::write_atomic(&path, &conflist::render(&wanted.value), mode)?;
+        if wanted.name != current.name {
+            // A lone .conf became a .conflist: the .conf would otherwise sort first and win.
+            remove_file(&old_path)?;
+        }
+        tracing::info!(file = %path.display(), "chained {PLUGIN_TYPE} into the CNI configuration");
+    }
+    if let Some(name) = leftover {
+        remove_file(&dir.join(&name))?;
+        tracing::info!(
+            file = %dir.join(&name).display(),
+            "istioOwnedCNIConfig is off: removed meshcap's own file, the primary's holds the entry"
+        );
+    }
+    Ok(ConfState::Installed { path, written })
+}
+
+/// No usable primary configuration among `files`: an error when the configured one is there
+/// but invalid, else a wait for the primary CNI.
+fn no_primary(
+    dir: &Path,
+    files: &[(String, Vec<u8>)],
+    configured: Option<&str>,
+) -> Result<ConfState, InstallError> {
+    if let Some((name, bytes)) =
+        configured.and_then(|wanted| files.iter().find(|(name, _)| name == wanted))
+        && let Some(reason) = conflist::invalid_reason(name, bytes)
+    {
+        return Err(InstallError::InvalidConfigured {
+            path: dir.join(name),
+            reason,
+        });
+    }
+    Ok(ConfState::NoPrimaryConfig)
+}
+
+/// Warns when the primary configuration chains istio-cni too.
+fn warn_if_istio_cni(dir: &Path, primary: &conflist::ConfFile) {
+    let plugins = primary.value.get("plugins").and_then(Value::as_array);
     if plugins.is_some_and(|p| {
         p.iter()
             .any(|p| p.get("type").and_then(Value::as_str) == Some(ISTIO_PLUGIN_TYPE))
     }) {
         tracing::warn!(
-            file = %dir.join(&current.name).display(),
+            file = %dir.join(&primary.name).display(),
             "the istio-cni plugin is chained too: uninstall istio-cni (docs/install.md), or both \
              will program each pod"
         );
     }
-    let wanted = conflist::with_entry(&current, &config.plugin.entry());
-    let path = dir.join(&wanted.name);
-    if wanted == current {
-        return Ok(ConfState::Installed {
-            path,
-            written: false,
-        });
-    }
-    let old_path = dir.join(&current.name);
-    let mode = file_mode(&old_path)?;
-    conflist::write_atomic(&path, &conflist::render(&wanted.value), mode)?;
-    if wanted.name != current.name {
-        // A lone .conf became a .conflist: the .conf would otherwise sort first and win.
-        remove_file(&old_path)?;
-    }
-    tracing::info!(file = %path.display(), "chained {PLUGIN_TYPE} into the CNI configuration");
-    Ok(ConfState::Installed {
-        path,
-        written: true,
-    })
 }
 
 fn ensure_standalone(config: &InstallConfig) -> Result<ConfState, InstallError> {
     let path = config.cni_conf_dir.join(standalone_name(config));
     let wanted = conflist::standalone(&config.plugin.entry(), STANDALONE_CNI_VERSION);
-    let current: Option<Value> = fs::read(&path)
-        .ok()
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok());
-    if current.as_ref() == Some(&wanted) {
-        return Ok(ConfState::Installed {
-            path,
-            written: false,
-        });
-    }
     fs::create_dir_all(&config.cni_conf_dir)
         .map_err(|e| InstallError::io("creating", &config.cni_conf_dir, e))?;
-    conflist::write_atomic(&path, &conflist::render(&wanted), 0o644)?;
-    tracing::info!(file = %path.display(), "wrote the standalone {PLUGIN_TYPE} configuration");
-    Ok(ConfState::Installed {
-        path,
-        written: true,
-    })
+    let written = write_own(&path, &wanted, config.conf_mode)?;
+    if written {
+        tracing::info!(file = %path.display(), "wrote the standalone {PLUGIN_TYPE} configuration");
+    }
+    Ok(ConfState::Installed { path, written })
+}
+
+/// Puts a file meshcap owns in place with `wanted` as its content and `mode` as its mode:
+/// rewritten (atomically) when its content differs, only given `mode` when that alone differs
+/// (a file an earlier meshcap wrote 0644). Whether it was rewritten.
+fn write_own(path: &Path, wanted: &Value, mode: u32) -> Result<bool, InstallError> {
+    let current: Option<Value> = fs::read(path)
+        .ok()
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    if current.as_ref() != Some(wanted) {
+        conflist::write_atomic(path, &conflist::render(wanted), mode)?;
+        return Ok(true);
+    }
+    if file_mode(path)? != mode {
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .map_err(|e| InstallError::io("setting the mode of", path, e))?;
+        tracing::info!(file = %path.display(), mode = format!("{mode:o}"), "mode set");
+    }
+    Ok(false)
 }
 
 fn standalone_name(config: &InstallConfig) -> &str {
@@ -367,7 +439,16 @@ fn standalone_name(config: &InstallConfig) -> &str {
 pub fn uninstall(config: &InstallConfig) -> Result<(), InstallError> {
     let dir = &config.cni_conf_dir;
     if config.chained {
-        for (name, bytes) in conflist::read_dir(dir)? {
+        let files = conflist::read_dir(dir)?;
+        // meshcap's own file goes whole: without the entry it would be a stale copy of the
+        // primary's configuration that the runtime keeps using.
+        let own = owned::own_file(config, &files);
+        for (name, bytes) in files {
+            if Some(&name) == own.as_ref() {
+                remove_file(&dir.join(&name))?;
+                tracing::info!(file = %dir.join(&name).display(), "removed meshcap's own CNI configuration");
+                continue;
+            }
             let Ok(value) = serde_json::from_slice(&bytes) else {
                 continue;
             };

@@ -7,13 +7,15 @@
 //! serves every request of the visit: [`inspect`] (the netns cookie, interfaces,
 //! addresses and routes), [`route`] (the policy routes) and [`clsact`] (the inbound TC filter
 //! on the clsact qdisc). [`find`] finds a running pod's namespace by its address, for the
-//! controllers that capture pods in place.
+//! controllers that capture pods in place; [`userns`] the user namespace that owns a pod's
+//! network namespace (`hostUsers: false`) and the ids it maps.
 //!
 //! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
 //! netlink and sockets, not BPF maps, pins or iptables.
 pub mod clsact;
 pub mod find;
 pub mod route;
+pub mod userns;
 mod visit;
 
 use std::{io, path::PathBuf};

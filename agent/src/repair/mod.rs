@@ -11,7 +11,8 @@
 //! - `repairPods` (default): captures the running pod in place, through the same path as a CNI
 //!   ADD (same decision, same backend, same records, so a later CHECK and DEL work); the pod's
 //!   next `istio-validation` run passes. Each pod (by uid) once. Needs no RBAC beyond the pod
-//!   watch; its namespace is found by [`podnet::find`].
+//!   watch; its namespace is found by [`podnet::find`], and must still hold one of the pod's
+//!   IPs when the capture is made (the hub checks it).
 //! - `deletePods`: deletes the pod with uid and resourceVersion preconditions, so that it is
 //!   rescheduled (RBAC: `pods` `delete`).
 //! - `labelPods`: sets `brokenPodLabelKey=brokenPodLabelValue` through `pods/status` (RBAC:

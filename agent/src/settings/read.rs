@@ -3,7 +3,8 @@
 //! settings meshcap does not support yet, and the install configuration they make.
 use super::{
     AMBIENT_ENABLED, AMBIENT_ENABLEMENT_SELECTORS, CHAINED, CNI_BIN_DIR, CNI_CONF_DIR,
-    CNI_CONF_FILE_NAME, EXCLUDE_NAMESPACES, LOG_LEVEL, NOT_SUPPORTED, POD_NAMESPACE_ENV, Setting,
+    CNI_CONF_FILE_NAME, CNI_CONF_GROUP_READ_ENV, EXCLUDE_NAMESPACES, ISTIO_OWNED_CNI_CONFIG,
+    ISTIO_OWNED_CNI_CONFIG_FILE_NAME, LOG_LEVEL, NOT_SUPPORTED, POD_NAMESPACE_ENV, Setting,
 };
 use crate::install;
 
@@ -163,7 +164,8 @@ pub fn not_supported(
 /// `|name| std::env::var(name).ok()`); unset variables take the defaults.
 ///
 /// # Errors
-/// When `chained` is not a boolean: names the variable and the value.
+/// When `chained`, `istioOwnedCNIConfig` or `CNI_CONF_GROUP_READ` is not a boolean, or the
+/// enablement selectors not a list: names the variable and the value.
 pub fn install_config(
     lookup: impl Fn(&str) -> Option<String>,
     plugin_source: std::path::PathBuf,
@@ -174,6 +176,21 @@ pub fn install_config(
     config.cni_conf_dir = get(CNI_CONF_DIR).into();
     config.cni_conf_file_name = Some(get(CNI_CONF_FILE_NAME)).filter(|n| !n.is_empty());
     config.chained = bool_setting(&lookup, CHAINED)?;
+    config.owned = bool_setting(&lookup, ISTIO_OWNED_CNI_CONFIG)?;
+    if let Some(name) = lookup(ISTIO_OWNED_CNI_CONFIG_FILE_NAME.env).filter(|n| !n.is_empty()) {
+        config.owned_file_name = name;
+    }
+    // Istio reads it through viper, where anything but a Go boolean is false; here it is an
+    // error naming it.
+    if let Some(value) = lookup(CNI_CONF_GROUP_READ_ENV) {
+        let group_read = parse_bool(&value).ok_or(SettingsError::NotBool {
+            env: CNI_CONF_GROUP_READ_ENV,
+            value,
+        })?;
+        if group_read {
+            config.conf_mode = install::CONF_MODE_GROUP_READ;
+        }
+    }
     config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
     config.plugin.log_level = log_levels(&get(LOG_LEVEL)).plugin.to_owned();
     if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
@@ -207,10 +224,30 @@ mod tests {
             "MESHCAP_CHAINED" => Some("False".to_owned()),
             "MESHCAP_EXCLUDE_NAMESPACES" => Some(" kube-system,, istio-system ".to_owned()),
             "MESHCAP_CNI_CONF_FILE_NAME" => Some("10-calico.conflist".to_owned()),
+            "MESHCAP_ISTIO_OWNED_CNI_CONFIG" => Some("1".to_owned()),
+            "MESHCAP_ISTIO_OWNED_CNI_CONFIG_FILE_NAME" => Some("00-mesh.conflist".to_owned()),
+            "CNI_CONF_GROUP_READ" => Some("TRUE".to_owned()),
             _ => None,
         };
         let config = install_config(env, PLUGIN_SOURCE.into()).expect("config");
         assert!(!config.chained);
+        assert!(config.owned);
+        assert_eq!(config.owned_file_name, "00-mesh.conflist");
+        assert_eq!(config.conf_mode, 0o640);
+        let defaults = install_config(|_| None, PLUGIN_SOURCE.into()).expect("defaults");
+        assert_eq!(
+            (defaults.owned, defaults.owned_file_name.as_str()),
+            (false, "02-istio-cni.conflist")
+        );
+        assert_eq!(defaults.conf_mode, 0o600);
+        let group_read = install_config(
+            |n| (n == "CNI_CONF_GROUP_READ").then(|| "yes".to_owned()),
+            PLUGIN_SOURCE.into(),
+        );
+        assert_eq!(
+            group_read.expect_err("yes is not a Go bool").to_string(),
+            "CNI_CONF_GROUP_READ: \"yes\" is not true or false"
+        );
         assert_eq!(
             config.plugin.exclude_namespaces,
             ["kube-system", "istio-system"]
@@ -285,7 +322,6 @@ mod tests {
         assert!(not_supported(&|_| None).expect("defaults").is_empty());
         let env = |name: &str| {
             [
-                "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
                 "MESHCAP_NATIVE_NFTABLES",
                 "MESHCAP_AMBIENT_ENABLE_AMBIENT_DETECTION_RETRY",
             ]
@@ -300,7 +336,6 @@ mod tests {
         assert_eq!(
             on,
             [
-                "istioOwnedCNIConfig",
                 "global.nativeNftables",
                 "ambient.enableAmbientDetectionRetry"
             ]

@@ -215,19 +215,22 @@ impl IptablesBackend {
     ) -> Result<T, BackendError> {
         let pod_name = pod.to_string();
         let lock = self.lock_file(&pod.netns);
+        let podnet_error = |source| BackendError::PodNet {
+            pod: pod.to_string(),
+            source,
+        };
+        let userns = podnet::userns::owner_of(&pod.netns).map_err(podnet_error)?;
         podnet::run_in(&pod.netns, |visit| {
             f(&mut Ctx {
                 xt: Xtables {
                     who: pod_name,
                     lock: Some(lock),
+                    userns,
                 },
                 visit,
             })
         })
-        .map_err(|source| BackendError::PodNet {
-            pod: pod.to_string(),
-            source,
-        })?
+        .map_err(podnet_error)?
     }
 }
 

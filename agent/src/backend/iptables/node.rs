@@ -113,6 +113,7 @@ fn in_node<T: Send>(
     let xt = Xtables {
         who: NODE.to_owned(),
         lock: None,
+        userns: None,
     };
     let Some(netns) = netns else {
         return f(&xt);

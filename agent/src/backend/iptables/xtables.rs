@@ -1,5 +1,8 @@
 //! Running `iptables*` in the calling thread's network namespace: commands and
-//! `iptables-restore --noflush` under an xtables lock, and Istio's choice of iptables.
+//! `iptables-restore --noflush` under an xtables lock, and Istio's choice of iptables. For a pod
+//! whose network namespace a user namespace of its own owns (`hostUsers: false`), each command
+//! enters that user namespace first, as Istio's `nsenter --user` does: the kernel takes an owner
+//! match only from there (`crate::podnet::userns`).
 use std::{
     io::Write as _,
     path::PathBuf,
@@ -9,14 +12,15 @@ use std::{
 use tracing::debug;
 
 use super::{Flavour, FlavourChoice};
-use crate::backend::BackendError;
+use crate::{backend::BackendError, podnet::userns::UserNs};
 
 /// Runs iptables for one namespace: `who` names it in errors (the pod, or the node), `lock` is
 /// its xtables lock file (`None`: the system's, shared with every other user of the node's
-/// namespace, as kube-proxy).
+/// namespace, as kube-proxy), `userns` the user namespace owning it when not the agent's.
 pub(super) struct Xtables {
     pub(super) who: String,
     pub(super) lock: Option<PathBuf>,
+    pub(super) userns: Option<UserNs>,
 }
 
 impl Xtables {
@@ -24,6 +28,9 @@ impl Xtables {
         let mut cmd = Command::new(program);
         if let Some(lock) = &self.lock {
             cmd.env("XTABLES_LOCKFILE", lock);
+        }
+        if let Some(userns) = &self.userns {
+            userns.enter_in_child(&mut cmd);
         }
         cmd
     }

@@ -172,7 +172,13 @@ pub fn start_install(
         }
         PodSourceKind::Dir => config.plugin.pod_dir.clone_from(&args.pod_dir),
     }
-    info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
+    if config.owned && !config.chained {
+        warn!(
+            setting = settings::ISTIO_OWNED_CNI_CONFIG.key,
+            "no effect with chained=false: the standalone file is meshcap's own already"
+        );
+    }
+    info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, owned = config.owned.then_some(config.owned_file_name.as_str()), "installing meshcap-cni");
     Ok((
         install::watch::spawn(config.clone(), status, on_write)?,
         config,

@@ -29,7 +29,7 @@ impl Pods {
         pod: &PodRef,
         policy: &PodPolicy,
     ) -> Result<(), EbpfError> {
-        let entries = encode::policy_entries(policy);
+        let entries = encode::policy_entries(&*super::node_ids(pod, policy)?);
         let cookie = podnet::cookie_of(&pod.netns)?;
         let config = self
             .lock()

@@ -13,7 +13,7 @@
 mod check;
 mod remove;
 
-use std::{collections::HashSet, os::fd::OwnedFd, sync::Mutex};
+use std::{borrow::Cow, collections::HashSet, os::fd::OwnedFd, sync::Mutex};
 
 use meshcap_common::{PodConfig, maps};
 
@@ -34,6 +34,46 @@ use crate::{
     podnet::{self, Visit},
     policy::{DataplaneMode, PolicyRoutes},
 };
+
+/// `policy` with the proxy's uid and gid as the programs see them: the node's ids, which
+/// `bpf_get_current_uid_gid` reports. For a pod in a user namespace of its own (`hostUsers:
+/// false`), the ids its namespace maps the pod's to ([`podnet::userns`]); for every other pod,
+/// the pod's own.
+///
+/// # Errors
+/// When the pod's namespaces cannot be read, or its user namespace does not map the proxy's ids
+/// (the proxy could not run as them).
+pub(super) fn node_ids<'a>(
+    pod: &PodRef,
+    policy: &'a PodPolicy,
+) -> Result<Cow<'a, PodPolicy>, EbpfError> {
+    let PodPolicy::Sidecar(sidecar) = policy else {
+        return Ok(Cow::Borrowed(policy));
+    };
+    let Some(userns) = podnet::userns::owner_of(&pod.netns)? else {
+        return Ok(Cow::Borrowed(policy));
+    };
+    let maps = userns.id_maps()?;
+    let unmapped = |what: &str, id: u32| {
+        EbpfError::pod(
+            pod,
+            format!("its user namespace (hostUsers: false) does not map the proxy's {what} {id}"),
+        )
+    };
+    let mut mapped = sidecar.clone();
+    mapped.proxy_uid = maps
+        .host_uid(sidecar.proxy_uid)
+        .ok_or_else(|| unmapped("uid", sidecar.proxy_uid))?;
+    mapped.proxy_gid = maps
+        .host_gid(sidecar.proxy_gid)
+        .ok_or_else(|| unmapped("gid", sidecar.proxy_gid))?;
+    tracing::debug!(
+        uid = mapped.proxy_uid,
+        gid = mapped.proxy_gid,
+        "the pod has a user namespace of its own: the proxy's ids as the node sees them"
+    );
+    Ok(Cow::Owned(PodPolicy::Sidecar(mapped)))
+}
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
 const MAX_PODS: usize = 1_024;
@@ -90,6 +130,7 @@ impl Pods {
     /// When the pod's netns cannot be entered or the kernel refuses; a pod this agent did not
     /// capture yet then loses what this call attached (an update keeps its capture as it was).
     pub(super) fn capture(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), EbpfError> {
+        let policy = &*node_ids(pod, policy)?;
         let known = self.lock().cookie(&record_name(pod)).is_some();
         let with_routes = !encode::interfaces(policy).0.is_empty();
         let visited = podnet::run_in(&pod.netns, |visit| -> Result<Plan, EbpfError> {
