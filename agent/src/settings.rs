@@ -1,6 +1,7 @@
 //! The node settings a cluster install gives the agent: the keys of the `meshcap-config`
-//! ConfigMap (Istio's names and defaults where Istio has the setting), and the environment
-//! variable the DaemonSet passes each in. `deploy/` is checked against this table by a test, and
+//! ConfigMap, each named after the Helm value it comes from (Istio's istio-cni chart's names and
+//! defaults where Istio has the setting, `deploy/chart`), and the environment variable the
+//! DaemonSet passes each in. The chart's rendering is checked against this table by a test, and
 //! the agent's `run` reads exactly these variables.
 use crate::{install, paths, taint};
 
@@ -51,23 +52,41 @@ pub const EXCLUDE_NAMESPACES: Setting = Setting {
     default: "kube-system",
 };
 
-/// `logLevel`: the agent's and the plugin's log level.
+/// `logging.level` (or `global.logging.level`): the agent's and the plugin's log level, in
+/// Istio's `--log_output_level` form ([`log_levels`]).
 pub const LOG_LEVEL: Setting = Setting {
-    key: "logLevel",
+    key: "logging.level",
     env: "MESHCAP_LOG_LEVEL",
     default: "info",
 };
 
-/// `mode`: `auto` (eBPF when the kernel can, else iptables), `ebpf` or `iptables`.
+/// `global.logAsJson`: the agent logs one JSON object per line.
+pub const LOG_AS_JSON: Setting = Setting {
+    key: "global.logAsJson",
+    env: "MESHCAP_LOG_AS_JSON",
+    default: "false",
+};
+
+/// `cniNetnsDir`: where the runtime bind-mounts pod network namespaces (the DaemonSet mounts it
+/// at the same path); the repair controller and ambient mode look for a pod's netns there.
+pub const CNI_NETNS_DIR: Setting = Setting {
+    key: "cniNetnsDir",
+    env: "MESHCAP_CNI_NETNS_DIR",
+    default: paths::NETNS_DIR,
+};
+
+/// `meshcap.backend` (meshcap's own): `auto` (eBPF when the kernel can, else iptables), `ebpf`
+/// or `iptables`.
 pub const MODE: Setting = Setting {
-    key: "mode",
+    key: "meshcap.backend",
     env: "MESHCAP_MODE",
     default: "auto",
 };
 
-/// `startupTaint`: the taint key the agent removes from its node when ready; empty disables.
+/// `meshcap.startupTaint` (meshcap's own): the taint key the agent removes from its node when
+/// ready; empty disables.
 pub const STARTUP_TAINT: Setting = Setting {
-    key: "startupTaint",
+    key: "meshcap.startupTaint",
     env: "MESHCAP_STARTUP_TAINT",
     default: taint::DEFAULT_KEY,
 };
@@ -142,10 +161,10 @@ pub const AMBIENT_IPV6: Setting = Setting {
     default: "true",
 };
 
-/// `ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs (the
-/// eBPF backend, when it serves the node) instead of Istio's in-pod rules.
+/// `meshcap.ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs
+/// (the eBPF backend, when it serves the node) instead of Istio's in-pod rules.
 pub const AMBIENT_IN_KERNEL: Setting = Setting {
-    key: "ambient.inKernel",
+    key: "meshcap.ambient.inKernel",
     env: "MESHCAP_AMBIENT_IN_KERNEL",
     default: "false",
 };
@@ -159,23 +178,67 @@ pub const AMBIENT_RECONCILE_IPTABLES_ON_STARTUP: Setting = Setting {
     default: "true",
 };
 
-/// `ambient.enablementSelectors`: which pods ambient mode enrolls (JSON; Istio's chart default:
-/// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the
-/// pod says `none`).
+/// `ambient.enablementSelectors`: which pods ambient mode enrolls, as YAML (Istio's chart renders
+/// its list with `toYaml`; JSON is YAML too). Istio's chart default: the pod labelled
+/// `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the pod says `none`.
 pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
     key: "ambient.enablementSelectors",
     env: "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS",
     default: r#"[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]"#,
 };
 
+/// `istioOwnedCNIConfig`: Istio's own conflist merging the primary's (Istio 1.27). meshcap does
+/// not have it yet: accepted, and reported at start when set ([`not_supported`]).
+pub const ISTIO_OWNED_CNI_CONFIG: Setting = Setting {
+    key: "istioOwnedCNIConfig",
+    env: "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
+    default: "false",
+};
+
+/// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27). Not in meshcap yet
+/// (its iptables backend picks legacy or nft iptables per pod, as Istio's iptables mode does).
+pub const NATIVE_NFTABLES: Setting = Setting {
+    key: "global.nativeNftables",
+    env: "MESHCAP_NATIVE_NFTABLES",
+    default: "false",
+};
+
+/// `ambient.enableAmbientDetectionRetry`: Istio's plugin retries its ambient check on API
+/// errors. Not in meshcap yet.
+pub const AMBIENT_DETECTION_RETRY: Setting = Setting {
+    key: "ambient.enableAmbientDetectionRetry",
+    env: "MESHCAP_AMBIENT_ENABLE_AMBIENT_DETECTION_RETRY",
+    default: "false",
+};
+
+/// Istio settings meshcap accepts but does not act on yet, and what it does instead.
+pub const NOT_SUPPORTED: [(Setting, &str); 3] = [
+    (
+        ISTIO_OWNED_CNI_CONFIG,
+        "meshcap chains its entry into the primary CNI's configuration (or writes its \
+         standalone file with chained=false)",
+    ),
+    (
+        NATIVE_NFTABLES,
+        "the iptables backend writes Istio's iptables rules (legacy or nft iptables, chosen per \
+         pod as Istio does); the eBPF backend needs neither",
+    ),
+    (
+        AMBIENT_DETECTION_RETRY,
+        "the plugin asks the agent, which looks a pod up again while the pod source lags",
+    ),
+];
+
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 21] = [
+pub const ALL: [Setting; 26] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
+    CNI_NETNS_DIR,
     CHAINED,
     EXCLUDE_NAMESPACES,
     LOG_LEVEL,
+    LOG_AS_JSON,
     MODE,
     STARTUP_TAINT,
     REPAIR_ENABLED,
@@ -191,6 +254,9 @@ pub const ALL: [Setting; 21] = [
     AMBIENT_IN_KERNEL,
     AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
+    ISTIO_OWNED_CNI_CONFIG,
+    NATIVE_NFTABLES,
+    AMBIENT_DETECTION_RETRY,
 ];
 
 /// The node the agent runs on (the downward API's `spec.nodeName`).
@@ -254,9 +320,9 @@ pub enum SettingsError {
         /// Its value.
         value: String,
     },
-    /// A JSON setting is not JSON.
-    #[error("{env}: {value:?} is not JSON: {reason}")]
-    NotJson {
+    /// A YAML setting is not YAML of the expected shape.
+    #[error("{env}: {value:?} is not YAML of the expected shape: {reason}")]
+    NotYaml {
         /// The variable.
         env: &'static str,
         /// Its value.
@@ -281,6 +347,98 @@ pub fn bool_setting(
     })
 }
 
+/// `ambient.enablementSelectors` as a JSON value: the YAML list Istio's chart renders (or
+/// JSON, which is YAML too).
+///
+/// # Errors
+/// When the text is not YAML, or not a list.
+pub fn enablement_selectors(text: &str) -> Result<serde_json::Value, SettingsError> {
+    let not_yaml = |reason: String| SettingsError::NotYaml {
+        env: AMBIENT_ENABLEMENT_SELECTORS.env,
+        value: text.to_owned(),
+        reason,
+    };
+    let value: serde_json::Value =
+        yaml_serde::from_str(text).map_err(|e| not_yaml(e.to_string()))?;
+    if value.is_array() {
+        Ok(value)
+    } else {
+        Err(not_yaml("not a list of selectors".to_owned()))
+    }
+}
+
+/// The levels a `logging.level` value gives the agent and the plugin.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogLevels {
+    /// The agent's `tracing` filter (`RUST_LOG` still wins when set).
+    pub agent: String,
+    /// The plugin's `log_level`: `error`, `warn`, `info` or `debug`.
+    pub plugin: &'static str,
+}
+
+/// Reads `logging.level` as Istio's `--log_output_level`: comma-separated `[scope:]level`, levels
+/// `debug`, `info`, `warn`, `error`, `fatal`, `none`. A bare level, `all:` or `default:` sets
+/// both; `cni-plugin:` the plugin's alone; any other Istio scope (`cni-agent`, `repair`, ...)
+/// the agent's, the most verbose winning, since meshcap's agent is one scope. A value that is
+/// not in that form is taken as a `tracing` filter for the agent (meshcap's older form), the
+/// plugin then logging at `info`.
+#[must_use]
+pub fn log_levels(value: &str) -> LogLevels {
+    fn rank(level: &str) -> Option<u8> {
+        match level {
+            "none" => Some(0),
+            "fatal" | "error" => Some(1),
+            "warn" => Some(2),
+            "info" => Some(3),
+            "debug" => Some(4),
+            _ => None,
+        }
+    }
+    const AGENT: [&str; 5] = ["off", "error", "warn", "info", "debug"];
+    const PLUGIN: [&str; 5] = ["error", "error", "warn", "info", "debug"];
+    let (mut all, mut plugin, mut agent) = (None, None, None::<u8>);
+    for item in value.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (scope, level) = item.rsplit_once(':').unwrap_or(("default", item));
+        let Some(level) = rank(level) else {
+            return LogLevels {
+                agent: value.to_owned(),
+                plugin: "info",
+            };
+        };
+        match scope {
+            "default" | "all" => all = Some(level),
+            "cni-plugin" => plugin = Some(level),
+            _ => agent = Some(agent.map_or(level, |a| a.max(level))),
+        }
+    }
+    let info = 3;
+    let agent = match (all, agent) {
+        (Some(a), Some(b)) => a.max(b),
+        (a, b) => a.or(b).unwrap_or(info),
+    };
+    LogLevels {
+        agent: AGENT[usize::from(agent)].to_owned(),
+        plugin: PLUGIN[usize::from(plugin.or(all).unwrap_or(info))],
+    }
+}
+
+/// The [`NOT_SUPPORTED`] settings turned on through `lookup`, each with what meshcap does
+/// instead: the agent logs them at start.
+///
+/// # Errors
+/// When one is not a boolean.
+pub fn not_supported(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<Vec<(&'static str, &'static str)>, SettingsError> {
+    let mut on = Vec::new();
+    for (setting, instead) in NOT_SUPPORTED {
+        if bool_setting(lookup, setting)? {
+            on.push((setting.key, instead));
+        }
+    }
+    Ok(on)
+}
+
 /// The install configuration from these settings, read through `lookup` (e.g.
 /// `|name| std::env::var(name).ok()`); unset variables take the defaults.
 ///
@@ -297,18 +455,13 @@ pub fn install_config(
     config.cni_conf_file_name = Some(get(CNI_CONF_FILE_NAME)).filter(|n| !n.is_empty());
     config.chained = bool_setting(&lookup, CHAINED)?;
     config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
-    config.plugin.log_level = get(LOG_LEVEL);
+    config.plugin.log_level = log_levels(&get(LOG_LEVEL)).plugin.to_owned();
     if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
         config.plugin.agent_pod_namespace = namespace;
     }
     if bool_setting(&lookup, AMBIENT_ENABLED)? {
-        let value = get(AMBIENT_ENABLEMENT_SELECTORS);
-        let selectors = serde_json::from_str(&value).map_err(|e| SettingsError::NotJson {
-            env: AMBIENT_ENABLEMENT_SELECTORS.env,
-            value: value.clone(),
-            reason: e.to_string(),
-        })?;
-        config.plugin.ambient_selectors = Some(selectors);
+        config.plugin.ambient_selectors =
+            Some(enablement_selectors(&get(AMBIENT_ENABLEMENT_SELECTORS))?);
     }
     Ok(config)
 }
@@ -352,6 +505,84 @@ mod tests {
         assert_eq!(
             bad.expect_err("yes is not a Go bool").to_string(),
             "MESHCAP_CHAINED: \"yes\" is not true or false"
+        );
+    }
+
+    #[test]
+    fn selectors_are_read_as_the_yaml_istios_chart_renders() {
+        // `toYaml` of Istio's default list, as its chart and ours put it in the ConfigMap.
+        let yaml = "- podSelector:\n    matchLabels:\n      istio.io/dataplane-mode: ambient\n\
+                    - namespaceSelector:\n    matchLabels:\n      istio.io/dataplane-mode: ambient\n  \
+                    podSelector:\n    matchExpressions:\n    - key: istio.io/dataplane-mode\n      \
+                    operator: NotIn\n      values:\n      - none\n";
+        assert_eq!(
+            enablement_selectors(yaml).expect("YAML"),
+            enablement_selectors(AMBIENT_ENABLEMENT_SELECTORS.default).expect("JSON")
+        );
+        let env = |name: &str| match name {
+            "MESHCAP_AMBIENT_ENABLED" => Some("true".to_owned()),
+            "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS" => Some("podSelector: {}".to_owned()),
+            _ => None,
+        };
+        assert_eq!(
+            install_config(env, PLUGIN_SOURCE.into())
+                .expect_err("a map, not a list")
+                .to_string(),
+            "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS: \"podSelector: {}\" is not YAML of the expected \
+             shape: not a list of selectors"
+        );
+    }
+
+    #[test]
+    fn log_levels_are_read_as_istios_log_output_level() {
+        let levels = |v: &str| {
+            let l = log_levels(v);
+            (l.agent, l.plugin)
+        };
+        assert_eq!(levels("info"), ("info".to_owned(), "info"));
+        assert_eq!(levels("debug"), ("debug".to_owned(), "debug"));
+        assert_eq!(levels("none"), ("off".to_owned(), "error"));
+        assert_eq!(levels("fatal"), ("error".to_owned(), "error"));
+        assert_eq!(
+            levels("default:warn,cni-plugin:debug"),
+            ("warn".to_owned(), "debug")
+        );
+        assert_eq!(
+            levels("all:info,cni-agent:debug,repair:error"),
+            ("debug".to_owned(), "info")
+        );
+        assert_eq!(levels("cni-plugin:debug"), ("info".to_owned(), "debug"));
+        // meshcap's older form: a tracing filter, for the agent alone.
+        assert_eq!(
+            levels("meshcap_agent=debug"),
+            ("meshcap_agent=debug".to_owned(), "info")
+        );
+    }
+
+    #[test]
+    fn istio_features_meshcap_lacks_are_reported_when_on() {
+        assert!(not_supported(&|_| None).expect("defaults").is_empty());
+        let env = |name: &str| {
+            [
+                "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
+                "MESHCAP_NATIVE_NFTABLES",
+                "MESHCAP_AMBIENT_ENABLE_AMBIENT_DETECTION_RETRY",
+            ]
+            .contains(&name)
+            .then(|| "true".to_owned())
+        };
+        let on: Vec<_> = not_supported(&env)
+            .expect("booleans")
+            .into_iter()
+            .map(|(key, _)| key)
+            .collect();
+        assert_eq!(
+            on,
+            [
+                "istioOwnedCNIConfig",
+                "global.nativeNftables",
+                "ambient.enableAmbientDetectionRetry"
+            ]
         );
     }
 }

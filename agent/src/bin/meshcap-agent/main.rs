@@ -12,11 +12,12 @@ use run::RunArgs;
 #[derive(Parser)]
 #[command(name = "meshcap-agent", version, about)]
 struct Cli {
-    /// Log format.
+    /// Log format (`MESHCAP_LOG_AS_JSON=true`, Istio's `global.logAsJson`, also selects json).
     #[arg(long, value_enum, default_value_t, global = true)]
     log_format: logging::LogFormat,
-    /// Log level (`error`, `warn`, `info`, `debug`, `trace`, or a `RUST_LOG` filter, which
-    /// takes precedence when set).
+    /// Log level, as Istio's `--log_output_level` (`debug`, `info`, `warn`, `error`, `none`, or
+    /// `scope:level,...`: `cni-plugin:` sets the plugin's), or a `tracing` filter; `RUST_LOG`
+    /// takes precedence when set.
     #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
     log_level: String,
     #[command(subcommand)]
@@ -71,7 +72,18 @@ pub enum PolicyFormat {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(err) = logging::init(cli.log_format, &cli.log_level) {
+    let format = match settings::bool_setting(
+        &|name: &str| std::env::var(name).ok(),
+        settings::LOG_AS_JSON,
+    ) {
+        Ok(true) => logging::LogFormat::Json,
+        Ok(false) => cli.log_format,
+        Err(err) => {
+            eprintln!("meshcap-agent: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(err) = logging::init(format, &settings::log_levels(&cli.log_level).agent) {
         eprintln!("meshcap-agent: {err:#}");
         return ExitCode::FAILURE;
     }

@@ -139,12 +139,13 @@ fn ambient_config() -> anyhow::Result<Option<AmbientConfig>> {
     }
     let selectors = settings::AMBIENT_ENABLEMENT_SELECTORS;
     let text = lookup(selectors.env).unwrap_or_else(|| selectors.default.to_owned());
-    let parsed: Vec<EnablementSelector> = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{}: {text:?} is not a list of enablement selectors",
-            selectors.env
-        )
-    })?;
+    let parsed: Vec<EnablementSelector> =
+        serde_json::from_value(settings::enablement_selectors(&text)?).with_context(|| {
+            format!(
+                "{}: {text:?} is not a list of enablement selectors",
+                selectors.env
+            )
+        })?;
     let mut config = AmbientConfig::new(parsed).with_context(|| selectors.env.to_owned())?;
     config.dns_capture = settings::bool_setting(&lookup, settings::AMBIENT_DNS_CAPTURE)?;
     config.ipv6 = settings::bool_setting(&lookup, settings::AMBIENT_IPV6)?;
@@ -295,6 +296,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // DaemonSet deleted right after a restart) must end in the same orderly shutdown, not in
     // the default action that skips the uninstall.
     let mut shutdown = ShutdownSignal::register()?;
+    for (key, instead) in settings::not_supported(&|name: &str| std::env::var(name).ok())? {
+        warn!(
+            setting = key,
+            "not supported by meshcap yet, ignored: {instead}"
+        );
+    }
+    let netns_dir = PathBuf::from(
+        std::env::var(settings::CNI_NETNS_DIR.env)
+            .unwrap_or_else(|_| settings::CNI_NETNS_DIR.default.to_owned()),
+    );
     let mut kube_node = None;
     let source = match args.pods {
         PodSourceKind::Dir => {
@@ -463,7 +474,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             config,
             hub.clone(),
             events,
-            meshcap_agent::paths::NETNS_DIR.into(),
+            netns_dir.clone(),
         ) {
             tokio::spawn(repairer.run());
         } else {
@@ -476,7 +487,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 hub.clone(),
                 ambient.clone(),
                 node_settings.clone(),
-                meshcap_agent::paths::NETNS_DIR.into(),
+                netns_dir.clone(),
             );
             tokio::spawn(live.run());
         }
