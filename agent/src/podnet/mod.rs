@@ -16,11 +16,12 @@ mod enter;
 pub mod find;
 mod inspect;
 pub mod netlink;
+pub mod nftgen;
 pub mod route;
 
 use std::{io, path::PathBuf};
 
-pub use enter::{cookie_of, current_cookie, live_cookies, run_in};
+pub use enter::{cookie_of, current_cookie, live_cookies, live_netns, run_in};
 pub use inspect::{Interface, PodNet, global_addresses, inspect};
 
 /// Errors entering a pod's network namespace or working inside it.

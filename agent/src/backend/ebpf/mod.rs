@@ -29,6 +29,7 @@ mod encode;
 mod error;
 mod klog;
 pub mod layout;
+mod links;
 mod node;
 mod order;
 mod pins;
@@ -51,7 +52,10 @@ use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
 pub use tc::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy};
+use super::{
+    AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck, PodPolicy,
+    Verify,
+};
 use crate::{pod::PodRef, policy::DataplaneMode};
 
 /// Where the backend attaches and pins.
@@ -99,6 +103,8 @@ pub struct EbpfBackend {
     kernel_log: Mutex<Option<klog::KernelLog>>,
     /// The ids of the programs this process loaded and put in place, by name.
     loaded: Vec<(&'static str, u32)>,
+    /// The same programs, held open for the verifier.
+    own: links::OwnPrograms,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -149,6 +155,7 @@ impl EbpfBackend {
             pods: Pods::new(pins, tables, tc_prog, handoff, config.tc_attach),
             config,
             kernel_log: Mutex::new(kernel_log),
+            own: links::OwnPrograms::hold(&loaded)?,
             loaded,
         })
     }
@@ -295,6 +302,22 @@ impl CaptureBackend for EbpfBackend {
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
         Ok(self.pods.drop_if_gone(pod)?)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        Ok(self.pods.verify(pod, verify)?)
+    }
+
+    fn verify_node(&self, verify: Verify) -> PodCheck {
+        if verify == Verify::Repair {
+            self.pods.begin_pass();
+        }
+        self.own.verify(
+            self.pods.pins(),
+            &self.config.cgroup_root,
+            self.pods.tc_prog(),
+            verify,
+        )
     }
 
     fn programs(&self) -> Vec<AttachedProgram> {

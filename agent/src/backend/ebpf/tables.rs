@@ -23,6 +23,10 @@ use meshcap_common::{
 use super::{EbpfError, Entries, pins::Pins};
 use crate::podnet::PodNet;
 
+mod verify;
+
+pub(in crate::backend::ebpf) use verify::Snapshot;
+
 /// A CIDR list entry's key, in the map of its family.
 enum CidrKey {
     V4(Key<Cidr4Data>),
@@ -78,18 +82,23 @@ impl Tables {
         };
         for (cookie, config) in tables.pods.iter().flatten() {
             tables.index.use_id(config.pod_id);
-            tables.index.pod_ids.insert(cookie, config.pod_id);
+            tables.index.configs.insert(cookie, config);
+        }
+        for (cookie, addrs) in tables.addrs.iter().flatten() {
+            tables.index.addrs.insert(cookie, addrs);
         }
         for key in tables.ports.keys().flatten() {
             tables.index.lists_mut(key.pod_id).ports.push(key);
         }
         for key in tables.cidrs4.keys().flatten() {
             let id = u32::from_be_bytes(key.data().pod);
-            tables.index.lists_mut(id).cidrs4.push(key);
+            let value = tables.cidrs4.get(&key, 0).unwrap_or_default();
+            tables.index.lists_mut(id).cidrs4.push((key, value));
         }
         for key in tables.cidrs6.keys().flatten() {
             let id = u32::from_be_bytes(key.data().pod);
-            tables.index.lists_mut(id).cidrs6.push(key);
+            let value = tables.cidrs6.get(&key, 0).unwrap_or_default();
+            tables.index.lists_mut(id).cidrs6.push((key, value));
         }
         for (key, flags) in tables.ifaces.iter().flatten() {
             tables.index.add_iface(key.netns, key, flags);
@@ -147,7 +156,7 @@ impl Tables {
             .get(&cookie, 0)
             .ok()
             .map(|c| c.pod_id)
-            .or_else(|| self.index.pod_ids.get(&cookie).copied())
+            .or_else(|| self.index.configs.get(&cookie).map(|c| c.pod_id))
     }
 
     /// Writes the pod's own addresses (before its pod entry: a redirected socket is bound to
@@ -155,7 +164,9 @@ impl Tables {
     pub(super) fn set_addrs(&mut self, cookie: u64, addrs: PodAddrs) -> Result<(), EbpfError> {
         self.addrs
             .insert(cookie, addrs, 0)
-            .map_err(|e| EbpfError::map("writing the pod's addresses", e))
+            .map_err(|e| EbpfError::map("writing the pod's addresses", e))?;
+        self.index.addrs.insert(cookie, addrs);
+        Ok(())
     }
 
     /// Writes the pod entry of netns `cookie`: what makes the programs act on it.
@@ -163,7 +174,7 @@ impl Tables {
         self.pods
             .insert(cookie, config, 0)
             .map_err(|e| EbpfError::map("writing the pod entry", e))?;
-        self.index.pod_ids.insert(cookie, config.pod_id);
+        self.index.configs.insert(cookie, config);
         Ok(())
     }
 
@@ -183,7 +194,8 @@ impl Tables {
                 .map_err(|e| EbpfError::map("removing the pod entry", e))?;
         }
         let _ = self.addrs.remove(&cookie);
-        let recorded = self.index.pod_ids.remove(&cookie);
+        self.index.addrs.remove(&cookie);
+        let recorded = self.index.configs.remove(&cookie).map(|c| c.pod_id);
         if let Some(id) = config.map(|c| c.pod_id).or(recorded) {
             self.remove_lists(id);
         }
@@ -196,7 +208,7 @@ impl Tables {
     /// addresses of netns cookies with neither a pod entry nor pins (`pinned`). Call only when no request
     /// is in flight (at start). Returns how many entries went.
     pub(super) fn sweep_orphans(&mut self, pinned: &HashSet<u64>) -> usize {
-        let used: HashSet<u32> = self.index.pod_ids.values().copied().collect();
+        let used: HashSet<u32> = self.index.configs.values().map(|c| c.pod_id).collect();
         let ids: Vec<u32> = self
             .index
             .lists
@@ -215,7 +227,7 @@ impl Tables {
             .ifaces
             .keys()
             .copied()
-            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .filter(|c| !self.index.configs.contains_key(c) && !pinned.contains(c))
             .collect();
         for cookie in cookies {
             removed += self.index.ifaces.get(&cookie).map_or(0, Vec::len);
@@ -225,9 +237,10 @@ impl Tables {
             .addrs
             .keys()
             .flatten()
-            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .filter(|c| !self.index.configs.contains_key(c) && !pinned.contains(c))
             .collect();
         for cookie in addrs {
+            self.index.addrs.remove(&cookie);
             if self.addrs.remove(&cookie).is_ok() {
                 removed += 1;
             }
@@ -251,13 +264,13 @@ impl Tables {
                     self.cidrs4
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
-                    self.index.lists_mut(pod_id).cidrs4.push(key);
+                    self.index.lists_mut(pod_id).cidrs4.push((key, *value));
                 }
                 CidrKey::V6(key) => {
                     self.cidrs6
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
-                    self.index.lists_mut(pod_id).cidrs6.push(key);
+                    self.index.lists_mut(pod_id).cidrs6.push((key, *value));
                 }
             }
         }
@@ -303,13 +316,13 @@ impl Tables {
         let have4: HashSet<_> = held
             .cidrs4
             .iter()
-            .map(|k| (k.prefix_len(), k.data()))
+            .map(|(k, _)| (k.prefix_len(), k.data()))
             .filter(|(_, d)| from_policy(d.kind))
             .collect();
         let have6: HashSet<_> = held
             .cidrs6
             .iter()
-            .map(|k| (k.prefix_len(), k.data()))
+            .map(|(k, _)| (k.prefix_len(), k.data()))
             .filter(|(_, d)| from_policy(d.kind))
             .collect();
         let missing4 = want4
@@ -333,10 +346,10 @@ impl Tables {
         for key in &lists.ports {
             let _ = self.ports.remove(key);
         }
-        for key in &lists.cidrs4 {
+        for (key, _) in &lists.cidrs4 {
             let _ = self.cidrs4.remove(key);
         }
-        for key in &lists.cidrs6 {
+        for (key, _) in &lists.cidrs6 {
             let _ = self.cidrs6.remove(key);
         }
     }
@@ -383,10 +396,10 @@ impl Tables {
 struct Lists {
     /// `MESHCAP_PORTS` keys.
     ports: Vec<PortKey>,
-    /// `MESHCAP_CIDRS4` keys.
-    cidrs4: Vec<Key<Cidr4Data>>,
-    /// `MESHCAP_CIDRS6` keys.
-    cidrs6: Vec<Key<Cidr6Data>>,
+    /// `MESHCAP_CIDRS4` keys, with their values.
+    cidrs4: Vec<(Key<Cidr4Data>, u32)>,
+    /// `MESHCAP_CIDRS6` keys, with their values.
+    cidrs6: Vec<(Key<Cidr6Data>, u32)>,
 }
 
 /// The in-memory index of the per-pod maps (see the module documentation).
@@ -403,8 +416,10 @@ struct Index {
     cursor: u32,
     /// Netns cookie by pin name of the pod (`pod@<namespace>@<name>@<container>`).
     cookies: StdHashMap<String, u64>,
-    /// The pod id of each netns cookie's pod entry.
-    pod_ids: StdHashMap<u64, u32>,
+    /// Each netns cookie's pod entry, as written (or adopted).
+    configs: StdHashMap<u64, PodConfig>,
+    /// Each netns cookie's own addresses, as written (or adopted).
+    addrs: StdHashMap<u64, PodAddrs>,
 }
 
 impl Lists {

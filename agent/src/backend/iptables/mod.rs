@@ -22,6 +22,7 @@ mod flavour;
 mod inpod;
 pub mod node;
 mod restore;
+mod verify;
 mod xtables;
 
 use std::{
@@ -38,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodPolicy};
+use super::{BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify};
 use crate::{
     crashpoint,
     pod::{PodRef, record_file_name},
@@ -95,6 +96,8 @@ pub struct IptablesBackend {
     locks: PathBuf,
     flavour: FlavourChoice,
     applied: Mutex<HashMap<String, Applied>>,
+    /// The verifier's view of each pod's tables when its rules were last found whole.
+    baselines: Mutex<HashMap<String, verify::Baseline>>,
 }
 
 impl IptablesBackend {
@@ -159,6 +162,7 @@ impl IptablesBackend {
             locks,
             flavour: config.flavour,
             applied: Mutex::new(applied),
+            baselines: Mutex::default(),
         })
     }
 
@@ -193,6 +197,7 @@ impl IptablesBackend {
             }
         }
         self.lock().remove(container_id);
+        self.forget_baseline(container_id);
     }
 
     /// What was applied for `pod`, and the id it is recorded under: by the container, else by
@@ -461,6 +466,10 @@ impl CaptureBackend for IptablesBackend {
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
         self.verify(pod, &Self::rules(policy).0)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        self.verify_pod(pod, verify)
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {

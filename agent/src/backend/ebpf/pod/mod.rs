@@ -12,8 +12,14 @@
 //! checked against is [`check`]'s, what takes it away [`remove`]'s.
 mod check;
 mod remove;
+mod verify;
 
-use std::{collections::HashSet, os::fd::OwnedFd, sync::Mutex};
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::OwnedFd,
+    path::PathBuf,
+    sync::Mutex,
+};
 
 use meshcap_common::{PodConfig, flags};
 
@@ -21,7 +27,7 @@ use super::{
     EbpfError, Entries, encode,
     pins::{Pins, PodPins, record_name},
     stub, sys,
-    tables::Tables,
+    tables::{Snapshot, Tables},
     tc::{self, TcAttach},
 };
 use crate::{
@@ -52,6 +58,12 @@ pub(super) struct Pods {
     /// cookie is never given to another, so dropping one of these needs no second walk of
     /// every namespace on the node.
     found_gone: Mutex<HashSet<u64>>,
+    /// A path naming each captured pod's netns, by cookie: the runtime's from the ADD, or one
+    /// a walk of the node's namespaces found (the pins record only the cookie), for the
+    /// verifier's visits.
+    netns: Mutex<HashMap<u64, PathBuf>>,
+    /// The verifier's walk of the per-pod maps, once per pass.
+    snapshot: Mutex<Snapshot>,
 }
 
 /// A pod's capture, planned from its policy and its observed netns.
@@ -87,19 +99,7 @@ impl Plan {
     /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
     /// reply route, which rerouted interfaces share.
     fn routes(&self) -> PolicyRoutes {
-        let config = &self.entries.config;
-        let ipv6 = config.has(flags::IPV6);
-        let mut routes = if ipv6 && !self.ambient() {
-            PolicyRoutes::passthrough6()
-        } else {
-            PolicyRoutes::default()
-        };
-        if self.ambient() {
-            routes.mark_route = Some(MarkRoute::ambient(ipv6));
-        } else if config.has(flags::TPROXY) || self.reroute {
-            routes.mark_route = Some(MarkRoute::tproxy(ipv6));
-        }
-        routes
+        policy_routes(&self.entries.config, self.reroute)
     }
 
     /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
@@ -108,8 +108,32 @@ impl Plan {
     /// packets are marked by the TC program, and the proxy's sockets must not inherit that
     /// mark.
     fn fwmark_accept(&self) -> bool {
-        self.entries.config.has(flags::TPROXY) || self.ambient()
+        needs_fwmark_accept(&self.entries.config)
     }
+}
+
+/// The policy routes of a pod captured with `config` (`reroute`: it reroutes interfaces):
+/// `::6` on lo for a sidecar's IPv6, TPROXY's mark route for TPROXY mode and rerouted
+/// interfaces, ambient mode's reply route.
+fn policy_routes(config: &PodConfig, reroute: bool) -> PolicyRoutes {
+    let ipv6 = config.has(flags::IPV6);
+    let ambient = config.has(flags::AMBIENT);
+    let mut routes = if ipv6 && !ambient {
+        PolicyRoutes::passthrough6()
+    } else {
+        PolicyRoutes::default()
+    };
+    if ambient {
+        routes.mark_route = Some(MarkRoute::ambient(ipv6));
+    } else if config.has(flags::TPROXY) || reroute {
+        routes.mark_route = Some(MarkRoute::tproxy(ipv6));
+    }
+    routes
+}
+
+/// Whether a pod captured with `config` needs `tcp_fwmark_accept` (TPROXY mode, ambient mode).
+const fn needs_fwmark_accept(config: &PodConfig) -> bool {
+    config.has(flags::TPROXY) || config.has(flags::AMBIENT)
 }
 
 impl Pods {
@@ -127,6 +151,8 @@ impl Pods {
             handoff,
             tc_attach,
             found_gone: Mutex::default(),
+            netns: Mutex::default(),
+            snapshot: Mutex::default(),
         }
     }
 
@@ -163,7 +189,9 @@ impl Pods {
             }
             Err(err) => return Err(err.into()),
         };
-        self.commit(pod, &plan)
+        self.commit(pod, &plan)?;
+        self.remember_netns(plan.net.cookie, pod);
+        Ok(())
     }
 
     /// What the pod's netns needs, in the visit: its pins first (so that whoever comes next
