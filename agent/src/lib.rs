@@ -34,6 +34,8 @@
 //! - [`status`]: the status report and metrics;
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted;
+//! - [`verify`]: every capture compared with its record periodically, drift put back, and
+//!   `explain`;
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
@@ -74,4 +76,5 @@ pub mod settings;
 pub mod status;
 pub mod taint;
 pub mod uninstall;
+pub mod verify;
 pub mod ztunnel;

@@ -10,7 +10,7 @@ use std::{
 };
 
 use meshcap_cni::protocol::{
-    self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ProtocolError, Response,
+    self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ProtocolError, Reply, Response,
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
@@ -131,11 +131,13 @@ fn remove_socket(path: &Path) {
 
 /// Serves one connection: one request, one response.
 async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
+    let mut verb = "decode";
     let response = match stream.peer_cred() {
         Ok(cred) if cred.uid() == 0 => match read_request(&mut stream, config.io_timeout).await {
             Ok(body) => match protocol::decode_request(&body) {
                 Ok(request) => {
                     let op = request.op.name();
+                    verb = op;
                     match tokio::time::timeout(config.request_timeout, wire::serve(hub, request.op))
                         .await
                     {
@@ -171,6 +173,11 @@ async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
             return;
         }
     };
+    let code = match &response.reply {
+        Reply::Ok { .. } => 0,
+        Reply::Error { kind, .. } => kind.cni_code(),
+    };
+    hub.metrics().plugin_request(verb, code);
     let frame = match protocol::encode(&response, MAX_RESPONSE_BYTES) {
         Ok(frame) => frame,
         Err(err) => {

@@ -7,7 +7,7 @@ use meshcap_cni::protocol::{ErrorKind, Op, Outcome, PodAttachment, Reply, Respon
 
 use crate::{
     hub::{CaptureError, Done, ErrorClass, Hub},
-    pod::{PodRef, Sandbox},
+    pod::{PodName, PodRef, Sandbox},
 };
 
 /// Serves one decoded request.
@@ -21,6 +21,7 @@ pub(super) async fn serve(hub: &Hub, op: Op) -> Response {
         } => hub.gc(valid_container_ids).await,
         Op::Ping => hub.ping().await,
         Op::Status => hub.status().await,
+        Op::Explain { namespace, name } => hub.explain(PodName { namespace, name }).await,
     };
     respond(result)
 }
@@ -41,16 +42,22 @@ fn sandbox(pod: PodAttachment) -> Sandbox {
 
 fn respond(result: Result<Done, CaptureError>) -> Response {
     match result {
-        Ok(Done::Status(report)) => {
-            let mut response = Response::ok(Outcome::Status, "status");
-            if let Reply::Ok { report: slot, .. } = &mut response.reply {
-                *slot = serde_json::to_value(report).ok();
-            }
-            response
+        Ok(Done::Status(report)) => with_report(Outcome::Status, "status", &report),
+        Ok(Done::Explained(explanation)) => {
+            with_report(Outcome::Explained, &explanation.decision, &explanation)
         }
         Ok(done) => Response::ok(outcome(&done), done.message()),
         Err(failure) => Response::error(kind(failure.class()), failure.to_string(), ""),
     }
+}
+
+/// A success carrying `report` as JSON.
+fn with_report(outcome: Outcome, message: &str, report: &impl serde::Serialize) -> Response {
+    let mut response = Response::ok(outcome, message);
+    if let Reply::Ok { report: slot, .. } = &mut response.reply {
+        *slot = serde_json::to_value(report).ok();
+    }
+    response
 }
 
 const fn outcome(done: &Done) -> Outcome {
@@ -62,6 +69,7 @@ const fn outcome(done: &Done) -> Outcome {
         Done::Collected(_) => Outcome::Collected,
         Done::Alive(_) => Outcome::Alive,
         Done::Status(_) => Outcome::Status,
+        Done::Explained(_) => Outcome::Explained,
     }
 }
 
@@ -106,6 +114,7 @@ mod tests {
             Done::Collected(0),
             Done::Alive(String::new()),
             Done::Status(Box::default()),
+            Done::Explained(Box::default()),
         ] {
             assert_eq!(serde_json::json!(outcome(&done)), done.label(), "{done:?}");
         }

@@ -38,6 +38,11 @@ impl Lookup {
         &self.source
     }
 
+    /// The node's settings every decision reads.
+    pub(super) const fn node(&self) -> &NodeSettings {
+        &self.node
+    }
+
     /// The pod `sandbox` is of, as the pod source has it (retried while it is missing), and its
     /// decision. The addresses the runtime gave decide; without any, those in the pod's netns
     /// do (what Istio reads there), unless ambient mode decides the pod, which needs none.

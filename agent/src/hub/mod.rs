@@ -10,15 +10,19 @@
 //!   thread ([`blocking`]); each is observed ([`observe`]);
 //! - [`Readiness`]: whether the agent may be sent pods;
 //! - [`captures`]: the set of captures, through the backend that serves each mode, and the
-//!   node-wide views over it (GC, status, captures whose netns went without a DEL).
+//!   node-wide views over it (GC, status, captures whose netns went without a DEL);
+//! - the verifier's pass over them ([`verify`](Hub::verify_pass), [`crate::verify`]) and
+//!   `explain` ([`explain`](Hub::explain)).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
 mod blocking;
 mod captures;
+mod explain;
 mod lookup;
 mod observe;
 mod outcome;
 mod readiness;
+mod verify;
 
 use std::{path::PathBuf, sync::Arc};
 
@@ -43,6 +47,7 @@ use crate::{
     policy::{DataplaneMode, Decision, NodeSettings},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
+    verify::Ledger,
 };
 
 /// How the hub decides.
@@ -85,14 +90,17 @@ pub struct Hub {
     metrics: Metrics,
     locks: Locks,
     socket: PathBuf,
+    /// What the verifier found.
+    ledger: Arc<Ledger>,
 }
 
 impl Hub {
     /// A hub over `parts`, deciding as `settings` say.
     #[must_use]
     pub fn new(parts: Parts, settings: Settings) -> Self {
+        let ledger = Arc::new(Ledger::default());
         let hub = Self {
-            readiness: Readiness::new(parts.source.clone(), parts.install),
+            readiness: Readiness::new(parts.source.clone(), parts.install, ledger.clone()),
             lookup: Lookup::new(parts.source, settings.node, settings.retry),
             captures: Captures::new(
                 parts.router,
@@ -104,6 +112,7 @@ impl Hub {
             metrics: Metrics::new(),
             locks: Locks::default(),
             socket: settings.socket,
+            ledger,
         };
         hub.captures.update_gauge(&hub.metrics);
         hub
@@ -119,6 +128,12 @@ impl Hub {
     #[must_use]
     pub const fn readiness(&self) -> &Readiness {
         &self.readiness
+    }
+
+    /// What the verifier found.
+    #[must_use]
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
     }
 
     /// ADD: captures `sandbox`'s pod as its decision says (or leaves it alone).

@@ -17,6 +17,7 @@ pub(super) enum Verb {
     Gc,
     Ping,
     Status,
+    Explain,
 }
 
 impl Verb {
@@ -28,6 +29,7 @@ impl Verb {
             Self::Gc => "gc",
             Self::Ping => "ping",
             Self::Status => "status",
+            Self::Explain => "explain",
         }
     }
 }
@@ -50,7 +52,7 @@ impl Hub {
         };
         let started = Instant::now();
         let result = async {
-            if verb != Verb::Status && !self.readiness.serving() {
+            if !matches!(verb, Verb::Status | Verb::Explain) && !self.readiness.serving() {
                 return Err(CaptureError::NotReady(
                     "meshcap-agent is shutting down".to_owned(),
                 ));
@@ -64,7 +66,7 @@ impl Hub {
             Ok(done) => {
                 let outcome = done.label();
                 self.metrics.observe(name, outcome, started.elapsed());
-                if !matches!(verb, Verb::Ping | Verb::Status) {
+                if !matches!(verb, Verb::Ping | Verb::Status | Verb::Explain) {
                     info!(
                         outcome,
                         took_ms = started.elapsed().as_millis(),

@@ -8,6 +8,7 @@ use crate::{
     pods::{NamespaceError, PodSourceError},
     policy::{DecisionError, SkipReason},
     status::StatusReport,
+    verify::Explanation,
 };
 
 /// What a request did.
@@ -27,6 +28,8 @@ pub enum Done {
     Alive(String),
     /// STATUS: the report.
     Status(Box<StatusReport>),
+    /// EXPLAIN: why a pod is (not) captured.
+    Explained(Box<Explanation>),
 }
 
 impl Done {
@@ -41,6 +44,7 @@ impl Done {
             Self::Collected(_) => "collected",
             Self::Alive(_) => "alive",
             Self::Status(_) => "status",
+            Self::Explained(_) => "explained",
         }
     }
 
@@ -54,6 +58,7 @@ impl Done {
             Self::Checked(what) => (*what).to_owned(),
             Self::Collected(removed) => format!("removed {removed} stale captures"),
             Self::Status(_) => "status".to_owned(),
+            Self::Explained(explanation) => explanation.decision.clone(),
         }
     }
 }

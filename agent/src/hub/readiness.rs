@@ -6,27 +6,34 @@ use std::sync::{
 
 use tokio::sync::watch;
 
-use crate::{install::watch::InstallStatus, pods::PodSource};
+use crate::{install::watch::InstallStatus, pods::PodSource, verify::Ledger};
 
 /// The agent's readiness: the backend is open (it is, once this exists), the plugin socket
-/// serves, the pod source has synced, and the plugin is chained into the CNI configuration
-/// (when this agent installs it).
+/// serves, the pod source has synced, the plugin is chained into the CNI configuration
+/// (when this agent installs it), and the last verification pass put back every drift it found.
 pub struct Readiness {
     serving: AtomicBool,
     source: Arc<PodSource>,
     /// Where the plugin's installation stands, when this agent installs it.
     install: Option<watch::Receiver<InstallStatus>>,
+    /// What the verifier found.
+    ledger: Arc<Ledger>,
 }
 
 impl Readiness {
-    /// Not serving yet; ready once serving, `source` synced and, with `install`, the plugin's
-    /// entry in place.
+    /// Not serving yet; ready once serving, `source` synced, with `install` the plugin's entry
+    /// in place, and no drift `ledger`'s last pass could not put back.
     #[must_use]
-    pub fn new(source: Arc<PodSource>, install: Option<watch::Receiver<InstallStatus>>) -> Self {
+    pub fn new(
+        source: Arc<PodSource>,
+        install: Option<watch::Receiver<InstallStatus>>,
+        ledger: Arc<Ledger>,
+    ) -> Self {
         Self {
             serving: AtomicBool::new(false),
             source,
             install,
+            ledger,
         }
     }
 
@@ -56,6 +63,6 @@ impl Readiness {
                 return Some(format!("meshcap-cni is not in place: {}", *status));
             }
         }
-        None
+        self.ledger.not_ready_reason()
     }
 }

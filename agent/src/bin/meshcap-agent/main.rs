@@ -1,6 +1,7 @@
 //! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface: `run` is
 //! the daemon ([`run`]); the others inspect or clean up a node ([`commands`]).
 mod commands;
+mod explain;
 mod run;
 
 use std::{path::PathBuf, process::ExitCode};
@@ -49,6 +50,20 @@ enum Command {
         #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
         socket: PathBuf,
         /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask the running agent why a pod is (not) captured: its decision and the label or
+    /// annotation behind it, what is installed for it now (compared with its record), the last
+    /// verification and the drift put back.
+    Explain {
+        /// The pod, as NAMESPACE/NAME.
+        #[arg(value_name = "NAMESPACE/POD")]
+        pod: String,
+        /// The agent's plugin socket.
+        #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Print the answer as JSON.
         #[arg(long)]
         json: bool,
     },
@@ -101,6 +116,7 @@ fn main() -> ExitCode {
             run::run(*args)
         }
         Command::Status { socket, json } => commands::status(&socket, json),
+        Command::Explain { pod, socket, json } => explain::explain(&socket, &pod, json),
         Command::Policy(args) => commands::show_policy(&args),
         Command::Probe => commands::probe_kernel(),
         Command::Decide(args) => commands::decide(&args),

@@ -25,7 +25,7 @@ use meshcap_agent::{
     },
     probe::{self, ProbeReport},
     repair::{RepairConfig, Repairer},
-    settings, taint, ztunnel,
+    settings, taint, verify, ztunnel,
 };
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -57,6 +57,10 @@ pub struct RunArgs {
     /// This node's name, with `--pods kube` (the DaemonSet passes spec.nodeName).
     #[arg(long, env = settings::NODE_NAME_ENV, required_if_eq("pods", "kube"))]
     node_name: Option<String>,
+    /// Seconds between two verifications of every capture against its record: drift is put
+    /// back in place, counted, logged and reported as an Event; 0 turns verification off.
+    #[arg(long, env = settings::VERIFY_INTERVAL_SECONDS.env, default_value = settings::VERIFY_INTERVAL_SECONDS.default)]
+    verify_interval_seconds: u64,
     /// Lookups of a pod the source does not have yet, at ADD.
     #[arg(long, default_value_t = 10)]
     pod_lookup_attempts: u32,
@@ -448,16 +452,32 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     })
     .await?;
     hub.readiness().set_serving(true);
+    let verifier = (args.verify_interval_seconds > 0).then(|| {
+        let every = Duration::from_secs(args.verify_interval_seconds);
+        tokio::spawn(verify::run(hub.clone(), every, stop_rx.clone()))
+    });
+    if verifier.is_none() {
+        info!(
+            "verification off (meshcap.verifyIntervalSeconds is 0): drift is found only by CHECK"
+        );
+    }
     let serve = tokio::spawn(server.serve(hub.clone(), stopped(stop_rx)));
 
     let installer = if args.install_cni {
-        let metrics = hub.clone();
+        let (metrics, runtime) = (hub.clone(), tokio::runtime::Handle::current());
         Some(start_install(
             &args,
             &paths.socket,
             install_tx,
-            move || {
+            move |path: &std::path::Path, repaired: bool| {
                 metrics.metrics().count_install();
+                if repaired {
+                    let (hub, what) = (
+                        metrics.clone(),
+                        format!("meshcap-cni was not in {}: put back", path.display()),
+                    );
+                    runtime.spawn(async move { hub.cni_config_repaired(what) });
+                }
             },
         )?)
     } else {
@@ -509,6 +529,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     serve.await?;
     http_task.await??;
+    // The pass in progress ends before anything is uninstalled: nothing is put back after.
+    if let Some(verifier) = verifier {
+        verifier.await?;
+    }
     if let (Some((watcher, config)), Some((client, _))) = (installer, kube_node) {
         // The watcher would put back what an uninstall removes.
         drop(watcher);
@@ -625,7 +649,7 @@ fn start_install(
     args: &RunArgs,
     socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
-    on_write: impl Fn() + Send + 'static,
+    on_write: impl Fn(&std::path::Path, bool) + Send + 'static,
 ) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
     let plugin = match &args.plugin_binary {
         Some(path) => path.clone(),
