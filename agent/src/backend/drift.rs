@@ -52,6 +52,27 @@ impl DriftKind {
     }
 }
 
+impl DriftKind {
+    /// The action an Event about it names (one per kind, so that Events of two kinds on one
+    /// pod are two Events, not one series).
+    #[must_use]
+    pub const fn action(self) -> &'static str {
+        match self {
+            Self::Rules => "RepairRules",
+            Self::Route => "RepairRoute",
+            Self::Sysctl => "RepairSysctl",
+            Self::TcFilter => "RepairTcFilter",
+            Self::Handoff => "RepairHandoff",
+            Self::MapEntry => "RepairMapEntry",
+            Self::CgroupLink => "RepairCgroupLink",
+            Self::TcProgram => "RepairTcProgram",
+            Self::Ztunnel => "RepairZtunnel",
+            Self::ProbeSet => "RepairProbeSet",
+            Self::CniConfig => "RepairCniConfig",
+        }
+    }
+}
+
 impl std::fmt::Display for DriftKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.label())

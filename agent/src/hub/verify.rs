@@ -132,9 +132,10 @@ impl Hub {
             } else {
                 (REPAIRED, format!("meshcap put back {kind}: {what}"))
             };
+            let action = drift.kind.action();
             match pod {
-                Some(pod) => sink.warn(pod.pod_name(), None, reason, "Verify", note),
-                None => sink.warn_node(reason, "Verify", note),
+                Some(pod) => sink.warn(pod.pod_name(), None, reason, action, note),
+                None => sink.warn_node(reason, action, note),
             }
         }
     }

@@ -47,7 +47,7 @@ pub use encode::{Entries, encode, encode_ambient};
 pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
-pub use pins::{PinnedPod, Pins, PodPins, TcRecord, unpin_link};
+pub use pins::{PinnedPod, Pins, PodPins, TcRecord, detach_link, unpin_link};
 use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
 pub use tc::TcAttach;
