@@ -9,9 +9,8 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    pod::PodName,
     pods::{PodSource, PodSourceError, Retry},
-    policy::{self, Decision, NodeSettings},
+    policy::{self, Decision, NodeSettings, PodName},
 };
 
 /// What the plugin knows of the pod, and the node's settings it passes.

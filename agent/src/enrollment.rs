@@ -37,9 +37,9 @@ use tracing::{info, warn};
 use crate::{
     ambient::{Ambient, AmbientError},
     hub::{CaptureError, Hub},
-    pod::{InPlace, PodName, PodRef, Sandbox},
+    pod::{InPlace, PodRef, Sandbox},
     podnet::{self, find::FindError},
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings},
+    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, PodName},
 };
 
 /// The controller.

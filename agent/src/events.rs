@@ -9,7 +9,7 @@ use kube::{
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
 
-use crate::pod::PodName;
+use crate::policy::PodName;
 
 /// Publishes events as `meshcap-agent` on this node.
 #[derive(Clone)]

@@ -1,8 +1,8 @@
-//! Who a pod is, as every layer of the agent names it: [`PodName`], its namespace and name (what
-//! errors, logs and events show), and [`PodRef`], a captured pod: its name with the sandbox the
-//! runtime made for it (the capture's key and its network namespace). [`Sandbox`] is what a
-//! capture is asked for: a [`PodRef`] with what the runtime (or the API, for a pod captured in
-//! place) says of the pod besides. The plugin's wire form of it is `api`'s alone.
+//! Which pod a capture is: [`PodRef`], a pod's name with the sandbox the runtime made for it
+//! (the capture's key and its network namespace; the name alone, as errors, logs and events
+//! show it, is the policy model's [`PodName`]). [`Sandbox`] is what a capture is asked for: a
+//! [`PodRef`] with what the runtime (or the API, for a pod captured in place) says of the pod
+//! besides. The plugin's wire form of it is `api`'s alone.
 use std::{
     fmt,
     net::IpAddr,
@@ -10,38 +10,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::core::v1::Pod;
 use serde::{Deserialize, Serialize};
 
-/// A pod's namespace and name, shown as `namespace/name`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct PodName {
-    /// `metadata.namespace` (`default` when the manifest has none).
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-}
-
-impl PodName {
-    /// `pod`'s namespace and name.
-    #[must_use]
-    pub fn of(pod: &Pod) -> Self {
-        Self {
-            namespace: pod
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".to_owned()),
-            name: pod.metadata.name.clone().unwrap_or_default(),
-        }
-    }
-}
-
-impl fmt::Display for PodName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
+use crate::policy::PodName;
 
 /// A captured pod: its name and its sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

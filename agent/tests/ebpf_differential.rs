@@ -6,11 +6,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use meshcap_agent::{
     backend::ebpf::{Entries, encode, encode_ambient},
-    pod::PodName,
     podnet::PodNet,
     policy::{
-        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PortSelection, RedirectPolicy,
-        RuleEvaluator, Verdict as RuleVerdict,
+        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodName, PortSelection,
+        RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,
         ambient::{HostProbeSnat, InpodPolicy},
     },
 };

@@ -6,10 +6,10 @@ use std::{collections::HashMap, path::Path, sync::Mutex};
 
 use anyhow::{Context as _, ensure};
 use meshcap_agent::{
-    pod::{PodName, PodRef},
+    pod::PodRef,
     policy::{
-        self, CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, SelectConfig,
-        Selection, keys,
+        self, CidrSet, InterceptionMode, IpRanges, PodName, PortSelection, RedirectPolicy,
+        SelectConfig, Selection, keys,
     },
 };
 use serde_json::{Value, json};

@@ -13,8 +13,10 @@ use meshcap_agent::{
         ebpf::{EbpfBackend, EbpfConfig, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
-    pod::{PodName, PodRef},
-    policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
+    pod::PodRef,
+    policy::{
+        CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
+    },
 };
 
 use crate::{

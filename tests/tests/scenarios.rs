@@ -1,6 +1,6 @@
-//! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
-//! hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the real kernel,
-//! directly and through the agent and the real plugin binary.
+//! The scenario table (every row of the redirect semantics in docs/development.md, Istio's
+//! validation probe, hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the
+//! real kernel, directly and through the agent and the real plugin binary.
 use std::net::IpAddr;
 
 use meshcap_agent::{

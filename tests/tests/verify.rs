@@ -341,6 +341,10 @@ fn outbound(node: &Node, pod: &Pod) -> String {
         .server
 }
 
+/// A kind of drift made to an ambient capture: what is done, the kind the agent counts it as,
+/// and how.
+type AmbientTamper<'a> = (&'static str, &'static str, Box<dyn Fn() + 'a>);
+
 /// Takes the pod's addresses out of the node's probe set.
 fn empty_probe_set(node: &Node) {
     node.netns
@@ -403,7 +407,7 @@ fn ambient(backend: Backend, in_kernel: bool) {
         Held::connect(pod.at(&node, APP_UID, APP_UID), target).expect("a held connection");
     assert_eq!(held.first().server, "ztunnel");
 
-    let mut tampers: Vec<(&str, &str, Box<dyn Fn() + '_>)> = Vec::new();
+    let mut tampers: Vec<AmbientTamper<'_>> = Vec::new();
     if in_kernel {
         let netns = pod.netns.name().to_owned();
         tampers.push((

@@ -4,13 +4,13 @@
 //!
 //! [`Ambient`] is the backend the router sends ambient pods to: it keeps what is ambient mode's
 //! own — ztunnel, the node's probe sets, the pod's annotation and its workload record
-//! ([`records`]: what ztunnel must be told about the pod, so that a ztunnel that connects
+//! (`records`: what ztunnel must be told about the pod, so that a ztunnel that connects
 //! later, or to a restarted agent, is sent every enrolled pod in the snapshot) — around the
 //! backend that applies the capture, given at start: the iptables machinery sidecar pods use
 //! (records written ahead, rollback, crash consistency, CHECK against the kernel) with Istio's
 //! in-pod rules, in a state directory of its own; or, with `ambient.inKernel` on a node the
 //! eBPF backend serves, the kernel programs, with the same decisions (`meshcap-common`'s
-//! ambient branch). What a starting agent makes of earlier enrollments is [`start`]'s.
+//! ambient branch). What a starting agent makes of earlier enrollments is `start`'s.
 //!
 //! Then its addresses join the node's probe set, so kubelet's probes reach it uncaptured
 //! ([`HostProbes`]). Last, the pod is annotated `ambient.istio.io/redirection: enabled`
@@ -138,7 +138,7 @@ pub struct AmbientPlaces<'a> {
 
 impl Ambient {
     /// Opens the workload records under `state_dir/ambient`, makes what earlier agents left
-    /// this one's ([`start`]: `earlier` is the backend that captured ambient pods the other
+    /// this one's (`start`: `earlier` is the backend that captured ambient pods the other
     /// way, when `ambient.inKernel` may have switched since), sets up the node's probe set and
     /// rule and serves ztunnel; enrolled pods are captured by `backend` and annotated through
     /// `api` when given.

@@ -9,7 +9,7 @@
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::{net::IpAddr, path::PathBuf};
+use std::{net::IpAddr, path::PathBuf, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
@@ -22,10 +22,7 @@ use crate::{
 mod drift;
 pub mod ebpf;
 pub mod iptables;
-mod router;
-
 pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};
-pub use router::Router;
 
 /// What a backend is asked to capture a pod as: the mode is the variant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -286,6 +283,95 @@ pub trait CaptureBackend: Send + Sync {
     }
 }
 
+/// Which backend serves each data plane mode, chosen at start: the node's backend (the kernel
+/// programs, or Istio's rules) serves sidecar pods; ambient pods, when the node runs ambient
+/// mode, go to ambient mode's own layer around the backend that captures them (the same kernel
+/// programs with `ambient.inKernel`, else Istio's in-pod rules). A request that knows its mode
+/// (ADD, CHECK) goes to the one backend; one that does not (DEL) to each.
+#[derive(Clone)]
+pub struct Router {
+    sidecar: Arc<dyn CaptureBackend>,
+    ambient: Option<Arc<dyn CaptureBackend>>,
+}
+
+impl Router {
+    /// `sidecar` serves sidecar pods; `ambient`, when the node runs ambient mode, ambient ones.
+    #[must_use]
+    pub fn new(sidecar: Arc<dyn CaptureBackend>, ambient: Option<Arc<dyn CaptureBackend>>) -> Self {
+        Self { sidecar, ambient }
+    }
+
+    /// The node's backend: the one that serves sidecar pods, whose name, programs and
+    /// warnings the agent reports.
+    #[must_use]
+    pub fn node_backend(&self) -> &Arc<dyn CaptureBackend> {
+        &self.sidecar
+    }
+
+    /// The backend serving `mode`, if the node captures pods of that mode.
+    #[must_use]
+    pub fn serving(&self, mode: DataplaneMode) -> Option<&Arc<dyn CaptureBackend>> {
+        match mode {
+            DataplaneMode::Sidecar => Some(&self.sidecar),
+            DataplaneMode::Ambient => self.ambient.as_ref(),
+        }
+    }
+
+    /// The modes served, each with its backend: ambient mode's first, so that a pod leaving
+    /// is taken from ztunnel before anything else of it goes.
+    pub fn modes(&self) -> impl Iterator<Item = (DataplaneMode, &Arc<dyn CaptureBackend>)> {
+        self.ambient
+            .iter()
+            .map(|ambient| (DataplaneMode::Ambient, ambient))
+            .chain([(DataplaneMode::Sidecar, &self.sidecar)])
+    }
+
+    fn backend_for(&self, policy: &PodPolicy) -> Result<&Arc<dyn CaptureBackend>, BackendError> {
+        let mode = policy.dataplane();
+        self.serving(mode).ok_or(BackendError::NotServed(mode))
+    }
+
+    /// Captures `pod` as `policy` says, with the backend serving its mode.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::add`]; [`BackendError::NotServed`] when no backend serves the mode.
+    pub fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.backend_for(policy)?.add(pod, policy)
+    }
+
+    /// Whether `pod` is captured as `policy` says, by the backend serving its mode.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::check`]; [`BackendError::NotServed`] when no backend serves the
+    /// mode.
+    pub fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.backend_for(policy)?.check(pod, policy)
+    }
+
+    /// Releases whatever captures `pod`, in every mode (a DEL does not say which).
+    ///
+    /// # Errors
+    /// The first backend that holds a capture of `pod` it cannot remove.
+    pub fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        for (_, backend) in self.modes() {
+            backend.remove(pod)?;
+        }
+        Ok(())
+    }
+
+    /// Every capture, sidecar pods first.
+    ///
+    /// # Errors
+    /// When a backend's state cannot be read.
+    pub fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+        let mut captured = self.sidecar.list(DataplaneMode::Sidecar)?;
+        if let Some(ambient) = &self.ambient {
+            captured.extend(ambient.list(DataplaneMode::Ambient)?);
+        }
+        Ok(captured)
+    }
+}
+
 /// Which backend the agent uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -298,3 +384,6 @@ pub enum BackendChoice {
     /// Istio's iptables rules.
     Iptables,
 }
+
+#[cfg(test)]
+mod tests;

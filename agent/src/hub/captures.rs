@@ -10,7 +10,7 @@ use tracing::{error, warn};
 
 use super::{
     CaptureError,
-    blocking::{Locks, off_the_runtime},
+    request::{Locks, off_the_runtime},
 };
 use crate::{
     ambient::Ambient,

@@ -6,12 +6,14 @@ use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
 
-use super::{CaptureError, Done, Hub, blocking::off_the_runtime, observe::Verb};
+use super::{
+    CaptureError, Done, Hub,
+    request::{Verb, off_the_runtime},
+};
 use crate::{
     backend::Verify,
-    pod::PodName,
     pods::Retry,
-    policy::{self, Decision},
+    policy::{self, Decision, PodName},
     verify::{CaptureNow, Explanation},
 };
 

@@ -3,48 +3,48 @@
 //! call it with domain values ([`Sandbox`], [`PodRef`]) and get a [`Done`] or a
 //! [`CaptureError`].
 //!
-//! - the request path (here): ADD looks the pod up and asks [`crate::policy::decide`] what
-//!   happens to it ([`lookup`]), then captures it for its sidecar or enrolls it in ambient
+//! - the request path (here): ADD looks the pod up (with its namespace's labels where the
+//!   decision reads them, and its addresses) and asks [`crate::policy::decide`] what happens
+//!   to it, then captures it for its sidecar or enrolls it in ambient
 //!   mode; DEL releases; CHECK re-decides and asks whether the capture is in place. Requests
 //!   for one container run one at a time, their blocking work on the request's own worker
-//!   thread ([`blocking`]); each is observed ([`observe`]);
+//!   thread, and each is observed (`request`);
 //! - [`Readiness`]: whether the agent may be sent pods;
-//! - [`captures`]: the set of captures, through the backend that serves each mode, and the
+//! - `captures`: the set of captures, through the backend that serves each mode, and the
 //!   node-wide views over it (GC, status, captures whose netns went without a DEL);
-//! - the verifier's pass over them ([`verify`](Hub::verify_pass), [`crate::verify`]) and
+//! - the verifier's pass over them ([`verify_pass`](Hub::verify_pass), [`crate::verify`]) and
 //!   `explain` ([`explain`](Hub::explain)).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
-mod blocking;
 mod captures;
+mod error;
 mod explain;
-mod lookup;
-mod observe;
-mod outcome;
 mod readiness;
+mod request;
 mod verify;
 
-use std::{path::PathBuf, sync::Arc};
+use std::{net::IpAddr, path::PathBuf, sync::Arc};
 
+pub use error::{CaptureError, ErrorClass};
 use k8s_openapi::api::core::v1::Pod;
-pub use outcome::{CaptureError, Done, ErrorClass};
 pub use readiness::Readiness;
+pub use request::Done;
 use tokio::sync::watch;
+use tracing::warn;
 
 use self::{
-    blocking::Locks,
     captures::Captures,
-    lookup::{Lookup, ambient_capture},
-    observe::Verb,
+    request::{Locks, Verb, off_the_runtime},
 };
 use crate::{
     ambient::Ambient,
-    backend::{PodPolicy, Router},
+    backend::{AmbientCapture, PodPolicy, Router},
     events::EventSink,
     install::watch::InstallStatus,
     pod::{PodRef, Sandbox},
+    podnet,
     pods::{PodSource, Retry},
-    policy::{DataplaneMode, Decision, NodeSettings},
+    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::InpodPolicy},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
     verify::Ledger,
@@ -307,9 +307,130 @@ impl Hub {
     }
 
     /// Drops the captures whose network namespace went without a DEL this agent saw (see
-    /// [`captures`]); how many.
+    /// `captures`); how many.
     pub async fn drop_gone(&self) -> usize {
         self.captures.drop_gone(&self.locks, &self.metrics).await
+    }
+}
+
+/// Looks pods up and decides them, with the node's settings.
+struct Lookup {
+    source: std::sync::Arc<PodSource>,
+    node: NodeSettings,
+    retry: Retry,
+}
+
+impl Lookup {
+    const fn new(source: std::sync::Arc<PodSource>, node: NodeSettings, retry: Retry) -> Self {
+        Self {
+            source,
+            node,
+            retry,
+        }
+    }
+
+    fn source(&self) -> &PodSource {
+        &self.source
+    }
+
+    /// The node's settings every decision reads.
+    const fn node(&self) -> &NodeSettings {
+        &self.node
+    }
+
+    /// The pod `sandbox` is of, as the pod source has it (retried while it is missing), and its
+    /// decision. The addresses the runtime gave decide; without any, those in the pod's netns
+    /// do (what Istio reads there), unless ambient mode decides the pod, which needs none.
+    async fn decide(&self, sandbox: &Sandbox) -> Result<(Pod, Decision), CaptureError> {
+        let pod = &sandbox.pod;
+        let found = self
+            .source
+            .get(
+                &pod.namespace,
+                &pod.name,
+                sandbox.uid.as_deref(),
+                self.retry,
+            )
+            .await?;
+        let decision = self.decide_on(sandbox, &found, true).await?;
+        Ok((found, decision))
+    }
+
+    /// `found`'s decision for `sandbox` (`found`: the pod as a watch last saw it, which the pod
+    /// source may not have seen yet). With `read_addresses`, a pod whose runtime gave no
+    /// addresses is decided on those in its netns.
+    async fn decide_on(
+        &self,
+        sandbox: &Sandbox,
+        found: &Pod,
+        read_addresses: bool,
+    ) -> Result<Decision, CaptureError> {
+        let labels = self
+            .source
+            .labels_for_decision(found, &self.node)
+            .await
+            .map_err(|source| CaptureError::Namespace {
+                pod: sandbox.pod.pod_name(),
+                source: Box::new(source),
+            })?;
+        let mut decision = policy::decide(found, &sandbox.ips, &labels, &self.node);
+        let ambient = matches!(
+            &decision,
+            Ok(Decision::Ambient { .. })
+                | Err(DecisionError {
+                    dataplane: DataplaneMode::Ambient,
+                    ..
+                })
+        );
+        if read_addresses && sandbox.ips.is_empty() && !ambient {
+            let ips = netns_addresses(sandbox).await?;
+            decision = policy::decide(found, &ips, &labels, &self.node);
+        }
+        let decision = decision?;
+        if let Decision::Ambient { ignored, .. } = &decision {
+            for annotation in ignored {
+                warn!(
+                    annotation = annotation.key,
+                    value = annotation.value,
+                    "not a boolean: ignored, as Istio does"
+                );
+            }
+        }
+        Ok(decision)
+    }
+}
+
+/// The global addresses in `sandbox`'s netns.
+async fn netns_addresses(sandbox: &Sandbox) -> Result<Vec<IpAddr>, CaptureError> {
+    let netns = sandbox.pod.netns.clone();
+    let pod = || sandbox.pod.pod_name();
+    off_the_runtime(move || podnet::run_in(&netns, |_| podnet::global_addresses()))
+        .await?
+        .map_err(|source| CaptureError::Netns { pod: pod(), source })?
+        .map_err(|source| CaptureError::Addresses {
+            pod: pod(),
+            netns: sandbox.pod.netns.display().to_string(),
+            source,
+        })
+}
+
+/// An enrolled pod's capture: `policy` with the pod's addresses and what ztunnel is told it is,
+/// its uid (the runtime's, else the API's) and its service account (`default` when the spec
+/// names none).
+fn ambient_capture(sandbox: &Sandbox, found: &Pod, policy: InpodPolicy) -> AmbientCapture {
+    AmbientCapture {
+        policy,
+        ips: sandbox.ips.clone(),
+        uid: sandbox
+            .uid
+            .clone()
+            .or_else(|| found.metadata.uid.clone())
+            .unwrap_or_default(),
+        service_account: found
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.service_account_name.clone())
+            .unwrap_or_else(|| "default".to_owned()),
     }
 }
 

@@ -12,7 +12,8 @@ use crate::{install::watch::InstallStatus, pods::PodSource, verify::Ledger};
 /// serves, the pod source has synced, the plugin is chained into the CNI configuration
 /// (when this agent installs it), and the last verification pass put back every drift it found.
 pub struct Readiness {
-    serving: AtomicBool,
+    /// Whether the plugin socket serves: the request path refuses requests while it does not.
+    pub(super) serving: AtomicBool,
     source: Arc<PodSource>,
     /// Where the plugin's installation stands, when this agent installs it.
     install: Option<watch::Receiver<InstallStatus>>,
@@ -42,16 +43,10 @@ impl Readiness {
         self.serving.store(serving, Ordering::Release);
     }
 
-    /// Whether the plugin socket serves.
-    #[must_use]
-    pub fn serving(&self) -> bool {
-        self.serving.load(Ordering::Acquire)
-    }
-
     /// Why the agent is not ready, or `None` when it is.
     #[must_use]
     pub fn not_ready_reason(&self) -> Option<String> {
-        if !self.serving() {
+        if !self.serving.load(Ordering::Acquire) {
             return Some("the plugin socket is not serving".into());
         }
         if !self.source.is_ready() {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tracing::{error, warn};
 
-use super::{Hub, blocking::off_the_runtime};
+use super::{Hub, request::off_the_runtime};
 use crate::{
     backend::{Drift, DriftKind, DriftOutcome, PodCheck, Verify},
     pod::PodRef,
@@ -54,7 +54,11 @@ impl Hub {
                 }
             };
             for captured in listed {
-                if !self.readiness.serving() {
+                if !self
+                    .readiness
+                    .serving
+                    .load(std::sync::atomic::Ordering::Acquire)
+                {
                     break 'modes;
                 }
                 let pod = captured.pod;

@@ -18,10 +18,7 @@ use netlink_packet_route::{
     tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle, TcHeader, TcMessage, TcOption},
 };
 
-use super::{
-    PodNetError,
-    netlink::{Netlink, errno},
-};
+use super::{Netlink, PodNetError, errno};
 
 /// meshcap's filter priority: just after the first one the kernel gives a filter added
 /// without one (0xc000, and lower for later ones), so that, like a TCX link appended last,

@@ -7,10 +7,7 @@ use std::{collections::BTreeMap, time::Duration};
 use k8s_openapi::api::core::v1::Pod;
 use tracing::debug;
 
-use crate::{
-    pod::PodName,
-    policy::{NodeSettings, reads_namespace_labels},
-};
+use crate::policy::{NodeSettings, PodName, reads_namespace_labels};
 
 pub mod dir;
 pub mod kube;

@@ -1,7 +1,7 @@
 //! Why a pod's capture configuration is refused. Each error names the pod, the input and the
 //! offending value, so that the CNI ADD failure kubelet shows says what to fix.
 
-use crate::pod::PodName;
+use super::model::PodName;
 
 /// A pod whose annotations (or `istio-proxy` settings) Istio would refuse: the pod must not
 /// start uncaptured, so CNI ADD fails with this message.

@@ -20,7 +20,6 @@
 mod addr;
 pub mod ambient;
 pub mod annotations;
-mod decide;
 mod decision;
 mod error;
 mod eval;
@@ -28,10 +27,10 @@ mod iptables;
 pub mod manifest;
 mod model;
 mod packet;
+mod per_packet;
 mod routes;
 mod sidecar;
 
-pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use decision::{
     DataplaneMode, Decision, DecisionError, NodeSettings, decide, reads_namespace_labels,
 };
@@ -41,5 +40,6 @@ pub use iptables::{IptablesRules, hostprobe};
 pub use manifest::parse_pod_manifest;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
+pub use per_packet::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use routes::{MarkRoute, PolicyRoutes};
 pub use sidecar::{SelectConfig, select, status_pod_ips};

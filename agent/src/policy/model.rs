@@ -1,7 +1,7 @@
 //! The redirect policy: everything Istio's CNI plugin derives from a pod, as one value.
 //!
 //! Both backends translate this model; nothing else in meshcap reads the annotations. Field by
-//! field it is the table in DESIGN.md ("Redirect semantics: identical to Istio"), already parsed,
+//! field it is the table in docs/development.md ("Redirect semantics"), already parsed,
 //! validated, defaulted and split per address family.
 
 use std::{fmt, net::IpAddr};
@@ -9,7 +9,6 @@ use std::{fmt, net::IpAddr};
 use serde::{Deserialize, Serialize};
 
 pub use super::addr::{CidrSet, Family, IpPrefix, IpRanges, PrefixParseError};
-use crate::pod::PodName;
 
 /// Envoy's outbound listener (`ISTIO_REDIRECT`, `REDIRECT --to-ports 15001`). CNI cannot move it.
 pub const OUTBOUND_CAPTURE_PORT: u16 = 15001;
@@ -94,6 +93,36 @@ pub mod keys {
     pub const ENV_DUAL_STACK: &str = "ISTIO_DUAL_STACK";
     /// `istio-proxy` env: the pod runs without Envoy, so nothing is captured.
     pub const ENV_DISABLE_ENVOY: &str = "DISABLE_ENVOY";
+}
+
+/// A pod's namespace and name, shown as `namespace/name`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PodName {
+    /// `metadata.namespace` (`default` when the manifest has none).
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+}
+
+impl PodName {
+    /// `pod`'s namespace and name.
+    #[must_use]
+    pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
+        Self {
+            namespace: pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".to_owned()),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+        }
+    }
+}
+
+impl fmt::Display for PodName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
 }
 
 /// How inbound traffic reaches Envoy. Outbound is always REDIRECT (NAT to 15001).

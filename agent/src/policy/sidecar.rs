@@ -11,14 +11,15 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    annotations::{parse_cidr_list, parse_go_bool, parse_interface_list, parse_port_list},
+    annotations::{
+        BadEntry, parse_cidr_list, parse_go_bool, parse_interface_list, parse_port_list,
+    },
     error::PolicyError,
     model::{
         ALWAYS_EXCLUDED_INBOUND_PORTS, CidrSet, DEFAULT_PROXY_ID, InterceptionMode, IpRanges,
-        PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
+        PodName, PortSelection, RedirectPolicy, STATUS_PORT, Selection, SkipReason, keys,
     },
 };
-use crate::pod::PodName;
 
 /// The node-level settings of the selection (Istio's CNI config `exclude_namespaces`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -328,7 +329,7 @@ impl Reader<'_> {
         if value == "*" {
             return Err(self.wildcard(key, value));
         }
-        parse_port_list(value).map_err(|entry| PolicyError::InvalidPort {
+        parse_port_list(value).map_err(|BadEntry(entry)| PolicyError::InvalidPort {
             pod: self.pod.clone(),
             key,
             value: value.to_owned(),
@@ -338,7 +339,7 @@ impl Reader<'_> {
 
     fn interfaces(&self, key: &'static str) -> Result<Vec<String>, PolicyError> {
         let value = self.value(key).unwrap_or_default();
-        parse_interface_list(value).map_err(|entry| self.bad_interface(key, value, entry))
+        parse_interface_list(value).map_err(|BadEntry(entry)| self.bad_interface(key, value, entry))
     }
 
     fn bad_interface(&self, key: &'static str, value: &str, entry: String) -> PolicyError {

@@ -35,8 +35,9 @@ use tracing::{info, warn};
 use crate::{
     events::EventSink,
     hub::{CaptureError, Done, Hub},
-    pod::{InPlace, PodName, Sandbox},
+    pod::{InPlace, Sandbox},
     podnet::{self, find::FindError},
+    policy::PodName,
     settings::{self, SettingsError},
 };
 

@@ -9,8 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{Verified, ledger::now};
 use crate::{
     backend::{Drift, DriftOutcome},
-    pod::PodName,
-    policy::DataplaneMode,
+    policy::{DataplaneMode, PodName},
 };
 
 /// The answer.

@@ -9,7 +9,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{backend::Drift, pod::PodName};
+use crate::{backend::Drift, policy::PodName};
 
 /// How many repairs are kept per capture (and node-wide): the latest.
 const KEPT: usize = 8;

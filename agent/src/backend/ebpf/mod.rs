@@ -6,17 +6,19 @@
 //! - [`pod`](pod/mod.rs): each pod's capture as one transaction — observe its netns
 //!   ([`crate::podnet`]: cookie, interfaces, addresses, routes), plan its entries
 //!   ([`encode`](encode.rs) translates the policy and what was observed, once), attach its
-//!   stub on its interfaces ([`tc`](tc.rs), assembled by [`stub`](stub.rs)) and, where the
+//!   stub on its interfaces ([`stub`](stub.rs), assembled and attached) and, where the
 //!   kernel needs it ([`release`](release.rs)), the socket lookup program on its netns, then
-//!   commit its entries through [`tables`](tables.rs), the maps' only writer, which indexes
+//!   commit its entries through [`tables`](tables/mod.rs), the maps' only writer, which indexes
 //!   what each pod holds; and each pod's CHECK and release;
 //! - [`pins`](pins/mod.rs): the pinned layout under one versioned bpffs directory
 //!   ([`EbpfConfig::bpffs_dir`], default `/sys/fs/bpf/meshcap/v3`), the source of truth across
 //!   agent restarts, each pod's through the handle that creates, marks and removes its pins;
 //!   [`layout`]: every layout version on the node, for uninstall;
+//! - [`links`](links.rs): the node-wide programs compared with what the kernel runs, and put
+//!   back (the verifier's node-wide part; each pod's is `pod`'s);
 //! - [`order`](order.rs): other programs on the same hooks (a socket load balancer's), and
 //!   meshcap's programs kept first where the kernel can order them;
-//! - [`sys`](sys.rs): the raw `bpf()` calls aya does not offer (links for every hook,
+//! - [`sys`](sys/mod.rs): the raw `bpf()` calls aya does not offer (links for every hook,
 //!   pinning, queries); [`bpffs`](bpffs.rs) mounts bpffs where there is none; `klog.rs`
 //!   forwards the programs' own log records.
 //!
@@ -38,7 +40,6 @@ mod release;
 mod stub;
 mod sys;
 mod tables;
-mod tc;
 
 use std::{path::PathBuf, sync::Mutex};
 
@@ -50,13 +51,9 @@ pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, PodPins, TcRecord, detach_link, unpin_link};
 use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
-pub use tc::TcAttach;
+pub use stub::TcAttach;
 
-use super::{
-    AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck, PodPolicy,
-    Verify,
-};
-use crate::{pod::PodRef, policy::DataplaneMode};
+use super::{AttachedProgram, OtherProgram};
 
 /// Where the backend attaches and pins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,7 +91,7 @@ impl EbpfConfig {
     }
 }
 
-/// The eBPF capture backend: the node-wide programs, and each pod's capture ([`Pods`]). Cheap
+/// The eBPF capture backend: the node-wide programs, and each pod's capture (`pod::Pods`). Cheap
 /// to call concurrently: map updates are serialised, netns work runs on each calling thread
 /// (which enters the pod's netns and returns).
 pub struct EbpfBackend {
@@ -213,7 +210,7 @@ impl EbpfBackend {
     /// changes the original destination; returns those it could not move, and why.
     fn keep_first(&self) -> Vec<(OtherProgram, String)> {
         let ahead: Vec<OtherProgram> = self
-            .other_programs()
+            .neighbours()
             .into_iter()
             .filter(order::decides_destination)
             .collect();
@@ -273,58 +270,10 @@ impl EbpfBackend {
         drop(self);
         layout::remove(&dir)
     }
-}
 
-impl CaptureBackend for EbpfBackend {
-    fn name(&self) -> &'static str {
-        "ebpf"
-    }
-
-    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        Ok(self.pods.capture(pod, policy)?)
-    }
-
-    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        Ok(self.pods.release(pod)?)
-    }
-
-    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        self.pods.check(pod, policy).map_err(EbpfError::into_check)
-    }
-
-    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self.pods.prune_gone()?)
-    }
-
-    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self.pods.gone(mode))
-    }
-
-    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        Ok(self.pods.drop_if_gone(pod)?)
-    }
-
-    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
-        Ok(self.pods.verify(pod, verify)?)
-    }
-
-    fn verify_node(&self, verify: Verify) -> PodCheck {
-        if verify == Verify::Repair {
-            self.pods.begin_pass();
-        }
-        self.own.verify(
-            self.pods.pins(),
-            &self.config.cgroup_root,
-            self.pods.tc_prog(),
-            verify,
-        )
-    }
-
-    fn programs(&self) -> Vec<AttachedProgram> {
-        self.attached()
-    }
-
-    fn other_programs(&self) -> Vec<OtherProgram> {
+    /// Other programs on the node-wide hooks, and where they run.
+    #[must_use]
+    pub fn neighbours(&self) -> Vec<OtherProgram> {
         order::neighbours(
             &self.config.cgroup_root,
             self.pods.pins(),
@@ -332,7 +281,10 @@ impl CaptureBackend for EbpfBackend {
         )
     }
 
-    fn warnings(&self) -> Vec<String> {
+    /// What an operator should know about the captures in place: processes the programs do
+    /// not run for, and other programs ahead of meshcap's that rewrite destinations.
+    #[must_use]
+    pub fn node_warnings(&self) -> Vec<String> {
         let mut out: Vec<String> = self
             .uncovered()
             .into_iter()
@@ -353,37 +305,5 @@ impl CaptureBackend for EbpfBackend {
             )
         }));
         out
-    }
-
-    fn captured_count(&self) -> Result<usize, BackendError> {
-        Ok(self.pods.count())
-    }
-
-    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
-        Ok(self
-            .pinned_pods()
-            .into_iter()
-            .filter(|pinned| pinned.mode() == mode)
-            .map(|pinned| CapturedPod {
-                summary: match mode {
-                    DataplaneMode::Sidecar => format!(
-                        "netns cookie {}, inbound TC on {}",
-                        pinned.netns_cookie,
-                        if pinned.interfaces.is_empty() {
-                            "no interface".to_owned()
-                        } else {
-                            pinned.interfaces.join(",")
-                        }
-                    ),
-                    DataplaneMode::Ambient => format!(
-                        "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
-                        pinned.netns_cookie,
-                        pinned.interfaces.join(",")
-                    ),
-                },
-                pod: pinned.pod_ref(),
-                backend: "ebpf".to_owned(),
-            })
-            .collect())
     }
 }

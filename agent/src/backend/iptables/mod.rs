@@ -11,8 +11,8 @@
 //!   less machinery: `XTABLES_LOCKFILE` (iptables ≥ 1.8.3) points each netns at its own lock
 //!   file, and `-w` waits for it. Two operations on one pod are already serialized by the
 //!   agent, so the lock only guards against foreign writers in that netns. nft takes no lock.
-//! - **Idempotence and updates**: what was applied is recorded per pod (in memory and in
-//!   `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
+//! - **Idempotence and updates**: what was applied is recorded per pod (`records`: in memory
+//!   and in `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
 //!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
 //!   A failure part-way rolls back what this call applied.
@@ -21,6 +21,7 @@
 mod flavour;
 mod inpod;
 pub mod node;
+mod records;
 mod restore;
 mod verify;
 mod xtables;
@@ -35,14 +36,14 @@ use std::{
 
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
-use serde::{Deserialize, Serialize};
+use records::{Applied, Records};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
 use super::{BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify};
 use crate::{
     crashpoint,
-    pod::{PodRef, record_file_name},
+    pod::PodRef,
     podnet,
     policy::{DataplaneMode, Family, InterceptionMode, IptablesRules, PolicyRoutes},
 };
@@ -65,37 +66,12 @@ fn nothing() -> IptablesRules {
     }
 }
 
-/// What was applied to a pod: the record, written before the rules are applied.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Applied {
-    pod: PodRef,
-    flavour: Flavour,
-    /// The rules the pod's capture consists of.
-    rules: IptablesRules,
-    /// Rule sets that may still be in the netns besides `rules`: those of an update or an ADD
-    /// that has not finished (empty once it has).
-    #[serde(default)]
-    replacing: Vec<IptablesRules>,
-    mode: InterceptionMode,
-    /// Ambient mode's in-pod rules (ztunnel's), not a sidecar's.
-    #[serde(default)]
-    ambient: bool,
-}
-
-impl Applied {
-    /// Every rule set the netns may hold.
-    fn rule_sets(&self) -> impl Iterator<Item = &IptablesRules> {
-        std::iter::once(&self.rules).chain(&self.replacing)
-    }
-}
-
 /// The iptables backend.
 #[derive(Debug)]
 pub struct IptablesBackend {
-    records: PathBuf,
+    records: Records,
     locks: PathBuf,
     flavour: FlavourChoice,
-    applied: Mutex<HashMap<String, Applied>>,
     /// The verifier's view of each pod's tables when its rules were last found whole.
     baselines: Mutex<HashMap<String, verify::Baseline>>,
 }
@@ -106,121 +82,19 @@ impl IptablesBackend {
     /// # Errors
     /// When the state directory cannot be created or read.
     pub fn new(config: &IptablesConfig) -> Result<Self, BackendError> {
-        let records = config.state_dir.join("iptables");
         let locks = config.state_dir.join("xtables-locks");
-        for dir in [&records, &locks] {
-            fs::create_dir_all(dir).map_err(|e| BackendError::State {
-                path: dir.clone(),
-                reason: e.to_string(),
-            })?;
-        }
-        let mut applied = HashMap::new();
-        let entries = fs::read_dir(&records).map_err(|e| BackendError::State {
-            path: records.clone(),
+        fs::create_dir_all(&locks).map_err(|e| BackendError::State {
+            path: locks.clone(),
             reason: e.to_string(),
         })?;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let parsed = || {
-                fs::read(&path)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
-            };
-            if name.ends_with(".json.tmp") {
-                // An ADD stopped between writing its record and renaming it into place: its
-                // rules were applied (the record is written after them), so a complete record
-                // is adopted; a partial one says nothing and goes.
-                match parsed() {
-                    Ok(record) => {
-                        let target = path.with_extension("");
-                        if fs::rename(&path, &target).is_ok() {
-                            info!(path = %target.display(), "adopted the record of an interrupted ADD");
-                            applied.insert(record.pod.container_id.clone(), record);
-                            continue;
-                        }
-                    }
-                    Err(reason) => {
-                        info!(path = %path.display(), %reason, "dropping the partial record of an interrupted ADD");
-                    }
-                }
-                let _ = fs::remove_file(&path);
-                continue;
-            }
-            match parsed() {
-                Ok(record) => {
-                    applied.insert(record.pod.container_id.clone(), record);
-                }
-                Err(reason) => {
-                    warn!(path = %path.display(), %reason, "ignoring unreadable iptables record")
-                }
-            }
-        }
-        info!(adopted = applied.len(), flavour = ?config.flavour, "iptables backend ready");
+        let records = Records::open(config.state_dir.join("iptables"))?;
+        info!(adopted = records.count(), flavour = ?config.flavour, "iptables backend ready");
         Ok(Self {
             records,
             locks,
             flavour: config.flavour,
-            applied: Mutex::new(applied),
             baselines: Mutex::default(),
         })
-    }
-
-    fn record_path(&self, container_id: &str) -> PathBuf {
-        self.records.join(record_file_name(container_id))
-    }
-
-    fn save(&self, record: &Applied) -> Result<(), BackendError> {
-        let path = self.record_path(&record.pod.container_id);
-        let tmp = path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            fs::write(
-                &tmp,
-                serde_json::to_vec(record).map_err(std::io::Error::other)?,
-            )?;
-            crashpoint::here(crashpoint::IPTABLES_ADD_RECORD_WRITTEN);
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| BackendError::State {
-            path,
-            reason: e.to_string(),
-        })
-    }
-
-    fn forget(&self, container_id: &str) {
-        let path = self.record_path(container_id);
-        for path in [path.with_extension("json.tmp"), path] {
-            if let Err(e) = fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                warn!(path = %path.display(), error = %e, "removing iptables record");
-            }
-        }
-        self.lock().remove(container_id);
-        self.forget_baseline(container_id);
-    }
-
-    /// What was applied for `pod`, and the id it is recorded under: by the container, else by
-    /// the netns (a pod captured in place by the repair controller is recorded under an id of
-    /// its own, not the runtime's sandbox id).
-    fn recorded(&self, pod: &PodRef) -> Option<(String, Applied)> {
-        let applied = self.lock();
-        applied
-            .get(&pod.container_id)
-            .map(|r| (pod.container_id.clone(), r.clone()))
-            .or_else(|| {
-                applied
-                    .iter()
-                    .find(|(_, r)| r.pod.in_netns(&pod.netns))
-                    .map(|(id, r)| (id.clone(), r.clone()))
-            })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
-        // A panic while holding the map leaves it consistent (single inserts and removes).
-        self.applied
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The lock file for one netns: its device and inode identify it.
@@ -245,16 +119,6 @@ impl IptablesBackend {
         }
     }
 
-    /// The records of `mode`'s pods.
-    fn of_mode(&self, mode: DataplaneMode) -> Vec<Applied> {
-        let ambient = mode == DataplaneMode::Ambient;
-        self.lock()
-            .values()
-            .filter(|record| record.ambient == ambient)
-            .cloned()
-            .collect()
-    }
-
     /// Applies `rules` to the pod's netns, recorded (ahead) so that a DEL, an ADD or a
     /// restarted agent removes whatever of them is there.
     fn apply(
@@ -264,7 +128,7 @@ impl IptablesBackend {
         mode: InterceptionMode,
         ambient: bool,
     ) -> Result<(), BackendError> {
-        let previous = self.lock().get(&pod.container_id).cloned();
+        let previous = self.records.get(&pod.container_id);
         if let Some(prev) = &previous
             && prev.rules == *rules
             && prev.replacing.is_empty()
@@ -294,8 +158,8 @@ impl IptablesBackend {
                 mode,
                 ambient,
             };
-            self.save(&intent)?;
-            self.lock().insert(pod.container_id.clone(), intent.clone());
+            self.records.save(&intent)?;
+            self.records.insert(intent.clone());
             let old = previous
                 .as_ref()
                 .filter(|p| p.replacing.is_empty())
@@ -317,9 +181,9 @@ impl IptablesBackend {
             replacing: Vec::new(),
             ..record
         };
-        self.save(&record)?;
+        self.records.save(&record)?;
         info!(flavour = ?record.flavour, %mode, ambient, "iptables rules applied");
-        self.lock().insert(pod.container_id.clone(), record);
+        self.records.insert(record);
         Ok(())
     }
 
@@ -329,7 +193,7 @@ impl IptablesBackend {
             pod: pod.to_string(),
             missing,
         };
-        let Some((_, record)) = self.recorded(pod) else {
+        let Some((_, record)) = self.records.recorded(pod) else {
             return Err(not_captured(
                 "meshcap never applied rules to this container".into(),
             ));
@@ -385,22 +249,27 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone: Vec<PodRef> = self
-            .lock()
-            .values()
+        let gone: Vec<PodRef> = [DataplaneMode::Sidecar, DataplaneMode::Ambient]
+            .into_iter()
+            .flat_map(|mode| self.records.of_mode(mode))
             .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod.clone())
+            .map(|record| record.pod)
             .collect();
         for pod in &gone {
             // The rules lived in the netns and went with it: only the record is left.
-            self.forget(&pod.container_id);
+            self.records.forget(&pod.container_id);
             info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
         }
         Ok(gone)
     }
 
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        self.verify_pod(pod, verify)
+    }
+
     fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
         Ok(self
+            .records
             .of_mode(mode)
             .into_iter()
             .filter(|record| !record.pod.netns.exists())
@@ -409,21 +278,21 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some((id, record)) = self.recorded(pod) else {
+        let Some((id, record)) = self.records.recorded(pod) else {
             return Ok(false);
         };
         if record.pod.netns.exists() {
             return Ok(false);
         }
         // The rules lived in the netns and went with it: only the record is left.
-        self.forget(&id);
+        self.records.forget(&id);
         info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
         Ok(true)
     }
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some((recorded_id, record)) = self.recorded(pod) else {
+        let Some((recorded_id, record)) = self.records.recorded(pod) else {
             debug!("nothing applied for this container");
             return Ok(());
         };
@@ -434,7 +303,7 @@ impl CaptureBackend for IptablesBackend {
         };
         if !target.netns.exists() {
             debug!(netns = %target.netns.display(), "netns gone: its rules went with it");
-            self.forget(&recorded_id);
+            self.records.forget(&recorded_id);
             return Ok(());
         }
         self.in_netns(&target, |ctx| {
@@ -458,7 +327,7 @@ impl CaptureBackend for IptablesBackend {
             Ok(())
         })?;
         crashpoint::here(crashpoint::IPTABLES_REMOVE_REMOVED);
-        self.forget(&recorded_id);
+        self.records.forget(&recorded_id);
         info!("iptables rules removed");
         Ok(())
     }
@@ -468,12 +337,9 @@ impl CaptureBackend for IptablesBackend {
         self.verify(pod, &Self::rules(policy).0)
     }
 
-    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
-        self.verify_pod(pod, verify)
-    }
-
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         let mut out: Vec<CapturedPod> = self
+            .records
             .of_mode(mode)
             .iter()
             .map(|a| CapturedPod {

@@ -12,7 +12,7 @@
 //! capture than before the repair. A missing policy route is added.
 use std::collections::HashMap;
 
-use super::{Applied, Flavour, IptablesBackend, inpod::Ctx, restore};
+use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
     backend::{BackendError, DriftKind, PodCheck, Verify},
     pod::PodRef,
@@ -45,7 +45,7 @@ impl IptablesBackend {
         pod: &PodRef,
         verify: Verify,
     ) -> Result<PodCheck, BackendError> {
-        let Some((id, record)) = self.recorded(pod) else {
+        let Some((id, record)) = self.records.recorded(pod) else {
             return Ok(PodCheck::default());
         };
         let mut check = PodCheck::default();
@@ -68,19 +68,19 @@ impl IptablesBackend {
             ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
         })?;
         check.extend(found);
+        let mut baselines = self.baselines();
         if let Some(now) = now {
-            self.baselines().insert(id, now);
+            baselines.insert(id, now);
+        }
+        // Those of pods released since go (rarely more than a pass's DELs).
+        if baselines.len() > self.records.count() {
+            baselines.retain(|id, _| self.records.get(id).is_some());
         }
         Ok(check)
     }
 
     fn baseline(&self, id: &str) -> Option<Baseline> {
         self.baselines().get(id).cloned()
-    }
-
-    /// Forgets what a pod's tables looked like (its record went).
-    pub(super) fn forget_baseline(&self, id: &str) {
-        self.baselines().remove(id);
     }
 
     fn baselines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Baseline>> {

@@ -10,9 +10,9 @@ use anyhow::{Context as _, bail};
 use clap::Args;
 use meshcap_agent::{
     bpf, decide,
-    pod::PodName,
     pods::{PodSource, dir::DirPods, kube::KubePods},
-    policy, probe, settings,
+    policy::{self, PodName},
+    probe, settings,
     status::StatusReport,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
@@ -181,31 +181,20 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
             (Some(ambient), None) => print_json(&serde_json::json!({ "ambient": ambient }))?,
             (None, sidecar) => print_json(&sidecar)?,
         },
-        PolicyFormat::Iptables => match decision {
-            policy::Decision::Ambient { policy, .. } => {
-                let rules = policy.render();
-                print_restore(&rules.v4, rules.v6.as_deref());
+        PolicyFormat::Iptables => {
+            if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
+                println!("# not enrolled in ambient mode: {reason}");
             }
-            policy::Decision::Skip {
-                reason,
-                not_enrolled,
-            } => {
-                if let Some(why) = not_enrolled {
-                    println!("# not enrolled in ambient mode: {why}");
+            let rules = match decision {
+                policy::Decision::Ambient { policy, .. } => policy.render(),
+                policy::Decision::Sidecar { policy, .. } => policy.render(),
+                policy::Decision::Skip { reason, .. } => {
+                    println!("# not captured: {reason}");
+                    return Ok(());
                 }
-                println!("# not captured: {reason}");
-            }
-            policy::Decision::Sidecar {
-                policy,
-                not_enrolled,
-            } => {
-                if let Some(why) = not_enrolled {
-                    println!("# not enrolled in ambient mode: {why}");
-                }
-                let rules = policy.render();
-                print_restore(&rules.v4, rules.v6.as_deref());
-            }
-        },
+            };
+            print_restore(&rules.v4, rules.v6.as_deref());
+        }
     }
     Ok(())
 }

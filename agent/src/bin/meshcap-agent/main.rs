@@ -1,8 +1,11 @@
 //! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface: `run` is
-//! the daemon ([`run`]); the others inspect or clean up a node ([`commands`]).
+//! the daemon (its settings [`run`], what is made of them [`wiring`], what keeps its life in
+//! order [`lifecycle`]); the others inspect or clean up a node ([`commands`]).
 mod commands;
 mod explain;
+mod lifecycle;
 mod run;
+mod wiring;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -113,7 +116,7 @@ fn main() -> ExitCode {
             if let Err(err) = meshcap_agent::sched::ask_for_short_slice() {
                 tracing::warn!("the kernel refused a short scheduler slice: {err}");
             }
-            run::run(*args)
+            wiring::run(*args)
         }
         Command::Status { socket, json } => commands::status(&socket, json),
         Command::Explain { pod, socket, json } => explain::explain(&socket, &pod, json),

@@ -21,21 +21,25 @@ use std::{
     sync::Mutex,
 };
 
-use meshcap_common::{PodConfig, flags};
+use meshcap_common::{PodConfig, maps};
 
 use super::{
-    EbpfError, Entries, encode,
+    EbpfBackend, EbpfError,
+    encode::{self, Plan},
     pins::{Pins, PodPins, record_name},
-    stub, sys,
+    stub::{self, TcAttach},
+    sys,
     tables::{Snapshot, Tables},
-    tc::{self, TcAttach},
 };
 use crate::{
-    backend::PodPolicy,
+    backend::{
+        AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck,
+        PodPolicy, Verify,
+    },
     crashpoint,
     pod::PodRef,
-    podnet::{self, PodNet, Visit},
-    policy::{MarkRoute, PolicyRoutes},
+    podnet::{self, Visit},
+    policy::{DataplaneMode, PolicyRoutes},
 };
 
 /// The capacity of `MESHCAP_PODS` (ebpf/meshcap-ebpf/src/tables.rs).
@@ -64,76 +68,6 @@ pub(super) struct Pods {
     netns: Mutex<HashMap<u64, PathBuf>>,
     /// The verifier's walk of the per-pod maps, once per pass.
     snapshot: Mutex<Snapshot>,
-}
-
-/// A pod's capture, planned from its policy and its observed netns.
-struct Plan {
-    net: PodNet,
-    entries: Entries,
-    /// Interfaces that get no stub (`excludeInterfaces`).
-    exclude_interfaces: Vec<String>,
-    /// Whether the policy reroutes interfaces (their traffic needs the policy route).
-    reroute: bool,
-}
-
-impl Plan {
-    fn new(policy: &PodPolicy, net: PodNet, handoff: bool) -> Self {
-        let mut entries = encode::entries(policy, &net);
-        if handoff {
-            entries.config.flags |= flags::HANDOFF;
-        }
-        let (exclude, reroute) = encode::interfaces(policy);
-        Self {
-            net,
-            entries,
-            exclude_interfaces: exclude.to_vec(),
-            reroute: !reroute.is_empty(),
-        }
-    }
-
-    fn ambient(&self) -> bool {
-        self.entries.config.has(flags::AMBIENT)
-    }
-
-    /// `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
-    /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
-    /// reply route, which rerouted interfaces share.
-    fn routes(&self) -> PolicyRoutes {
-        policy_routes(&self.entries.config, self.reroute)
-    }
-
-    /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
-    /// client source reach the proxy's transparent socket (in ambient mode, the mark the
-    /// classifier on `lo` gives ztunnel's SYNs). Rerouted interfaces need only the route: their
-    /// packets are marked by the TC program, and the proxy's sockets must not inherit that
-    /// mark.
-    fn fwmark_accept(&self) -> bool {
-        needs_fwmark_accept(&self.entries.config)
-    }
-}
-
-/// The policy routes of a pod captured with `config` (`reroute`: it reroutes interfaces):
-/// `::6` on lo for a sidecar's IPv6, TPROXY's mark route for TPROXY mode and rerouted
-/// interfaces, ambient mode's reply route.
-fn policy_routes(config: &PodConfig, reroute: bool) -> PolicyRoutes {
-    let ipv6 = config.has(flags::IPV6);
-    let ambient = config.has(flags::AMBIENT);
-    let mut routes = if ipv6 && !ambient {
-        PolicyRoutes::passthrough6()
-    } else {
-        PolicyRoutes::default()
-    };
-    if ambient {
-        routes.mark_route = Some(MarkRoute::ambient(ipv6));
-    } else if config.has(flags::TPROXY) || reroute {
-        routes.mark_route = Some(MarkRoute::tproxy(ipv6));
-    }
-    routes
-}
-
-/// Whether a pod captured with `config` needs `tcp_fwmark_accept` (TPROXY mode, ambient mode).
-const fn needs_fwmark_accept(config: &PodConfig) -> bool {
-    config.has(flags::TPROXY) || config.has(flags::AMBIENT)
 }
 
 impl Pods {
@@ -205,8 +139,7 @@ impl Pods {
             pins.mark_ambient().map_err(pinning)?;
         }
         crashpoint::here(crashpoint::EBPF_ADD_PINNED);
-        let routes = plan.routes();
-        if !routes.is_empty() {
+        if let Some(routes) = plan.routes() {
             podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
         }
         set_fwmark_accept(&pins, plan.fwmark_accept())?;
@@ -227,7 +160,7 @@ impl Pods {
         pins: &PodPins,
         plan: &Plan,
     ) -> Result<(), EbpfError> {
-        let lo = (tc::LOOPBACK_IFINDEX, "lo".to_owned());
+        let lo = (stub::LOOPBACK_IFINDEX, "lo".to_owned());
         let mut todo = Vec::new();
         for (ifindex, name) in plan
             .net
@@ -240,11 +173,11 @@ impl Pods {
             }
             let record = pins.tc(name);
             if record.exists() {
-                let Err(stale) = tc::verify(visit, &record) else {
+                let Err(stale) = check::verify(visit, &record) else {
                     continue;
                 };
                 tracing::warn!(interface = %name, reason = %stale, "re-attaching the inbound TC stub");
-                tc::detach(visit, &record);
+                stub::detach(visit, &record);
             }
             todo.push((*ifindex, record));
         }
@@ -254,7 +187,7 @@ impl Pods {
         // One stub per pod, shared by its interfaces.
         let stub = stub::load(plan.net.cookie, &self.tc_prog)?;
         for (ifindex, record) in todo {
-            tc::attach(visit, self.tc_attach, &stub, ifindex, &record)?;
+            stub::attach(visit, self.tc_attach, &stub, ifindex, &record)?;
         }
         Ok(())
     }
@@ -326,9 +259,17 @@ impl Pods {
         self.lock().pod_count()
     }
 
-    /// How many entries each per-pod map holds.
+    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
+    /// of pod configurations, CIDR lists, port lists and interfaces.
     pub(super) fn entry_counts(&self) -> Vec<(&'static str, usize)> {
-        self.lock().entry_counts()
+        let tables = self.lock();
+        vec![
+            (maps::PODS, tables.pods.keys().count()),
+            (maps::CIDRS4, tables.cidrs4.keys().count()),
+            (maps::CIDRS6, tables.cidrs6.keys().count()),
+            (maps::PORTS, tables.ports.keys().count()),
+            (maps::IFACES, tables.ifaces.keys().count()),
+        ]
     }
 
     /// The pod's cookie: as the pins record it (indexed), else from its netns while it
@@ -381,5 +322,97 @@ fn set_fwmark_accept(pins: &PodPins, on: bool) -> Result<(), EbpfError> {
 fn restore_fwmark_accept(value: u8) {
     if let Err(err) = std::fs::write(FWMARK_ACCEPT, value.to_string()) {
         tracing::warn!(error = %err, value, "restoring net.ipv4.tcp_fwmark_accept");
+    }
+}
+
+/// The kernel's answer to the backend interface: each pod's capture is a transaction of
+/// `Pods`; the node-wide questions are [`EbpfBackend`]'s.
+impl CaptureBackend for EbpfBackend {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        Ok(self.pods.capture(pod, policy)?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        Ok(self.pods.release(pod)?)
+    }
+
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.pods.check(pod, policy).map_err(EbpfError::into_check)
+    }
+
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self.pods.prune_gone()?)
+    }
+
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self.pods.gone(mode))
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        Ok(self.pods.drop_if_gone(pod)?)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        Ok(self.pods.verify(pod, verify)?)
+    }
+
+    fn verify_node(&self, verify: Verify) -> PodCheck {
+        if verify == Verify::Repair {
+            self.pods.begin_pass();
+        }
+        self.own.verify(
+            self.pods.pins(),
+            &self.config.cgroup_root,
+            self.pods.tc_prog(),
+            verify,
+        )
+    }
+
+    fn programs(&self) -> Vec<AttachedProgram> {
+        self.attached()
+    }
+
+    fn other_programs(&self) -> Vec<OtherProgram> {
+        self.neighbours()
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.node_warnings()
+    }
+
+    fn captured_count(&self) -> Result<usize, BackendError> {
+        Ok(self.pods.count())
+    }
+
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
+        Ok(self
+            .pinned_pods()
+            .into_iter()
+            .filter(|pinned| pinned.mode() == mode)
+            .map(|pinned| CapturedPod {
+                summary: match mode {
+                    DataplaneMode::Sidecar => format!(
+                        "netns cookie {}, inbound TC on {}",
+                        pinned.netns_cookie,
+                        if pinned.interfaces.is_empty() {
+                            "no interface".to_owned()
+                        } else {
+                            pinned.interfaces.join(",")
+                        }
+                    ),
+                    DataplaneMode::Ambient => format!(
+                        "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
+                        pinned.netns_cookie,
+                        pinned.interfaces.join(",")
+                    ),
+                },
+                pod: pinned.pod_ref(),
+                backend: "ebpf".to_owned(),
+            })
+            .collect())
     }
 }

@@ -7,7 +7,7 @@ use meshcap_common::flags;
 
 use super::{Pods, restore_fwmark_accept};
 use crate::{
-    backend::ebpf::{EbpfError, pins::unpin_link, tc},
+    backend::ebpf::{EbpfError, pins::unpin_link, stub},
     crashpoint,
     pod::PodRef,
     podnet,
@@ -58,9 +58,9 @@ impl Pods {
                 restore_fwmark_accept(value);
             }
             for record in &records {
-                tc::detach(visit, record);
+                stub::detach(visit, record);
             }
-            tc::detach_unrecorded(visit, &records, ambient);
+            stub::detach_unrecorded(visit, &records, ambient);
             for route in routes.iter().flatten() {
                 let installed = PolicyRoutes {
                     mark_route: Some(route.clone()),

@@ -2,17 +2,17 @@
 //! with what [`super::Tables`] wrote or adopted, and, in one visit to its netns, its policy
 //! route, `tcp_fwmark_accept`, its stub on every interface that is not excluded (and `lo` for an
 //! ambient pod) and its socket lookup program. What differs is put back in place: entries
-//! written over, a stub attached again over its place ([`tc::reattach`]), the route and the
+//! written over, a stub attached again over its place ([`stub::reattach`]), the route and the
 //! sysctl added; nothing is removed first.
 use std::path::PathBuf;
 
 use meshcap_common::{flags, iface_flags};
 
-use super::{FWMARK_ACCEPT, Pods, needs_fwmark_accept, policy_routes};
+use super::{FWMARK_ACCEPT, Pods, check};
 use crate::{
     backend::{
         DriftKind, PodCheck, Verify,
-        ebpf::{EbpfError, pins::record_name, stub, sys, tc},
+        ebpf::{EbpfError, encode, pins::record_name, stub, sys},
     },
     pod::PodRef,
     podnet::{self, PodNetError, Visit},
@@ -146,8 +146,7 @@ impl Pods {
             return Ok(check);
         };
         let reroute = ifaces.iter().any(|(_, f)| f & iface_flags::REROUTE != 0);
-        let routes = policy_routes(&config, reroute);
-        if routes.mark_route.is_some() {
+        if let Some(routes) = encode::routes(&config, reroute).filter(|r| r.mark_route.is_some()) {
             match podnet::route::missing(visit.netlink()?, &routes)? {
                 None => check.installed.push(format!(
                     "policy route: {}",
@@ -171,7 +170,7 @@ impl Pods {
                 )),
             }
         }
-        if needs_fwmark_accept(&config) {
+        if encode::fwmark_accept(&config) {
             let value = std::fs::read_to_string(FWMARK_ACCEPT).unwrap_or_default();
             if value.trim() == "1" {
                 check
@@ -217,7 +216,7 @@ impl Pods {
         let pins = self.pins.pod(cookie);
         let mut interfaces = podnet::inspect(visit, false)?.interfaces;
         if config.has(flags::AMBIENT) {
-            interfaces.push((tc::LOOPBACK_IFINDEX, "lo".to_owned()));
+            interfaces.push((stub::LOOPBACK_IFINDEX, "lo".to_owned()));
         }
         let mut stub = None;
         for (ifindex, name) in interfaces {
@@ -229,7 +228,7 @@ impl Pods {
             }
             let record = pins.tc(&name);
             let drift = if record.exists() {
-                match tc::verify(visit, &record) {
+                match check::verify(visit, &record) {
                     Ok(()) => {
                         check.installed.push(format!("inbound TC stub on {name}"));
                         continue;
@@ -248,7 +247,7 @@ impl Pods {
                     let Some(stub) = &stub else {
                         return Err("no stub".to_owned());
                     };
-                    tc::reattach(visit, self.tc_attach, stub, ifindex, &record)
+                    stub::reattach(visit, self.tc_attach, stub, ifindex, &record)
                         .map_err(|e| e.to_string())
                 }));
         }

@@ -11,7 +11,7 @@ use std::collections::{HashMap as StdHashMap, HashSet};
 use aya::maps::lpm_trie::Key;
 use meshcap_common::{Cidr4Data, Cidr6Data, IfaceKey, PodConfig, PortKey};
 
-use super::{EbpfError, Tables};
+use super::{EbpfError, Lists, Tables};
 
 /// Which keys the per-pod maps held at one walk, by pod id (or netns cookie), with the pod
 /// entries the index held then: a pod captured or updated since has another entry, and is
@@ -90,7 +90,7 @@ impl Tables {
                 Err(_) => note("its MESHCAP_POD_ADDRS entry is gone".to_owned()),
             }
         }
-        let empty = super::Lists::default();
+        let empty = Lists::default();
         let lists = self.index.lists.get(&want.pod_id).unwrap_or(&empty);
         let (missing, changed, strays) = compare(
             lists.ports.iter().map(|key| (*key, 1u8)),
@@ -139,7 +139,7 @@ impl Tables {
         let Some(config) = self.index.configs.get(&cookie).copied() else {
             return Ok(());
         };
-        let empty = super::Lists::default();
+        let empty = Lists::default();
         let lists = self.index.lists.get(&config.pod_id).unwrap_or(&empty);
         for key in &lists.ports {
             self.ports

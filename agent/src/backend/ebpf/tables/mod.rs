@@ -1,52 +1,35 @@
 //! The per-pod maps and the agent's index of them. The maps hold each pod's configuration
 //! (`MESHCAP_PODS`, by netns cookie), its lists (`MESHCAP_PORTS`, `MESHCAP_CIDRS4/6`, keyed by
 //! pod id) and its interfaces' flags (`MESHCAP_IFACES`). [`Tables`] is their only writer once
-//! the backend is open, and keeps in memory what they hold per pod: the list keys written
-//! under each pod id, the interface keys of each netns cookie, the pod ids in use and which
-//! cookie each pinned pod is. A DEL or an update then removes exactly its own entries (one
-//! syscall each) instead of walking whole maps, and a new pod id costs no map walk. The index
-//! is rebuilt once from the pinned maps and pins when the backend opens.
-use std::{
-    collections::{HashMap as StdHashMap, HashSet},
-    net::IpAddr,
-};
+//! the backend is open, and keeps in memory what they hold per pod (`index`): the list keys and
+//! values written under each pod id, the interface keys of each netns cookie, the pod entries
+//! and addresses written, the pod ids in use and which cookie each pinned pod is. A DEL or an
+//! update then removes exactly its own entries (one syscall each) instead of walking whole
+//! maps, and a new pod id costs no map walk; the verifier compares the maps with it and puts
+//! back what differs (`verify`). The index is rebuilt once from the pinned maps and pins when
+//! the backend opens.
+use std::collections::HashSet;
 
 use aya::{
     Ebpf,
     maps::{HashMap, LpmTrie, MapData, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodAddrs, PodConfig,
-    PortKey, iface_flags, maps,
+    Cidr4Data, Cidr6Data, CidrKind, IfaceKey, PodAddrs, PodConfig, PortKey, iface_flags, maps,
 };
 
-use super::{EbpfError, Entries, pins::Pins};
+use super::{
+    EbpfError, Entries,
+    encode::{CidrKey, cidr_key},
+    pins::Pins,
+};
 use crate::podnet::PodNet;
 
+mod index;
 mod verify;
 
+use index::{Index, Lists};
 pub(in crate::backend::ebpf) use verify::Snapshot;
-
-/// A CIDR list entry's key, in the map of its family.
-enum CidrKey {
-    V4(Key<Cidr4Data>),
-    V6(Key<Cidr6Data>),
-}
-
-/// The key of `addr/len` in `pod_id`'s `kind` list.
-fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
-    let prefix = CIDR_KEY_PREFIX_BITS + u32::from(len);
-    match addr {
-        IpAddr::V4(a) => CidrKey::V4(Key::new(
-            prefix,
-            Cidr4Data::new(pod_id, kind, u32::from_ne_bytes(a.octets())),
-        )),
-        IpAddr::V6(a) => CidrKey::V6(Key::new(
-            prefix,
-            Cidr6Data::new(pod_id, kind, Addr::v6(a.octets()).words()),
-        )),
-    }
-}
 
 /// The per-pod maps, and what they hold per pod.
 pub(super) struct Tables {
@@ -112,18 +95,6 @@ impl Tables {
         Ok(tables)
     }
 
-    /// How many entries each per-pod map holds (all zero when no pod is captured): the maps
-    /// of pod configurations, CIDR lists, port lists and interfaces.
-    pub(super) fn entry_counts(&self) -> Vec<(&'static str, usize)> {
-        vec![
-            (maps::PODS, self.pods.keys().count()),
-            (maps::CIDRS4, self.cidrs4.keys().count()),
-            (maps::CIDRS6, self.cidrs6.keys().count()),
-            (maps::PORTS, self.ports.keys().count()),
-            (maps::IFACES, self.ifaces.keys().count()),
-        ]
-    }
-
     /// The netns cookie of the pod whose record name is `record`, as pinned.
     pub(super) fn cookie(&self, record: &str) -> Option<u64> {
         self.index.cookie(record)
@@ -178,14 +149,14 @@ impl Tables {
         Ok(())
     }
 
-    /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
-    /// there was one. The lists go also when the entry was removed behind meshcap's back (by
-    /// the id this agent recorded for the cookie).
     /// Whether the pod map has an entry for `cookie`.
     pub(super) fn has_pod(&self, cookie: u64) -> bool {
         self.pods.get(&cookie, 0).is_ok()
     }
 
+    /// Removes the pod entry of netns `cookie` and the lists of its pod id; the entry, if
+    /// there was one. The lists go also when the entry was removed behind meshcap's back (by
+    /// the id this agent recorded for the cookie).
     pub(super) fn remove_pod(&mut self, cookie: u64) -> Result<Option<PodConfig>, EbpfError> {
         let config = self.pods.get(&cookie, 0).ok();
         if config.is_some() {
@@ -391,149 +362,5 @@ impl Tables {
     }
 }
 
-/// The list entries written under one pod id.
-#[derive(Default)]
-struct Lists {
-    /// `MESHCAP_PORTS` keys.
-    ports: Vec<PortKey>,
-    /// `MESHCAP_CIDRS4` keys, with their values.
-    cidrs4: Vec<(Key<Cidr4Data>, u32)>,
-    /// `MESHCAP_CIDRS6` keys, with their values.
-    cidrs6: Vec<(Key<Cidr6Data>, u32)>,
-}
-
-/// The in-memory index of the per-pod maps (see the module documentation).
-#[derive(Default)]
-struct Index {
-    /// By pod id.
-    lists: StdHashMap<u32, Lists>,
-    /// `MESHCAP_IFACES` keys and their flags, by netns cookie.
-    ifaces: StdHashMap<u64, Vec<(IfaceKey, u32)>>,
-    /// Pod ids a pod entry or a list uses.
-    ids: HashSet<u32>,
-    /// The last pod id handed out: ids go round rather than being reused at once, so a
-    /// program that read a pod's old configuration never meets another pod's lists under it.
-    cursor: u32,
-    /// Netns cookie by pin name of the pod (`pod@<namespace>@<name>@<container>`).
-    cookies: StdHashMap<String, u64>,
-    /// Each netns cookie's pod entry, as written (or adopted).
-    configs: StdHashMap<u64, PodConfig>,
-    /// Each netns cookie's own addresses, as written (or adopted).
-    addrs: StdHashMap<u64, PodAddrs>,
-}
-
-impl Lists {
-    fn len(&self) -> usize {
-        self.ports.len() + self.cidrs4.len() + self.cidrs6.len()
-    }
-}
-
-impl Index {
-    /// Records that pod id `id` is in use (a pod entry references it).
-    fn use_id(&mut self, id: u32) {
-        self.ids.insert(id);
-        self.cursor = self.cursor.max(id);
-    }
-
-    /// A pod id no pod entry or list uses, now in use.
-    fn allocate(&mut self) -> u32 {
-        loop {
-            self.cursor = self.cursor.wrapping_add(1).max(1);
-            if self.ids.insert(self.cursor) {
-                return self.cursor;
-            }
-        }
-    }
-
-    /// The lists of pod id `id`, to record keys as they are written.
-    fn lists_mut(&mut self, id: u32) -> &mut Lists {
-        self.use_id(id);
-        self.lists.entry(id).or_default()
-    }
-
-    /// Forgets pod id `id` (free again) and returns its list keys, to delete.
-    fn release(&mut self, id: u32) -> Lists {
-        self.ids.remove(&id);
-        self.lists.remove(&id).unwrap_or_default()
-    }
-
-    /// Records an interface entry of the pod with netns `cookie`.
-    fn add_iface(&mut self, cookie: u64, key: IfaceKey, flags: u32) {
-        self.ifaces.entry(cookie).or_default().push((key, flags));
-    }
-
-    /// Forgets the interface entries of `cookie` and returns them, to delete.
-    fn take_ifaces(&mut self, cookie: u64) -> Vec<(IfaceKey, u32)> {
-        self.ifaces.remove(&cookie).unwrap_or_default()
-    }
-
-    /// The netns cookie of the pod pinned as `meta`.
-    fn cookie(&self, meta: &str) -> Option<u64> {
-        self.cookies.get(meta).copied()
-    }
-
-    /// Records that the pod pinned as `meta` is netns `cookie`.
-    fn set_cookie(&mut self, meta: String, cookie: u64) {
-        self.cookies.insert(meta, cookie);
-    }
-
-    /// Forgets every pod pinned under netns `cookie` (a DEL finds the pod by its netns when
-    /// its pins name another container).
-    fn forget_cookie(&mut self, cookie: u64) {
-        self.cookies.retain(|_, c| *c != cookie);
-    }
-
-    /// How many pods are pinned.
-    fn pods(&self) -> usize {
-        self.cookies.len()
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ids_go_round_and_skip_those_in_use() {
-        let mut index = Index::default();
-        index.use_id(2);
-        assert_eq!(index.allocate(), 3);
-        index.lists_mut(4).ports.push(PortKey::new(
-            4,
-            meshcap_common::PortKind::ExcludeOutbound,
-            1,
-        ));
-        assert_eq!(index.allocate(), 5);
-        assert_eq!(index.release(4).ports.len(), 1);
-        assert!(index.release(4).ports.is_empty(), "released once");
-        // 4 is free again, but ids go round first.
-        assert_eq!(index.allocate(), 6);
-        index.cursor = u32::MAX - 1;
-        assert_eq!(index.allocate(), u32::MAX);
-        assert_eq!(index.allocate(), 1, "0 is never an id");
-        assert_eq!(index.allocate(), 4, "2, 3, 5 and 6 are in use");
-    }
-
-    #[test]
-    fn ifaces_and_cookies_are_per_pod() {
-        let mut index = Index::default();
-        let key = |netns, ifindex| IfaceKey {
-            netns,
-            ifindex,
-            pad: 0,
-        };
-        index.add_iface(7, key(7, 2), 1);
-        index.add_iface(7, key(7, 3), 2);
-        index.add_iface(8, key(8, 2), 1);
-        assert_eq!(index.take_ifaces(7).len(), 2);
-        assert!(index.take_ifaces(7).is_empty());
-        assert_eq!(index.take_ifaces(8).len(), 1);
-        index.set_cookie("pod@a@b@c".into(), 7);
-        index.set_cookie("pod@a@b@d".into(), 9);
-        assert_eq!(index.cookie("pod@a@b@c"), Some(7));
-        assert_eq!(index.pods(), 2);
-        index.forget_cookie(7);
-        assert_eq!(index.cookie("pod@a@b@c"), None);
-        assert_eq!(index.pods(), 1);
-    }
-}
+mod tests;

@@ -1,67 +1,12 @@
-//! What a request to the hub did ([`Done`]) or why it failed ([`CaptureError`]), each with the
-//! class it is counted under; `api` turns them into the plugin's protocol.
+//! Why a request to the hub failed ([`CaptureError`]), with the class it is counted and
+//! answered under ([`ErrorClass`]); `api` turns the class into the plugin's protocol.
 use crate::{
     ambient::AmbientError,
     backend::BackendError,
-    pod::PodName,
     podnet::PodNetError,
     pods::{NamespaceError, PodSourceError},
-    policy::{DecisionError, SkipReason},
-    status::StatusReport,
-    verify::Explanation,
+    policy::{DecisionError, PodName},
 };
-
-/// What a request did.
-#[derive(Debug)]
-pub enum Done {
-    /// ADD: the pod is captured (how, in words).
-    Captured(String),
-    /// ADD, CHECK: the pod is left alone, as Istio's plugin leaves it.
-    Skipped(SkipReason),
-    /// DEL: nothing of the pod's capture is left.
-    Removed,
-    /// CHECK: the capture is in place (which one, in words).
-    Checked(&'static str),
-    /// GC: this many stale captures removed.
-    Collected(usize),
-    /// PING: ready (with which backend, in words).
-    Alive(String),
-    /// STATUS: the report.
-    Status(Box<StatusReport>),
-    /// EXPLAIN: why a pod is (not) captured.
-    Explained(Box<Explanation>),
-}
-
-impl Done {
-    /// The outcome as the metrics count it.
-    #[must_use]
-    pub const fn label(&self) -> &'static str {
-        match self {
-            Self::Captured(_) => "captured",
-            Self::Skipped(_) => "skipped",
-            Self::Removed => "removed",
-            Self::Checked(_) => "checked",
-            Self::Collected(_) => "collected",
-            Self::Alive(_) => "alive",
-            Self::Status(_) => "status",
-            Self::Explained(_) => "explained",
-        }
-    }
-
-    /// The outcome in words, as logs and the plugin show it.
-    #[must_use]
-    pub fn message(&self) -> String {
-        match self {
-            Self::Captured(how) | Self::Alive(how) => how.clone(),
-            Self::Skipped(reason) => format!("not captured: {reason}"),
-            Self::Removed => "capture removed".to_owned(),
-            Self::Checked(what) => (*what).to_owned(),
-            Self::Collected(removed) => format!("removed {removed} stale captures"),
-            Self::Status(_) => "status".to_owned(),
-            Self::Explained(explanation) => explanation.decision.clone(),
-        }
-    }
-}
 
 /// Why a request failed, naming the pod and what is wrong.
 #[derive(Debug, thiserror::Error)]

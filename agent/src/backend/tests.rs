@@ -1,12 +1,9 @@
-//! Each mode's requests reach the backend serving it, and a DEL every backend, ambient mode's
+//! The router: each mode's requests reach the backend serving it, and a DEL every backend, ambient mode's
 //! first.
 use std::sync::{Arc, Mutex};
 
 use super::*;
-use crate::{
-    backend::AmbientCapture,
-    policy::{RedirectPolicy, ambient::InpodPolicy},
-};
+use crate::policy::ambient::InpodPolicy;
 
 /// A backend that notes, in the log both share, what it is asked.
 struct Noting {
@@ -87,7 +84,7 @@ fn router(ambient: bool) -> (Router, Arc<Mutex<Vec<String>>>) {
 
 fn sidecar() -> PodPolicy {
     PodPolicy::from(RedirectPolicy {
-        pod: crate::pod::PodName {
+        pod: crate::policy::PodName {
             namespace: "shop".to_owned(),
             name: "web".to_owned(),
         },
