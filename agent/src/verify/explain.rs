@@ -89,7 +89,7 @@ impl Explanation {
             for drift in &capture.differs {
                 let _ = writeln!(out, "  DIFFERS {drift}");
             }
-            verified(&mut out, "  ", &capture.verified, now);
+            verified(&mut out, "  ", "", &capture.verified, now);
         }
         let _ = match self.verify_interval_seconds {
             Some(every) => writeln!(out, "verification: every {every} s"),
@@ -98,7 +98,7 @@ impl Explanation {
                 "verification: off (meshcap.verifyIntervalSeconds is 0)"
             ),
         };
-        verified(&mut out, "  node-wide: ", &self.node, now);
+        verified(&mut out, "  ", "node-wide: ", &self.node, now);
         if let Some(reason) = &self.not_ready {
             let _ = writeln!(out, "agent NOT READY: {reason}");
         }
@@ -106,31 +106,31 @@ impl Explanation {
     }
 }
 
-fn verified(out: &mut String, indent: &str, verified: &Verified, now: u64) {
+/// What the verifier knows of a capture (or of the node's part, `label`), and the drift it put
+/// back lately, each with how long ago.
+fn verified(out: &mut String, indent: &str, label: &str, verified: &Verified, now: u64) {
     match verified.last {
         Some(at) => {
-            let _ = writeln!(
-                out,
-                "{indent}last verified {} s ago",
-                now.saturating_sub(at)
-            );
+            let ago = now.saturating_sub(at);
+            let _ = writeln!(out, "{indent}{label}last verified {ago} s ago");
         }
         None => {
-            let _ = writeln!(out, "{indent}not verified yet");
+            let _ = writeln!(out, "{indent}{label}not verified yet");
         }
     }
     for dated in &verified.drift {
-        let what = match &dated.drift.outcome {
-            DriftOutcome::Repaired => "put back",
-            DriftOutcome::Found => "found",
-            DriftOutcome::Failed(_) => "NOT put back",
+        let (drift, ago) = (&dated.drift, now.saturating_sub(dated.at));
+        let (kind, what) = (drift.kind, &drift.what);
+        let _ = match &drift.outcome {
+            DriftOutcome::Repaired => {
+                writeln!(out, "{indent}  {ago} s ago, put back {kind}: {what}")
+            }
+            DriftOutcome::Found => writeln!(out, "{indent}  {ago} s ago, found {kind}: {what}"),
+            DriftOutcome::Failed(why) => writeln!(
+                out,
+                "{indent}  {ago} s ago, NOT put back {kind}: {what} ({why})"
+            ),
         };
-        let _ = writeln!(
-            out,
-            "{indent}  {} s ago, {what}: {}",
-            now.saturating_sub(dated.at),
-            dated.drift
-        );
     }
 }
 
@@ -185,7 +185,7 @@ mod tests {
             "installed (sidecar pod, ebpf backend, container 0123456789ab): netns cookie 7",
             "  inbound TC stub on eth0",
             "last verified 0 s ago",
-            "0 s ago, put back: tc_filter: no stub on eth0 (put back)",
+            "0 s ago, put back tc_filter: no stub on eth0",
             "verification: every 30 s",
             "node-wide: not verified yet",
         ] {

@@ -64,8 +64,8 @@ pub(super) struct Pods {
     found_gone: Mutex<HashSet<u64>>,
     /// A path naming each captured pod's netns, by cookie: the runtime's from the ADD, or one
     /// a walk of the node's namespaces found (the pins record only the cookie), for the
-    /// verifier's visits.
-    netns: Mutex<HashMap<u64, PathBuf>>,
+    /// verifier's visits; `None`: this pass's walk found none.
+    netns: Mutex<HashMap<u64, Option<PathBuf>>>,
     /// The verifier's walk of the per-pod maps, once per pass.
     snapshot: Mutex<Snapshot>,
 }

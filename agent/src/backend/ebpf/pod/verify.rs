@@ -23,7 +23,7 @@ impl Pods {
     /// Remembers the path of netns `cookie` (the runtime's, from an ADD).
     pub(super) fn remember_netns(&self, cookie: u64, pod: &PodRef) {
         if !pod.netns.as_os_str().is_empty() {
-            self.netns_paths().insert(cookie, pod.netns.clone());
+            self.netns_paths().insert(cookie, Some(pod.netns.clone()));
         }
     }
 
@@ -34,6 +34,8 @@ impl Pods {
 
     /// Walks the per-pod maps once for this pass's pods ([`super::Tables::snapshot`]).
     pub(in crate::backend::ebpf) fn begin_pass(&self) {
+        // Namespaces a walk did not find are looked for again, once per pass at most.
+        self.netns_paths().retain(|_, path| path.is_some());
         let snapshot = self.lock().snapshot();
         *self
             .snapshot
@@ -255,13 +257,14 @@ impl Pods {
     }
 
     /// A path naming netns `cookie`: remembered from its ADD or an earlier walk, else found by
-    /// a walk of the node's namespaces (which remembers every captured pod's it finds).
+    /// a walk of the node's namespaces (which remembers every captured pod's it finds, and
+    /// which it does not, until the next pass).
     fn netns_path(&self, cookie: u64, pod: &PodRef) -> Option<PathBuf> {
         if !pod.netns.as_os_str().is_empty() {
             return Some(pod.netns.clone());
         }
         if let Some(path) = self.netns_paths().get(&cookie) {
-            return Some(path.clone());
+            return path.clone();
         }
         let pinned: Vec<u64> = self
             .pins
@@ -272,14 +275,15 @@ impl Pods {
         let live = podnet::live_netns();
         let mut paths = self.netns_paths();
         for cookie in pinned {
-            if let Some(path) = live.get(&cookie) {
-                paths.entry(cookie).or_insert_with(|| path.clone());
-            }
+            let found = live.get(&cookie).cloned();
+            paths.entry(cookie).or_insert(found);
         }
-        paths.get(&cookie).cloned()
+        paths.get(&cookie).cloned().flatten()
     }
 
-    fn netns_paths(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, PathBuf>> {
+    fn netns_paths(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, Option<PathBuf>>> {
         self.netns
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
