@@ -2,14 +2,14 @@
 //! second (`MESHCAP_VERIFY_INTERVAL_SECONDS=1`), a pod captured through the real `meshcap-cni`,
 //! and each kind of drift made behind the agent's back — Istio's rules flushed or a jump
 //! deleted, the TC filter deleted, a cgroup link detached, the pod's map entry changed, the
-//! shared classifier taken out of its slot, an ambient pod's in-pod rules flushed, its stub
-//! deleted, its address taken out of the node's probe set, ztunnel refusing it. Each is found
-//! and put back (waited for on the agent's own count, never on a clock), counted
-//! (`meshcap_capture_drift_total`), logged and reported as a Warning Event on the pod through the
-//! in-test API server; the pod is captured again and a connection held open through the
-//! repair still carries data. Drift that cannot be put back makes the agent not ready, saying
-//! why, until it can. With verification off nothing is touched. `meshcap-agent explain`
-//! shows the decision, what is installed and what was put back.
+//! shared classifier taken out of its slot, an interface added without a stub, an ambient
+//! pod's in-pod rules flushed, its stub deleted, its address taken out of the node's probe set,
+//! ztunnel refusing it. Each is found and put back (waited for on the agent's own count, never
+//! on a clock), counted (`meshcap_capture_drift_total`), logged and reported as a Warning Event
+//! on the pod through the in-test API server; the pod is captured again and a connection held
+//! open through the repair still carries data. Drift that cannot be put back makes the agent
+//! not ready, saying why, until it can. With verification off nothing is touched.
+//! `meshcap-agent explain` shows the decision, what is installed and what was put back.
 use std::{
     net::SocketAddr,
     process::Command,
@@ -178,6 +178,16 @@ fn sidecar_tampers(backend: Backend) -> Vec<Tamper> {
                     let mut slots: ProgramArray<_> =
                         ProgramArray::try_from(Map::ProgramArray(data)).expect("a program array");
                     slots.clear_index(&0).expect("emptying slot 0");
+                },
+            ),
+            (
+                "an interface added after the capture",
+                "tc_filter",
+                |_, wired| {
+                    in_netns(
+                        wired.pod.name(),
+                        &["ip", "link", "add", "late0", "up", "type", "dummy"],
+                    );
                 },
             ),
         ],

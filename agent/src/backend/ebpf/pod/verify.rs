@@ -205,7 +205,9 @@ impl Pods {
     }
 
     /// Every interface that is not excluded (and `lo` for an ambient pod) has the pod's stub,
-    /// as its record says and the kernel confirms.
+    /// as its record says and the kernel confirms. An interface that came after the capture gets
+    /// one too, as Istio's rules hold for every interface, unless the pod excludes interfaces:
+    /// then only those recorded are (whether a newer one is excluded was never written down).
     fn verify_stubs(
         &self,
         visit: &mut Visit,
@@ -221,14 +223,15 @@ impl Pods {
             interfaces.push((stub::LOOPBACK_IFINDEX, "lo".to_owned()));
         }
         let mut stub = None;
+        let excludes = config.has(flags::EXCLUDED_ROUTES);
         for (ifindex, name) in interfaces {
             let excluded = ifaces
                 .iter()
                 .any(|(index, f)| *index == ifindex && f & iface_flags::EXCLUDED != 0);
-            if excluded {
+            let record = pins.tc(&name);
+            if excluded || (excludes && !record.exists()) {
                 continue;
             }
-            let record = pins.tc(&name);
             let drift = if record.exists() {
                 match check::verify(visit, &record) {
                     Ok(()) => {
