@@ -186,7 +186,9 @@ fn sidecar_tampers(backend: Backend) -> Vec<Tamper> {
                 |_, wired| {
                     in_netns(
                         wired.pod.name(),
-                        &["ip", "link", "add", "late0", "up", "type", "dummy"],
+                        &[
+                            "ip", "link", "add", "late0", "type", "veth", "peer", "name", "late1",
+                        ],
                     );
                 },
             ),
