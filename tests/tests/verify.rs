@@ -4,12 +4,13 @@
 //! deleted, the TC filter deleted, a cgroup link detached, the pod's map entry changed, the
 //! shared classifier taken out of its slot, an interface added without a stub, an ambient
 //! pod's in-pod rules flushed, its stub deleted, its address taken out of the node's probe set,
-//! ztunnel refusing it. Each is found and put back (waited for on the agent's own count, never
-//! on a clock), counted (`meshcap_capture_drift_total`), logged and reported as a Warning Event
-//! on the pod through the in-test API server; the pod is captured again and a connection held
-//! open through the repair still carries data. Drift that cannot be put back makes the agent
-//! not ready, saying why, until it can. With verification off nothing is touched.
-//! `meshcap-agent explain` shows the decision, what is installed and what was put back.
+//! the probe sets and their rule removed, ztunnel refusing it. Each is found and put back
+//! (waited for on the agent's own count, never on a clock), counted
+//! (`meshcap_capture_drift_total`), logged and reported as a Warning Event on the pod through
+//! the in-test API server; the pod is captured again and a connection held open through the
+//! repair still carries data. Drift that cannot be put back makes the agent not ready, saying
+//! why, until it can. With verification off nothing is touched. `meshcap-agent explain` shows
+//! the decision, what is installed and what was put back.
 use std::{
     net::SocketAddr,
     process::Command,
@@ -19,7 +20,11 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData, ProgramArray};
 use meshcap_agent::{
-    backend::ebpf::detach_link, ipset::IpSets, podnet, policy::hostprobe::PROBE_SET_V4,
+    ambient::remove_from_node,
+    backend::{ebpf::detach_link, iptables::FlavourChoice},
+    ipset::IpSets,
+    podnet,
+    policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4},
 };
 use meshcap_common::{PodConfig, maps, programs};
 use meshcap_tests::{
@@ -370,6 +375,37 @@ fn empty_probe_set(node: &Node) {
         .expect("emptying the probe set");
 }
 
+/// The addresses in the node's IPv4 probe set (none when it is not there).
+fn probe_addresses(node: &Node) -> Vec<String> {
+    node.netns
+        .run_in(|| {
+            let Ok(entries) = IpSets::open()?.list(PROBE_SET_V4) else {
+                return Ok(Vec::new());
+            };
+            Ok(entries.into_iter().map(|e| e.ip.to_string()).collect())
+        })
+        .expect("listing the probe set")
+}
+
+/// The jumps to the probe rule's chain in the node's nat table, either iptables.
+fn probe_jumps(node: &Node) -> usize {
+    ["iptables-legacy-save", "iptables-nft-save"]
+        .iter()
+        .filter_map(|save| {
+            run(
+                "ip",
+                &["netns", "exec", node.netns.name(), save, "-t", "nat"],
+            )
+            .ok()
+        })
+        .map(|out| {
+            out.lines()
+                .filter(|l| *l == "-A POSTROUTING -j ISTIO_POSTRT")
+                .count()
+        })
+        .sum()
+}
+
 fn ambient(backend: Backend, in_kernel: bool) {
     require_root();
     let mut node = Node::new().expect("node");
@@ -465,6 +501,27 @@ fn ambient(backend: Backend, in_kernel: bool) {
             event(&api, "web", "CaptureDriftRepaired", kind)
         });
     }
+    // The node's probe sets and their rule removed (what an uninstall does, here behind the
+    // agent's back; Istio's istio/istio#60471 is the entries lost after a kubelet restart):
+    // the sets are created again with one rule, and the pod's address put back in.
+    let before = drift(&agent, "probe_set", "repaired");
+    remove_from_node(
+        Some(&node.netns.path()),
+        FlavourChoice::Auto,
+        HostProbeSnat::default(),
+    )
+    .expect("removing the probe sets and their rule");
+    assert!(probe_addresses(&node).is_empty(), "removed");
+    wait_for("the probe sets and their rule put back", &agent, || {
+        drift(&agent, "probe_set", "repaired") > before
+            && probe_addresses(&node).contains(&pod.v4().to_string())
+    });
+    assert_eq!(probe_jumps(&node), 1, "one probe rule again");
+    assert!(
+        held.exchange("the probe sets removed").is_ok(),
+        "the held connection survived"
+    );
+
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK after the repairs: {check:?}");
     let explained = explain(&agent, "shop/web");
