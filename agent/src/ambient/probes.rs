@@ -93,24 +93,30 @@ impl HostProbes {
         Ok(())
     }
 
-    /// The sets that are not there (destroyed behind meshcap's back, with the rule that
-    /// matched them).
+    /// What of the sets and their rule is not in place, in words: a set that is gone
+    /// (destroyed behind meshcap's back, with the rule that matched it), or one that no rule
+    /// matches (the node rule deleted, its chain flushed). Whether a rule matches a set is the
+    /// kernel's count of the set's references, read with its listing: no `iptables-save`.
     ///
     /// # Errors
     /// When the sets cannot be asked.
-    pub fn missing_sets(&self) -> Result<Vec<&'static str>, AmbientError> {
+    pub fn not_in_place(&self) -> Result<Vec<String>, AmbientError> {
         self.sets(|sets| {
-            let mut missing = Vec::new();
+            let mut out = Vec::new();
             for family in self.families() {
                 let set = set_name(family);
-                match sets.list(set) {
-                    Err(err) if ipset::is_missing(&err) => missing.push(set),
-                    listed => {
-                        listed.map_err(|e| failed(format!("listing {set}"), &e))?;
+                match sets.references(set) {
+                    Err(err) if ipset::is_missing(&err) => {
+                        out.push(format!("ip set {set} is gone from the node"));
                     }
+                    Err(err) => return Err(failed(format!("listing {set}"), &err)),
+                    Ok(0) => out.push(format!(
+                        "no rule of the node matches ip set {set} (the probe rule is gone)"
+                    )),
+                    Ok(_) => {}
                 }
             }
-            Ok(missing)
+            Ok(out)
         })
     }
 

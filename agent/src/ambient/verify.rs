@@ -3,7 +3,8 @@
 //! of the ZDS exchange says (ZDS has no query: the newest ztunnel acked an add or keep of the
 //! pod and was sent no delete since), and its addresses in the node's probe set. What differs is
 //! put back: the pod handed to ztunnel again, its addresses added; node-wide, probe sets that
-//! were destroyed are created again with their rule (which kubelet's probes need).
+//! were destroyed, or that no rule matches any more, are set up again with their rule (which
+//! kubelet's probes need).
 use std::fs;
 
 use super::{Ambient, addresses};
@@ -67,19 +68,22 @@ impl Ambient {
         Ok(check)
     }
 
-    /// The node's probe sets are there (the rule matching them cannot be without them); with
-    /// [`Verify::Repair`] sets that are not are created again, with the rule.
+    /// The node's probe sets are there, each matched by the node rule; with
+    /// [`Verify::Repair`] what is not is set up again: the sets created (kept when there), the
+    /// rule put back in front (one copy).
     pub(super) fn verify_sets(&self, verify: Verify) -> PodCheck {
         let mut check = PodCheck::default();
-        match self.probes.missing_sets() {
-            Ok(missing) if missing.is_empty() => check
+        match self.probes.not_in_place() {
+            Ok(wrong) if wrong.is_empty() => check
                 .installed
-                .push("the node's probe sets are there".to_owned()),
-            Ok(missing) => check.drift.push(verify.handle(
-                DriftKind::ProbeSet,
-                format!("ip set {} is gone from the node", missing.join(", ")),
-                || self.probes.set_up().map_err(|e| e.to_string()),
-            )),
+                .push("the node's probe sets are there, matched by its probe rule".to_owned()),
+            Ok(wrong) => {
+                check
+                    .drift
+                    .push(verify.handle(DriftKind::ProbeSet, wrong.join("; "), || {
+                        self.probes.set_up().map_err(|e| e.to_string())
+                    }))
+            }
             Err(err) => check
                 .installed
                 .push(format!("the node's probe sets cannot be read: {err}")),
