@@ -310,6 +310,14 @@ fn with_verification_off_nothing_is_touched(backend: Backend) {
         "{what}: still not in place: {check:?}"
     );
     assert_eq!(metric(&agent, "meshcap_verify_passes_total"), 0);
+    // The plugin's requests, by verb and the CNI code the plugin returned (Istio 1.31's
+    // istio_cni_plugin_requests_total).
+    for series in [
+        r#"meshcap_cni_plugin_requests_total{verb="add",code="0"}"#,
+        r#"meshcap_cni_plugin_requests_total{verb="check",code="106"}"#,
+    ] {
+        assert_eq!(metric(&agent, series), 1, "{series}");
+    }
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert!(
         !metrics.contains("meshcap_capture_drift_total{"),
