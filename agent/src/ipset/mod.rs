@@ -1,6 +1,7 @@
 //! The kernel's IP sets (`ip_set`, `xt_set`), spoken to over nfnetlink as the `ipset` tool and
 //! Istio's node agent (through `vishvananda/netlink`) do: `hash:ip` sets whose entries carry a
-//! comment, created, filled, listed and emptied. Only what ambient mode's probe set needs.
+//! comment, created, filled, listed and emptied, and the rules holding one counted. Only what
+//! ambient mode's probe set needs.
 //!
 //! Messages are built by hand (`message`). Without `NLM_F_EXCL` the kernel
 //! treats every request as `-exist`: creating a set that is there, adding an entry that is
