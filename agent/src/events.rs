@@ -1,6 +1,7 @@
-//! Kubernetes Events on pods whose capture failed, as an operator looks for them
+//! Kubernetes Events on pods whose capture failed or drifted, as an operator looks for them
 //! (`kubectl describe pod`, `kubectl get events`): the reason and the message, which names the
-//! annotation and the value when one is at fault. Published in the background: a request never
+//! annotation and the value when one is at fault, or what was put back; node-wide drift on the
+//! node (`kubectl describe node`). Published in the background: a request never
 //! waits for the API server. RBAC: `create` and `patch` on `events.k8s.io` events.
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::{
@@ -15,6 +16,7 @@ use crate::policy::PodName;
 pub struct EventSink {
     client: kube::Client,
     recorder: Recorder,
+    node: String,
 }
 
 impl std::fmt::Debug for EventSink {
@@ -34,7 +36,32 @@ impl EventSink {
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            node: node.to_owned(),
         }
+    }
+
+    /// A `Warning` event on this node (what is wrong is the node's, not one pod's), in the
+    /// background.
+    pub fn warn_node(&self, reason: &'static str, action: &'static str, note: String) {
+        let recorder = self.recorder.clone();
+        let reference = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.node.clone()),
+            ..ObjectReference::default()
+        };
+        tokio::spawn(async move {
+            let event = Event {
+                type_: EventType::Warning,
+                reason: reason.into(),
+                note: Some(note),
+                action: action.into(),
+                secondary: None,
+            };
+            if let Err(err) = recorder.publish(&event, &reference).await {
+                tracing::warn!(error = %err, "publishing an event on the node");
+            }
+        });
     }
 
     /// A `Warning` event on `pod`, in the background (a failure to publish is logged). `uid`

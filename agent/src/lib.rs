@@ -45,6 +45,8 @@
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
 //!   how the agent tells that apart from a restart ([`uninstall::verdict`]);
+//! - [`verify`]: every capture compared with its record periodically, drift put back, and
+//!   `explain`;
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]), which hands the hub
@@ -88,4 +90,5 @@ pub mod settings;
 pub mod status;
 pub mod taint;
 pub mod uninstall;
+pub mod verify;
 pub mod ztunnel;

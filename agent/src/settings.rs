@@ -98,6 +98,15 @@ pub const STARTUP_TAINT: Setting = Setting {
     default: taint::DEFAULT_KEY,
 };
 
+/// `meshcap.verifyIntervalSeconds` (meshcap's own): seconds between two verifications of every
+/// capture against its record (what drifted is put back, counted and reported); 0 turns
+/// verification off.
+pub const VERIFY_INTERVAL_SECONDS: Setting = Setting {
+    key: "meshcap.verifyIntervalSeconds",
+    env: "MESHCAP_VERIFY_INTERVAL_SECONDS",
+    default: "30",
+};
+
 /// `repair.enabled`: run the repair controller (pods that started before their capture).
 pub const REPAIR_ENABLED: Setting = Setting {
     key: "repair.enabled",
@@ -241,7 +250,7 @@ pub const NOT_SUPPORTED: [(Setting, &str); 2] = [
 ];
 
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 27] = [
+pub const ALL: [Setting; 28] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -252,6 +261,7 @@ pub const ALL: [Setting; 27] = [
     LOG_AS_JSON,
     MODE,
     STARTUP_TAINT,
+    VERIFY_INTERVAL_SECONDS,
     REPAIR_ENABLED,
     REPAIR_REPAIR_PODS,
     REPAIR_DELETE_PODS,

@@ -230,6 +230,7 @@ fn matrix() -> Vec<Config> {
         ),
         Config::new("multus", &["provider=multus", "chained=false"]),
         Config::new("no startup taint", &["meshcap.startupTaint="]),
+        Config::new("verification off", &["meshcap.verifyIntervalSeconds=0"]),
         Config::new(
             "quota, policy, secrets",
             &[

@@ -309,13 +309,22 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     let original = fs::read(case_dir("calico").join("pre/10-calico.conflist")).expect("pre");
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
     let writes = Arc::new(AtomicUsize::new(0));
-    let count = writes.clone();
-    let watcher = watch::spawn(node.config.clone(), tx, move || {
+    let repairs = Arc::new(AtomicUsize::new(0));
+    let (count, repaired) = (writes.clone(), repairs.clone());
+    let watcher = watch::spawn(node.config.clone(), tx, move |_, repair| {
         count.fetch_add(1, Ordering::Relaxed);
+        if repair {
+            repaired.fetch_add(1, Ordering::Relaxed);
+        }
     })
     .expect("watcher");
     wait_for(&mut rx, InstallStatus::is_installed);
     assert_eq!(writes.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        repairs.load(Ordering::Relaxed),
+        0,
+        "the first write installs: it repairs nothing"
+    );
     let has_meshcap = |name: &'static str| {
         move |node: &Node| {
             node.conf_dir().join(name).exists()
@@ -358,7 +367,7 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
     let rewrites = Arc::new(AtomicUsize::new(0));
     let count = rewrites.clone();
-    let restarted = watch::spawn(node.config.clone(), tx, move || {
+    let restarted = watch::spawn(node.config.clone(), tx, move |_, _| {
         count.fetch_add(1, Ordering::Relaxed);
     })
     .expect("restarted watcher");
@@ -371,15 +380,16 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     drop(restarted);
     assert_eq!(node.files(), before, "a restart rewrites nothing");
     assert_eq!(rewrites.load(Ordering::Relaxed), 0);
-    // Each re-insertion above was one write.
+    // Each re-insertion above was one write, and a repair (the counter of drift put back).
     assert!(writes.load(Ordering::Relaxed) >= 3, "{writes:?}");
+    assert!(repairs.load(Ordering::Relaxed) >= 2, "{repairs:?}");
 }
 
 #[test]
 fn the_watcher_waits_for_the_primary_cni() {
     let node = Node::new(None);
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let _watcher = watch::spawn(node.config.clone(), tx, || {}).expect("watcher");
+    let _watcher = watch::spawn(node.config.clone(), tx, |_, _| {}).expect("watcher");
     wait_for(&mut rx, |s| {
         *s == InstallStatus::Conf(ConfState::NoPrimaryConfig)
     });

@@ -78,6 +78,14 @@ pub enum Op {
     Ping,
     /// `meshcap-agent status`: the agent's state as JSON.
     Status,
+    /// `meshcap-agent explain`: why a pod is (not) captured, and what is installed for it, as
+    /// JSON.
+    Explain {
+        /// The pod's namespace.
+        namespace: String,
+        /// The pod's name.
+        name: String,
+    },
 }
 
 impl Op {
@@ -91,6 +99,7 @@ impl Op {
             Self::Gc { .. } => "gc",
             Self::Ping => "ping",
             Self::Status => "status",
+            Self::Explain { .. } => "explain",
         }
     }
 }
@@ -166,7 +175,7 @@ pub enum Reply {
         outcome: Outcome,
         /// One line for logs and humans.
         message: String,
-        /// The `status` operation's report.
+        /// The `status` operation's report (and `explain`'s answer).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         report: Option<serde_json::Value>,
     },
@@ -200,6 +209,8 @@ pub enum Outcome {
     Alive,
     /// STATUS: the report is attached.
     Status,
+    /// EXPLAIN: the explanation is attached.
+    Explained,
 }
 
 /// Classes of failure, each mapped to a CNI error code.

@@ -214,29 +214,47 @@ fn ready_only_once_the_plugin_is_chained() {
         "{metrics}"
     );
 
-    // The entry removed (a primary CNI rewriting its file): chained again, and counted. The
-    // count follows the write (it counts writes that happened), so the file can show the entry
-    // a moment before the counter does: wait for both, then check the count stopped at two.
+    const REPAIRED: &str = r#"meshcap_capture_drift_total{kind="cni_config",result="repaired"}"#;
+    assert_eq!(
+        sample(&metrics, REPAIRED),
+        None,
+        "the first install is no repair"
+    );
+
+    // The entry removed (a primary CNI rewriting its file): chained again, and counted, as an
+    // install and as drift put back (issue 34). The counts follow the write (they count writes
+    // that happened), so the file can show the entry a moment before the counters do: wait for
+    // all, then check the counts stopped.
     fs::write(
         conf_dir.join("10-bridge.conflist"),
         json!({"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [{"type": "bridge"}]})
             .to_string(),
     )
     .expect("rewrite");
-    let installs = || {
+    let count = |name: &str| {
         agent
             .http_get("/metrics")
             .ok()
-            .and_then(|(_, metrics)| sample(&metrics, "meshcap_cni_installs_total"))
+            .and_then(|(_, metrics)| sample(&metrics, name))
     };
+    let installs = || count("meshcap_cni_installs_total");
     eventually("the entry is chained again and counted", || {
         meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len() == 1
             && agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)
             && installs() == Some(2.0)
+            && count(REPAIRED) == Some(1.0)
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
     thread::sleep(Duration::from_millis(300));
     assert_eq!(installs(), Some(2.0), "one removal, one re-install");
+    assert_eq!(count(REPAIRED), Some(1.0), "one repair");
+    assert!(
+        agent
+            .log()
+            .contains("node-wide capture drift put back: meshcap-cni was not in"),
+        "logged:\n{}",
+        agent.log()
+    );
     assert_eq!(
         meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len(),
         1

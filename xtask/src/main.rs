@@ -58,7 +58,7 @@ enum Task {
         #[arg(long)]
         quick: bool,
         /// Only this section (repeatable): data-path, mesh-hop, ambient, policy-scale, footprint,
-        /// pod-setup, repair.
+        /// pod-setup, repair, verify.
         #[arg(long)]
         only: Vec<String>,
         /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.

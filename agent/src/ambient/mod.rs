@@ -27,6 +27,7 @@
 mod probes;
 mod records;
 mod start;
+mod verify;
 
 use std::{
     fs,
@@ -43,7 +44,7 @@ use tracing::{info, warn};
 
 use crate::{
     backend::{
-        AmbientCapture, BackendError, CaptureBackend, CapturedPod, PodPolicy,
+        AmbientCapture, BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
         iptables::FlavourChoice,
     },
     crashpoint,
@@ -419,6 +420,16 @@ impl CaptureBackend for Ambient {
             self.forget(pod);
         }
         Ok(dropped)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        self.verify_enrolled(pod, verify)
+    }
+
+    /// Ambient mode's own node-wide part only: the backend capturing enrolled pods is the
+    /// node's (the kernel programs) or keeps nothing node-wide (Istio's in-pod rules).
+    fn verify_node(&self, verify: Verify) -> PodCheck {
+        self.verify_sets(verify)
     }
 }
 

@@ -40,6 +40,10 @@ pub struct HostProbes {
     netns: Option<PathBuf>,
     /// IPv6 beside IPv4 (`ambient.ipv6`).
     ipv6: bool,
+    /// Which iptables the node rule is written with, and where it SNATs to: to put the rule
+    /// back with sets that were destroyed.
+    flavour: FlavourChoice,
+    snat: HostProbeSnat,
 }
 
 impl HostProbes {
@@ -54,22 +58,91 @@ impl HostProbes {
         snat: HostProbeSnat,
         ipv6: bool,
     ) -> Result<Self, AmbientError> {
-        let probes = Self { netns, ipv6 };
-        probes.sets(|sets| {
-            sets.create(PROBE_SET_V4, Family::V4)
-                .map_err(|e| failed(format!("creating ip set {PROBE_SET_V4}"), &e))?;
-            if ipv6 {
-                sets.create(PROBE_SET_V6, Family::V6)
-                    .map_err(|e| failed(format!("creating ip set {PROBE_SET_V6}"), &e))?;
-            }
-            Ok(())
-        })?;
-        node::apply(probes.netns.as_deref(), flavour, &snat.render(ipv6))?;
+        let probes = Self {
+            netns,
+            ipv6,
+            flavour,
+            snat,
+        };
+        probes.set_up()?;
         info!(
             netns = %probes.netns.as_deref().map_or("the agent's".into(), |p| p.display().to_string()),
             "kubelet's probes of enrolled pods are SNAT-ed to {} on the node", snat.v4
         );
         Ok(probes)
+    }
+
+    /// Creates the sets (kept if there) and puts the node rule in front (one copy).
+    ///
+    /// # Errors
+    /// When the sets or the rule cannot be set up.
+    pub fn set_up(&self) -> Result<(), AmbientError> {
+        self.sets(|sets| {
+            for family in self.families() {
+                let set = set_name(family);
+                sets.create(set, family)
+                    .map_err(|e| failed(format!("creating ip set {set}"), &e))?;
+            }
+            Ok(())
+        })?;
+        node::apply(
+            self.netns.as_deref(),
+            self.flavour,
+            &self.snat.render(self.ipv6),
+        )?;
+        Ok(())
+    }
+
+    /// What of the sets and their rule is not in place, in words: a set that is gone
+    /// (destroyed behind meshcap's back, with the rule that matched it), or one that no rule
+    /// matches (the node rule deleted, its chain flushed). Whether a rule matches a set is the
+    /// kernel's count of the set's references, read with its listing: no `iptables-save`.
+    ///
+    /// # Errors
+    /// When the sets cannot be asked.
+    pub fn not_in_place(&self) -> Result<Vec<String>, AmbientError> {
+        self.sets(|sets| {
+            let mut out = Vec::new();
+            for family in self.families() {
+                let set = set_name(family);
+                match sets.references(set) {
+                    Err(err) if ipset::is_missing(&err) => {
+                        out.push(format!("ip set {set} is gone from the node"));
+                    }
+                    Err(err) => return Err(failed(format!("listing {set}"), &err)),
+                    Ok(0) => out.push(format!(
+                        "no rule of the node matches ip set {set} (the probe rule is gone)"
+                    )),
+                    Ok(_) => {}
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    /// Which of `ips` the sets do not hold (the addresses the sets take: IPv6 only with
+    /// `ambient.ipv6`).
+    ///
+    /// # Errors
+    /// When the sets cannot be read.
+    pub fn missing(&self, ips: &[IpAddr]) -> Result<Vec<IpAddr>, AmbientError> {
+        let wanted: Vec<IpAddr> = self.kept(ips).collect();
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.sets(|sets| {
+            let mut held = BTreeSet::new();
+            for family in self.families() {
+                let set = set_name(family);
+                if wanted.iter().any(|ip| Family::of(ip) == family) {
+                    let listed = sets
+                        .list(set)
+                        .map_err(|e| failed(format!("listing {set}"), &e))?;
+                    held.extend(listed.into_iter().map(|e| e.ip));
+                }
+            }
+            Ok(wanted.into_iter().filter(|ip| !held.contains(ip)).collect())
+        })
     }
 
     /// Puts `ips` in the sets with `uid` as their comment (an entry already there for an

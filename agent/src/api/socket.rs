@@ -28,6 +28,7 @@ use tracing::{debug, info, warn};
 use crate::{
     hub::{CaptureError, Done, ErrorClass, Hub},
     pod::{PodRef, Sandbox},
+    policy::PodName,
 };
 
 /// Socket settings.
@@ -138,11 +139,13 @@ fn remove_socket(path: &Path) {
 
 /// Serves one connection: one request, one response.
 async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
+    let mut verb = "decode";
     let response = match stream.peer_cred() {
         Ok(cred) if cred.uid() == 0 => match read_request(&mut stream, config.io_timeout).await {
             Ok(body) => match protocol::decode_request(&body) {
                 Ok(request) => {
                     let op = request.op.name();
+                    verb = op;
                     match tokio::time::timeout(config.request_timeout, serve(hub, request.op)).await
                     {
                         Ok(response) => response,
@@ -177,6 +180,11 @@ async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
             return;
         }
     };
+    let code = match &response.reply {
+        Reply::Ok { .. } => 0,
+        Reply::Error { kind, .. } => kind.cni_code(),
+    };
+    hub.metrics().plugin_request(verb, code);
     let frame = match protocol::encode(&response, MAX_RESPONSE_BYTES) {
         Ok(frame) => frame,
         Err(err) => {
@@ -231,6 +239,7 @@ pub(super) async fn serve(hub: &Hub, op: Op) -> Response {
         } => hub.gc(valid_container_ids).await,
         Op::Ping => hub.ping().await,
         Op::Status => hub.status().await,
+        Op::Explain { namespace, name } => hub.explain(PodName { namespace, name }).await,
     };
     respond(result)
 }
@@ -251,16 +260,22 @@ fn sandbox(pod: PodAttachment) -> Sandbox {
 
 fn respond(result: Result<Done, CaptureError>) -> Response {
     match result {
-        Ok(Done::Status(report)) => {
-            let mut response = Response::ok(Outcome::Status, "status");
-            if let Reply::Ok { report: slot, .. } = &mut response.reply {
-                *slot = serde_json::to_value(report).ok();
-            }
-            response
+        Ok(Done::Status(report)) => with_report(Outcome::Status, "status", &report),
+        Ok(Done::Explained(explanation)) => {
+            with_report(Outcome::Explained, &explanation.decision, &explanation)
         }
         Ok(done) => Response::ok(outcome(&done), done.message()),
         Err(failure) => Response::error(kind(failure.class()), failure.to_string(), ""),
     }
+}
+
+/// A success carrying `report` as JSON.
+fn with_report(outcome: Outcome, message: &str, report: &impl serde::Serialize) -> Response {
+    let mut response = Response::ok(outcome, message);
+    if let Reply::Ok { report: slot, .. } = &mut response.reply {
+        *slot = serde_json::to_value(report).ok();
+    }
+    response
 }
 
 const fn outcome(done: &Done) -> Outcome {
@@ -272,6 +287,7 @@ const fn outcome(done: &Done) -> Outcome {
         Done::Collected(_) => Outcome::Collected,
         Done::Alive(_) => Outcome::Alive,
         Done::Status(_) => Outcome::Status,
+        Done::Explained(_) => Outcome::Explained,
     }
 }
 
@@ -316,6 +332,7 @@ mod tests {
             Done::Collected(0),
             Done::Alive(String::new()),
             Done::Status(Box::default()),
+            Done::Explained(Box::default()),
         ] {
             assert_eq!(serde_json::json!(outcome(&done)), done.label(), "{done:?}");
         }

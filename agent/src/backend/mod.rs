@@ -19,8 +19,10 @@ use crate::{
     policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy},
 };
 
+mod drift;
 pub mod ebpf;
 pub mod iptables;
+pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};
 
 /// What a backend is asked to capture a pod as: the mode is the variant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -259,6 +261,26 @@ pub trait CaptureBackend: Send + Sync {
     /// # Errors
     /// When an entry cannot be dropped.
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError>;
+
+    /// Compares `pod`'s capture (one [`Self::list`] names) with this backend's record of it:
+    /// what it applied, or adopted from an earlier agent. With [`Verify::Repair`] what differs
+    /// is put back in place: no DEL and ADD, nothing established broken, and never a moment in
+    /// which less is in place than before the repair (what is missing is added; what is wrong
+    /// is replaced atomically). The caller holds the container's request lock. A backend that
+    /// keeps no record verifies nothing.
+    ///
+    /// # Errors
+    /// When the capture cannot be looked at (its netns cannot be entered); a difference is no
+    /// error.
+    fn verify(&self, _pod: &PodRef, _verify: Verify) -> Result<PodCheck, BackendError> {
+        Ok(PodCheck::default())
+    }
+
+    /// The same for what the backend has node-wide (programs and links shared by every pod, the
+    /// node's probe set): once per pass, before the pods.
+    fn verify_node(&self, _verify: Verify) -> PodCheck {
+        PodCheck::default()
+    }
 }
 
 /// Which backend serves each data plane mode, chosen at start: the node's backend (the kernel

@@ -55,6 +55,11 @@ impl Captures {
         }
     }
 
+    /// The backends, by mode.
+    pub(super) const fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
     /// The node's backend's name.
     pub(super) fn backend_name(&self) -> &'static str {
         self.router.node_backend().name()

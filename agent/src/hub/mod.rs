@@ -11,13 +11,17 @@
 //!   thread, and each is observed (`request`);
 //! - [`Readiness`]: whether the agent may be sent pods;
 //! - `captures`: the set of captures, through the backend that serves each mode, and the
-//!   node-wide views over it (GC, status, captures whose netns went without a DEL).
+//!   node-wide views over it (GC, status, captures whose netns went without a DEL);
+//! - the verifier's pass over them ([`verify_pass`](Hub::verify_pass), [`crate::verify`]) and
+//!   `explain` ([`explain`](Hub::explain)).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
 mod captures;
 mod error;
+mod explain;
 mod readiness;
 mod request;
+mod verify;
 
 use std::{net::IpAddr, path::PathBuf, sync::Arc};
 
@@ -43,6 +47,7 @@ use crate::{
     policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::InpodPolicy},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
+    verify::Ledger,
 };
 
 /// How the hub decides.
@@ -88,14 +93,22 @@ pub struct Hub {
     metrics: Metrics,
     locks: Locks,
     socket: PathBuf,
+    /// What the verifier found.
+    ledger: Arc<Ledger>,
 }
 
 impl Hub {
     /// A hub over `parts`, deciding as `settings` say.
     #[must_use]
     pub fn new(parts: Parts, settings: Settings) -> Self {
+        let ledger = Arc::new(Ledger::default());
         let hub = Self {
-            readiness: Readiness::new(parts.source.clone(), parts.install, parts.holds),
+            readiness: Readiness::new(
+                parts.source.clone(),
+                parts.install,
+                parts.holds,
+                ledger.clone(),
+            ),
             lookup: Lookup::new(parts.source, settings.node, settings.retry),
             captures: Captures::new(
                 parts.router,
@@ -107,6 +120,7 @@ impl Hub {
             metrics: Metrics::new(),
             locks: Locks::default(),
             socket: settings.socket,
+            ledger,
         };
         hub.captures.update_gauge(&hub.metrics);
         hub
@@ -122,6 +136,12 @@ impl Hub {
     #[must_use]
     pub const fn readiness(&self) -> &Readiness {
         &self.readiness
+    }
+
+    /// What the verifier found.
+    #[must_use]
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
     }
 
     /// ADD: captures `sandbox`'s pod as its decision says (or leaves it alone).
@@ -323,6 +343,11 @@ impl Lookup {
 
     fn source(&self) -> &PodSource {
         &self.source
+    }
+
+    /// The node's settings every decision reads.
+    const fn node(&self) -> &NodeSettings {
+        &self.node
     }
 
     /// The pod `sandbox` is of, as the pod source has it (retried while it is missing), and its

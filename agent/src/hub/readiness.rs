@@ -6,12 +6,12 @@ use std::sync::{
 
 use tokio::sync::watch;
 
-use crate::{install::watch::InstallStatus, pods::PodSource};
+use crate::{install::watch::InstallStatus, pods::PodSource, verify::Ledger};
 
 /// The agent's readiness: the backend is open (it is, once this exists), the plugin socket
 /// serves, the pod source has synced, the plugin is chained into the CNI configuration (when
-/// this agent installs it), and nothing else holds it (a missing permission, a refused watch:
-/// [`crate::access`]).
+/// this agent installs it), the last verification pass put back every drift it found, and
+/// nothing else holds it (a missing permission, a refused watch: [`crate::access`]).
 pub struct Readiness {
     /// Whether the plugin socket serves: the request path refuses requests while it does not.
     pub(super) serving: AtomicBool,
@@ -20,22 +20,27 @@ pub struct Readiness {
     install: Option<watch::Receiver<InstallStatus>>,
     /// Each says why readiness is held (`Some`), or that it is not.
     holds: Vec<watch::Receiver<Option<String>>>,
+    /// What the verifier found.
+    ledger: Arc<Ledger>,
 }
 
 impl Readiness {
     /// Not serving yet; ready once serving, `source` synced, with `install` the plugin's entry
-    /// in place, and none of `holds` holding it.
+    /// in place, no drift `ledger`'s last pass could not put back, and none of `holds` holding
+    /// it.
     #[must_use]
     pub fn new(
         source: Arc<PodSource>,
         install: Option<watch::Receiver<InstallStatus>>,
         holds: Vec<watch::Receiver<Option<String>>>,
+        ledger: Arc<Ledger>,
     ) -> Self {
         Self {
             serving: AtomicBool::new(false),
             source,
             install,
             holds,
+            ledger,
         }
     }
 
@@ -58,6 +63,9 @@ impl Readiness {
             if !status.is_installed() {
                 return Some(format!("meshcap-cni is not in place: {}", *status));
             }
+        }
+        if let Some(reason) = self.ledger.not_ready_reason() {
+            return Some(reason);
         }
         self.holds.iter().find_map(|hold| hold.borrow().clone())
     }

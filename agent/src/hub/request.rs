@@ -13,7 +13,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tracing::{Instrument as _, info, info_span, warn};
 
 use super::{CaptureError, ErrorClass, Hub};
-use crate::{pod::PodRef, policy::SkipReason, status::StatusReport};
+use crate::{pod::PodRef, policy::SkipReason, status::StatusReport, verify::Explanation};
 
 /// What a request did.
 #[derive(Debug)]
@@ -32,6 +32,8 @@ pub enum Done {
     Alive(String),
     /// STATUS: the report.
     Status(Box<StatusReport>),
+    /// EXPLAIN: why a pod is (not) captured.
+    Explained(Box<Explanation>),
 }
 
 impl Done {
@@ -46,6 +48,7 @@ impl Done {
             Self::Collected(_) => "collected",
             Self::Alive(_) => "alive",
             Self::Status(_) => "status",
+            Self::Explained(_) => "explained",
         }
     }
 
@@ -59,6 +62,7 @@ impl Done {
             Self::Checked(what) => (*what).to_owned(),
             Self::Collected(removed) => format!("removed {removed} stale captures"),
             Self::Status(_) => "status".to_owned(),
+            Self::Explained(explanation) => explanation.decision.clone(),
         }
     }
 }
@@ -72,6 +76,7 @@ pub(super) enum Verb {
     Gc,
     Ping,
     Status,
+    Explain,
 }
 
 impl Verb {
@@ -83,6 +88,7 @@ impl Verb {
             Self::Gc => "gc",
             Self::Ping => "ping",
             Self::Status => "status",
+            Self::Explain => "explain",
         }
     }
 }
@@ -105,7 +111,8 @@ impl Hub {
         };
         let started = Instant::now();
         let result = async {
-            if verb != Verb::Status && !self.readiness.serving.load(Ordering::Acquire) {
+            let answers_anyway = matches!(verb, Verb::Status | Verb::Explain);
+            if !answers_anyway && !self.readiness.serving.load(Ordering::Acquire) {
                 return Err(CaptureError::NotReady(
                     "meshcap-agent is shutting down".to_owned(),
                 ));
@@ -119,7 +126,7 @@ impl Hub {
             Ok(done) => {
                 let outcome = done.label();
                 self.metrics.observe(name, outcome, started.elapsed());
-                if !matches!(verb, Verb::Ping | Verb::Status) {
+                if !matches!(verb, Verb::Ping | Verb::Status | Verb::Explain) {
                     info!(
                         outcome,
                         took_ms = started.elapsed().as_millis(),

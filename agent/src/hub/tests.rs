@@ -298,6 +298,7 @@ fn a_hold_keeps_the_agent_unready_while_it_says_why() {
         Arc::new(PodSource::Dir(DirPods::new(dir.path().to_owned()))),
         None,
         vec![held],
+        Arc::default(),
     );
     readiness.set_serving(true);
     assert_eq!(

@@ -77,14 +77,16 @@ impl std::fmt::Debug for Watcher {
 
 /// Installs once, then keeps re-installing on changes; every outcome is published on `status`,
 /// and `on_write` runs after each write of meshcap's entry (a count that the coalescing
-/// `status` channel would lose).
+/// `status` channel would lose), with the file written and whether it was a repair: meshcap's
+/// entry was in place once already and something (a primary CNI rewriting its file) took it
+/// out.
 ///
 /// # Errors
 /// When the directories cannot be created or watched.
 pub fn spawn(
     config: InstallConfig,
     status: watch::Sender<InstallStatus>,
-    on_write: impl Fn() + Send + 'static,
+    on_write: impl Fn(&Path, bool) + Send + 'static,
 ) -> Result<Watcher, InstallError> {
     let (tx, rx) = mpsc::channel();
     let events = tx.clone();
@@ -130,18 +132,18 @@ fn run(
     config: &InstallConfig,
     rx: &mpsc::Receiver<Message>,
     status: &watch::Sender<InstallStatus>,
-    on_write: &dyn Fn(),
+    on_write: &dyn Fn(&Path, bool),
 ) {
     let mut rewrites = VecDeque::new();
+    let mut installed_once = false;
     loop {
         let outcome = super::install(config);
-        if let Ok(ConfState::Installed {
-            written: true,
-            path,
-        }) = &outcome
-        {
-            on_write();
-            note_rewrite(&mut rewrites, path);
+        if let Ok(ConfState::Installed { written, path }) = &outcome {
+            if *written {
+                on_write(path, installed_once);
+                note_rewrite(&mut rewrites, path);
+            }
+            installed_once = true;
         }
         let next = match outcome {
             Ok(state) => InstallStatus::Conf(state),

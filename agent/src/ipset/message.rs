@@ -32,6 +32,9 @@ pub(super) const ATTR_ADT: u16 = 8;
 pub(super) const ATTR_IP: u16 = 1;
 pub(super) const ATTR_CADT_FLAGS: u16 = 8;
 pub(super) const ATTR_COMMENT: u16 = 26;
+/// In a set's header (`IPSET_ATTR_DATA` at the top of a list answer): how many references
+/// (iptables rules matching the set) the kernel holds on it.
+pub(super) const ATTR_REFERENCES: u16 = 25;
 pub(super) const ATTR_IPADDR_IPV4: u16 = 1;
 pub(super) const ATTR_IPADDR_IPV6: u16 = 2;
 pub(super) const FLAG_WITH_COMMENT: u32 = 1 << 4;
@@ -166,6 +169,20 @@ pub(super) fn entries_of(answer: &[u8]) -> io::Result<Vec<Entry>> {
     Ok(entries)
 }
 
+/// The references a set's header carries, if `answer` (to a list request) has the header.
+pub(super) fn references_of(answer: &[u8]) -> io::Result<Option<u32>> {
+    for (_, data) in attrs(answer)?.into_iter().filter(|(k, _)| *k == ATTR_DATA) {
+        for (kind, value) in attrs(data)? {
+            if kind == ATTR_REFERENCES
+                && let Ok(bytes) = <[u8; 4]>::try_from(value)
+            {
+                return Ok(Some(u32::from_be_bytes(bytes)));
+            }
+        }
+    }
+    Ok(None)
+}
+
 fn address(nested: &[u8]) -> io::Result<Option<IpAddr>> {
     for (kind, value) in attrs(nested)? {
         match (kind, value.len()) {
@@ -225,6 +242,33 @@ mod tests {
         want.extend_from_slice(&26u16.to_ne_bytes());
         want.extend_from_slice(&[b'u', 0, 0, 0]);
         assert_eq!(bytes, want);
+    }
+
+    /// A list answer's header: the references, in network byte order, beside the entries.
+    #[test]
+    fn a_headers_references_are_read() {
+        let mut m = Message::new(CMD_LIST, FAMILY_V4);
+        m.string(ATTR_SETNAME, "s");
+        let data = m.begin(ATTR_DATA);
+        m.attr(ATTR_REFERENCES | NLA_F_NET_BYTEORDER, &2u32.to_be_bytes());
+        m.end(data);
+        let adt = m.begin(ATTR_ADT);
+        let entry = m.begin(ATTR_DATA);
+        m.ip("10.1.2.3".parse().unwrap());
+        m.end(entry);
+        m.end(adt);
+        let bytes = m.finish(0, 1);
+        let body = &bytes[NLMSG_HEADER + NFGENMSG..];
+        assert_eq!(references_of(body).unwrap(), Some(2));
+        assert_eq!(entries_of(body).unwrap().len(), 1);
+        let mut later = Message::new(CMD_LIST, FAMILY_V4);
+        later.string(ATTR_SETNAME, "s");
+        let bytes = later.finish(0, 1);
+        assert_eq!(
+            references_of(&bytes[NLMSG_HEADER + NFGENMSG..]).unwrap(),
+            None,
+            "a later message of the dump has no header"
+        );
     }
 
     #[test]

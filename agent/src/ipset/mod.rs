@@ -1,6 +1,7 @@
 //! The kernel's IP sets (`ip_set`, `xt_set`), spoken to over nfnetlink as the `ipset` tool and
 //! Istio's node agent (through `vishvananda/netlink`) do: `hash:ip` sets whose entries carry a
-//! comment, created, filled, listed and emptied. Only what ambient mode's probe set needs.
+//! comment, created, filled, listed and emptied, and the rules holding one counted. Only what
+//! ambient mode's probe set needs.
 //!
 //! Messages are built by hand (`message`). Without `NLM_F_EXCL` the kernel
 //! treats every request as `-exist`: creating a set that is there, adding an entry that is
@@ -17,6 +18,7 @@ use message::{
     ATTR_SETNAME, ATTR_TYPENAME, CMD_ADD, CMD_CREATE, CMD_DEL, CMD_DESTROY, CMD_LIST, ENOENT,
     FAMILY_V4, FAMILY_V6, FLAG_WITH_COMMENT, HASH_IP_REVISION, Message, NFGENMSG, NLM_F_ACK,
     NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR, NLMSG_HEADER, PROTOCOL, align, entries_of,
+    references_of,
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
@@ -158,6 +160,25 @@ impl IpSets {
             entries.extend(entries_of(&answer)?);
         }
         Ok(entries)
+    }
+
+    /// How many references the kernel holds on set `name`: the rules that match it (an
+    /// iptables rule's `-m set` takes one, in legacy and nft iptables alike).
+    ///
+    /// # Errors
+    /// When the set is not there ([`is_missing`]) or the kernel refuses.
+    pub fn references(&mut self, name: &str) -> io::Result<u32> {
+        let mut m = Message::new(CMD_LIST, FAMILY_V4);
+        m.u8(ATTR_PROTOCOL, PROTOCOL);
+        m.string(ATTR_SETNAME, name);
+        for answer in self.request(m, true)? {
+            if let Some(references) = references_of(&answer)? {
+                return Ok(references);
+            }
+        }
+        Err(io::Error::other(format!(
+            "the kernel listed ip set {name} without its header"
+        )))
     }
 
     /// Sends `message` and collects the answers: every message of a dump, or the kernel's

@@ -14,6 +14,7 @@
 //! netlink and sockets, not BPF maps, pins or iptables.
 pub mod clsact;
 pub mod find;
+pub mod nftgen;
 pub mod route;
 pub mod userns;
 mod visit;
@@ -22,7 +23,7 @@ use std::{io, path::PathBuf};
 
 pub use visit::{
     Interface, Netlink, PodNet, Visit, cookie_of, current_cookie, errno, global_addresses, inspect,
-    live_cookies, run_in,
+    live_cookies, live_netns, run_in,
 };
 
 /// Errors entering a pod's network namespace or working inside it.

@@ -5,7 +5,7 @@
 //! async runtime is built per request or per visit (a socket belongs to the netns it was opened
 //! in, so it cannot be shared across pods).
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     fs::{self, File},
     io,
     net::IpAddr,
@@ -137,26 +137,24 @@ pub fn cookie_of(path: &Path) -> Result<u64, PodNetError> {
     run_in(path, |_| current_cookie())?
 }
 
-/// The cookies of every network namespace alive on the host, as far as it can be seen: those
-/// of every process (`/proc/<pid>/ns/net`), those bind-mounted where runtimes and `ip netns`
-/// keep them (`/run/netns`, `/var/run/netns`), and every other namespace bind mount the agent
-/// sees (`/proc/self/mountinfo`): containerd with `netns_mounts_under_state_dir` keeps a
-/// sandbox's under its state directory, the only trace of it between the CNI ADD and the start
-/// of its pause container. Each namespace is entered once (deduplicated by inode).
+/// The cookies of every network namespace alive on the host, as far as it can be seen
+/// ([`live_netns`]).
 #[must_use]
 pub fn live_cookies() -> HashSet<u64> {
-    let mut candidates: Vec<PathBuf> = fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .map(|e| e.path().join("ns/net"))
-        .collect();
+    live_netns().into_keys().collect()
+}
+
+/// Every network namespace alive on the host, as far as it can be seen, by cookie, each with a
+/// path that names it: those bind-mounted where runtimes and `ip netns` keep them
+/// (`/run/netns`, `/var/run/netns`), every other namespace bind mount the agent sees
+/// (`/proc/self/mountinfo`: containerd with `netns_mounts_under_state_dir` keeps a sandbox's
+/// under its state directory, the only trace of it between the CNI ADD and the start of its
+/// pause container), and those of every process (`/proc/<pid>/ns/net`). A bind mount's path is
+/// preferred: it names the namespace for as long as it lives. Each namespace is entered once
+/// (deduplicated by inode).
+#[must_use]
+pub fn live_netns() -> HashMap<u64, PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
     for dir in ["/run/netns", "/var/run/netns"] {
         candidates.extend(
             fs::read_dir(dir)
@@ -169,8 +167,21 @@ pub fn live_cookies() -> HashSet<u64> {
     // Other kinds of namespace are bind-mounted too (nsfs): entering them as a network
     // namespace fails, and they are passed over.
     candidates.extend(mountinfo::mount_points("nsfs").unwrap_or_default());
+    candidates.extend(
+        fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .bytes()
+                    .all(|b| b.is_ascii_digit())
+            })
+            .map(|e| e.path().join("ns/net")),
+    );
     let mut seen = HashSet::new();
-    let mut cookies = HashSet::new();
+    let mut found = HashMap::new();
     for path in candidates {
         let Ok(meta) = fs::metadata(&path) else {
             continue;
@@ -179,10 +190,10 @@ pub fn live_cookies() -> HashSet<u64> {
             continue;
         }
         if let Ok(cookie) = cookie_of(&path) {
-            cookies.insert(cookie);
+            found.entry(cookie).or_insert(path);
         }
     }
-    cookies
+    found
 }
 
 /// An interface: its index and name.

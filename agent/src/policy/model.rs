@@ -96,7 +96,7 @@ pub mod keys {
 }
 
 /// A pod's namespace and name, shown as `namespace/name`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PodName {
     /// `metadata.namespace` (`default` when the manifest has none).
     pub namespace: String,

@@ -1,5 +1,5 @@
 //! Prometheus metrics of the CNI path.
-use std::time::Duration;
+use std::{sync::atomic::AtomicU64, time::Duration};
 
 use prometheus_client::{
     encoding::text::encode,
@@ -20,6 +20,11 @@ pub struct Metrics {
     installs: Counter,
     repairs: Family<Labels, Counter>,
     other_programs: Family<Labels, Gauge>,
+    plugin_requests: Family<Labels, Counter>,
+    drift: Family<Labels, Counter>,
+    verify_passes: Counter,
+    verify_seconds: Gauge<f64, AtomicU64>,
+    verify_cpu_seconds: Gauge<f64, AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -90,8 +95,47 @@ impl Metrics {
              hook and whether they run before or after meshcap's",
             other_programs.clone(),
         );
+        let plugin_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "cni_plugin_requests",
+            "Requests on the plugin socket, by verb (add, del, check, gc, ping, status, explain; \
+             decode for one that could not be read) and the CNI result code the plugin returns \
+             for the answer (0: success); istio_cni_plugin_requests_total",
+            plugin_requests.clone(),
+        );
+        let drift = Family::<Labels, Counter>::default();
+        registry.register(
+            "capture_drift",
+            "Differences between a capture and its record the verifier found, by kind (rules, \
+             route, sysctl, tc_filter, handoff, map_entry, cgroup_link, tc_program, ztunnel, \
+             probe_set, cni_config) and result (repaired, failed)",
+            drift.clone(),
+        );
+        let verify_passes = Counter::default();
+        registry.register(
+            "verify_passes",
+            "Verification passes over every capture of the node",
+            verify_passes.clone(),
+        );
+        let verify_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "verify_last_pass_seconds",
+            "Wall time of the last verification pass",
+            verify_seconds.clone(),
+        );
+        let verify_cpu_seconds = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "verify_last_pass_cpu_seconds",
+            "CPU time (user and system, the commands it ran included) of the last verification pass",
+            verify_cpu_seconds.clone(),
+        );
         Self {
             registry,
+            plugin_requests,
+            drift,
+            verify_passes,
+            verify_seconds,
+            verify_cpu_seconds,
             requests,
             errors,
             latency,
@@ -159,6 +203,30 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts one request on the plugin socket: its verb and the CNI result code of its answer.
+    pub fn plugin_request(&self, verb: &str, code: u32) {
+        self.plugin_requests
+            .get_or_create(&vec![("verb", verb.to_owned()), ("code", code.to_string())])
+            .inc();
+    }
+
+    /// Counts one drift the verifier found: its kind and what became of it.
+    pub fn drift(&self, kind: &str, result: &str) {
+        self.drift
+            .get_or_create(&vec![
+                ("kind", kind.to_owned()),
+                ("result", result.to_owned()),
+            ])
+            .inc();
+    }
+
+    /// Records one verification pass: its wall and CPU time.
+    pub fn verified(&self, seconds: f64, cpu_seconds: f64) {
+        self.verify_passes.inc();
+        self.verify_seconds.set(seconds);
+        self.verify_cpu_seconds.set(cpu_seconds);
+    }
+
     /// Counts one write of the plugin's entry.
     pub fn count_install(&self) {
         self.installs.inc();
@@ -192,5 +260,22 @@ mod tests {
         assert!(text.contains(r#"meshcap_cni_errors_total{op="add",reason="invalid_pod"} 1"#));
         assert!(text.contains(r#"meshcap_pods_captured{backend="iptables"} 2"#));
         assert!(text.contains("meshcap_cni_request_duration_seconds_bucket"));
+        m.plugin_request("add", 104);
+        m.drift("tc_filter", "repaired");
+        m.verified(0.25, 0.01);
+        let text = m.render();
+        assert!(
+            text.contains(r#"meshcap_cni_plugin_requests_total{verb="add",code="104"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"meshcap_capture_drift_total{kind="tc_filter",result="repaired"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("meshcap_verify_passes_total 1"), "{text}");
+        assert!(
+            text.contains("meshcap_verify_last_pass_seconds 0.25"),
+            "{text}"
+        );
     }
 }

@@ -3,8 +3,10 @@
 //! `ztunnelserver_linux.go`).
 
 use std::{
+    collections::HashSet,
     io::{IoSlice, IoSliceMut},
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    sync::Mutex,
     time::Duration,
 };
 
@@ -21,7 +23,7 @@ use prost::Message;
 
 use super::{
     ZdsError,
-    proto::{WorkloadRequest, WorkloadResponse, ZdsHello, workload_response},
+    proto::{WorkloadRequest, WorkloadResponse, ZdsHello, workload_request, workload_response},
 };
 
 /// How long a send or a reply may take (Istio's `readWriteDeadline`).
@@ -31,6 +33,9 @@ const MAX_MESSAGE: usize = 1024;
 
 pub(super) struct Connection {
     socket: OwnedFd,
+    /// The pods this ztunnel acked an add (or a keep) of and no delete since: the agent's own
+    /// record of the exchange (ZDS has no query).
+    served: Mutex<HashSet<String>>,
 }
 
 impl Connection {
@@ -38,7 +43,10 @@ impl Connection {
         let deadline = TimeVal::new(i64::try_from(DEADLINE.as_secs()).unwrap_or(i64::MAX), 0);
         setsockopt(&socket, sockopt::ReceiveTimeout, &deadline).map_err(ZdsError::io)?;
         setsockopt(&socket, sockopt::SendTimeout, &deadline).map_err(ZdsError::io)?;
-        Ok(Self { socket })
+        Ok(Self {
+            socket,
+            served: Mutex::default(),
+        })
     }
 
     /// ztunnel's first message.
@@ -69,10 +77,41 @@ impl Connection {
         .map_err(ZdsError::io)?;
         let response: WorkloadResponse = self.read()?;
         match response.payload {
-            Some(workload_response::Payload::Ack(ack)) if ack.error.is_empty() => Ok(()),
+            Some(workload_response::Payload::Ack(ack)) if ack.error.is_empty() => {
+                self.note_acked(request);
+                Ok(())
+            }
             Some(workload_response::Payload::Ack(ack)) => Err(ZdsError::Refused(ack.error)),
             None => Err(ZdsError::Protocol("a response without an ack".to_owned())),
         }
+    }
+
+    /// Whether this ztunnel acked `uid` (an add or a keep, and no delete since).
+    pub(super) fn serves(&self, uid: &str) -> bool {
+        self.served_uids().contains(uid)
+    }
+
+    fn note_acked(&self, request: &WorkloadRequest) {
+        use workload_request::Payload;
+        let mut served = self.served_uids();
+        match &request.payload {
+            Some(Payload::Add(add)) => {
+                served.insert(add.uid.clone());
+            }
+            Some(Payload::Keep(keep)) => {
+                served.insert(keep.uid.clone());
+            }
+            Some(Payload::Del(del)) => {
+                served.remove(&del.uid);
+            }
+            Some(Payload::SnapshotSent(_)) | None => {}
+        }
+    }
+
+    fn served_uids(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.served
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether ztunnel has closed its end (nothing it sends unasked is read here).

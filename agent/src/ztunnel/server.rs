@@ -150,6 +150,15 @@ impl ZtunnelServer {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Whether the newest ztunnel (the one adds go to) acked the pod whose uid is `uid` and was
+    /// not told since that it is gone; `None` when no ztunnel is connected.
+    #[must_use]
+    pub fn serves(&self, uid: &str) -> Option<bool> {
+        let newest = self.newest()?;
+        let serves = lock(&newest).serves(uid);
+        Some(serves)
+    }
+
     /// How many ztunnels are connected.
     #[must_use]
     pub fn connected(&self) -> usize {

@@ -35,9 +35,11 @@ use nix::sys::socket::{
 use prost::Message as _;
 
 /// ztunnel's in-pod listeners, as it opens them (`src/proxy`, `src/dns`): dual-stack on `[::]`,
-/// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost.
+/// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost. The
+/// outbound one holds each connection open (`+hold`), as ztunnel does a proxied one, so that a
+/// test can keep a captured connection across what happens to the pod.
 const LISTENERS: [&str; 5] = [
-    "tcp:[::]:15001+dualstack",
+    "tcp:[::]:15001+hold+dualstack",
     "tcp:[::]:15006+dualstack",
     "tcp:[::]:15008+dualstack",
     "udp:127.0.0.1:15053",

@@ -140,26 +140,7 @@ impl Plan {
     /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
     /// reply route, which rerouted interfaces share. `None` when the pod needs none.
     pub(super) fn routes(&self) -> Option<PolicyRoutes> {
-        let config = &self.entries.config;
-        let ipv6 = config.has(flags::IPV6);
-        let mark_route = if self.ambient() {
-            Some(MarkRoute::ambient(ipv6))
-        } else if config.has(flags::TPROXY) || self.reroute {
-            Some(MarkRoute::tproxy(ipv6))
-        } else {
-            None
-        };
-        let passthrough6 = ipv6 && !self.ambient();
-        if mark_route.is_none() && !passthrough6 {
-            return None;
-        }
-        let mut routes = if passthrough6 {
-            PolicyRoutes::passthrough6()
-        } else {
-            PolicyRoutes::default()
-        };
-        routes.mark_route = mark_route;
-        Some(routes)
+        routes(&self.entries.config, self.reroute)
     }
 
     /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
@@ -168,8 +149,38 @@ impl Plan {
     /// packets are marked by the TC program, and the proxy's sockets must not inherit that
     /// mark.
     pub(super) fn fwmark_accept(&self) -> bool {
-        self.entries.config.has(flags::TPROXY) || self.ambient()
+        fwmark_accept(&self.entries.config)
     }
+}
+
+/// The policy routes of a pod whose entry is `config` (`reroute`: it reroutes interfaces): see
+/// [`Plan::routes`]; the verifier asks it of a recorded entry.
+pub(super) fn routes(config: &PodConfig, reroute: bool) -> Option<PolicyRoutes> {
+    let ipv6 = config.has(flags::IPV6);
+    let ambient = config.has(flags::AMBIENT);
+    let mark_route = if ambient {
+        Some(MarkRoute::ambient(ipv6))
+    } else if config.has(flags::TPROXY) || reroute {
+        Some(MarkRoute::tproxy(ipv6))
+    } else {
+        None
+    };
+    let passthrough6 = ipv6 && !ambient;
+    if mark_route.is_none() && !passthrough6 {
+        return None;
+    }
+    let mut routes = if passthrough6 {
+        PolicyRoutes::passthrough6()
+    } else {
+        PolicyRoutes::default()
+    };
+    routes.mark_route = mark_route;
+    Some(routes)
+}
+
+/// Whether a pod whose entry is `config` needs `tcp_fwmark_accept`: see [`Plan::fwmark_accept`].
+pub(super) const fn fwmark_accept(config: &PodConfig) -> bool {
+    config.has(flags::TPROXY) || config.has(flags::AMBIENT)
 }
 
 /// A policy's map entries (the pod's netns adds its own with [`Entries::add_pod_net`]).

@@ -14,6 +14,8 @@
 //!   ([`EbpfConfig::bpffs_dir`], default `/sys/fs/bpf/meshcap/v3`), the source of truth across
 //!   agent restarts, each pod's through the handle that creates, marks and removes its pins;
 //!   [`layout`]: every layout version on the node, for uninstall;
+//! - [`links`](links.rs): the node-wide programs compared with what the kernel runs, and put
+//!   back (the verifier's node-wide part; each pod's is `pod`'s);
 //! - [`order`](order.rs): other programs on the same hooks (a socket load balancer's), and
 //!   meshcap's programs kept first where the kernel can order them;
 //! - [`sys`](sys/mod.rs): the raw `bpf()` calls aya does not offer (links for every hook,
@@ -29,6 +31,7 @@ mod encode;
 mod error;
 mod klog;
 pub mod layout;
+mod links;
 mod node;
 mod order;
 mod pins;
@@ -45,7 +48,7 @@ pub use encode::{Entries, encode, encode_ambient};
 pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
-pub use pins::{PinnedPod, Pins, PodPins, TcRecord, unpin_link};
+pub use pins::{PinnedPod, Pins, PodPins, TcRecord, detach_link, unpin_link};
 use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
 pub use stub::TcAttach;
@@ -97,6 +100,8 @@ pub struct EbpfBackend {
     kernel_log: Mutex<Option<klog::KernelLog>>,
     /// The ids of the programs this process loaded and put in place, by name.
     loaded: Vec<(&'static str, u32)>,
+    /// The same programs, held open for the verifier.
+    own: links::OwnPrograms,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -147,6 +152,7 @@ impl EbpfBackend {
             pods: Pods::new(pins, tables, tc_prog, handoff, config.tc_attach),
             config,
             kernel_log: Mutex::new(kernel_log),
+            own: links::OwnPrograms::hold(&loaded)?,
             loaded,
         })
     }

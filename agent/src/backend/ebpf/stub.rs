@@ -178,19 +178,63 @@ pub fn attach(
                 )
             })
         }
-        TcAttach::Netlink => attach_netlink(visit, stub.as_fd(), ifindex, record),
+        TcAttach::Netlink => attach_netlink(visit, stub.as_fd(), ifindex, record, false),
     }
+}
+
+/// Attaches the pod's `stub` on `ifindex` again where its record is gone or the kernel
+/// contradicts it (the verifier's repair), in place: nothing of what is there is taken away
+/// first. A netlink filter is replaced at meshcap's place (one atomic request) and recorded
+/// anew, keeping what the old record said of the qdisc; a TCX link is created and pinned over
+/// the old record, which goes only then. An interface without a record gets what `mode` says.
+///
+/// # Errors
+/// When the kernel refuses the attachment or the pin.
+pub fn reattach(
+    visit: &mut Visit,
+    mode: TcAttach,
+    stub: impl AsFd,
+    ifindex: u32,
+    record: &TcRecord,
+) -> Result<(), EbpfError> {
+    if !record.exists() {
+        return attach(visit, mode, stub, ifindex, record);
+    }
+    if record.is_filter() {
+        let owned = record
+            .filter()
+            .is_ok_and(|(filter, _)| filter.created_qdisc)
+            || record.may_own_qdisc();
+        // Only the pins go: the filter stays until the new one replaces it.
+        super::pins::remove_tree(record.path());
+        return attach_netlink(visit, stub.as_fd(), ifindex, record, owned);
+    }
+    let ifname = record.ifname();
+    let link = sys::tcx_ingress_link_create(stub, ifindex)
+        .map_err(|e| EbpfError::io(&format!("attaching TCX ingress on {ifname}"), e))?;
+    // Beside the record, under a name no reader takes for a record (bpffs refuses dots).
+    let staged = record.path().with_file_name(format!("new-tc-{ifname}"));
+    let _ = std::fs::remove_file(&staged);
+    sys::obj_pin(&link, &staged)
+        .and_then(|()| std::fs::rename(&staged, record.path()))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&staged);
+            let at = record.path().display();
+            EbpfError::io(&format!("pinning the TC link of {ifname} at {at}"), e)
+        })
 }
 
 /// The netlink filter, written ahead: the record's directory and its qdisc intent are pinned
 /// before the kernel is asked for anything, so that an agent killed at any instant leaves a
 /// record for whatever it attached ([`detach`] finishes the job). The intent stays only while
-/// meshcap may own the qdisc without a filter record saying so.
+/// meshcap may own the qdisc without a filter record saying so (`owned_qdisc`: an earlier
+/// record said meshcap added it).
 fn attach_netlink(
     visit: &mut Visit,
     stub: BorrowedFd<'_>,
     ifindex: u32,
     record: &TcRecord,
+    owned_qdisc: bool,
 ) -> Result<(), EbpfError> {
     let ifname = record.ifname();
     let recording = |e| {
@@ -204,7 +248,7 @@ fn attach_netlink(
     };
     record.begin_filter().map_err(recording)?;
     let attached = visit.netlink().and_then(|netlink| {
-        let created_qdisc = clsact::add_qdisc(netlink, ifindex, ifname)?;
+        let created_qdisc = clsact::add_qdisc(netlink, ifindex, ifname)? || owned_qdisc;
         if !created_qdisc {
             record.drop_intent();
         }

@@ -23,12 +23,15 @@ mod inpod;
 pub mod node;
 mod records;
 mod restore;
+mod verify;
 mod xtables;
 
 use std::{
+    collections::HashMap,
     fs,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
+    sync::Mutex,
 };
 
 pub use flavour::{Flavour, FlavourChoice};
@@ -37,7 +40,7 @@ use records::{Applied, Records};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodPolicy};
+use super::{BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify};
 use crate::{
     crashpoint,
     pod::PodRef,
@@ -69,6 +72,8 @@ pub struct IptablesBackend {
     records: Records,
     locks: PathBuf,
     flavour: FlavourChoice,
+    /// The verifier's view of each pod's tables when its rules were last found whole.
+    baselines: Mutex<HashMap<String, verify::Baseline>>,
 }
 
 impl IptablesBackend {
@@ -88,6 +93,7 @@ impl IptablesBackend {
             records,
             locks,
             flavour: config.flavour,
+            baselines: Mutex::default(),
         })
     }
 
@@ -258,6 +264,10 @@ impl CaptureBackend for IptablesBackend {
             info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
         }
         Ok(gone)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        self.verify_pod(pod, verify)
     }
 
     fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {

@@ -5,7 +5,8 @@
 //! `COMMIT`. No rule contains quotes or comments, so whitespace splitting is exact.
 
 /// Chains the kernel provides; every other chain in a rule set is created by it.
-const BUILTIN_CHAINS: &[&str] = &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
+pub(super) const BUILTIN_CHAINS: &[&str] =
+    &["PREROUTING", "INPUT", "FORWARD", "OUTPUT", "POSTROUTING"];
 
 /// One table of a rule set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -14,6 +14,7 @@ use meshcap_agent::{
         verdict::Verdict,
         witness::{self, Departure},
     },
+    verify,
 };
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -140,13 +141,46 @@ pub async fn log_warnings(hub: Arc<Hub>) {
     }
 }
 
+/// Starts the verifier ([`verify::run`]) every `seconds` until `stop`; `None` when verification
+/// is off (0).
+pub fn start_verifier(
+    hub: &Arc<Hub>,
+    seconds: u64,
+    stop: &watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if seconds == 0 {
+        info!(
+            "verification off (meshcap.verifyIntervalSeconds is 0): drift is found only by CHECK"
+        );
+        return None;
+    }
+    let every = Duration::from_secs(seconds);
+    Some(tokio::spawn(verify::run(hub.clone(), every, stop.clone())))
+}
+
+/// What the CNI configuration watch does after each write of meshcap's entry: counted, and a
+/// re-insertion (a primary CNI took the entry out) reported as drift put back.
+pub fn on_install_write(hub: Arc<Hub>) -> impl Fn(&std::path::Path, bool) + Send + 'static {
+    let runtime = tokio::runtime::Handle::current();
+    move |path, repaired| {
+        hub.metrics().count_install();
+        if repaired {
+            let (hub, what) = (
+                hub.clone(),
+                format!("meshcap-cni was not in {}: put back", path.display()),
+            );
+            runtime.spawn(async move { hub.cni_config_repaired(what) });
+        }
+    }
+}
+
 /// Installs the plugin and keeps its conflist entry in place (a watcher thread); the returned
 /// watcher must live as long as the agent.
 pub fn start_install(
     args: &RunArgs,
     socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
-    on_write: impl Fn() + Send + 'static,
+    on_write: impl Fn(&std::path::Path, bool) + Send + 'static,
 ) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
     let plugin = match &args.plugin_binary {
         Some(path) => path.clone(),

@@ -3,6 +3,7 @@
 //! order [`lifecycle`], its standing in the cluster [`standing`]); the others inspect or clean
 //! up a node ([`commands`]).
 mod commands;
+mod explain;
 mod lifecycle;
 mod run;
 mod standing;
@@ -57,6 +58,20 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Ask the running agent why a pod is (not) captured: its decision and the label or
+    /// annotation behind it, what is installed for it now (compared with its record), the last
+    /// verification and the drift put back.
+    Explain {
+        /// The pod, as NAMESPACE/NAME.
+        #[arg(value_name = "NAMESPACE/POD")]
+        pod: String,
+        /// The agent's plugin socket.
+        #[arg(long, env = "MESHCAP_SOCKET", default_value = meshcap_cni::cni::DEFAULT_AGENT_SOCKET)]
+        socket: PathBuf,
+        /// Print the answer as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Probe the kernel for the eBPF backend's needs and print the findings.
     Probe,
     /// What the plugin runs when the agent does not answer: look the pod up once (API server
@@ -106,6 +121,7 @@ fn main() -> ExitCode {
             wiring::run(*args)
         }
         Command::Status { socket, json } => commands::status(&socket, json),
+        Command::Explain { pod, socket, json } => explain::explain(&socket, &pod, json),
         Command::Policy(args) => commands::show_policy(&args),
         Command::Probe => commands::probe_kernel(),
         Command::Decide(args) => commands::decide(&args),

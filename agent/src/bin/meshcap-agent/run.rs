@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// This node's name, with `--pods kube` (the DaemonSet passes spec.nodeName).
     #[arg(long, env = settings::NODE_NAME_ENV, required_if_eq("pods", "kube"))]
     pub(crate) node_name: Option<String>,
+    /// Seconds between two verifications of every capture against its record: drift is put
+    /// back in place, counted, logged and reported as an Event; 0 turns verification off.
+    #[arg(long, env = settings::VERIFY_INTERVAL_SECONDS.env, default_value = settings::VERIFY_INTERVAL_SECONDS.default)]
+    pub(crate) verify_interval_seconds: u64,
     /// Lookups of a pod the source does not have yet, at ADD.
     #[arg(long, default_value_t = 10)]
     pub(crate) pod_lookup_attempts: u32,

@@ -100,11 +100,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let (http_task, serve) = serve(&args, &paths, &hub, &stop_rx).await?;
+    let verifier = lifecycle::start_verifier(&hub, args.verify_interval_seconds, &stop_rx);
     let installer = if args.install_cni {
-        let metrics = hub.clone();
-        let installed = lifecycle::start_install(&args, &paths.socket, install_tx, move || {
-            metrics.metrics().count_install();
-        })?;
+        let on_write = lifecycle::on_install_write(hub.clone());
+        let installed = lifecycle::start_install(&args, &paths.socket, install_tx, on_write)?;
         tokio::spawn(lifecycle::track_install(hub.clone(), install_rx.clone()));
         Some(installed)
     } else {
@@ -152,6 +151,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     serve.await?;
     http_task.await??;
+    // The pass in progress ends before anything is uninstalled: nothing is put back after.
+    if let Some(verifier) = verifier {
+        verifier.await?;
+    }
     if let (Some((watcher, config)), Some((client, _)), Some((departure, features))) =
         (installer, kube_node, standing)
     {

@@ -20,6 +20,7 @@ mod report;
 mod run;
 mod setup;
 mod stats;
+mod verify;
 mod workload;
 
 #[derive(Parser)]

@@ -31,6 +31,8 @@ pub(crate) struct Plan {
     pub(crate) setup_pods: usize,
     /// Broken pods repaired in place per backend.
     pub(crate) repair_pods: usize,
+    /// Captured pods a verification pass goes over, per backend.
+    pub(crate) verify_pods: usize,
 }
 
 impl Plan {
@@ -64,6 +66,7 @@ impl Plan {
                 plugin_runs: 20,
                 setup_pods: 100,
                 repair_pods: 20,
+                verify_pods: 100,
             }
         } else {
             Self {
@@ -94,6 +97,7 @@ impl Plan {
                 plugin_runs: 200,
                 setup_pods: 1_000,
                 repair_pods: 100,
+                verify_pods: 1_000,
             }
         }
     }
@@ -116,6 +120,8 @@ pub enum Section {
     PodSetup,
     /// A broken pod in the API to its capture in place.
     Repair,
+    /// One verification pass over every capture of a node.
+    Verify,
 }
 
 /// What `meshcap-bench run` was asked for.
@@ -198,6 +204,13 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
             plan.repair_pods
         );
         report.push_str(&repair_in_place(&plan));
+    }
+    if opts.wants(Section::Verify) {
+        eprintln!(
+            "meshcap-bench: verification pass, {} pods per backend",
+            plan.verify_pods
+        );
+        report.push_str(&crate::verify::section(plan.verify_pods)?);
     }
     let _ = writeln!(
         report,

@@ -195,6 +195,15 @@ pub fn remove_tree(dir: &Path) {
     let _ = fs::remove_dir(dir);
 }
 
+/// Detaches the link pinned at `path` and leaves the pin: what another tool's
+/// `BPF_LINK_DETACH` (`bpftool link detach`) does behind meshcap's back.
+///
+/// # Errors
+/// When the pin cannot be opened or is not a link.
+pub fn detach_link(path: &Path) -> io::Result<()> {
+    sys::link_detach(sys::obj_get(path)?)
+}
+
 /// Detaches the link pinned at `path` now (when it is a link) and removes the pin. Only
 /// unlinking the pin would detach it later, from a kernel workqueue.
 ///

@@ -12,8 +12,15 @@
 //! checked against is [`check`]'s, what takes it away [`remove`]'s.
 mod check;
 mod remove;
+mod verify;
 
-use std::{borrow::Cow, collections::HashSet, os::fd::OwnedFd, sync::Mutex};
+use std::{
+    borrow::Cow,
+    collections::{HashMap, HashSet},
+    os::fd::OwnedFd,
+    path::PathBuf,
+    sync::Mutex,
+};
 
 use meshcap_common::{PodConfig, maps};
 
@@ -23,11 +30,12 @@ use super::{
     pins::{Pins, PodPins, record_name},
     stub::{self, TcAttach},
     sys,
-    tables::Tables,
+    tables::{Snapshot, Tables},
 };
 use crate::{
     backend::{
-        AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodPolicy,
+        AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck,
+        PodPolicy, Verify,
     },
     crashpoint,
     pod::PodRef,
@@ -95,6 +103,12 @@ pub(super) struct Pods {
     /// cookie is never given to another, so dropping one of these needs no second walk of
     /// every namespace on the node.
     found_gone: Mutex<HashSet<u64>>,
+    /// A path naming each captured pod's netns, by cookie: the runtime's from the ADD, or one
+    /// a walk of the node's namespaces found (the pins record only the cookie), for the
+    /// verifier's visits; `None`: this pass's walk found none.
+    netns: Mutex<HashMap<u64, Option<PathBuf>>>,
+    /// The verifier's walk of the per-pod maps, once per pass.
+    snapshot: Mutex<Snapshot>,
 }
 
 impl Pods {
@@ -112,6 +126,8 @@ impl Pods {
             handoff,
             tc_attach,
             found_gone: Mutex::default(),
+            netns: Mutex::default(),
+            snapshot: Mutex::default(),
         }
     }
 
@@ -149,7 +165,9 @@ impl Pods {
             }
             Err(err) => return Err(err.into()),
         };
-        self.commit(pod, &plan)
+        self.commit(pod, &plan)?;
+        self.remember_netns(plan.net.cookie, pod);
+        Ok(())
     }
 
     /// What the pod's netns needs, in the visit: its pins first (so that whoever comes next
@@ -378,6 +396,22 @@ impl CaptureBackend for EbpfBackend {
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
         Ok(self.pods.drop_if_gone(pod)?)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        Ok(self.pods.verify(pod, verify)?)
+    }
+
+    fn verify_node(&self, verify: Verify) -> PodCheck {
+        if verify == Verify::Repair {
+            self.pods.begin_pass();
+        }
+        self.own.verify(
+            self.pods.pins(),
+            &self.config.cgroup_root,
+            self.pods.tc_prog(),
+            verify,
+        )
     }
 
     fn programs(&self) -> Vec<AttachedProgram> {

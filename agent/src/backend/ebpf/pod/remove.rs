@@ -82,6 +82,7 @@ impl Pods {
         }
         crashpoint::here(crashpoint::EBPF_REMOVE_DETACHED);
         pins.remove();
+        self.forget_netns(cookie);
         tracing::info!(netns_cookie = cookie, "released");
         Ok(())
     }

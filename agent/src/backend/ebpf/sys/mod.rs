@@ -284,6 +284,21 @@ pub fn link_detach(link: impl AsFd) -> io::Result<()> {
     bpf(BPF_LINK_DETACH, &mut attr).map(drop)
 }
 
+/// `BPF_MAP_UPDATE_ELEM` of a program array: `map[slot] = prog`, atomically (a tail call
+/// runs the old program or the new one).
+///
+/// # Errors
+/// The kernel's refusal.
+pub fn prog_array_set(map: impl AsFd, slot: u32, prog: impl AsFd) -> io::Result<()> {
+    let value = fd_u32(prog.as_fd())?;
+    let mut attr = Attr::default();
+    // map_fd, pad; key (pointer); value (pointer); flags.
+    attr.words[0] = u64::from(fd_u32(map.as_fd())?);
+    attr.words[1] = std::ptr::from_ref(&slot) as u64;
+    attr.words[2] = std::ptr::from_ref(&value) as u64;
+    bpf(2, &mut attr).map(drop)
+}
+
 /// What the stub's kernel test needs besides the above: a program array, an update of it,
 /// and `BPF_PROG_TEST_RUN`.
 #[cfg(test)]
@@ -306,13 +321,7 @@ pub mod testing {
 
     /// `BPF_MAP_UPDATE_ELEM`: `map[slot] = prog`.
     pub fn set(map: impl AsFd, slot: u32, prog: impl AsFd) -> io::Result<()> {
-        let value = fd_u32(prog.as_fd())?;
-        let mut attr = Attr::default();
-        // map_fd, pad; key (pointer); value (pointer); flags.
-        attr.words[0] = u64::from(fd_u32(map.as_fd())?);
-        attr.words[1] = std::ptr::from_ref(&slot) as u64;
-        attr.words[2] = std::ptr::from_ref(&value) as u64;
-        bpf(2, &mut attr).map(drop)
+        super::prog_array_set(map, slot, prog)
     }
 
     /// `BPF_PROG_TEST_RUN` of a classifier on one zeroed Ethernet frame: its return value.

@@ -1,12 +1,14 @@
 //! The per-pod maps and the agent's index of them. The maps hold each pod's configuration
 //! (`MESHCAP_PODS`, by netns cookie), its lists (`MESHCAP_PORTS`, `MESHCAP_CIDRS4/6`, keyed by
 //! pod id) and its interfaces' flags (`MESHCAP_IFACES`). [`Tables`] is their only writer once
-//! the backend is open, and keeps in memory what they hold per pod: the list keys written
-//! under each pod id, the interface keys of each netns cookie, the pod ids in use and which
-//! cookie each pinned pod is. A DEL or an update then removes exactly its own entries (one
-//! syscall each) instead of walking whole maps, and a new pod id costs no map walk. The index
-//! is rebuilt once from the pinned maps and pins when the backend opens.
-use std::collections::{HashMap as StdHashMap, HashSet};
+//! the backend is open, and keeps in memory what they hold per pod (`index`): the list keys and
+//! values written under each pod id, the interface keys of each netns cookie, the pod entries
+//! and addresses written, the pod ids in use and which cookie each pinned pod is. A DEL or an
+//! update then removes exactly its own entries (one syscall each) instead of walking whole
+//! maps, and a new pod id costs no map walk; the verifier compares the maps with it and puts
+//! back what differs (`verify`). The index is rebuilt once from the pinned maps and pins when
+//! the backend opens.
+use std::collections::HashSet;
 
 use aya::{
     Ebpf,
@@ -22,6 +24,12 @@ use super::{
     pins::Pins,
 };
 use crate::podnet::PodNet;
+
+mod index;
+mod verify;
+
+use index::{Index, Lists};
+pub(in crate::backend::ebpf) use verify::Snapshot;
 
 /// The per-pod maps, and what they hold per pod.
 pub(super) struct Tables {
@@ -57,18 +65,23 @@ impl Tables {
         };
         for (cookie, config) in tables.pods.iter().flatten() {
             tables.index.use_id(config.pod_id);
-            tables.index.pod_ids.insert(cookie, config.pod_id);
+            tables.index.configs.insert(cookie, config);
+        }
+        for (cookie, addrs) in tables.addrs.iter().flatten() {
+            tables.index.addrs.insert(cookie, addrs);
         }
         for key in tables.ports.keys().flatten() {
             tables.index.lists_mut(key.pod_id).ports.push(key);
         }
         for key in tables.cidrs4.keys().flatten() {
             let id = u32::from_be_bytes(key.data().pod);
-            tables.index.lists_mut(id).cidrs4.push(key);
+            let value = tables.cidrs4.get(&key, 0).unwrap_or_default();
+            tables.index.lists_mut(id).cidrs4.push((key, value));
         }
         for key in tables.cidrs6.keys().flatten() {
             let id = u32::from_be_bytes(key.data().pod);
-            tables.index.lists_mut(id).cidrs6.push(key);
+            let value = tables.cidrs6.get(&key, 0).unwrap_or_default();
+            tables.index.lists_mut(id).cidrs6.push((key, value));
         }
         for (key, flags) in tables.ifaces.iter().flatten() {
             tables.index.add_iface(key.netns, key, flags);
@@ -114,7 +127,7 @@ impl Tables {
             .get(&cookie, 0)
             .ok()
             .map(|c| c.pod_id)
-            .or_else(|| self.index.pod_ids.get(&cookie).copied())
+            .or_else(|| self.index.configs.get(&cookie).map(|c| c.pod_id))
     }
 
     /// Writes the pod's own addresses (before its pod entry: a redirected socket is bound to
@@ -122,7 +135,9 @@ impl Tables {
     pub(super) fn set_addrs(&mut self, cookie: u64, addrs: PodAddrs) -> Result<(), EbpfError> {
         self.addrs
             .insert(cookie, addrs, 0)
-            .map_err(|e| EbpfError::map("writing the pod's addresses", e))
+            .map_err(|e| EbpfError::map("writing the pod's addresses", e))?;
+        self.index.addrs.insert(cookie, addrs);
+        Ok(())
     }
 
     /// Writes the pod entry of netns `cookie`: what makes the programs act on it.
@@ -130,7 +145,7 @@ impl Tables {
         self.pods
             .insert(cookie, config, 0)
             .map_err(|e| EbpfError::map("writing the pod entry", e))?;
-        self.index.pod_ids.insert(cookie, config.pod_id);
+        self.index.configs.insert(cookie, config);
         Ok(())
     }
 
@@ -150,7 +165,8 @@ impl Tables {
                 .map_err(|e| EbpfError::map("removing the pod entry", e))?;
         }
         let _ = self.addrs.remove(&cookie);
-        let recorded = self.index.pod_ids.remove(&cookie);
+        self.index.addrs.remove(&cookie);
+        let recorded = self.index.configs.remove(&cookie).map(|c| c.pod_id);
         if let Some(id) = config.map(|c| c.pod_id).or(recorded) {
             self.remove_lists(id);
         }
@@ -163,7 +179,7 @@ impl Tables {
     /// addresses of netns cookies with neither a pod entry nor pins (`pinned`). Call only when no request
     /// is in flight (at start). Returns how many entries went.
     pub(super) fn sweep_orphans(&mut self, pinned: &HashSet<u64>) -> usize {
-        let used: HashSet<u32> = self.index.pod_ids.values().copied().collect();
+        let used: HashSet<u32> = self.index.configs.values().map(|c| c.pod_id).collect();
         let ids: Vec<u32> = self
             .index
             .lists
@@ -182,7 +198,7 @@ impl Tables {
             .ifaces
             .keys()
             .copied()
-            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .filter(|c| !self.index.configs.contains_key(c) && !pinned.contains(c))
             .collect();
         for cookie in cookies {
             removed += self.index.ifaces.get(&cookie).map_or(0, Vec::len);
@@ -192,9 +208,10 @@ impl Tables {
             .addrs
             .keys()
             .flatten()
-            .filter(|c| !self.index.pod_ids.contains_key(c) && !pinned.contains(c))
+            .filter(|c| !self.index.configs.contains_key(c) && !pinned.contains(c))
             .collect();
         for cookie in addrs {
+            self.index.addrs.remove(&cookie);
             if self.addrs.remove(&cookie).is_ok() {
                 removed += 1;
             }
@@ -218,13 +235,13 @@ impl Tables {
                     self.cidrs4
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
-                    self.index.lists_mut(pod_id).cidrs4.push(key);
+                    self.index.lists_mut(pod_id).cidrs4.push((key, *value));
                 }
                 CidrKey::V6(key) => {
                     self.cidrs6
                         .insert(&key, *value, 0)
                         .map_err(|e| EbpfError::map("writing a CIDR list", e))?;
-                    self.index.lists_mut(pod_id).cidrs6.push(key);
+                    self.index.lists_mut(pod_id).cidrs6.push((key, *value));
                 }
             }
         }
@@ -270,13 +287,13 @@ impl Tables {
         let have4: HashSet<_> = held
             .cidrs4
             .iter()
-            .map(|k| (k.prefix_len(), k.data()))
+            .map(|(k, _)| (k.prefix_len(), k.data()))
             .filter(|(_, d)| from_policy(d.kind))
             .collect();
         let have6: HashSet<_> = held
             .cidrs6
             .iter()
-            .map(|k| (k.prefix_len(), k.data()))
+            .map(|(k, _)| (k.prefix_len(), k.data()))
             .filter(|(_, d)| from_policy(d.kind))
             .collect();
         let missing4 = want4
@@ -300,10 +317,10 @@ impl Tables {
         for key in &lists.ports {
             let _ = self.ports.remove(key);
         }
-        for key in &lists.cidrs4 {
+        for (key, _) in &lists.cidrs4 {
             let _ = self.cidrs4.remove(key);
         }
-        for key in &lists.cidrs6 {
+        for (key, _) in &lists.cidrs6 {
             let _ = self.cidrs6.remove(key);
         }
     }
@@ -342,102 +359,6 @@ impl Tables {
             let _ = self.ifaces.remove(&key);
         }
         rerouted
-    }
-}
-
-/// The list entries written under one pod id.
-#[derive(Default)]
-struct Lists {
-    /// `MESHCAP_PORTS` keys.
-    ports: Vec<PortKey>,
-    /// `MESHCAP_CIDRS4` keys.
-    cidrs4: Vec<Key<Cidr4Data>>,
-    /// `MESHCAP_CIDRS6` keys.
-    cidrs6: Vec<Key<Cidr6Data>>,
-}
-
-/// The in-memory index of the per-pod maps (see the module documentation).
-#[derive(Default)]
-struct Index {
-    /// By pod id.
-    lists: StdHashMap<u32, Lists>,
-    /// `MESHCAP_IFACES` keys and their flags, by netns cookie.
-    ifaces: StdHashMap<u64, Vec<(IfaceKey, u32)>>,
-    /// Pod ids a pod entry or a list uses.
-    ids: HashSet<u32>,
-    /// The last pod id handed out: ids go round rather than being reused at once, so a
-    /// program that read a pod's old configuration never meets another pod's lists under it.
-    cursor: u32,
-    /// Netns cookie by pin name of the pod (`pod@<namespace>@<name>@<container>`).
-    cookies: StdHashMap<String, u64>,
-    /// The pod id of each netns cookie's pod entry.
-    pod_ids: StdHashMap<u64, u32>,
-}
-
-impl Lists {
-    fn len(&self) -> usize {
-        self.ports.len() + self.cidrs4.len() + self.cidrs6.len()
-    }
-}
-
-impl Index {
-    /// Records that pod id `id` is in use (a pod entry references it).
-    fn use_id(&mut self, id: u32) {
-        self.ids.insert(id);
-        self.cursor = self.cursor.max(id);
-    }
-
-    /// A pod id no pod entry or list uses, now in use.
-    fn allocate(&mut self) -> u32 {
-        loop {
-            self.cursor = self.cursor.wrapping_add(1).max(1);
-            if self.ids.insert(self.cursor) {
-                return self.cursor;
-            }
-        }
-    }
-
-    /// The lists of pod id `id`, to record keys as they are written.
-    fn lists_mut(&mut self, id: u32) -> &mut Lists {
-        self.use_id(id);
-        self.lists.entry(id).or_default()
-    }
-
-    /// Forgets pod id `id` (free again) and returns its list keys, to delete.
-    fn release(&mut self, id: u32) -> Lists {
-        self.ids.remove(&id);
-        self.lists.remove(&id).unwrap_or_default()
-    }
-
-    /// Records an interface entry of the pod with netns `cookie`.
-    fn add_iface(&mut self, cookie: u64, key: IfaceKey, flags: u32) {
-        self.ifaces.entry(cookie).or_default().push((key, flags));
-    }
-
-    /// Forgets the interface entries of `cookie` and returns them, to delete.
-    fn take_ifaces(&mut self, cookie: u64) -> Vec<(IfaceKey, u32)> {
-        self.ifaces.remove(&cookie).unwrap_or_default()
-    }
-
-    /// The netns cookie of the pod pinned as `meta`.
-    fn cookie(&self, meta: &str) -> Option<u64> {
-        self.cookies.get(meta).copied()
-    }
-
-    /// Records that the pod pinned as `meta` is netns `cookie`.
-    fn set_cookie(&mut self, meta: String, cookie: u64) {
-        self.cookies.insert(meta, cookie);
-    }
-
-    /// Forgets every pod pinned under netns `cookie` (a DEL finds the pod by its netns when
-    /// its pins name another container).
-    fn forget_cookie(&mut self, cookie: u64) {
-        self.cookies.retain(|_, c| *c != cookie);
-    }
-
-    /// How many pods are pinned.
-    fn pods(&self) -> usize {
-        self.cookies.len()
     }
 }
 

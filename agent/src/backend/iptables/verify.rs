@@ -1,0 +1,377 @@
+//! A pod's rules compared with its record, for the verifier (and `explain`), in one visit to its
+//! netns, and put back in place.
+//!
+//! The comparison is CHECK's: every recorded rule asked for with `-C`. That is a fork per rule,
+//! so it runs only when the pod's tables changed since the rules were last found whole: with
+//! nft iptables, while the namespace's nf_tables generation ([`crate::podnet::nftgen`]) is the
+//! same, nothing is read at all; otherwise one `iptables-save` per family, compared with what it
+//! said then (counters left out). Rules found missing are put back in one
+//! `iptables-restore --noflush` transaction per table: the chains the rules create are declared
+//! (which creates them, or empties them inside the transaction) and filled again, and only the
+//! missing rules of the kernel's own chains are added, so that no instant sees less of the
+//! capture than before the repair. A missing policy route is added.
+use std::collections::HashMap;
+
+use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
+use crate::{
+    backend::{BackendError, DriftKind, PodCheck, Verify},
+    pod::PodRef,
+    podnet::{self, nftgen},
+    policy::{IptablesRules, PolicyRoutes},
+};
+
+/// A pod's tables as they were when its rules were last found whole.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Baseline {
+    /// The namespace's nf_tables generation then (nft iptables only).
+    generation: Option<u32>,
+    /// What `iptables-save` said of the rules' tables then, per family, without counters.
+    saved: Vec<String>,
+}
+
+/// One recorded rule not in place: its family, its table and its line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Missing {
+    ipv6: bool,
+    table: String,
+    line: String,
+}
+
+impl IptablesBackend {
+    /// Compares `pod`'s rules (and route) with its record; with [`Verify::Repair`] puts back
+    /// what is missing.
+    pub(super) fn verify_pod(
+        &self,
+        pod: &PodRef,
+        verify: Verify,
+    ) -> Result<PodCheck, BackendError> {
+        let Some((id, record)) = self.records.recorded(pod) else {
+            return Ok(PodCheck::default());
+        };
+        let mut check = PodCheck::default();
+        check.installed.push(describe(&record));
+        if !record.replacing.is_empty() {
+            check
+                .installed
+                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
+            return Ok(check);
+        }
+        if !record.pod.netns.exists() {
+            check.installed.push(format!(
+                "netns {} is gone (its record is dropped within --gone-check-seconds)",
+                record.pod.netns.display()
+            ));
+            return Ok(check);
+        }
+        let baseline = self.baseline(&id);
+        let (found, now) = self.in_netns(&record.pod, |ctx| {
+            ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
+        })?;
+        check.extend(found);
+        let mut baselines = self.baselines();
+        if let Some(now) = now {
+            baselines.insert(id, now);
+        }
+        // Those of pods released since go (rarely more than a pass's DELs).
+        if baselines.len() > self.records.count() {
+            baselines.retain(|id, _| self.records.get(id).is_some());
+        }
+        Ok(check)
+    }
+
+    fn baseline(&self, id: &str) -> Option<Baseline> {
+        self.baselines().get(id).cloned()
+    }
+
+    fn baselines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Baseline>> {
+        self.baselines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// The record in one line.
+fn describe(record: &Applied) -> String {
+    let count = |text: &str| {
+        restore::tables(text)
+            .iter()
+            .map(|t| restore::checks(t).len())
+            .sum::<usize>()
+    };
+    let v6 = record.rules.v6.as_deref().map(count);
+    format!(
+        "{} rules via {}: {} IPv4{}",
+        if record.ambient {
+            "ambient (ztunnel) in-pod".to_owned()
+        } else {
+            format!("{} mode", record.mode)
+        },
+        record.flavour.binary(false, ""),
+        count(&record.rules.v4),
+        v6.map_or_else(String::new, |n| format!(", {n} IPv6"))
+    )
+}
+
+impl Ctx<'_> {
+    /// `rules` compared with the visited netns, `baseline` saying how its tables looked when
+    /// they were last whole; the new baseline when there is one to keep.
+    fn compare(
+        &mut self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+        baseline: Option<&Baseline>,
+        verify: Verify,
+    ) -> Result<(PodCheck, Option<Baseline>), BackendError> {
+        let mut check = PodCheck::default();
+        let generation = if flavour == Flavour::Nft {
+            nftgen::generation().ok()
+        } else {
+            None
+        };
+        if let (Some(now), Some(then)) = (generation, baseline)
+            && then.generation == Some(now)
+        {
+            check.installed.push(
+                "every rule in place (nf_tables unchanged since last found whole)".to_owned(),
+            );
+            return Ok((check, None));
+        }
+        let saved = self.saved(flavour, rules)?;
+        if baseline.is_some_and(|then| then.saved == saved) {
+            check
+                .installed
+                .push("every rule in place (tables unchanged since last found whole)".to_owned());
+            return Ok((check, Some(Baseline { generation, saved })));
+        }
+        let missing = self.missing(flavour, rules)?;
+        if missing.is_empty() {
+            check
+                .installed
+                .push("every rule in place (as CHECK compares them)".to_owned());
+        } else {
+            let what = format!(
+                "{} of its rules are not in place, first `{}` ({})",
+                missing.len(),
+                missing[0].line,
+                missing[0].table
+            );
+            check.drift.push(verify.handle(DriftKind::Rules, what, || {
+                self.put_back(flavour, rules, &missing)
+                    .map_err(|e| e.to_string())
+            }));
+        }
+        if rules.routes.mark_route.is_some() {
+            let pod = self.xt.who.clone();
+            let route = self
+                .visit
+                .netlink()
+                .and_then(|netlink| podnet::route::missing(netlink, &rules.routes))
+                .map_err(|source| BackendError::PodNet { pod, source })?;
+            if let Some(route) = route {
+                check.drift.push(verify.handle(
+                    DriftKind::Route,
+                    format!("{route} is missing"),
+                    || {
+                        self.visit
+                            .netlink()
+                            .and_then(|n| {
+                                podnet::route::update(n, &PolicyRoutes::default(), &rules.routes)
+                            })
+                            .map_err(|e| e.to_string())
+                    },
+                ));
+            }
+        }
+        if check
+            .drift
+            .iter()
+            .any(|d| d.outcome != crate::backend::DriftOutcome::Repaired)
+        {
+            // Found only, or not put back: compared again from scratch next time.
+            return Ok((check, None));
+        }
+        let generation = if flavour == Flavour::Nft {
+            nftgen::generation().ok()
+        } else {
+            None
+        };
+        let saved = if check.drift.is_empty() {
+            saved
+        } else {
+            self.saved(flavour, rules)?
+        };
+        Ok((check, Some(Baseline { generation, saved })))
+    }
+
+    /// What `iptables-save` says of the tables `rules` use, per family, without counters.
+    fn saved(&self, flavour: Flavour, rules: &IptablesRules) -> Result<Vec<String>, BackendError> {
+        let mut out = Vec::new();
+        for (ipv6, text) in families(rules) {
+            let names: Vec<String> = restore::tables(text).into_iter().map(|t| t.name).collect();
+            let save = self.xt.run(&flavour.binary(ipv6, "-save"), &[])?;
+            out.push(relevant(&save, &names));
+        }
+        Ok(out)
+    }
+
+    /// Every recorded rule `-C` does not find, in order.
+    fn missing(
+        &self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+    ) -> Result<Vec<Missing>, BackendError> {
+        let mut out = Vec::new();
+        for (ipv6, text) in families(rules) {
+            let program = flavour.binary(ipv6, "");
+            for table in restore::tables(text) {
+                for (line, mut args) in rule_lines(&table).zip(restore::checks(&table)) {
+                    args.splice(0..0, ["-w".to_owned(), "10".to_owned()]);
+                    if self.xt.run(&program, &args).is_err() {
+                        out.push(Missing {
+                            ipv6,
+                            table: table.name.clone(),
+                            line: line.to_owned(),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Puts `missing` back: one transaction per table holding any of it.
+    fn put_back(
+        &self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+        missing: &[Missing],
+    ) -> Result<(), BackendError> {
+        for (ipv6, text) in families(rules) {
+            for table in restore::tables(text) {
+                let gone: Vec<&str> = missing
+                    .iter()
+                    .filter(|m| m.ipv6 == ipv6 && m.table == table.name)
+                    .map(|m| m.line.as_str())
+                    .collect();
+                if gone.is_empty() {
+                    continue;
+                }
+                let lines = repair_lines(&table, &gone);
+                self.xt.restore(
+                    flavour,
+                    ipv6,
+                    &restore::payload(&[(table.name.clone(), lines)]),
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The families `rules` has rules for, with their text.
+fn families(rules: &IptablesRules) -> impl Iterator<Item = (bool, &str)> {
+    std::iter::once((false, rules.v4.as_str())).chain(rules.v6.as_deref().map(|v6| (true, v6)))
+}
+
+/// The rule lines of `table` (`-A`, `-I`), in order: the lines [`restore::checks`] checks.
+fn rule_lines(table: &restore::Table) -> impl Iterator<Item = &str> {
+    table
+        .lines
+        .iter()
+        .map(String::as_str)
+        .filter(|line| line.starts_with("-A ") || line.starts_with("-I "))
+}
+
+/// Whether `line` adds to one of the kernel's own chains.
+fn in_builtin_chain(line: &str) -> bool {
+    line.split_whitespace()
+        .nth(1)
+        .is_some_and(|chain| restore::BUILTIN_CHAINS.contains(&chain))
+}
+
+/// One table's repair: its own chains declared (created, or emptied within the transaction)
+/// and filled again in order, and of the rules in the kernel's chains only the `missing` ones.
+fn repair_lines(table: &restore::Table, missing: &[&str]) -> Vec<String> {
+    let mut lines: Vec<String> = table
+        .lines
+        .iter()
+        .filter_map(|line| line.strip_prefix("-N "))
+        .map(|chain| format!(":{} - [0:0]", chain.trim()))
+        .collect();
+    lines.extend(
+        rule_lines(table)
+            .filter(|line| !in_builtin_chain(line) || missing.contains(line))
+            .map(str::to_owned),
+    );
+    lines
+}
+
+/// The lines of `save` (an `iptables-save` output) in the tables `names`, without comments and
+/// counters.
+fn relevant(save: &str, names: &[String]) -> String {
+    let mut out = String::new();
+    let mut keep = false;
+    for line in save.lines().map(str::trim) {
+        if let Some(name) = line.strip_prefix('*') {
+            keep = names.iter().any(|n| n == name.trim());
+        }
+        if !keep || line.starts_with('#') {
+            continue;
+        }
+        // `:CHAIN POLICY [packets:bytes]`: the counters change with every packet.
+        let line = match line.rsplit_once(" [") {
+            Some((head, _)) if line.starts_with(':') => head,
+            _ => line,
+        };
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NAT: &str = "* nat
+-N ISTIO_INBOUND
+-N ISTIO_REDIRECT
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-I OUTPUT 1 -p tcp -j ISTIO_REDIRECT
+-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN
+COMMIT
+";
+
+    #[test]
+    fn a_repair_refills_own_chains_and_adds_only_missing_kernel_chain_rules() {
+        let table = &restore::tables(NAT)[0];
+        assert_eq!(
+            repair_lines(table, &["-A PREROUTING -p tcp -j ISTIO_INBOUND"]),
+            [
+                ":ISTIO_INBOUND - [0:0]",
+                ":ISTIO_REDIRECT - [0:0]",
+                "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+                "-A PREROUTING -p tcp -j ISTIO_INBOUND",
+                "-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN",
+            ]
+        );
+        assert_eq!(rule_lines(table).count(), restore::checks(table).len());
+    }
+
+    #[test]
+    fn counters_and_other_tables_are_left_out_of_the_comparison() {
+        let save = "# Generated by iptables-save v1.8.9\n*mangle\n:PREROUTING ACCEPT [9:99]\nCOMMIT\n\
+                    *nat\n:PREROUTING ACCEPT [3:180]\n:ISTIO_INBOUND - [0:0]\n\
+                    -A PREROUTING -p tcp -j ISTIO_INBOUND\nCOMMIT\n# Completed\n";
+        let later = save
+            .replace("[3:180]", "[70:4200]")
+            .replace("[9:99]", "[1:1]");
+        let names = ["nat".to_owned()];
+        assert_eq!(relevant(save, &names), relevant(&later, &names));
+        assert_eq!(
+            relevant(save, &names),
+            "*nat\n:PREROUTING ACCEPT\n:ISTIO_INBOUND -\n-A PREROUTING -p tcp -j ISTIO_INBOUND\nCOMMIT\n"
+        );
+    }
+}
