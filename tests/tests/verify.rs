@@ -423,7 +423,7 @@ fn ambient(backend: Backend, in_kernel: bool) {
     let pod = node.add_pod(false).expect("pod");
     let sockets = ManifestDir::new();
     let socket = sockets.0.join("ztunnel.sock");
-    let api = ApiServer::start();
+    let api = ApiServer::with_configuration("ambient");
     let mut manifest = ambient_pod("shop", "web");
     manifest["spec"]["nodeName"] = json!("node-1");
     api.apply_pod(manifest);
