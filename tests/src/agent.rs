@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, TcAttach};
+use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, Handoff, TcAttach};
 
 /// The agent's (hidden) setting forcing how pods' inbound stubs attach: `tcx` tests the TCX
 /// path (the default is netlink TC on every kernel).
@@ -294,6 +294,7 @@ impl Agent {
             } else {
                 TcAttach::default()
             },
+            handoff: Handoff::default(),
         })
     }
 

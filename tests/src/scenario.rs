@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail};
 use meshcap_agent::{
     backend::{
         CaptureBackend as _, PodRef,
-        ebpf::{EbpfBackend, EbpfConfig, TcAttach},
+        ebpf::{EbpfBackend, EbpfConfig, Handoff, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
@@ -101,6 +101,7 @@ impl EbpfUnderTest {
             cgroup_root: cgroup.path().to_owned(),
             bpffs_dir: dir.to_owned(),
             tc_attach,
+            handoff: Handoff::default(),
         })?;
         Ok(Self {
             backend: Some(backend),

@@ -173,6 +173,10 @@ pub mod flags {
     /// an inbound connection whose proxy listener `bpf_sk_assign` refuses (`SO_REUSEPORT`,
     /// before Linux 6.5) is handed to it instead of dropped.
     pub const HANDOFF: u32 = 1 << 13;
+    /// With [`HANDOFF`], for benchmarks only (the agent's hidden `--handoff always`): every
+    /// captured SYN goes through the socket lookup, also where `bpf_sk_assign` would take the
+    /// listener, so that the hand-off's cost can be measured on a kernel that never needs it.
+    pub const HANDOFF_ALWAYS: u32 = 1 << 15;
 }
 
 /// Bits of the [`maps::IFACES`] value.

@@ -45,7 +45,7 @@ pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, unpin_link};
-pub use release::assigns_to_reuseport_listeners;
+pub use release::{Handoff, assigns_to_reuseport_listeners};
 pub use tc::TcAttach;
 
 use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodRef};
@@ -61,6 +61,8 @@ pub struct EbpfConfig {
     pub bpffs_dir: PathBuf,
     /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
+    /// Which pods get the socket lookup hand-off ([`Handoff::Auto`]: by the kernel).
+    pub handoff: Handoff,
 }
 
 /// The default pin directory; the version changes whenever a map layout does.
@@ -77,6 +79,7 @@ impl EbpfConfig {
                 .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
             tc_attach: TcAttach::default(),
+            handoff: Handoff::default(),
         })
     }
 
@@ -95,7 +98,8 @@ pub struct EbpfBackend {
     /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
     tc_prog: OwnedFd,
     /// The socket lookup program, loaded where `bpf_sk_assign` refuses `SO_REUSEPORT`
-    /// listeners: every captured pod's netns gets it (ebpf/meshcap-ebpf/src/handoff.rs).
+    /// listeners (or with [`Handoff::Always`]): every captured pod's netns gets it
+    /// (ebpf/meshcap-ebpf/src/handoff.rs).
     handoff: Option<OwnedFd>,
     tables: Mutex<tables::Tables>,
     kernel_log: Mutex<Option<klog::KernelLog>>,
@@ -143,13 +147,20 @@ impl EbpfBackend {
         // buffer has one reader.
         let kernel_log = klog::reader(&mut ebpf);
         let tables = tables::Tables::open(&mut ebpf, &pins)?;
-        let handoff = if assigns_to_reuseport_listeners().unwrap_or(false) {
-            None
-        } else {
-            tracing::info!(
-                "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
-            );
-            Some(node::load_handoff(&mut ebpf)?)
+        let handoff = match config.handoff {
+            Handoff::Auto if assigns_to_reuseport_listeners().unwrap_or(false) => None,
+            Handoff::Auto => {
+                tracing::info!(
+                    "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
+                );
+                Some(node::load_handoff(&mut ebpf)?)
+            }
+            Handoff::Always => {
+                tracing::warn!(
+                    "--handoff always (benchmarks only): every captured inbound connection reaches the proxy through the socket lookup"
+                );
+                Some(node::load_handoff(&mut ebpf)?)
+            }
         };
         Ok(Self {
             config,
@@ -161,6 +172,17 @@ impl EbpfBackend {
             loaded,
             found_gone: Mutex::default(),
         })
+    }
+
+    /// The flags a pod's config gets for the socket lookup hand-off: none without it.
+    fn handoff_flags(&self) -> u32 {
+        match (&self.handoff, self.config.handoff) {
+            (None, _) => 0,
+            (Some(_), Handoff::Auto) => meshcap_common::flags::HANDOFF,
+            (Some(_), Handoff::Always) => {
+                meshcap_common::flags::HANDOFF | meshcap_common::flags::HANDOFF_ALWAYS
+            }
+        }
     }
 
     /// Forwards the programs' log records (aya-log) to the agent's logs, as `log` records

@@ -138,9 +138,7 @@ impl EbpfBackend {
             Err(err) => return Err(err.into()),
         };
         entries.add_pod_net(&net, exclude_interfaces, reroute_interfaces);
-        if self.handoff.is_some() {
-            entries.config.flags |= flags::HANDOFF;
-        }
+        entries.config.flags |= self.handoff_flags();
         let config = entries.config;
         let cookie = net.cookie;
         let mut tables = self.lock();
@@ -354,11 +352,7 @@ impl EbpfBackend {
             .pods
             .get(&cookie, 0)
             .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
-        let handoff = if self.handoff.is_some() {
-            flags::HANDOFF
-        } else {
-            0
-        };
+        let handoff = self.handoff_flags();
         let want = (entries.config.flags | handoff) & !flags::EXCLUDED_ROUTES;
         if config.flags & !flags::EXCLUDED_ROUTES != want
             || config.proxy_uid != entries.config.proxy_uid
