@@ -173,6 +173,11 @@ pub mod flags {
     /// an inbound connection whose proxy listener `bpf_sk_assign` refuses (`SO_REUSEPORT`,
     /// before Linux 6.5) is handed to it instead of dropped.
     pub const HANDOFF: u32 = 1 << 13;
+    /// The pod's only IPv4 address in its [`crate::CidrKind::Local`] list is the IPv4 address
+    /// of its [`crate::maps::POD_ADDRS`] entry (nonzero): connect compares with that entry,
+    /// which it reads anyway for a redirected socket's source, instead of looking the list up.
+    /// Set by the agent from the pod's netns, like [`EXCLUDED_ROUTES`].
+    pub const LOCAL4_IS_POD_ADDR: u32 = 1 << 14;
     /// With [`HANDOFF`], for benchmarks only (the agent's hidden `--handoff always`): every
     /// captured SYN goes through the socket lookup, also where `bpf_sk_assign` would take the
     /// listener, so that the hand-off's cost can be measured on a kernel that never needs it.

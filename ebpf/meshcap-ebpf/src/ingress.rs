@@ -276,7 +276,7 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         ack: p.flags & TCP_ACK != 0,
         existing: existing(ctx, &p),
     };
-    match decide_inbound(&pod, &c, &Maps { pod_id: pod.pod_id }) {
+    match decide_inbound(&pod, &c, &Maps::of(&pod)) {
         Verdict::Pass => Some(TC_ACT_OK),
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {

@@ -138,6 +138,21 @@ pub fn pod(netns: u64) -> Option<PodConfig> {
 pub struct Maps {
     /// [`PodConfig::pod_id`].
     pub pod_id: u32,
+    /// The pod's IPv4 address when it is all its [`CidrKind::Local`] list holds of IPv4
+    /// ([`flags::LOCAL4_IS_POD_ADDR`](meshcap_common::flags::LOCAL4_IS_POD_ADDR)): compared
+    /// instead of looked up.
+    pub local4: Option<u32>,
+}
+
+impl Maps {
+    /// The lists of `pod` (no local address known: every list is looked up).
+    #[inline(always)]
+    pub const fn of(pod: &PodConfig) -> Self {
+        Self {
+            pod_id: pod.pod_id,
+            local4: None,
+        }
+    }
 }
 
 impl PodTables for Maps {
@@ -149,6 +164,9 @@ impl PodTables for Maps {
 
     #[inline(always)]
     fn lookup(&self, kind: CidrKind, addr: &Addr) -> Option<u32> {
+        if let (CidrKind::Local, Addr::V4(a), Some(own)) = (kind, *addr, self.local4) {
+            return (a == own).then_some(1);
+        }
         match *addr {
             Addr::V4(a) => CIDRS4
                 .get(Key::new(
