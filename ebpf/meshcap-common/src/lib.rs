@@ -33,8 +33,15 @@ pub mod maps {
     /// storage, [`crate::OrigDst`]): from connect/sendmsg, for recvmsg.
     pub const DIALED: &str = "MESHCAP_DIALED";
     /// Original destination of a redirected TCP socket by socket cookie (LRU hash, `u64` →
-    /// [`crate::OrigDst`]): from connect, for sockops when the connection is established.
+    /// [`crate::OrigDst`]): written by connect before [`DIALING`] replaced it; sockops still
+    /// reads it for a connection whose slot does not answer (one connected by an earlier
+    /// build's program, during an upgrade).
     pub const CONNECTING: &str = "MESHCAP_CONNECTING";
+    /// Original destination of a redirected TCP socket, in the slot of its socket cookie
+    /// (array of [`crate::DIALING_SLOTS`] [`crate::Dialing`]): from connect, for sockops when
+    /// the connection is established. No lock and no allocation on either side, where an LRU
+    /// insert and delete were most of a captured connect's kernel time.
+    pub const DIALING: &str = "MESHCAP_DIALING";
     /// Original destination by netns-qualified 4-tuple (LRU hash, [`crate::FlowKey`] →
     /// [`crate::OrigDst`]): from the client end (or TC, inbound), what
     /// `getsockopt(SO_ORIGINAL_DST)` on the accepted end answers.
@@ -204,4 +211,5 @@ mod user {
     unsafe impl aya::Pod for super::OrigDst {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::PodAddrs {}
+    unsafe impl aya::Pod for super::Dialing {}
 }

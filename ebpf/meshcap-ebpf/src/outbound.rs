@@ -1,6 +1,6 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's under its
-//! cookie in `MESHCAP_CONNECTING` (sockops carries it on), a UDP socket's in its storage.
+//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's in the slot
+//! of its cookie in `MESHCAP_DIALING` (sockops carries it on), a UDP socket's in its storage.
 //!
 //! What the socket reports stays what Istio's NAT shows: a redirected socket that the app did
 //! not bind is bound to the pod's own address (`MESHCAP_POD_ADDRS`; `bpf_bind` with port 0
@@ -26,7 +26,7 @@ use meshcap_common::{
 
 use crate::{
     flows::{V4_MAPPED, sock_ends},
-    tables::{CONNECTING, DIALED, FLOWS, Maps, pod, pod_addrs, sk_get, sk_put},
+    tables::{DIALED, FLOWS, Maps, dial, pod, pod_addrs, sk_get, sk_put},
 };
 
 /// Keep the call going (0 would fail it with EPERM).
@@ -232,9 +232,7 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
     match proto {
         Proto::Tcp => {
             // SAFETY: the helper takes the program's own context.
-            let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-            // Without room (not expected, LRU) only this connection's original destination is lost.
-            let _ = CONNECTING.insert(cookie, orig, 0);
+            dial(unsafe { bpf_get_socket_cookie(sa.cast()) }, orig);
         }
         // SAFETY: context read, then the context's socket.
         Proto::Udp => unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) },

@@ -39,7 +39,7 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 13] = [
+const MAPS: [&str; 14] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::POD_ADDRS,
@@ -49,6 +49,7 @@ const MAPS: [&str; 13] = [
     maps::IFACES,
     maps::DIALED,
     maps::CONNECTING,
+    maps::DIALING,
     maps::FLOWS,
     maps::TC_PROG,
     maps::LISTENERS,
