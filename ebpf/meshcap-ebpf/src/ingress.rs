@@ -217,8 +217,10 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<Handoff>) -> R
 /// instead of leaving by the pod's interface. Istio's in-pod rules do the same with the
 /// connection's mark (`CONNMARK --set-xmark 0x111/0xfff` in `mangle PREROUTING`, restored in
 /// `mangle OUTPUT`). Only SYNs: the accepted socket carries the mark from then on.
-/// Every packet between the app and ztunnel crosses `lo`: the mark is read first, and no pod
-/// is looked up (only ambient pods have a stub there).
+/// Every packet between the app and ztunnel crosses `lo`: `lo`'s stub tail-calls only for
+/// ztunnel's marks (agent/src/backend/ebpf/stub.rs; a stub attached by an earlier build does
+/// for every packet), the mark is read first here too, and no pod is looked up (only ambient
+/// pods have a stub there).
 #[inline(always)]
 fn ztunnel_connection_on_lo(ctx: &TcContext) -> i32 {
     // SAFETY: context read.

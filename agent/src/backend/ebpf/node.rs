@@ -241,8 +241,9 @@ pub(super) fn load_handoff(ebpf: &mut Ebpf) -> Result<OwnedFd, EbpfError> {
         .map_err(|e| EbpfError::io(programs::HANDOFF, e))
 }
 
-/// Loads a pod's TC stub against `ebpf`'s (unpinned) `MESHCAP_TC_PROG`, and drops it: the
-/// probe's trial load of what the agent assembles itself.
+/// Loads a pod's TC stubs (its interfaces', and an ambient pod's `lo`'s) against `ebpf`'s
+/// (unpinned) `MESHCAP_TC_PROG`, and drops them: the probe's trial load of what the agent
+/// assembles itself.
 ///
 /// # Errors
 /// When the object has no such map or the kernel refuses the stub.
@@ -251,6 +252,7 @@ pub fn trial_load_stub(ebpf: &Ebpf) -> Result<(), EbpfError> {
         return Err(EbpfError::Missing(maps::TC_PROG));
     };
     stub::load(0, slots.fd().as_fd())?;
+    stub::load_lo(slots.fd().as_fd())?;
     Ok(())
 }
 

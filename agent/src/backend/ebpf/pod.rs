@@ -207,9 +207,24 @@ impl EbpfBackend {
         if todo.is_empty() {
             return Ok(());
         }
-        // One stub per pod, shared by its interfaces.
-        let stub = stub::load(net.cookie, &self.tc_prog)?;
+        // One stub per pod, shared by its interfaces; `lo` (ambient) gets a stub of its own,
+        // which tail-calls only for ztunnel's packets.
+        let mut stubs = (None, None);
         for (ifindex, name) in todo {
+            let stub = if ifindex == tc::LOOPBACK_IFINDEX {
+                if stubs.1.is_none() {
+                    stubs.1 = Some(stub::load_lo(&self.tc_prog)?);
+                }
+                stubs.1.as_ref()
+            } else {
+                if stubs.0.is_none() {
+                    stubs.0 = Some(stub::load(net.cookie, &self.tc_prog)?);
+                }
+                stubs.0.as_ref()
+            };
+            let Some(stub) = stub else {
+                continue;
+            };
             let record = self.pins.tc_record(net.cookie, name);
             tc::attach(
                 visit,
