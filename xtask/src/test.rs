@@ -7,7 +7,7 @@ use anyhow::Context as _;
 
 use crate::{
     cmd::{self, root},
-    fuzz, integration,
+    fuzz, image, integration, tools,
 };
 
 /// Kernels `cargo xtask test` boots in QEMU after the host suite: every kernel
@@ -109,12 +109,26 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
         // their dependencies' features unify differently and the test phase built them again.
         command(Command::new("cargo").args(["build", "--workspace", "--exclude", "meshcap-ebpf"]))
     })?;
+    // The DaemonSet's image from the binaries just built (no release build): what
+    // tests/tests/daemonset.rs runs under containerd.
+    let archive = target.join("image/meshcap-test.oci.tar");
+    phase("image (debug binaries)".into(), &mut || {
+        let debug = target.join("debug");
+        image::build(
+            &debug.join("meshcap-agent"),
+            &debug.join("meshcap-cni"),
+            &archive,
+        )
+        .map(drop)
+    })?;
     phase("tests (host and real kernel)".into(), &mut || {
         // The end-to-end tests run these binaries; built once above instead of by each test
         // executable's own nested `cargo build`.
         command(
             Command::new("cargo")
                 .env("MESHCAP_BIN_DIR", target.join("debug"))
+                .env("MESHCAP_IMAGE_ARCHIVE", &archive)
+                .env("MESHCAP_TOOLS_DIR", tools::dir())
                 .args(["test", "--workspace", "--exclude", "meshcap-ebpf"]),
         )
     })?;

@@ -38,6 +38,20 @@ pub enum Handoff {
     Always,
 }
 
+impl Handoff {
+    /// The flags a pod's config gets, with the socket lookup program `loaded` or not: none
+    /// without it.
+    pub(super) const fn pod_flags(self, loaded: bool) -> u32 {
+        match (loaded, self) {
+            (false, _) => 0,
+            (true, Self::Auto) => meshcap_common::flags::HANDOFF,
+            (true, Self::Always) => {
+                meshcap_common::flags::HANDOFF | meshcap_common::flags::HANDOFF_ALWAYS
+            }
+        }
+    }
+}
+
 /// The major and minor version a kernel release (`6.1.0-56-cloud-amd64`) starts with.
 fn release_version(release: &str) -> Option<(u32, u32)> {
     let mut parts = release.trim().split(['.', '-']);
