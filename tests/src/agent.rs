@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, TcAttach};
+use meshcap_agent::backend::ebpf::{EbpfBackend, EbpfConfig, Handoff, TcAttach, layout};
 
 /// The agent's (hidden) setting forcing how pods' inbound stubs attach: `tcx` tests the TCX
 /// path (the default is netlink TC on every kernel).
@@ -162,6 +162,21 @@ impl Agent {
         env: &[(&str, &str)],
         cgroup_root: Option<&Path>,
     ) -> anyhow::Result<Self> {
+        Self::start_from(binaries(), backend, source, env, cgroup_root)
+    }
+
+    /// As [`Self::start_in`], with the `meshcap-agent` of `bin_dir` (another build's, say: the
+    /// benchmark's baseline).
+    ///
+    /// # Errors
+    /// When it does not come up.
+    pub fn start_from(
+        bin_dir: &Path,
+        backend: Backend,
+        source: &[&str],
+        env: &[(&str, &str)],
+        cgroup_root: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(unique_name("meshcap-agent"));
         std::fs::create_dir_all(&dir)?;
         let socket = dir.join("agent.sock");
@@ -187,7 +202,7 @@ impl Agent {
             }
             Backend::Iptables => (None, None, None),
         };
-        let exe = binaries().join("meshcap-agent");
+        let exe = bin_dir.join("meshcap-agent");
         let child = spawn(&exe, &dir, &args, &socket, &http, env)?;
         let mut agent = Self {
             child,
@@ -294,6 +309,7 @@ impl Agent {
             } else {
                 TcAttach::default()
             },
+            handoff: Handoff::default(),
         })
     }
 
@@ -538,15 +554,13 @@ impl Drop for Agent {
         }
         if let Some(config) = self.ebpf_config() {
             let parent = config.bpffs_dir.parent().map(PathBuf::from);
-            if config.bpffs_dir.exists() {
-                match EbpfBackend::open(config) {
-                    Ok(backend) => {
-                        if let Err(err) = backend.uninstall() {
-                            eprintln!("cleanup: {err}");
-                        }
-                    }
-                    Err(err) => eprintln!("cleanup: {err}"),
-                }
+            // By its pins alone (as `EbpfBackend::uninstall` does once open): the layout may
+            // be another build's (an upgrade test's old agent, the benchmark's baseline),
+            // whose maps this build's object would not open.
+            if config.bpffs_dir.exists()
+                && let Err(err) = layout::remove(&config.bpffs_dir)
+            {
+                eprintln!("cleanup: {err}");
             }
             // The unique parent goes too, also when the test removed the layout itself.
             if let Some(parent) = parent {

@@ -152,6 +152,19 @@ pub fn run_plugin_at(
 /// # Errors
 /// When it cannot run.
 pub fn cni(command: &str, sandbox: &Sandbox, conf: &Value) -> anyhow::Result<CniOutput> {
+    cni_with(&binaries().join("meshcap-cni"), command, sandbox, conf)
+}
+
+/// [`cni`] with the plugin at `plugin` (another build's, say: the benchmark's baseline).
+///
+/// # Errors
+/// When it cannot run.
+pub fn cni_with(
+    plugin: &Path,
+    command: &str,
+    sandbox: &Sandbox,
+    conf: &Value,
+) -> anyhow::Result<CniOutput> {
     let env = [
         ("CNI_COMMAND", command.to_owned()),
         ("CNI_CONTAINERID", sandbox.container_id.clone()),
@@ -166,5 +179,5 @@ pub fn cni(command: &str, sandbox: &Sandbox, conf: &Value) -> anyhow::Result<Cni
             ),
         ),
     ];
-    run_plugin_raw(&env, conf.to_string().as_bytes(), 0)
+    run_plugin_at(plugin, &env, conf.to_string().as_bytes(), 0)
 }

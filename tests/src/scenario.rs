@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail};
 use meshcap_agent::{
     backend::{
         CaptureBackend as _,
-        ebpf::{EbpfBackend, EbpfConfig, TcAttach},
+        ebpf::{EbpfBackend, EbpfConfig, Handoff, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     pod::PodRef,
@@ -104,6 +104,7 @@ impl EbpfUnderTest {
             cgroup_root: cgroup.path().to_owned(),
             bpffs_dir: dir.to_owned(),
             tc_attach,
+            handoff: Handoff::default(),
         })?;
         Ok(Self {
             backend: Some(backend),

@@ -7,7 +7,7 @@
 //! connections only.
 use std::{path::Path, process::Command, thread, time::Duration};
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{Array, HashMap, Map, MapData};
 use meshcap_agent::{
     backend::{
         CaptureBackend as _,
@@ -16,7 +16,7 @@ use meshcap_agent::{
     pod::PodRef,
     policy::RedirectPolicy,
 };
-use meshcap_common::{FlowKey, OrigDst, PodConfig, maps};
+use meshcap_common::{Dialing, FlowKey, OrigDst, PodConfig, maps};
 use meshcap_tests::{
     dial, require_root,
     scenario::{EbpfUnderTest, default_policy, tcx_where_supported},
@@ -493,6 +493,18 @@ fn entries<K: aya::Pod>(dir: &Path, name: &str) -> usize {
     map.keys().flatten().count()
 }
 
+/// Slots of the pinned `MESHCAP_DIALING` under the layout `dir` that hold a socket's original
+/// destination.
+fn dialing(dir: &Path) -> usize {
+    let data = MapData::from_pin(Pins::new(dir).map(maps::DIALING)).expect("pinned map");
+    let slots: Array<_, Dialing> = Array::try_from(Map::Array(data)).expect("an array");
+    slots
+        .iter()
+        .flatten()
+        .filter(|slot| slot.cookie != 0)
+        .count()
+}
+
 #[test]
 fn closed_captured_connections_leave_no_entries_behind() {
     require_root();
@@ -547,6 +559,11 @@ fn closed_captured_connections_leave_no_entries_behind() {
         entries::<u64>(&dir, maps::CONNECTING),
         0,
         "MESHCAP_CONNECTING entries left after every connection was established"
+    );
+    assert_eq!(
+        dialing(&dir),
+        0,
+        "MESHCAP_DIALING slots still held after every connection was established"
     );
     backend.get().remove(&pod_ref(&pod)).expect("remove");
 }

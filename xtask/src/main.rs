@@ -53,22 +53,7 @@ enum Task {
     /// connections flowing while the agent is SIGKILLed every few seconds (root).
     Soak(soak::Args),
     /// Setup, build in release, then benchmark no capture vs Istio's iptables vs eBPF (root).
-    Bench {
-        /// A smoke run: a few rounds of small loads, under 3 minutes.
-        #[arg(long)]
-        quick: bool,
-        /// Only this section (repeatable): data-path, mesh-hop, ambient, policy-scale, footprint,
-        /// pod-setup, repair, verify.
-        #[arg(long)]
-        only: Vec<String>,
-        /// Also report per-program BPF statistics (run count, run time) of the eBPF data path.
-        #[arg(long)]
-        profile: bool,
-        /// The data path's short connections only, this many per round and mode (no
-        /// ping-pong, no bulk): for profiling the per-connection cost.
-        #[arg(long)]
-        short_only: Option<usize>,
-    },
+    Bench(bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -81,12 +66,7 @@ fn main() -> ExitCode {
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
         Task::Manifests => setup::run().and_then(|()| manifests::run()),
-        Task::Bench {
-            quick,
-            only,
-            profile,
-            short_only,
-        } => setup::run().and_then(|()| bench::run(quick, &only, profile, short_only)),
+        Task::Bench(args) => setup::run().and_then(|()| bench::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -232,6 +232,23 @@ impl OrigDst {
     }
 }
 
+/// A slot of [`crate::maps::DIALING`]: the original destination of the redirected TCP socket
+/// with cookie `cookie` (0: none), from connect until its connection is established.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Dialing {
+    /// The socket's cookie; 0 while the slot is being written, or once it was taken.
+    pub cookie: u64,
+    /// What connect rewrote.
+    pub orig: OrigDst,
+    /// Zero.
+    pub pad: u32,
+}
+
+/// Slots of [`crate::maps::DIALING`] (a power of two: a socket's slot is the low bits of its
+/// cookie).
+pub const DIALING_SLOTS: u32 = 1 << 16;
+
 /// Values of [`OrigDst::state`] in [`crate::maps::FLOWS`] (elsewhere always [`PENDING`]).
 ///
 /// [`PENDING`]: flow_state::PENDING
@@ -295,6 +312,7 @@ mod tests {
         assert_eq!(size_of::<OrigDst>(), 20);
         assert_eq!(size_of::<FlowKey>(), 48);
         assert_eq!(size_of::<ListenerKey>(), 16);
+        assert_eq!(size_of::<Dialing>(), 32);
         assert_eq!(size_of::<crate::PodConfig>(), 16);
     }
 }

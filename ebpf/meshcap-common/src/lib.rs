@@ -33,8 +33,15 @@ pub mod maps {
     /// storage, [`crate::OrigDst`]): from connect/sendmsg, for recvmsg.
     pub const DIALED: &str = "MESHCAP_DIALED";
     /// Original destination of a redirected TCP socket by socket cookie (LRU hash, `u64` →
-    /// [`crate::OrigDst`]): from connect, for sockops when the connection is established.
+    /// [`crate::OrigDst`]): written by connect before [`DIALING`] replaced it; sockops still
+    /// reads it for a connection whose slot does not answer (one connected by an earlier
+    /// build's program, during an upgrade).
     pub const CONNECTING: &str = "MESHCAP_CONNECTING";
+    /// Original destination of a redirected TCP socket, in the slot of its socket cookie
+    /// (array of [`crate::DIALING_SLOTS`] [`crate::Dialing`]): from connect, for sockops when
+    /// the connection is established. No lock and no allocation on either side, where an LRU
+    /// insert and delete were most of a captured connect's kernel time.
+    pub const DIALING: &str = "MESHCAP_DIALING";
     /// Original destination by netns-qualified 4-tuple (LRU hash, [`crate::FlowKey`] →
     /// [`crate::OrigDst`]): from the client end (or TC, inbound), what
     /// `getsockopt(SO_ORIGINAL_DST)` on the accepted end answers.
@@ -173,6 +180,15 @@ pub mod flags {
     /// an inbound connection whose proxy listener `bpf_sk_assign` refuses (`SO_REUSEPORT`,
     /// before Linux 6.5) is handed to it instead of dropped.
     pub const HANDOFF: u32 = 1 << 13;
+    /// The pod's only IPv4 address in its [`crate::CidrKind::Local`] list is the IPv4 address
+    /// of its [`crate::maps::POD_ADDRS`] entry (nonzero): connect compares with that entry,
+    /// which it reads anyway for a redirected socket's source, instead of looking the list up.
+    /// Set by the agent from the pod's netns, like [`EXCLUDED_ROUTES`].
+    pub const LOCAL4_IS_POD_ADDR: u32 = 1 << 14;
+    /// With [`HANDOFF`], for benchmarks only (the agent's hidden `--handoff always`): every
+    /// captured SYN goes through the socket lookup, also where `bpf_sk_assign` would take the
+    /// listener, so that the hand-off's cost can be measured on a kernel that never needs it.
+    pub const HANDOFF_ALWAYS: u32 = 1 << 15;
 }
 
 /// Bits of the [`maps::IFACES`] value.
@@ -195,4 +211,5 @@ mod user {
     unsafe impl aya::Pod for super::OrigDst {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::PodAddrs {}
+    unsafe impl aya::Pod for super::Dialing {}
 }

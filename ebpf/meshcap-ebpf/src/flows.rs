@@ -1,8 +1,8 @@
 //! The original destination, from the client socket to the proxy's accepted socket.
 //!
 //! connect (or the TC program, inbound) knows what was dialled; the proxy asks on another
-//! socket. connect keeps it under the client socket's cookie in [`CONNECTING`]; when the client
-//! end is established, `sockops` moves it under the connection's netns-qualified 4-tuple in
+//! socket. connect keeps it in the slot of the client socket's cookie in `MESHCAP_DIALING`
+//! ([`crate::tables::dial`]); when the client end is established, `sockops` moves it under the connection's netns-qualified 4-tuple in
 //! [`FLOWS`] ([`flow_state::PENDING`]); when the accepted end is established (right after, on
 //! loopback), `sockops` marks it [`flow_state::ACCEPTED`]; `cgroup/getsockopt` on the accepted
 //! socket looks it up by that socket's own netns and 4-tuple and answers `SO_ORIGINAL_DST`
@@ -24,11 +24,11 @@ use aya_ebpf::{
     programs::{SockOpsContext, SockoptContext},
 };
 use meshcap_common::{
-    AF_INET, AF_INET6, DNS_PROXY_PORT, FlowKey, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
+    AF_INET, AF_INET6, DNS_PROXY_PORT, FlowKey, OrigDst, PROXY_INBOUND_PORT, PROXY_OUTBOUND_PORT,
     SO_ORIGINAL_DST, flow_state,
 };
 
-use crate::tables::{CONNECTING, FLOWS};
+use crate::tables::{CONNECTING, FLOWS, dialled};
 
 const SOL_IP: i32 = 0;
 const SOL_IPV6: i32 = 41;
@@ -204,14 +204,12 @@ fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
     let key = flow(netns, family, local, remote);
-    // SAFETY: a plain read.
-    let Some(orig) = (unsafe { CONNECTING.get(cookie) }).copied() else {
+    let Some(orig) = dialled(cookie).or_else(|| connecting(cookie)) else {
         // Not captured, to a proxy port: an entry left by an earlier connection with this
         // 4-tuple must not answer for this one.
         let _ = FLOWS.remove(key);
         return;
     };
-    let _ = CONNECTING.remove(cookie);
     if FLOWS.insert(key, orig, 0).is_err() {
         // Not expected (LRU): the proxy will not learn this connection's original destination.
         aya_log_ebpf::warn!(
@@ -219,6 +217,16 @@ fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
             "captured connection not recorded (flow map): SO_ORIGINAL_DST will fail"
         );
     }
+}
+
+/// The original destination an earlier build's connect kept under socket `cookie` (before
+/// `MESHCAP_DIALING`), taken: only a connect rewritten before an upgrade has one.
+#[inline(always)]
+fn connecting(cookie: u64) -> Option<OrigDst> {
+    // SAFETY: a plain read.
+    let orig = unsafe { CONNECTING.get(cookie) }.copied()?;
+    let _ = CONNECTING.remove(cookie);
+    Some(orig)
 }
 
 /// An accepted socket: when meshcap captured its connection, the entry the other end left

@@ -162,11 +162,20 @@ enum Refused {
     Reuseport,
 }
 
+/// The pod's socket lookup ([`crate::handoff`]), when it has one.
+#[derive(Clone, Copy)]
+struct Handoff {
+    /// The pod's netns.
+    netns: u64,
+    /// [`flags::HANDOFF_ALWAYS`]: every captured SYN goes through it (benchmarks only).
+    always: bool,
+}
+
 /// Hands the packet to the listener on `port`; a `SO_REUSEPORT` listener this kernel's
-/// `bpf_sk_assign` refuses through the socket lookup instead when the pod of `handoff` (its
-/// netns) has it ([`crate::handoff`]).
+/// `bpf_sk_assign` refuses through the socket lookup instead when the pod has one (`handoff`;
+/// with [`Handoff::always`] every listener).
 #[inline(always)]
-fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<u64>) -> Result<(), Refused> {
+fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<Handoff>) -> Result<(), Refused> {
     let (mut t, len) = tuple(p, port);
     // SAFETY: as in `existing`.
     let sk: *mut bpf_sock =
@@ -177,13 +186,15 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<u64>) -> Resul
     // SAFETY: `sk` is a referenced full socket; released once.
     unsafe {
         let result = if core::ptr::read_volatile(&raw const (*sk).state) == TCP_LISTEN {
-            match bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0) {
+            let assigned = match handoff {
+                Some(Handoff { always: true, .. }) => ESOCKTNOSUPPORT,
+                _ => bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0),
+            };
+            match assigned {
                 0 => Ok(()),
                 ESOCKTNOSUPPORT => match handoff {
                     // SAFETY: `sk` is the referenced listener of this lookup.
-                    Some(netns)
-                        if hand_off(netns, (p.src, p.dst), (p.sport, p.dport), port, sk) =>
-                    {
+                    Some(h) if hand_off(h.netns, (p.src, p.dst), (p.sport, p.dport), port, sk) => {
                         Ok(())
                     }
                     _ => Err(Refused::Reuseport),
@@ -206,8 +217,10 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<u64>) -> Resul
 /// instead of leaving by the pod's interface. Istio's in-pod rules do the same with the
 /// connection's mark (`CONNMARK --set-xmark 0x111/0xfff` in `mangle PREROUTING`, restored in
 /// `mangle OUTPUT`). Only SYNs: the accepted socket carries the mark from then on.
-/// Every packet between the app and ztunnel crosses `lo`: the mark is read first, and no pod
-/// is looked up (only ambient pods have a stub there).
+/// Every packet between the app and ztunnel crosses `lo`: `lo`'s stub tail-calls only for
+/// ztunnel's marks (agent/src/backend/ebpf/stub.rs; a stub attached by an earlier build does
+/// for every packet), the mark is read first here too, and no pod is looked up (only ambient
+/// pods have a stub there).
 #[inline(always)]
 fn ztunnel_connection_on_lo(ctx: &TcContext) -> i32 {
     // SAFETY: context read.
@@ -265,11 +278,15 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         ack: p.flags & TCP_ACK != 0,
         existing: existing(ctx, &p),
     };
-    match decide_inbound(&pod, &c, &Maps { pod_id: pod.pod_id }) {
+    match decide_inbound(&pod, &c, &Maps::of(&pod)) {
         Verdict::Pass => Some(TC_ACT_OK),
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {
-            match assign(ctx, &p, port, pod.has(flags::HANDOFF).then_some(netns)) {
+            let handoff = pod.has(flags::HANDOFF).then_some(Handoff {
+                netns,
+                always: pod.has(flags::HANDOFF_ALWAYS),
+            });
+            match assign(ctx, &p, port, handoff) {
                 Ok(()) => {}
                 // Fail closed: the proxy is not listening (yet); the client retries. Rare and
                 // worth knowing (a proxy down or not started): one record per dropped packet.

@@ -1,6 +1,6 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's under its
-//! cookie in `MESHCAP_CONNECTING` (sockops carries it on), a UDP socket's in its storage.
+//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's in the slot
+//! of its cookie in `MESHCAP_DIALING` (sockops carries it on), a UDP socket's in its storage.
 //!
 //! What the socket reports stays what Istio's NAT shows: a redirected socket that the app did
 //! not bind is bound to the pod's own address (`MESHCAP_POD_ADDRS`; `bpf_bind` with port 0
@@ -21,12 +21,12 @@ use aya_ebpf::{
 };
 use meshcap_common::{
     AF_INET, AF_INET6, Addr, DNS_PROXY_PORT, FlowKey, OrigDst, Outbound, PROXY_INBOUND_PORT,
-    PROXY_OUTBOUND_PORT, PodAddrs, Proto, Verdict, decide_outbound, is_loopback,
+    PROXY_OUTBOUND_PORT, PodAddrs, Proto, Verdict, decide_outbound, flags, is_loopback,
 };
 
 use crate::{
     flows::{V4_MAPPED, sock_ends},
-    tables::{CONNECTING, DIALED, FLOWS, Maps, pod, pod_addrs, sk_get, sk_put},
+    tables::{DIALED, FLOWS, Maps, dial, pod, pod_addrs, sk_get, sk_put},
 };
 
 /// Keep the call going (0 would fail it with EPERM).
@@ -202,14 +202,28 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
         gid,
         mark,
     };
-    let Verdict::Redirect(port) = decide_outbound(&pod, &conn, &Maps { pod_id: pod.pod_id }) else {
+    // The pod's own addresses: for a pod whose only local IPv4 address is its own, what tells
+    // a local IPv4 destination (compared, where the list would be looked up: the decision
+    // needs it for every destination off loopback); then the source of a redirected socket
+    // the app did not bind (read once).
+    let off_loopback = !is_loopback(&dst);
+    let compared = pod.has(flags::LOCAL4_IS_POD_ADDR) && off_loopback && matches!(dst, Addr::V4(_));
+    let addrs = if compared { pod_addrs(netns) } else { None };
+    let maps = Maps {
+        local4: addrs.map(|a| a.v4),
+        ..Maps::of(&pod)
+    };
+    let Verdict::Redirect(port) = decide_outbound(&pod, &conn, &maps) else {
         return;
     };
     let orig = OrigDst::new(dst, dst_port);
-    if src.is_unspecified() && !is_loopback(&dst) {
+    if src.is_unspecified()
+        && off_loopback
+        && let Some(addrs) = if compared { addrs } else { pod_addrs(netns) }
+    {
         source_from_pod(
             sa,
-            netns,
+            &addrs,
             family,
             matches!(dst, Addr::V4(_)),
             only.is_some(),
@@ -218,9 +232,7 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
     match proto {
         Proto::Tcp => {
             // SAFETY: the helper takes the program's own context.
-            let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-            // Without room (not expected, LRU) only this connection's original destination is lost.
-            let _ = CONNECTING.insert(cookie, orig, 0);
+            dial(unsafe { bpf_get_socket_cookie(sa.cast()) }, orig);
         }
         // SAFETY: context read, then the context's socket.
         Proto::Udp => unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) },
@@ -300,14 +312,17 @@ struct SockaddrIn6 {
 /// destination is IPv4 (on an IPv6 socket, IPv4-mapped). A pod without an address of that
 /// family keeps the loopback source.
 #[inline(always)]
-fn source_from_pod(sa: *mut bpf_sock_addr, netns: u64, family: Family, v4: bool, datagram: bool) {
-    let Some(PodAddrs {
+fn source_from_pod(
+    sa: *mut bpf_sock_addr,
+    addrs: &PodAddrs,
+    family: Family,
+    v4: bool,
+    datagram: bool,
+) {
+    let PodAddrs {
         v4: addr4,
         v6: addr6,
-    }) = pod_addrs(netns)
-    else {
-        return;
-    };
+    } = *addrs;
     let addr = if v4 {
         if addr4 == 0 {
             return;
@@ -360,16 +375,15 @@ fn source_from_pod(sa: *mut bpf_sock_addr, netns: u64, family: Family, v4: bool,
     }
 }
 
-/// getpeername on a socket of a captured pod connected to one of the proxy's loopback ports:
-/// the address the app dialled, from its connection's flow (TCP) or its storage (UDP).
+/// getpeername on a socket meshcap redirected to one of the proxy's loopback ports: the
+/// address the app dialled, from its connection's flow (TCP) or its storage (UDP). Only such
+/// a socket has either (the flow is keyed by the netns), so no pod is looked up. The peer is
+/// looked at first: every `accept(2)` that asks for the peer's address runs this program too
+/// (the proxy's, whose peer is the app), and only a socket connected to the proxy's loopback
+/// ports goes on to a map.
 #[inline(always)]
 fn show_dialled(ctx: &SockAddrContext, family: Family) {
     let sa = ctx.sock_addr;
-    // SAFETY: the helper takes the program's own context.
-    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
-    if pod(netns).is_none() {
-        return;
-    }
     let peer = user_addr(sa, family);
     // SAFETY: context read.
     #[expect(clippy::cast_possible_truncation, reason = "the port is the low half")]
@@ -394,6 +408,8 @@ fn show_dialled(ctx: &SockAddrContext, family: Family) {
             let Some((sk_family, local, remote)) = sock_ends(sk) else {
                 return;
             };
+            // SAFETY: the helper takes the program's own context.
+            let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
             let key = FlowKey {
                 netns,
                 client: local.0,

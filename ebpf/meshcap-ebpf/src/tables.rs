@@ -1,16 +1,19 @@
 //! The maps, and the decision's view of them for one pod.
-use core::ffi::c_void;
+use core::{
+    ffi::c_void,
+    ptr::{read_volatile, write_volatile},
+};
 
 use aya_ebpf::{
     bindings::{BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
     btf_maps::SkStorage,
     helpers::generated::bpf_sk_storage_get,
     macros::{btf_map, map},
-    maps::{HashMap, LpmTrie, LruHashMap, SockHash, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, SockHash, lpm_trie::Key},
 };
 use meshcap_common::{
-    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, FlowKey, IfaceKey, ListenerKey,
-    OrigDst, PodAddrs, PodConfig, PodTables, PortKey, PortKind,
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, DIALING_SLOTS, Dialing, FlowKey,
+    IfaceKey, ListenerKey, OrigDst, PodAddrs, PodConfig, PodTables, PortKey, PortKind,
 };
 
 /// `BPF_F_NO_PREALLOC`: elements are allocated on insert (only the agent writes these).
@@ -50,13 +53,66 @@ pub static POD_ADDRS: HashMap<u64, PodAddrs> = HashMap::with_max_entries(MAX_POD
 #[btf_map(name = "MESHCAP_DIALED")]
 pub static DIALED: SkStorage<OrigDst> = SkStorage::new();
 
-/// The original destination of a TCP socket meshcap redirected, by socket cookie: written at
-/// connect, taken by sockops when the connection is established (see [`crate::flows`]). An
-/// entry lives for a handshake; preallocated, so a connect allocates nothing (socket storage
-/// cost a kmalloc per connection, and an RCU-deferred free); LRU, so that connects that never
-/// complete give way.
+/// The original destination of a TCP socket meshcap redirected, by socket cookie, as
+/// connect kept it before [`DIALING`]: sockops still takes an entry from here when the
+/// socket's slot does not answer (a connect an earlier build's program rewrote, during an
+/// upgrade). This build writes none.
 #[map(name = "MESHCAP_CONNECTING")]
 pub static CONNECTING: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(16_384, 0);
+
+/// The original destination of a TCP socket meshcap redirected, in the slot of its socket
+/// cookie ([`dial`], [`dialled`]): written at connect, taken by sockops when the connection is
+/// established (see [`crate::flows`]). An array: no lock, no allocation and no eviction on
+/// either side (the LRU hash [`CONNECTING`] it replaces cost most of a captured connect's
+/// kernel time). A slot is a handshake's: another socket whose cookie has the same low bits,
+/// connecting before that handshake completes, takes it over and that one connection loses
+/// its `SO_ORIGINAL_DST`, as an evicted LRU entry did; cookies are handed out in sequence
+/// (per CPU, in batches of 4,096), so that takes 64 Ki sockets given cookies during one
+/// handshake.
+#[map(name = "MESHCAP_DIALING")]
+pub static DIALING: Array<Dialing> = Array::with_max_entries(DIALING_SLOTS, 0);
+
+/// Puts `orig` in the slot of socket `cookie`. The cookie is written last (and cleared
+/// first), so a reader that finds it before and after copying the destination copied this
+/// socket's.
+#[inline(always)]
+pub fn dial(cookie: u64, orig: OrigDst) {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the slot is the cookie's low bits"
+    )]
+    let Some(slot) = DIALING.get_ptr_mut(cookie as u32 & (DIALING_SLOTS - 1)) else {
+        return;
+    };
+    // SAFETY: `slot` points into the array; each field is written whole.
+    unsafe {
+        write_volatile(&raw mut (*slot).cookie, 0);
+        write_volatile(&raw mut (*slot).orig, orig);
+        write_volatile(&raw mut (*slot).cookie, cookie);
+    }
+}
+
+/// Takes the original destination of socket `cookie` out of its slot, if the slot holds it.
+#[inline(always)]
+pub fn dialled(cookie: u64) -> Option<OrigDst> {
+    #[expect(
+        clippy::cast_possible_truncation,
+        reason = "the slot is the cookie's low bits"
+    )]
+    let slot = DIALING.get_ptr_mut(cookie as u32 & (DIALING_SLOTS - 1))?;
+    // SAFETY: `slot` points into the array; each field is read whole.
+    unsafe {
+        if read_volatile(&raw const (*slot).cookie) != cookie {
+            return None;
+        }
+        let orig = read_volatile(&raw const (*slot).orig);
+        if read_volatile(&raw const (*slot).cookie) != cookie {
+            return None;
+        }
+        write_volatile(&raw mut (*slot).cookie, 0);
+        Some(orig)
+    }
+}
 
 /// The original destination of a captured connection under its netns-qualified 4-tuple (see
 /// [`crate::flows`]): written when the client end is established (or inbound, when TC assigns
@@ -138,6 +194,21 @@ pub fn pod(netns: u64) -> Option<PodConfig> {
 pub struct Maps {
     /// [`PodConfig::pod_id`].
     pub pod_id: u32,
+    /// The pod's IPv4 address when it is all its [`CidrKind::Local`] list holds of IPv4
+    /// ([`flags::LOCAL4_IS_POD_ADDR`](meshcap_common::flags::LOCAL4_IS_POD_ADDR)): compared
+    /// instead of looked up.
+    pub local4: Option<u32>,
+}
+
+impl Maps {
+    /// The lists of `pod` (no local address known: every list is looked up).
+    #[inline(always)]
+    pub const fn of(pod: &PodConfig) -> Self {
+        Self {
+            pod_id: pod.pod_id,
+            local4: None,
+        }
+    }
 }
 
 impl PodTables for Maps {
@@ -149,6 +220,9 @@ impl PodTables for Maps {
 
     #[inline(always)]
     fn lookup(&self, kind: CidrKind, addr: &Addr) -> Option<u32> {
+        if let (CidrKind::Local, Addr::V4(a), Some(own)) = (kind, *addr, self.local4) {
+            return (a == own).then_some(1);
+        }
         match *addr {
             Addr::V4(a) => CIDRS4
                 .get(Key::new(

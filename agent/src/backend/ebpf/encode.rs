@@ -60,6 +60,18 @@ impl Entries {
                     .push((CidrKind::Route, route.dst, route.len, excluded));
             }
         }
+        // Connect compares an IPv4 destination with the pod's address instead of looking the
+        // list up, when that is all the list holds.
+        let only_pod_addr4 = self.addrs.v4 != 0
+            && self.cidrs.iter().all(|(kind, addr, _, _)| match addr {
+                IpAddr::V4(v4) if *kind == CidrKind::Local => {
+                    u32::from_ne_bytes(v4.octets()) == self.addrs.v4
+                }
+                _ => true,
+            });
+        if only_pod_addr4 {
+            self.config.flags |= flags::LOCAL4_IS_POD_ADDR;
+        }
         for (_, name) in &net.interfaces {
             let mut f = 0;
             if exclude.contains(name) {
@@ -118,11 +130,10 @@ pub(super) struct Plan {
 }
 
 impl Plan {
-    pub(super) fn new(policy: &PodPolicy, net: PodNet, handoff: bool) -> Self {
+    /// `handoff`: the flags of the socket lookup hand-off ([`super::Handoff::pod_flags`]).
+    pub(super) fn new(policy: &PodPolicy, net: PodNet, handoff: u32) -> Self {
         let mut entries = entries(policy, &net);
-        if handoff {
-            entries.config.flags |= flags::HANDOFF;
-        }
+        entries.config.flags |= handoff;
         let (exclude, reroute) = interfaces(policy);
         Self {
             net,

@@ -50,7 +50,7 @@ use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
 pub use pins::{PinnedPod, Pins, PodPins, TcRecord, detach_link, unpin_link};
 use pod::Pods;
-pub use release::assigns_to_reuseport_listeners;
+pub use release::{Handoff, assigns_to_reuseport_listeners};
 pub use stub::TcAttach;
 
 use super::{AttachedProgram, OtherProgram};
@@ -65,6 +65,8 @@ pub struct EbpfConfig {
     pub bpffs_dir: PathBuf,
     /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
+    /// Which pods get the socket lookup hand-off ([`Handoff::Auto`]: by the kernel).
+    pub handoff: Handoff,
 }
 
 /// The default pin directory; the version changes whenever a map layout does.
@@ -81,6 +83,7 @@ impl EbpfConfig {
                 .map_err(|e| EbpfError::io("finding the cgroup2 mount", e))?,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
             tc_attach: TcAttach::default(),
+            handoff: Handoff::default(),
         })
     }
 
@@ -140,16 +143,30 @@ impl EbpfBackend {
         // buffer has one reader.
         let kernel_log = klog::reader(&mut ebpf);
         let tables = tables::Tables::open(&mut ebpf, &pins)?;
-        let handoff = if assigns_to_reuseport_listeners().unwrap_or(false) {
-            None
-        } else {
-            tracing::info!(
-                "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
-            );
-            Some(node::load_handoff(&mut ebpf)?)
+        let handoff = match config.handoff {
+            Handoff::Auto if assigns_to_reuseport_listeners().unwrap_or(false) => None,
+            Handoff::Auto => {
+                tracing::info!(
+                    "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
+                );
+                Some(node::load_handoff(&mut ebpf)?)
+            }
+            Handoff::Always => {
+                tracing::warn!(
+                    "--handoff always (benchmarks only): every captured inbound connection reaches the proxy through the socket lookup"
+                );
+                Some(node::load_handoff(&mut ebpf)?)
+            }
         };
         Ok(Self {
-            pods: Pods::new(pins, tables, tc_prog, handoff, config.tc_attach),
+            pods: Pods::new(
+                pins,
+                tables,
+                tc_prog,
+                handoff,
+                config.handoff,
+                config.tc_attach,
+            ),
             config,
             kernel_log: Mutex::new(kernel_log),
             own: links::OwnPrograms::hold(&loaded)?,

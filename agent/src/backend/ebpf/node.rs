@@ -39,7 +39,7 @@ const KERNEL_LOG_MAP: &str = "AYA_LOGS";
 
 /// Every map of the object (all pinned; aya-log's ring buffer too, so that a restarted agent
 /// reads the records of the programs it adopted, which write to the buffer of their load).
-const MAPS: [&str; 13] = [
+const MAPS: [&str; 14] = [
     KERNEL_LOG_MAP,
     maps::PODS,
     maps::POD_ADDRS,
@@ -49,6 +49,7 @@ const MAPS: [&str; 13] = [
     maps::IFACES,
     maps::DIALED,
     maps::CONNECTING,
+    maps::DIALING,
     maps::FLOWS,
     maps::TC_PROG,
     maps::LISTENERS,
@@ -248,8 +249,9 @@ pub(super) fn load_handoff(ebpf: &mut Ebpf) -> Result<OwnedFd, EbpfError> {
         .map_err(|e| EbpfError::io(programs::HANDOFF, e))
 }
 
-/// Loads a pod's TC stub against `ebpf`'s (unpinned) `MESHCAP_TC_PROG`, and drops it: the
-/// probe's trial load of what the agent assembles itself.
+/// Loads a pod's TC stubs (its interfaces', and an ambient pod's `lo`'s) against `ebpf`'s
+/// (unpinned) `MESHCAP_TC_PROG`, and drops them: the probe's trial load of what the agent
+/// assembles itself.
 ///
 /// # Errors
 /// When the object has no such map or the kernel refuses the stub.
@@ -258,6 +260,7 @@ pub fn trial_load_stub(ebpf: &Ebpf) -> Result<(), EbpfError> {
         return Err(EbpfError::Missing(maps::TC_PROG));
     };
     stub::load(0, slots.fd().as_fd())?;
+    stub::load_lo(slots.fd().as_fd())?;
     Ok(())
 }
 

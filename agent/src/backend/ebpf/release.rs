@@ -24,6 +24,34 @@ pub fn assigns_to_reuseport_listeners() -> std::io::Result<bool> {
     Ok(version >= (6, 5))
 }
 
+/// Which captured pods get the socket lookup program (`sk_lookup`) that takes inbound
+/// connections to the proxy where `bpf_sk_assign` cannot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Handoff {
+    /// Every pod where this kernel's `bpf_sk_assign` refuses `SO_REUSEPORT` listeners
+    /// ([`assigns_to_reuseport_listeners`]), none elsewhere.
+    #[default]
+    Auto,
+    /// Every pod, and every captured SYN goes through it: for benchmarks only (the agent's
+    /// hidden `--handoff always`), so that the hand-off's cost can be measured on a kernel
+    /// that never needs it.
+    Always,
+}
+
+impl Handoff {
+    /// The flags a pod's config gets, with the socket lookup program `loaded` or not: none
+    /// without it.
+    pub(super) const fn pod_flags(self, loaded: bool) -> u32 {
+        match (loaded, self) {
+            (false, _) => 0,
+            (true, Self::Auto) => meshcap_common::flags::HANDOFF,
+            (true, Self::Always) => {
+                meshcap_common::flags::HANDOFF | meshcap_common::flags::HANDOFF_ALWAYS
+            }
+        }
+    }
+}
+
 /// The major and minor version a kernel release (`6.1.0-56-cloud-amd64`) starts with.
 fn release_version(release: &str) -> Option<(u32, u32)> {
     let mut parts = release.trim().split(['.', '-']);

@@ -35,9 +35,13 @@ use crate::{
 
 /// The stub's name in the kernel (`bpftool prog`, `tc filter show`); at most 15 bytes.
 pub const NAME: &str = "meshcap_tc_stub";
+/// The name of an ambient pod's stub on `lo` ([`load_lo`]).
+pub const LO_NAME: &str = "meshcap_lo_stub";
 
 /// `offsetof(struct __sk_buff, cb[0])`.
 const SKB_CB: i16 = 48;
+/// `offsetof(struct __sk_buff, mark)`.
+const SKB_MARK: i16 = 8;
 /// `TC_ACT_OK`.
 const TC_ACT_OK: i32 = 0;
 /// `BPF_FUNC_tail_call`.
@@ -47,6 +51,7 @@ const PSEUDO_MAP_FD: u8 = 1;
 
 // Instruction classes, sizes, modes and operations (linux/bpf_common.h, linux/bpf.h).
 const BPF_LD: u8 = 0x00;
+const BPF_LDX: u8 = 0x01;
 const BPF_STX: u8 = 0x03;
 const BPF_JMP: u8 = 0x05;
 const BPF_ALU64: u8 = 0x07;
@@ -55,6 +60,8 @@ const BPF_DW: u8 = 0x18;
 const BPF_IMM: u8 = 0x00;
 const BPF_MEM: u8 = 0x60;
 const BPF_MOV: u8 = 0xb0;
+const BPF_AND: u8 = 0x50;
+const BPF_JNE: u8 = 0x50;
 const BPF_K: u8 = 0x00;
 const BPF_CALL: u8 = 0x80;
 const BPF_EXIT: u8 = 0x90;
@@ -118,6 +125,53 @@ fn program(cookie: u64, prog_array: i32) -> Vec<Insn> {
         insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
     ]);
     insns
+}
+
+/// The stub of an ambient pod's `lo` (tail-calling through `prog_array`): there the
+/// classifier only changes ztunnel's SYNs to the app, which carry ztunnel's mark (0x539 under
+/// 0xfff), and needs no cookie. Every packet between the app and ztunnel crosses `lo`, so the
+/// others (the app's, and without ztunnel's mark) pass here, without the tail call.
+///
+/// ```text
+/// r2 = *(u32 *)(r1 + mark)
+/// r2 &= 0xfff
+/// if r2 != 0x539 goto pass
+/// r2 = MESHCAP_TC_PROG ll
+/// r3 = 0
+/// call bpf_tail_call
+/// pass: r0 = TC_ACT_OK
+/// exit
+/// ```
+fn lo_program(prog_array: i32) -> Vec<Insn> {
+    #[expect(clippy::cast_possible_wrap, reason = "12-bit constants")]
+    let (mask, ztunnel) = (
+        meshcap_common::AMBIENT_MARK_MASK as i32,
+        meshcap_common::ZTUNNEL_MARK as i32,
+    );
+    let mut insns = vec![
+        insn(BPF_LDX | BPF_MEM | BPF_W, R2, R1, SKB_MARK, 0),
+        insn(BPF_ALU64 | BPF_AND | BPF_K, R2, 0, 0, mask),
+        // Over the map load (two slots), r3 and the call.
+        insn(BPF_JMP | BPF_JNE | BPF_K, R2, 0, 4, ztunnel),
+    ];
+    insns.extend(ld_map_fd(R2, prog_array));
+    insns.extend([
+        mov_imm(R3, 0),
+        insn(BPF_JMP | BPF_CALL, 0, 0, 0, FUNC_TAIL_CALL),
+        mov_imm(R0, TC_ACT_OK),
+        insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),
+    ]);
+    insns
+}
+
+/// Loads the stub of an ambient pod's `lo` ([`lo_program`]), tail-calling through
+/// `prog_array` (the pinned `MESHCAP_TC_PROG`).
+///
+/// # Errors
+/// The kernel's refusal, with the verifier log.
+pub fn load_lo(prog_array: impl AsFd) -> Result<OwnedFd, sys::Refused> {
+    let insns = lo_program(prog_array.as_fd().as_raw_fd());
+    sys::prog_load_sched_cls(LO_NAME, &insns, c"GPL")
 }
 
 /// Loads the stub of the pod with netns `cookie` (a `BPF_PROG_TYPE_SCHED_CLS` program,
@@ -401,6 +455,29 @@ mod tests {
                 u64::from(sys::testing::run(&stub).expect("running the stub")),
                 expected,
                 "cb[{half}]"
+            );
+        }
+    }
+
+    /// On the real kernel: `lo`'s stub tail-calls slot 0 for a packet with ztunnel's mark
+    /// (0x539 under 0xfff, whatever the other bits) and passes every other one itself.
+    #[test]
+    fn lo_stub_tail_calls_for_ztunnel_marks_only() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test loads BPF programs into the kernel: run it as root"
+        );
+        let slots = sys::testing::prog_array().expect("creating a program array");
+        let stub = load_lo(&slots).expect("loading the stub");
+        // r0 = 7; exit
+        let seven = [mov_imm(R0, 7), insn(BPF_JMP | BPF_EXIT, 0, 0, 0, 0)];
+        let seven = sys::prog_load_sched_cls("meshcap_test_7", &seven, c"GPL").expect("seven");
+        sys::testing::set(&slots, 0, &seven).expect("filling slot 0");
+        for (mark, expected) in [(0, 0), (0x539, 7), (0x1_0539, 7), (0x111, 0), (0x538, 0)] {
+            assert_eq!(
+                sys::testing::run_with_mark(&stub, mark).expect("running the stub"),
+                expected,
+                "mark {mark:#x}"
             );
         }
     }

@@ -234,6 +234,7 @@ async fn open_node(
         cgroup_root: paths.cgroup_root.clone(),
         bpffs_dir: paths.bpffs_dir.clone(),
         tc_attach: args.tc_attach.unwrap_or_default(),
+        handoff: args.handoff.unwrap_or_default(),
     };
     let choice = args.backend;
     let (Chosen { backend, ebpf }, reason, probe) =

@@ -13,8 +13,8 @@ use std::{net::SocketAddr, path::PathBuf};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod cost;
 mod pods;
-mod profile;
 mod repair;
 mod report;
 mod run;
@@ -46,14 +46,17 @@ enum Command {
         /// Only these sections (repeatable); all of them by default.
         #[arg(long, value_enum)]
         only: Vec<run::Section>,
-        /// Also report the eBPF programs' kernel statistics (run count, run time) over the
-        /// eBPF pod's data-path runs. Statistics slow every BPF program down a little.
-        #[arg(long)]
-        profile: bool,
         /// The data path's short connections only, this many per round and mode (no
         /// ping-pong, no bulk): for profiling the per-connection cost (e.g. under `perf`).
         #[arg(long)]
         short_only: Option<usize>,
+        /// A/B: the directory of another build's `meshcap-agent` and `meshcap-cni`, run in the
+        /// same rounds as this build (in place of Istio's rules).
+        #[arg(long)]
+        baseline_bin: Option<PathBuf>,
+        /// What the report calls the baseline.
+        #[arg(long, requires = "baseline_bin")]
+        baseline_label: Option<String>,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -66,6 +69,9 @@ enum Command {
         /// Forward every connection to this upstream, as Envoy's outbound hop does.
         #[arg(long)]
         upstream: Option<std::net::SocketAddrV4>,
+        /// A listener per thread in one `SO_REUSEPORT` group, as Envoy's workers have.
+        #[arg(long)]
+        reuseport: bool,
     },
     /// Busy work: threads spinning until killed (pod set-up with the machine busy).
     Spin {
@@ -99,15 +105,19 @@ fn main() -> anyhow::Result<()> {
             out,
             cpu,
             only,
-            profile,
             short_only,
+            baseline_bin,
+            baseline_label,
         } => run::run(
             &run::Options {
                 quick,
                 cpu,
                 only,
-                profile,
                 short_only,
+                baseline: baseline_bin.map(|bin| pods::Baseline {
+                    label: baseline_label.unwrap_or_else(|| bin.display().to_string()),
+                    bin,
+                }),
             },
             out.as_deref(),
         ),
@@ -116,11 +126,12 @@ fn main() -> anyhow::Result<()> {
             cpu,
             threads,
             upstream,
+            reuseport,
         } => {
             if let Some(cpu) = cpu {
                 workload::pin_to(cpu)?;
             }
-            workload::proxy(listen, threads, upstream)
+            workload::proxy(listen, threads, upstream, reuseport)
         }
         Command::Spin { threads } => setup::spin(threads),
         Command::Client {

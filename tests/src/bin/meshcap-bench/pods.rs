@@ -5,7 +5,7 @@ use std::{
     fs,
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::{AsFd as _, AsRawFd as _},
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use anyhow::{Context as _, bail, ensure};
@@ -15,7 +15,10 @@ use meshcap_agent::{
     policy::{self, RedirectPolicy, SelectConfig, Selection},
 };
 use meshcap_tests::{
-    Netns, PROXY_UID, Placement, Proc, TestCgroup, agent::Backend, bin, fixtures::ManifestDir,
+    Netns, PROXY_UID, Placement, Proc, TestCgroup,
+    agent::{self, Backend},
+    bin,
+    fixtures::ManifestDir,
 };
 
 use crate::{
@@ -50,6 +53,13 @@ pub(crate) enum Mode {
     AmbientIptables,
     /// Ambient mode in the kernel (`ambient.inKernel`).
     AmbientEbpf,
+    /// [`Self::Ebpf`] with the A/B baseline's build.
+    EbpfBaseline,
+    /// [`Self::AmbientEbpf`] with the A/B baseline's build.
+    AmbientEbpfBaseline,
+    /// [`Self::Ebpf`] with every captured inbound connection handed to the proxy through the
+    /// socket lookup (the agent's `--handoff always`), as on kernels before 6.5.
+    EbpfHandoff,
 }
 
 impl Mode {
@@ -61,13 +71,20 @@ impl Mode {
             Self::Ebpf => "eBPF",
             Self::AmbientIptables => "ambient iptables",
             Self::AmbientEbpf => "ambient eBPF",
+            Self::EbpfBaseline => "eBPF baseline",
+            Self::AmbientEbpfBaseline => "ambient eBPF baseline",
+            Self::EbpfHandoff => "eBPF hand-off",
         }
     }
+}
 
-    /// Whether the pod's processes must sit under the cgroup the eBPF agent attaches to.
-    const fn in_kernel(self) -> bool {
-        matches!(self, Self::Ebpf | Self::AmbientEbpf)
-    }
+/// The A/B baseline: another build's `meshcap-agent` and `meshcap-cni`, and what it is.
+#[derive(Clone, Debug)]
+pub(crate) struct Baseline {
+    /// The directory holding its binaries.
+    pub(crate) bin: PathBuf,
+    /// What the report calls it (a commit, a directory).
+    pub(crate) label: String,
 }
 
 /// The node, once per run: a running `meshcap-agent` per backend, driven through the real
@@ -82,52 +99,119 @@ pub(crate) struct Node {
     pub(crate) iptables: Agent,
     /// `meshcap-agent run --backend ebpf`, or why it could not run.
     pub(crate) ebpf: Result<Agent, String>,
+    /// The A/B baseline's eBPF agent (attached to `base_root`), or why it could not run.
+    pub(crate) baseline: Option<(Baseline, Result<Agent, String>)>,
+    /// For inbound: an eBPF agent with `--handoff always` (attached to `handoff_root`).
+    handoff: Option<Result<Agent, String>>,
     pub(crate) root: TestCgroup,
+    base_root: TestCgroup,
+    handoff_root: TestCgroup,
     pub(crate) plain: TestCgroup,
     /// With ambient mode: each agent's node netns (probe rules) and ztunnel's sockets.
-    ambient: Option<(Netns, Netns, ManifestDir)>,
+    ambient: Option<(Vec<Netns>, ManifestDir)>,
 }
 
 impl Node {
-    pub(crate) fn new() -> anyhow::Result<Self> {
+    pub(crate) fn new(baseline: Option<&Baseline>) -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
+        let base_root = TestCgroup::new("mcb-base")?;
         let plain = TestCgroup::new("mcb-plain")?;
         let iptables = Agent::start(Backend::Iptables, plain.path())
             .context("starting meshcap-agent --backend iptables")?;
         let ebpf = Agent::start(Backend::Ebpf, root.path()).map_err(|e| format!("{e:#}"));
+        let baseline = baseline.map(|b| {
+            let agent = Agent::start_from(&b.bin, Backend::Ebpf, base_root.path())
+                .map_err(|e| format!("{e:#}"));
+            (b.clone(), agent)
+        });
         Ok(Self {
             _ztunnels: Vec::new(),
             iptables,
             ebpf,
+            baseline,
+            handoff: None,
             root,
+            base_root,
+            handoff_root: TestCgroup::new("mcb-handoff")?,
             plain,
             ambient: None,
         })
     }
 
+    /// A node for inbound capture: [`Self::new`]'s agents and one more eBPF agent whose pods
+    /// get the socket lookup hand-off for every captured connection (`--handoff always`).
+    pub(crate) fn inbound() -> anyhow::Result<Self> {
+        let mut node = Self::new(None)?;
+        node.handoff =
+            Some(Agent::start_handoff(node.handoff_root.path()).map_err(|e| format!("{e:#}")));
+        Ok(node)
+    }
+
+    /// The inbound modes: no capture (the client dials the proxy's port), Istio's rules, the
+    /// kernel with `bpf_sk_assign` and with the hand-off.
+    pub(crate) fn inbound_modes(&self) -> Vec<Mode> {
+        let mut modes = vec![Mode::Direct, Mode::Iptables];
+        if self.ebpf.is_ok() {
+            modes.push(Mode::Ebpf);
+        }
+        if self.handoff.as_ref().is_some_and(Result::is_ok) {
+            modes.push(Mode::EbpfHandoff);
+        }
+        modes
+    }
+
     /// A node in ambient mode: the iptables agent applies Istio's in-pod rules, the eBPF agent
     /// captures in the kernel (`ambient.inKernel`); each has a stand-in ztunnel that acks every
     /// pod and opens no listener (the pod's proxy stands in for ztunnel's).
-    pub(crate) fn ambient() -> anyhow::Result<Self> {
+    pub(crate) fn ambient(baseline: Option<&Baseline>) -> anyhow::Result<Self> {
         let root = TestCgroup::new("mcb-node")?;
+        let base_root = TestCgroup::new("mcb-base")?;
         let plain = TestCgroup::new("mcb-plain")?;
-        let (node_iptables, node_ebpf) = (Netns::new("mcb-node")?, Netns::new("mcb-node")?);
+        let nodes = [
+            Netns::new("mcb-node")?,
+            Netns::new("mcb-node")?,
+            Netns::new("mcb-node")?,
+        ];
         let sockets = ManifestDir::new();
-        let (socket_iptables, socket_ebpf) =
-            (sockets.0.join("iptables.sock"), sockets.0.join("ebpf.sock"));
+        let socket = |name: &str| sockets.0.join(format!("{name}.sock"));
+        let (socket_iptables, socket_ebpf, socket_base) =
+            (socket("iptables"), socket("ebpf"), socket("baseline"));
         let iptables = Agent::start_ambient(
+            agent::binaries(),
             Backend::Iptables,
             plain.path(),
             &socket_iptables,
-            &node_iptables,
+            &nodes[0],
             false,
         )
         .context("starting meshcap-agent --backend iptables in ambient mode")?;
-        let ebpf = Agent::start_ambient(Backend::Ebpf, root.path(), &socket_ebpf, &node_ebpf, true)
+        let ebpf = Agent::start_ambient(
+            agent::binaries(),
+            Backend::Ebpf,
+            root.path(),
+            &socket_ebpf,
+            &nodes[1],
+            true,
+        )
+        .map_err(|e| format!("{e:#}"));
+        let baseline = baseline.map(|b| {
+            let agent = Agent::start_ambient(
+                &b.bin,
+                Backend::Ebpf,
+                base_root.path(),
+                &socket_base,
+                &nodes[2],
+                true,
+            )
             .map_err(|e| format!("{e:#}"));
+            (b.clone(), agent)
+        });
         let mut sockets_in_use = vec![&socket_iptables];
         if ebpf.is_ok() {
             sockets_in_use.push(&socket_ebpf);
+        }
+        if baseline.as_ref().is_some_and(|(_, agent)| agent.is_ok()) {
+            sockets_in_use.push(&socket_base);
         }
         let ztunnels = sockets_in_use
             .into_iter()
@@ -135,7 +219,7 @@ impl Node {
                 let socket = socket.to_str().context("socket path")?;
                 let mut ztunnel = Proc::spawn(
                     Placement {
-                        netns: &node_iptables,
+                        netns: &nodes[0],
                         cgroup: None,
                         uid: 0,
                         gid: 0,
@@ -155,36 +239,84 @@ impl Node {
             _ztunnels: ztunnels,
             iptables,
             ebpf,
+            baseline,
+            handoff: None,
             root,
+            base_root,
+            handoff_root: TestCgroup::new("mcb-handoff")?,
             plain,
-            ambient: Some((node_iptables, node_ebpf, sockets)),
+            ambient: Some((nodes.into(), sockets)),
         })
     }
 
-    /// The modes this node can measure.
+    /// The modes this node can measure: no capture, Istio's rules and the kernel; with an
+    /// A/B baseline, no capture, the baseline's kernel capture and this build's.
     pub(crate) fn modes(&self) -> Vec<Mode> {
-        let (rules, kernel) = if self.ambient.is_some() {
-            (Mode::AmbientIptables, Mode::AmbientEbpf)
+        let ambient = self.ambient.is_some();
+        let (rules, kernel, base) = if ambient {
+            (
+                Mode::AmbientIptables,
+                Mode::AmbientEbpf,
+                Mode::AmbientEbpfBaseline,
+            )
         } else {
-            (Mode::Iptables, Mode::Ebpf)
+            (Mode::Iptables, Mode::Ebpf, Mode::EbpfBaseline)
         };
-        let mut modes = vec![Mode::Direct, rules];
+        let mut modes = vec![Mode::Direct];
+        match &self.baseline {
+            None => modes.push(rules),
+            Some((_, Ok(_))) => modes.push(base),
+            Some((_, Err(_))) => {}
+        }
         if self.ebpf.is_ok() {
             modes.push(kernel);
         }
         modes
     }
 
-    /// What the eBPF mode is, for the report.
+    /// The eBPF agent of `mode`, if it runs one.
+    pub(crate) fn ebpf_agent(&self, mode: Mode) -> Option<&Agent> {
+        match mode {
+            Mode::Ebpf | Mode::AmbientEbpf => self.ebpf.as_ref().ok(),
+            Mode::EbpfBaseline | Mode::AmbientEbpfBaseline => self
+                .baseline
+                .as_ref()
+                .and_then(|(_, agent)| agent.as_ref().ok()),
+            Mode::EbpfHandoff => self.handoff.as_ref().and_then(|agent| agent.as_ref().ok()),
+            Mode::NoProxy | Mode::Direct | Mode::Iptables | Mode::AmbientIptables => None,
+        }
+    }
+
+    /// What the eBPF modes are, for the report.
     pub(crate) fn ebpf_description(&self) -> String {
-        match &self.ebpf {
+        let mut out = match &self.ebpf {
             Ok(_) => {
                 "eBPF: `meshcap-agent run --backend ebpf`, the pod ADDed through meshcap-cni, \
                       the programs attached to the pods' parent cgroup."
                     .to_owned()
             }
             Err(why) => format!("eBPF: n/a, the agent could not run its eBPF backend: {why}"),
+        };
+        match &self.baseline {
+            None => {}
+            Some((b, Ok(_))) => {
+                let _ = write!(
+                    out,
+                    " *baseline*: the same with the build {} (its `meshcap-agent` and \
+                     `meshcap-cni`, from `{}`), its programs attached to a cgroup of their own.",
+                    b.label,
+                    b.bin.display()
+                );
+            }
+            Some((b, Err(why))) => {
+                let _ = write!(
+                    out,
+                    " Baseline {}: n/a, its agent did not run: {why}",
+                    b.label
+                );
+            }
         }
+        out
     }
 
     /// Captures the pod in `netns` as `mode` does; returns the agent's ADD time, ms.
@@ -194,13 +326,20 @@ impl Node {
         netns: &Netns,
         excludes: &[String],
     ) -> anyhow::Result<f64> {
-        match (mode, &self.ebpf) {
-            (Mode::NoProxy | Mode::Direct, _) => Ok(0.0),
-            (Mode::Iptables, _) => self.iptables.add(netns, netns.name(), excludes),
-            (Mode::Ebpf, Ok(agent)) => agent.add(netns, netns.name(), excludes),
-            (Mode::AmbientIptables, _) => self.iptables.add_ambient(netns, netns.name()),
-            (Mode::AmbientEbpf, Ok(agent)) => agent.add_ambient(netns, netns.name()),
-            (Mode::Ebpf | Mode::AmbientEbpf, Err(why)) => bail!("no eBPF backend: {why}"),
+        let ebpf = || {
+            self.ebpf_agent(mode)
+                .with_context(|| format!("no eBPF agent for {}", mode.label()))
+        };
+        match mode {
+            Mode::NoProxy | Mode::Direct => Ok(0.0),
+            Mode::Iptables => self.iptables.add(netns, netns.name(), excludes),
+            Mode::Ebpf | Mode::EbpfBaseline | Mode::EbpfHandoff => {
+                ebpf()?.add(netns, netns.name(), excludes)
+            }
+            Mode::AmbientIptables => self.iptables.add_ambient(netns, netns.name()),
+            Mode::AmbientEbpf | Mode::AmbientEbpfBaseline => {
+                ebpf()?.add_ambient(netns, netns.name())
+            }
         }
     }
 
@@ -237,14 +376,36 @@ impl Node {
     }
 }
 
-/// One throwaway pod. Fields drop in order: the proxy first, then the server, the cgroup, the
-/// netns.
+/// What a pod's proxy does, and where its client is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The proxy answers every connection itself (the capture's cost alone); the app dials
+    /// it from inside the pod.
+    Answering,
+    /// The proxy forwards every connection to a server in the pod ([`UPSTREAM`]).
+    Forwarding,
+    /// The proxy listens on the inbound port (15006, `SO_REUSEPORT` listeners as Envoy's
+    /// workers have) and a client outside the pod dials the app's port ([`INBOUND`]).
+    Inbound,
+}
+
+/// The app's port a client outside the pod dials (captured inbound).
+pub(crate) const INBOUND: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 8080);
+/// Where that client dials when nothing captures: the proxy's inbound port.
+const INBOUND_DIRECT: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 15006);
+
+/// One throwaway pod. Fields drop in order: the proxy first, then the server, the client's
+/// place, the cgroup, the netns.
 pub(crate) struct Pod {
+    pub(crate) mode: Mode,
     pub(crate) label: String,
     pub(crate) target: SocketAddrV4,
     pub(crate) _proxy: Proc,
     /// The proxy's upstream, when it forwards.
     pub(crate) _server: Option<Proc>,
+    /// Inbound: the client's cgroup (with nothing attached) and its netns, which holds the
+    /// peer of the pod's `eth0`.
+    client: Option<(TestCgroup, Netns)>,
     pub(crate) cgroup: TestCgroup,
     pub(crate) netns: Netns,
     /// The agent's ADD (plugin spawn to exit), ms; 0 without one.
@@ -260,7 +421,12 @@ impl Pod {
         cpu: usize,
         node: &Node,
     ) -> anyhow::Result<Self> {
-        Self::start(mode, excludes, exe, cpu, node, false)
+        Self::start(mode, excludes, exe, cpu, node, Kind::Answering)
+    }
+
+    /// A pod whose proxy answers on the inbound port, dialled from a client outside the pod.
+    pub(crate) fn inbound(mode: Mode, exe: &Path, cpu: usize, node: &Node) -> anyhow::Result<Self> {
+        Self::start(mode, &[], exe, cpu, node, Kind::Inbound)
     }
 
     /// A pod whose proxy forwards every connection to a server in the pod ([`UPSTREAM`]), as
@@ -271,7 +437,7 @@ impl Pod {
         cpu: usize,
         node: &Node,
     ) -> anyhow::Result<Self> {
-        Self::start(mode, &[], exe, cpu, node, true)
+        Self::start(mode, &[], exe, cpu, node, Kind::Forwarding)
     }
 
     fn start(
@@ -280,14 +446,22 @@ impl Pod {
         exe: &Path,
         cpu: usize,
         node: &Node,
-        forward: bool,
+        kind: Kind,
     ) -> anyhow::Result<Self> {
-        let netns = pod_netns()?;
-        let add_ms = node.add(mode, &netns, excludes)?;
-        let parent = if mode.in_kernel() {
-            node.root.path()
+        let (netns, client_netns) = if kind == Kind::Inbound {
+            let (pod, client) = inbound_netns()?;
+            (pod, Some(client))
         } else {
-            node.plain.path()
+            (pod_netns()?, None)
+        };
+        let add_ms = node.add(mode, &netns, excludes)?;
+        let parent = match mode {
+            Mode::Ebpf | Mode::AmbientEbpf => node.root.path(),
+            Mode::EbpfBaseline | Mode::AmbientEbpfBaseline => node.base_root.path(),
+            Mode::EbpfHandoff => node.handoff_root.path(),
+            Mode::NoProxy | Mode::Direct | Mode::Iptables | Mode::AmbientIptables => {
+                node.plain.path()
+            }
         };
         let cgroup = TestCgroup::new_under(parent, "mcb-pod")?;
         let cpu = cpu.to_string();
@@ -307,6 +481,7 @@ impl Pod {
             Ok(proc)
         };
         let upstream = UPSTREAM.to_string();
+        let forward = kind == Kind::Forwarding;
         let server = if forward {
             Some(spawn(
                 SERVER_UID,
@@ -315,21 +490,46 @@ impl Pod {
         } else {
             None
         };
-        let mut proxy_args = vec!["proxy", "--listen", "0.0.0.0:15001", "--cpu", &cpu];
+        let listen = if kind == Kind::Inbound {
+            "0.0.0.0:15006"
+        } else {
+            "0.0.0.0:15001"
+        };
+        let mut proxy_args = vec!["proxy", "--listen", listen, "--cpu", &cpu];
         if forward {
             proxy_args.extend(["--upstream", &upstream]);
         }
+        if kind == Kind::Inbound {
+            proxy_args.push("--reuseport");
+        }
         let proxy = spawn(PROXY_UID, &proxy_args)?;
+        let client = match client_netns {
+            Some(netns) => Some((
+                TestCgroup::new_under(node.plain.path(), "mcb-client")?,
+                netns,
+            )),
+            None => None,
+        };
         let target = match mode {
+            Mode::Direct if kind == Kind::Inbound => INBOUND_DIRECT,
+            _ if kind == Kind::Inbound => INBOUND,
             Mode::NoProxy => UPSTREAM,
             Mode::Direct => PROXY_DIRECT,
-            Mode::Iptables | Mode::Ebpf | Mode::AmbientIptables | Mode::AmbientEbpf => SERVICE,
+            Mode::Iptables
+            | Mode::Ebpf
+            | Mode::AmbientIptables
+            | Mode::AmbientEbpf
+            | Mode::EbpfBaseline
+            | Mode::AmbientEbpfBaseline
+            | Mode::EbpfHandoff => SERVICE,
         };
         Ok(Self {
+            mode,
             label: mode.label().to_owned(),
             target,
             _proxy: proxy,
             _server: server,
+            client,
             cgroup,
             netns,
             add_ms,
@@ -355,10 +555,14 @@ impl Pod {
             load.size.to_string(),
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (cgroup, netns) = self
+            .client
+            .as_ref()
+            .map_or((&self.cgroup, &self.netns), |(c, n)| (c, n));
         let out = Proc::spawn(
             Placement {
-                netns: &self.netns,
-                cgroup: Some(&self.cgroup),
+                netns,
+                cgroup: Some(cgroup),
                 uid: APP_UID,
                 gid: APP_UID,
             },
@@ -388,6 +592,40 @@ pub(crate) fn pod_netns() -> anyhow::Result<Netns> {
         Ok(())
     })?;
     Ok(ns)
+}
+
+/// A pod network namespace for inbound: `lo`, and `eth0` with 10.0.0.2/24 and the default
+/// route, whose veth peer (10.0.0.1/24) is in a client namespace of its own, so that the
+/// client's packets arrive on the pod's `eth0` as a peer's do. Both with the sysctls of
+/// [`pod_netns`].
+pub(crate) fn inbound_netns() -> anyhow::Result<(Netns, Netns)> {
+    let pod = Netns::new("mcb-pod")?;
+    let client = Netns::new("mcb-cli")?;
+    pod.ip(&[
+        "link",
+        "add",
+        "eth0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "peer0",
+        "netns",
+        client.name(),
+    ])?;
+    pod.ip(&["addr", "add", "10.0.0.2/24", "dev", "eth0"])?;
+    pod.ip(&["link", "set", "eth0", "up"])?;
+    pod.ip(&["route", "add", "default", "dev", "eth0"])?;
+    client.ip(&["addr", "add", "10.0.0.1/24", "dev", "peer0"])?;
+    client.ip(&["link", "set", "peer0", "up"])?;
+    for ns in [&pod, &client] {
+        ns.run_in(|| {
+            fs::write("/proc/sys/net/ipv4/tcp_tw_reuse", "1")?;
+            fs::write("/proc/sys/net/ipv4/ip_local_port_range", "16000 65000")?;
+            Ok(())
+        })?;
+    }
+    Ok((pod, client))
 }
 
 /// `excludeOutboundIPRanges` of `n` /24s, none of which holds the service.

@@ -13,8 +13,8 @@ use anyhow::ensure;
 use meshcap_tests::agent::Backend;
 
 use crate::{
+    cost::{self, Costs},
     pods::{Mode, Node, Pod, exclude_ranges, istio_rules},
-    profile::Profiler,
     run::Plan,
     setup::{self},
     stats::{Samples, Table, count, human},
@@ -25,32 +25,45 @@ use crate::{
 pub(crate) const SCALE_SIZES: [usize; 4] = [1, 100, 1_000, 10_000];
 
 /// Runs `rounds` rounds over `pods`, each round in a rotated order, and returns every pod's
-/// measurements.
+/// measurements. With `costs` (one per pod), each round ends with a pass of `cost` short
+/// connections in every pod that has an eBPF agent on `node`, measuring its kernel time per
+/// connection (statistics on only then).
 pub(crate) fn interleave(
     pods: &[Pod],
     rounds: usize,
     exe: &Path,
     cpu: usize,
     load: Load,
-    mut profile: Option<(usize, &mut Profiler)>,
+    mut costs: Option<(&Node, Load, &mut [Costs])>,
 ) -> anyhow::Result<Vec<Vec<Measured>>> {
     let mut results = vec![Vec::new(); pods.len()];
     for round in 0..rounds {
         for k in 0..pods.len() {
             let i = (round + k) % pods.len();
-            match &mut profile {
-                Some((profiled, profiler)) if *profiled == i => {
-                    let before = profiler.snapshot();
-                    let measured = profiler.sampling_flows(|| pods[i].measure(exe, cpu, load))?;
-                    results[i].push(measured);
-                    profiler.add_since(&before);
+            results[i].push(pods[i].measure(exe, cpu, load)?);
+        }
+        if let Some((node, cost, costs)) = &mut costs {
+            for k in 0..pods.len() {
+                let i = (round + k) % pods.len();
+                if let Some(agent) = node.ebpf_agent(pods[i].mode) {
+                    costs[i].pass(&pods[i], agent.pid(), exe, cpu, *cost)?;
                 }
-                _ => results[i].push(pods[i].measure(exe, cpu, load)?),
             }
         }
         eprintln!("  round {}/{rounds} done", round + 1);
     }
     Ok(results)
+}
+
+/// The kernel-time table of the pods that have an eBPF agent on `node`.
+fn cost_table(node: &Node, pods: &[Pod], costs: &[Costs]) -> String {
+    let columns: Vec<(&str, &Costs)> = pods
+        .iter()
+        .zip(costs)
+        .filter(|(pod, _)| node.ebpf_agent(pod.mode).is_some())
+        .map(|(pod, c)| (pod.label.as_str(), c))
+        .collect();
+    cost::markdown(&columns)
 }
 
 pub(crate) fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Samples {
@@ -60,6 +73,18 @@ pub(crate) fn column(runs: &[Measured], metric: impl Fn(&Measured) -> f64) -> Sa
 /// The data path's table over `modes` (short connections, round trips, bulk), with the ratios
 /// of each capture to no capture and of the last to the one before.
 fn data_table(modes: &[Mode], results: &[Vec<Measured>]) -> Table {
+    let mut ratios: Vec<(usize, usize)> = (1..modes.len()).map(|i| (i, 0)).collect();
+    if modes.len() > 2 {
+        ratios.push((modes.len() - 1, modes.len() - 2));
+    }
+    data_table_with(modes, results, ratios)
+}
+
+fn data_table_with(
+    modes: &[Mode],
+    results: &[Vec<Measured>],
+    ratios: Vec<(usize, usize)>,
+) -> Table {
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -71,11 +96,7 @@ fn data_table(modes: &[Mode], results: &[Vec<Measured>]) -> Table {
     ];
     Table {
         columns: modes.iter().map(|m| m.label().to_owned()).collect(),
-        ratios: if modes.len() == 3 {
-            vec![(1, 0), (2, 0), (2, 1)]
-        } else {
-            vec![(1, 0)]
-        },
+        ratios,
         rows: metrics
             .iter()
             .map(|(name, f)| {
@@ -106,25 +127,20 @@ pub(crate) fn data_path(
     exe: &Path,
     cpu: usize,
     node: &Node,
-    profile: bool,
 ) -> anyhow::Result<String> {
     let modes = node.modes();
     let pods: Vec<Pod> = modes
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
-    let mut profiler = match (&node.ebpf, profile) {
-        (Ok(agent), true) => Some(Profiler::new(agent.pid())?),
-        _ => None,
-    };
-    let profiled = modes.iter().position(|&m| m == Mode::Ebpf);
+    let mut costs: Vec<Costs> = pods.iter().map(|_| Costs::default()).collect();
     let results = interleave(
         &pods,
         plan.rounds,
         exe,
         cpu,
         plan.load,
-        profiled.zip(profiler.as_mut()),
+        Some((node, plan.cost, &mut costs)),
     )?;
     let table = data_table(&modes, &results);
     let mut out = format!(
@@ -138,20 +154,20 @@ pub(crate) fn data_path(
         plan.load.bulk >> 20
     );
     out.push_str(&table.markdown());
-    let rules = istio_rules(&[])?;
-    let _ = write!(
-        out,
-        "\niptables: `meshcap-agent run --backend iptables`, the pod ADDed through meshcap-cni: \
-         the {} rules (`-A` lines, nat table) of Istio's `basic` golden for a default injected \
-         pod, applied with iptables-restore in the pod netns.\n\n{}\n",
-        rules.lines().filter(|l| l.starts_with("-A")).count(),
-        node.ebpf_description()
-    );
+    out.push_str(&cost_table(node, &pods, &costs));
+    if node.baseline.is_none() {
+        let rules = istio_rules(&[])?;
+        let _ = write!(
+            out,
+            "\niptables: `meshcap-agent run --backend iptables`, the pod ADDed through \
+             meshcap-cni: the {} rules (`-A` lines, nat table) of Istio's `basic` golden for a \
+             default injected pod, applied with iptables-restore in the pod netns.\n",
+            rules.lines().filter(|l| l.starts_with("-A")).count(),
+        );
+    }
+    let _ = writeln!(out, "\n{}", node.ebpf_description());
     out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
     out.push_str(&original_dsts(&pods, &results));
-    if let Some(profiler) = &profiler {
-        out.push_str(&profiler.markdown(plan.rounds * (plan.load.short + plan.load.warmup)));
-    }
     Ok(out)
 }
 
@@ -164,7 +180,15 @@ pub(crate) fn ambient(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyho
         .iter()
         .map(|&m| Pod::new(m, &[], exe, cpu, node))
         .collect::<anyhow::Result<_>>()?;
-    let results = interleave(&pods, plan.rounds, exe, cpu, plan.load, None)?;
+    let mut costs: Vec<Costs> = pods.iter().map(|_| Costs::default()).collect();
+    let results = interleave(
+        &pods,
+        plan.rounds,
+        exe,
+        cpu,
+        plan.load,
+        Some((node, plan.cost, &mut costs)),
+    )?;
     let table = data_table(&modes, &results);
     let mut out = format!(
         "\n## Ambient mode\n\nAn enrolled pod (`istio.io/dataplane-mode=ambient`, ADDed through \
@@ -175,11 +199,15 @@ pub(crate) fn ambient(plan: &Plan, exe: &Path, cpu: usize, node: &Node) -> anyho
         plan.rounds
     );
     out.push_str(&table.markdown());
+    out.push_str(&cost_table(node, &pods, &costs));
     out.push_str(
         "\nambient iptables: Istio's in-pod rules (`meshcap-agent run --backend iptables`); \
-         ambient eBPF: `--backend ebpf` with `ambient.inKernel=true`.\n\nADD of the pod (one \
-         each, ztunnel's ack included):",
+         ambient eBPF: `--backend ebpf` with `ambient.inKernel=true`.\n\n",
     );
+    if node.baseline.is_some() {
+        let _ = writeln!(out, "{}\n", node.ebpf_description());
+    }
+    out.push_str("ADD of the pod (one each, ztunnel's ack included):");
     for pod in pods.iter().filter(|p| p.add_ms > 0.0) {
         let _ = write!(out, " {} {:.1} ms;", pod.label, pod.add_ms);
     }
@@ -559,4 +587,62 @@ pub(crate) fn repair_in_place(plan: &Plan) -> String {
         );
     }
     out
+}
+
+/// Inbound: a client outside the pod (its own netns, across the pod's veth) dials the app's
+/// port, captured to the proxy's inbound listener; with the kernel's `bpf_sk_assign`, and with
+/// every captured connection handed off through the socket lookup as on kernels before 6.5
+/// (forced: this kernel never needs it). Short connections only: round trips and bulk of an
+/// established connection do not go near either.
+pub(crate) fn inbound(plan: &Plan, exe: &Path, cpu: usize) -> anyhow::Result<String> {
+    let node = Node::inbound()?;
+    let modes = node.inbound_modes();
+    let pods: Vec<Pod> = modes
+        .iter()
+        .map(|&m| Pod::inbound(m, exe, cpu, &node))
+        .collect::<anyhow::Result<_>>()?;
+    let load = Load {
+        pingpong: 0,
+        bulk: 0,
+        ..plan.load
+    };
+    let mut costs: Vec<Costs> = pods.iter().map(|_| Costs::default()).collect();
+    let results = interleave(
+        &pods,
+        plan.rounds,
+        exe,
+        cpu,
+        load,
+        Some((&node, plan.cost, &mut costs)),
+    )?;
+    let mut ratios: Vec<(usize, usize)> = (1..modes.len()).map(|i| (i, 0)).collect();
+    if let (Some(kernel), Some(handoff)) = (
+        modes.iter().position(|&m| m == Mode::Ebpf),
+        modes.iter().position(|&m| m == Mode::EbpfHandoff),
+    ) {
+        ratios.push((handoff, kernel));
+    }
+    let table = data_table_with(&modes, &results, ratios);
+    let mut out = format!(
+        "\n## Inbound\n\nA client in a network namespace of its own, on the other end of the \
+         pod's veth, dials the app's port ({}); the pod's proxy listens on 15006 (four \
+         `SO_REUSEPORT` listeners, as Envoy's workers have) and recovers the original \
+         destination. *no capture*: the client dials 15006 itself. *eBPF*: TC hands each new \
+         connection to the listener with `bpf_sk_assign`. *eBPF hand-off*: an agent with the \
+         hidden `--handoff always` (`MESHCAP_HANDOFF=always`, benchmarks only), whose \
+         classifier hands every captured SYN to the pod's socket lookup program as it does on \
+         Linux 5.15–6.4, where `bpf_sk_assign` refuses `SO_REUSEPORT` listeners (this kernel \
+         never needs it). {} interleaved rounds of {} short connections (after {} warm-up) \
+         per mode. Cells: median ±half the round-to-round range; ratios are ratios of \
+         medians.\n\n",
+        crate::pods::INBOUND,
+        plan.rounds,
+        load.short,
+        load.warmup
+    );
+    out.push_str(&table.markdown());
+    out.push_str(&cost_table(&node, &pods, &costs));
+    out.push_str("\nOriginal destination recovered by the proxy (`SO_ORIGINAL_DST`):");
+    out.push_str(&original_dsts(&pods, &results));
+    Ok(out)
 }

@@ -11,8 +11,10 @@ use anyhow::Context as _;
 use meshcap_tests::require_root;
 
 use crate::{
-    pods::Node,
-    report::{ambient, data_path, footprint, mesh_hop, pod_setup, policy_scale, repair_in_place},
+    pods::{Baseline, Node},
+    report::{
+        ambient, data_path, footprint, inbound, mesh_hop, pod_setup, policy_scale, repair_in_place,
+    },
     workload::{Load, MSG},
 };
 
@@ -20,6 +22,9 @@ use crate::{
 pub(crate) struct Plan {
     pub(crate) rounds: usize,
     pub(crate) load: Load,
+    /// The per-round pass of short connections that measures each eBPF mode's kernel time
+    /// per connection (statistics on), after the round's rates.
+    pub(crate) cost: Load,
     /// Rounds of the mesh hop (each runs every message size).
     pub(crate) hop_rounds: usize,
     /// The mesh hop's load per message size (bulk with the smallest only).
@@ -45,6 +50,13 @@ impl Plan {
                     warmup: 200,
                     pingpong: 20_000,
                     bulk: 512 << 20,
+                    size: MSG,
+                },
+                cost: Load {
+                    short: 5_000,
+                    warmup: 0,
+                    pingpong: 0,
+                    bulk: 0,
                     size: MSG,
                 },
                 hop_rounds: 3,
@@ -76,6 +88,13 @@ impl Plan {
                     warmup: 1_000,
                     pingpong: 100_000,
                     bulk: 1 << 30,
+                    size: MSG,
+                },
+                cost: Load {
+                    short: 10_000,
+                    warmup: 0,
+                    pingpong: 0,
+                    bulk: 0,
                     size: MSG,
                 },
                 hop_rounds: 7,
@@ -112,6 +131,9 @@ pub enum Section {
     MeshHop,
     /// Ambient mode: no capture vs Istio's in-pod rules vs in the kernel.
     Ambient,
+    /// Inbound: a client outside the pod to the app's port, captured to the proxy's 15006;
+    /// the kernel's `bpf_sk_assign` and the socket-lookup hand-off (forced).
+    Inbound,
     /// Short connections with growing exclude lists.
     PolicyScale,
     /// Map memory and the plugin's size and start time.
@@ -130,10 +152,10 @@ pub struct Options {
     pub cpu: usize,
     /// Sections to run; empty: all.
     pub only: Vec<Section>,
-    /// Per-program kernel statistics of the eBPF data path.
-    pub profile: bool,
     /// The data path's short connections only, this many per round.
     pub short_only: Option<usize>,
+    /// A/B: another build run beside this one.
+    pub baseline: Option<Baseline>,
 }
 
 impl Options {
@@ -168,13 +190,13 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     .into_iter()
     .any(|section| opts.wants(section))
     {
-        Some(Node::new()?)
+        Some(Node::new(opts.baseline.as_ref())?)
     } else {
         None
     };
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::DataPath)) {
         eprintln!("meshcap-bench: data path, {} rounds", plan.rounds);
-        report.push_str(&data_path(&plan, &exe, cpu, node, opts.profile)?);
+        report.push_str(&data_path(&plan, &exe, cpu, node)?);
     }
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::MeshHop)) {
         eprintln!("meshcap-bench: mesh hop, {} rounds", plan.hop_rounds);
@@ -182,7 +204,16 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     }
     if opts.wants(Section::Ambient) {
         eprintln!("meshcap-bench: ambient mode, {} rounds", plan.rounds);
-        report.push_str(&ambient(&plan, &exe, cpu, &Node::ambient()?)?);
+        report.push_str(&ambient(
+            &plan,
+            &exe,
+            cpu,
+            &Node::ambient(opts.baseline.as_ref())?,
+        )?);
+    }
+    if opts.wants(Section::Inbound) {
+        eprintln!("meshcap-bench: inbound, {} rounds", plan.rounds);
+        report.push_str(&inbound(&plan, &exe, cpu)?);
     }
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::PolicyScale)) {
         eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
@@ -256,11 +287,11 @@ pub(crate) fn machine(opts: &Options, cpu: usize) -> String {
             let _ = write!(command, " --only {}", value.get_name());
         }
     }
-    if opts.profile {
-        command.push_str(" --profile");
-    }
     if let Some(short) = opts.short_only {
         let _ = write!(command, " --short-only {short}");
+    }
+    if let Some(baseline) = &opts.baseline {
+        let _ = write!(command, " --baseline {}", baseline.label);
     }
     format!(
         "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \

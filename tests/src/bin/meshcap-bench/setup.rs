@@ -72,6 +72,8 @@ pub fn sandboxes(n: usize) -> anyhow::Result<Vec<Netns>> {
 pub struct Agent {
     agent: agent::Agent,
     pods: ManifestDir,
+    /// The `meshcap-cni` of the agent's build.
+    plugin: PathBuf,
 }
 
 impl Agent {
@@ -82,7 +84,34 @@ impl Agent {
     /// # Errors
     /// When it exits first (e.g. the backend is not available), with its last log line.
     pub fn start(backend: Backend, cgroup_root: &Path) -> anyhow::Result<Self> {
-        Self::start_with(backend, cgroup_root, &[])
+        Self::start_with(agent::binaries(), backend, cgroup_root, &[])
+    }
+
+    /// [`Self::start`] with the `meshcap-agent` and `meshcap-cni` of `bin_dir` (the A/B
+    /// baseline's build).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_from(
+        bin_dir: &Path,
+        backend: Backend,
+        cgroup_root: &Path,
+    ) -> anyhow::Result<Self> {
+        Self::start_with(bin_dir, backend, cgroup_root, &[])
+    }
+
+    /// [`Self::start`] (eBPF) with every captured inbound connection handed to the proxy
+    /// through the socket lookup (`--handoff always`, benchmarks only).
+    ///
+    /// # Errors
+    /// As [`Self::start`].
+    pub fn start_handoff(cgroup_root: &Path) -> anyhow::Result<Self> {
+        Self::start_with(
+            agent::binaries(),
+            Backend::Ebpf,
+            cgroup_root,
+            &[("MESHCAP_HANDOFF", "always")],
+        )
     }
 
     /// [`Self::start`] with ambient mode on: ztunnel's socket at `ztunnel`, the node's probe
@@ -92,6 +121,7 @@ impl Agent {
     /// # Errors
     /// As [`Self::start`].
     pub fn start_ambient(
+        bin_dir: &Path,
         backend: Backend,
         cgroup_root: &Path,
         ztunnel: &Path,
@@ -102,6 +132,7 @@ impl Agent {
         let node = node.path();
         let node = node.to_str().context("node netns path")?;
         Self::start_with(
+            bin_dir,
             backend,
             cgroup_root,
             &[
@@ -117,6 +148,7 @@ impl Agent {
     }
 
     fn start_with(
+        bin_dir: &Path,
         backend: Backend,
         cgroup_root: &Path,
         env: &[(&str, &str)],
@@ -126,7 +158,8 @@ impl Agent {
         // Warnings only: an info line per ADD is not what is being measured.
         let mut env = env.to_vec();
         env.push(("RUST_LOG", "warn"));
-        let agent = agent::Agent::start_in(
+        let agent = agent::Agent::start_from(
+            bin_dir,
             backend,
             &["--pods", "dir", "--pod-dir", pod_dir],
             &env,
@@ -147,7 +180,11 @@ impl Agent {
                 .to_owned();
             anyhow::anyhow!("the agent did not start: {last}")
         })?;
-        Ok(Self { agent, pods })
+        Ok(Self {
+            agent,
+            pods,
+            plugin: bin_dir.join("meshcap-cni"),
+        })
     }
 
     /// Captures a default injected pod named `name` (with `excludes` as
@@ -206,7 +243,7 @@ impl Agent {
             ..Sandbox::new("bench", name, netns)
         };
         let start = Instant::now();
-        let out = kubelet::cni(command, &sandbox, &conf)?;
+        let out = kubelet::cni_with(&self.plugin, command, &sandbox, &conf)?;
         let took = start.elapsed().as_secs_f64() * 1e3;
         ensure!(
             out.success,

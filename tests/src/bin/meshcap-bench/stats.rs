@@ -82,7 +82,8 @@ pub struct Table {
 }
 
 impl Table {
-    /// Markdown: medians with their round-to-round spread, then ratios of medians.
+    /// Markdown: medians with their round-to-round spread, then ratios of medians. A metric
+    /// no column measured (a run without ping-pong or bulk) is left out.
     pub fn markdown(&self) -> String {
         let mut out = String::from("| metric |");
         for c in &self.columns {
@@ -97,6 +98,9 @@ impl Table {
         }
         out.push('\n');
         for (name, cols) in &self.rows {
+            if cols.iter().all(|s| s.median() == 0.0) {
+                continue;
+            }
             let _ = write!(out, "| {name} |");
             for s in cols {
                 if s.0.is_empty() {

@@ -48,21 +48,32 @@ pub fn pin_to(cpu: usize) -> anyhow::Result<()> {
 }
 
 /// The stand-in proxy: `threads` threads accepting on one listener, each serving a connection
-/// to its end before accepting the next; with an `upstream`, each connection is forwarded to
-/// it over a connection of its own (Envoy's outbound hop). Prints `ready` once listening; runs
-/// until killed.
+/// to its end before accepting the next; with `reuseport`, as Envoy's workers do, each thread
+/// on a listener of its own in one `SO_REUSEPORT` group (the kernel picks one per connection).
+/// With an `upstream`, each connection is forwarded to it over a connection of its own
+/// (Envoy's outbound hop). Prints `ready` once listening; runs until killed.
 pub fn proxy(
     listen: SocketAddr,
     threads: usize,
     upstream: Option<SocketAddrV4>,
+    reuseport: bool,
 ) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(listen).with_context(|| format!("binding {listen}"))?;
+    let listeners: Vec<TcpListener> = if reuseport {
+        (0..threads)
+            .map(|_| bind(listen, true))
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        let listener = bind(listen, false)?;
+        (0..threads)
+            .map(|_| Ok(listener.try_clone()?))
+            .collect::<anyhow::Result<_>>()?
+    };
     println!("ready");
     std::io::stdout().flush()?;
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let listener = listener.try_clone()?;
-            Ok(thread::spawn(move || {
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .map(|listener| {
+            Ok::<_, anyhow::Error>(thread::spawn(move || {
                 for stream in listener.incoming().flatten() {
                     let _ = serve(stream, upstream);
                 }
@@ -73,6 +84,29 @@ pub fn proxy(
         let _ = handle.join();
     }
     Ok(())
+}
+
+/// A listener on `addr`, with `SO_REUSEPORT` when `reuseport`.
+fn bind(addr: SocketAddr, reuseport: bool) -> anyhow::Result<TcpListener> {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, listen, setsockopt, socket,
+        sockopt,
+    };
+    if !reuseport {
+        return TcpListener::bind(addr).with_context(|| format!("binding {addr}"));
+    }
+    let family = if addr.is_ipv4() {
+        AddressFamily::Inet
+    } else {
+        AddressFamily::Inet6
+    };
+    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    setsockopt(&fd, sockopt::ReusePort, &true)?;
+    nix::sys::socket::bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))
+        .with_context(|| format!("binding {addr}"))?;
+    listen(&fd, Backlog::new(1024)?)?;
+    Ok(TcpListener::from(fd))
 }
 
 /// A connection's header: its kind and message size.

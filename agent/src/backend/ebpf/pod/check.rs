@@ -36,13 +36,11 @@ impl Pods {
             .pods
             .get(&cookie, 0)
             .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
-        let handoff = if self.handoff.is_some() {
-            flags::HANDOFF
-        } else {
-            0
-        };
-        let want = (entries.config.flags | handoff) & !flags::EXCLUDED_ROUTES;
-        if config.flags & !flags::EXCLUDED_ROUTES != want
+        let handoff = self.handoff_flags;
+        // What the pod's netns adds is not in `entries`.
+        let from_netns = flags::EXCLUDED_ROUTES | flags::LOCAL4_IS_POD_ADDR;
+        let want = (entries.config.flags | handoff) & !from_netns;
+        if config.flags & !from_netns != want
             || config.proxy_uid != entries.config.proxy_uid
             || config.proxy_gid != entries.config.proxy_gid
         {

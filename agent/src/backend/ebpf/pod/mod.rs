@@ -25,7 +25,7 @@ use std::{
 use meshcap_common::{PodConfig, maps};
 
 use super::{
-    EbpfBackend, EbpfError,
+    EbpfBackend, EbpfError, Handoff,
     encode::{self, Plan},
     pins::{Pins, PodPins, record_name},
     stub::{self, TcAttach},
@@ -95,8 +95,11 @@ pub(super) struct Pods {
     /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
     tc_prog: OwnedFd,
     /// The socket lookup program, loaded where `bpf_sk_assign` refuses `SO_REUSEPORT`
-    /// listeners: every captured pod's netns gets it (ebpf/meshcap-ebpf/src/handoff.rs).
+    /// listeners (or with [`Handoff::Always`]): every captured pod's netns gets it
+    /// (ebpf/meshcap-ebpf/src/handoff.rs).
     handoff: Option<OwnedFd>,
+    /// The flags every pod's config gets for it ([`Handoff::pod_flags`]).
+    handoff_flags: u32,
     /// How stubs attach.
     tc_attach: TcAttach,
     /// The netns cookies [`Self::gone`] last found dead. A netns never comes back and its
@@ -117,12 +120,14 @@ impl Pods {
         tables: Tables,
         tc_prog: OwnedFd,
         handoff: Option<OwnedFd>,
+        handoff_mode: Handoff,
         tc_attach: TcAttach,
     ) -> Self {
         Self {
             pins,
             tables: Mutex::new(tables),
             tc_prog,
+            handoff_flags: handoff_mode.pod_flags(handoff.is_some()),
             handoff,
             tc_attach,
             found_gone: Mutex::default(),
@@ -151,7 +156,7 @@ impl Pods {
         let with_routes = !encode::interfaces(policy).0.is_empty();
         let visited = podnet::run_in(&pod.netns, |visit| -> Result<Plan, EbpfError> {
             let net = podnet::inspect(visit, with_routes)?;
-            let plan = Plan::new(policy, net, self.handoff.is_some());
+            let plan = Plan::new(policy, net, self.handoff_flags);
             self.attach(visit, pod, &plan)?;
             Ok(plan)
         });
@@ -226,10 +231,19 @@ impl Pods {
         if todo.is_empty() {
             return Ok(());
         }
-        // One stub per pod, shared by its interfaces.
-        let stub = stub::load(plan.net.cookie, &self.tc_prog)?;
+        // One stub per pod, shared by its interfaces; `lo` (ambient) gets a stub of its own,
+        // which tail-calls only for ztunnel's packets.
+        let (mut stub, mut lo_stub) = (None, None);
         for (ifindex, record) in todo {
-            stub::attach(visit, self.tc_attach, &stub, ifindex, &record)?;
+            let lo = ifindex == stub::LOOPBACK_IFINDEX;
+            let loaded = if lo { &mut lo_stub } else { &mut stub };
+            let prog = match loaded.take() {
+                Some(prog) => prog,
+                None if lo => stub::load_lo(&self.tc_prog)?,
+                None => stub::load(plan.net.cookie, &self.tc_prog)?,
+            };
+            stub::attach(visit, self.tc_attach, &prog, ifindex, &record)?;
+            *loaded = Some(prog);
         }
         Ok(())
     }

@@ -335,4 +335,22 @@ pub mod testing {
         bpf(10, &mut attr)?;
         Ok((attr.words[0] >> 32) as u32)
     }
+
+    /// [`run`] with the `struct __sk_buff` context's `mark` set to `mark`.
+    pub fn run_with_mark(prog: impl AsFd, mark: u32) -> io::Result<u32> {
+        let packet = [0u8; 64];
+        // `struct __sk_buff` (192 bytes since Linux 5.x): only `mark` (offset 8) set.
+        let mut ctx = [0u32; 48];
+        ctx[2] = mark;
+        let mut attr = Attr::default();
+        // prog_fd, retval (out); data_size_in, data_size_out; data_in; data_out; repeat,
+        // duration; ctx_size_in, ctx_size_out; ctx_in (pointer).
+        attr.words[0] = u64::from(fd_u32(prog.as_fd())?);
+        attr.words[1] = packet.len() as u64;
+        attr.words[2] = packet.as_ptr() as u64;
+        attr.words[5] = size_of_val(&ctx) as u64;
+        attr.words[6] = ctx.as_ptr() as u64;
+        bpf(10, &mut attr)?;
+        Ok((attr.words[0] >> 32) as u32)
+    }
 }
