@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod arch;
 mod bench;
 mod cmd;
 mod demo;
@@ -27,6 +28,9 @@ enum Task {
     /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker,
     /// cargo-fuzz).
     Setup,
+    /// Setup, then the release `meshcap-agent` and `meshcap-cni` for each architecture
+    /// (target/<triple>/release/), with the nightly and its rust-src.
+    Build(arch::Args),
     /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
     /// the real-kernel ones (root), every fuzz target for 30 s, then the end-to-end tests in QEMU
     /// on Debian's 5.10, 6.1 and 6.12 kernels. What CI runs.
@@ -69,6 +73,7 @@ enum Task {
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
         Task::Setup => setup::run(),
+        Task::Build(args) => setup::run().and_then(|()| arch::run(&args)),
         Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Fuzz(args) => setup::run().and_then(|()| fuzz::run(&args)),
