@@ -36,6 +36,48 @@ impl Arch {
         }
     }
 
+    /// The multiarch directory Debian installs this architecture's libraries in
+    /// (`/usr/lib/<dir>`, `/lib/<dir>`).
+    pub const fn multiarch(self) -> &'static str {
+        match self {
+            Self::Amd64 => "x86_64-linux-gnu",
+            Self::Arm64 => "aarch64-linux-gnu",
+        }
+    }
+
+    /// The ELF machine its executables carry.
+    pub const fn elf_machine(self) -> u16 {
+        match self {
+            Self::Amd64 => object::elf::EM_X86_64,
+            Self::Arm64 => object::elf::EM_AARCH64,
+        }
+    }
+
+    /// This machine's.
+    pub fn host() -> Option<Self> {
+        match std::env::consts::ARCH {
+            "x86_64" => Some(Self::Amd64),
+            "aarch64" => Some(Self::Arm64),
+            _ => None,
+        }
+    }
+
+    /// The architecture of the ELF executable `bytes`; `None` for anything else.
+    pub fn of_elf(bytes: &[u8]) -> Option<Self> {
+        let machine = crate::elf::machine(bytes)?;
+        Self::ALL.into_iter().find(|a| a.elf_machine() == machine)
+    }
+
+    /// binutils' `objcopy` for this architecture's files: this machine's own, or Debian's
+    /// cross one (`binutils-aarch64-linux-gnu`, which gcc-aarch64-linux-gnu brings).
+    pub fn objcopy(self) -> String {
+        if Self::host() == Some(self) {
+            "objcopy".to_owned()
+        } else {
+            format!("{}-objcopy", self.multiarch())
+        }
+    }
+
     /// `cargo +nightly <subcommand> --target <triple> -Z build-std=std,panic_abort`, from the
     /// workspace root: a build for this architecture with the toolchain that ships it.
     pub fn cargo(self, subcommand: &str) -> Command {

@@ -123,7 +123,10 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
         b"root:x:0:0:root:/root:/usr/sbin/nologin\n".to_vec(),
     );
     base.file("etc/group", 0o644, b"root:x:0:\n".to_vec());
-    let entries = userland::entries(&[agent.to_path_buf(), plugin.to_path_buf()])?;
+    let entries = userland::entries(
+        crate::arch::Arch::Amd64,
+        &[agent.to_path_buf(), plugin.to_path_buf()],
+    )?;
     base.files(&entries)?;
 
     let mut meshcap = Tree::default();
