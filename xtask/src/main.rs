@@ -49,8 +49,9 @@ enum Task {
     /// Setup, then the end-to-end tests inside QEMU on Debian's cloud kernels, amd64 and arm64
     /// (CI's guests unless --kernel says which).
     Integration(integration::Args),
-    /// Setup, build in release, then write the DaemonSet's container image as an OCI archive
-    /// (target/image/meshcap-<version>.oci.tar) for skopeo, crane, podman or ctr to push.
+    /// Setup, build in release for amd64 and arm64, then write the DaemonSet's multi-arch
+    /// container image as an OCI archive (target/image/meshcap-<version>.oci.tar) for skopeo,
+    /// crane, podman or ctr to push.
     Image(image::Args),
     /// Setup, build in release, then the chaos soak: pods ADDed and DELeted in parallel with
     /// connections flowing while the agent is SIGKILLed every few seconds (root).
