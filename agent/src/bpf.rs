@@ -6,7 +6,7 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/me
 
 /// Errors loading the embedded object.
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub enum ObjectError {
     /// Built with `AYA_BUILD_SKIP=1`: no programs inside.
     #[error(
         "this meshcap-agent was built without its eBPF programs (AYA_BUILD_SKIP=1); rebuild without it"
@@ -28,9 +28,9 @@ pub fn object() -> &'static [u8] {
 ///
 /// # Errors
 /// When the object is missing or the kernel refuses a map.
-pub fn open() -> Result<Ebpf, LoadError> {
+pub fn open() -> Result<Ebpf, ObjectError> {
     if OBJECT.is_empty() {
-        return Err(LoadError::NotEmbedded);
+        return Err(ObjectError::NotEmbedded);
     }
     Ok(EbpfLoader::new().load(OBJECT)?)
 }

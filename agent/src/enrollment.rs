@@ -5,12 +5,12 @@
 //!
 //! It watches this node's pods (field selector `spec.nodeName`, as Istio's informer) and every
 //! namespace (RBAC: `namespaces` `list` and `watch`), and decides each running pod with
-//! [`policy::ambient::enroll`], the same decision as a CNI ADD:
+//! [`policy::decide`], the same decision as a CNI ADD:
 //!
 //! - a pod that should be enrolled and is not is enrolled in place: its network namespace is
 //!   found by its address ([`crate::podnet::find`]) and it is enrolled as an ADD enrolls
 //!   (same rules, same ztunnel hand-over, same annotation), decided on the pod as this watch
-//!   saw it, recorded under [`crate::capture::in_place_id`];
+//!   saw it, recorded under an id of its own ([`crate::pod::InPlace`]);
 //! - an enrolled pod that should not be (its label set to `none` or removed, its namespace
 //!   unlabelled), or that has terminated, leaves: ztunnel is told, its in-pod rules go and its
 //!   `ambient.istio.io/redirection` annotation is removed.
@@ -32,32 +32,49 @@ use kube::{
     Api,
     runtime::{WatchStreamExt as _, watcher},
 };
-use meshcap_cni::protocol::{Op, PodAttachment, Reply};
 use tracing::{info, warn};
 
 use crate::{
-    ambient::Ambient,
-    backend::PodRef,
-    capture::{Capture, in_place_id},
-    podnet,
-    policy::{
-        self,
-        ambient::{AmbientConfig, Enrollment},
-    },
+    ambient::{Ambient, AmbientError},
+    hub::{CaptureError, Hub},
+    pod::{InPlace, PodRef, Sandbox},
+    podnet::{self, find::FindError},
+    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, PodName},
 };
 
 /// The controller.
 pub struct LiveEnrollment {
     client: kube::Client,
     node: String,
-    capture: Arc<Capture>,
+    hub: Arc<Hub>,
     ambient: Arc<Ambient>,
-    exclude_namespaces: Vec<String>,
+    /// The node's settings, ambient mode's among them.
+    settings: NodeSettings,
     netns_dir: PathBuf,
     /// This node's pods, by namespace and name, as last seen.
-    pods: HashMap<(String, String), Pod>,
+    pods: HashMap<PodName, Pod>,
     /// Every namespace's labels; `None` until the first list is in.
     namespaces: Option<HashMap<String, BTreeMap<String, String>>>,
+}
+
+/// Why a pod's enrollment did not change as its labels say.
+#[derive(Debug, thiserror::Error)]
+enum LiveError {
+    /// Looking for its netns did not finish.
+    #[error("{0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Its netns was not found.
+    #[error("to be enrolled in ambient mode, but its network namespace: {0}")]
+    Netns(#[from] FindError),
+    /// Enrolling it failed.
+    #[error("{0}")]
+    Enroll(#[source] CaptureError),
+    /// Taking it out failed.
+    #[error("taking it out of ambient mode failed: {0}")]
+    Release(#[source] CaptureError),
+    /// It is out, but its annotation stays.
+    #[error("taken out of ambient mode, but: {0}")]
+    Annotation(#[from] AmbientError),
 }
 
 /// One change from either watch (boxed: a pod's is kilobytes).
@@ -75,22 +92,22 @@ enum Action {
 }
 
 impl LiveEnrollment {
-    /// A controller for `node`'s pods.
+    /// A controller for `node`'s pods, deciding with the node's `settings`.
     #[must_use]
     pub fn new(
         client: kube::Client,
         node: String,
-        capture: Arc<Capture>,
+        hub: Arc<Hub>,
         ambient: Arc<Ambient>,
-        exclude_namespaces: Vec<String>,
+        settings: NodeSettings,
         netns_dir: PathBuf,
     ) -> Self {
         Self {
             client,
             node,
-            capture,
+            hub,
             ambient,
-            exclude_namespaces,
+            settings,
             netns_dir,
             pods: HashMap::new(),
             namespaces: None,
@@ -125,12 +142,12 @@ impl LiveEnrollment {
     async fn on_pod(&mut self, event: Result<watcher::Event<Pod>, watcher::Error>) {
         match event {
             Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
-                self.pods.insert(key(&pod), pod.clone());
+                self.pods.insert(PodName::of(&pod), pod.clone());
                 self.reconcile(&pod).await;
             }
             // The runtime's DEL removes the pod's enrollment.
             Ok(watcher::Event::Delete(pod)) => {
-                self.pods.remove(&key(&pod));
+                self.pods.remove(&PodName::of(&pod));
             }
             Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
             Err(err) => warn!(error = %err, "ambient mode's pod watch"),
@@ -157,7 +174,7 @@ impl LiveEnrollment {
                 let known = self.namespaces.get_or_insert_with(HashMap::new);
                 if known.get(&name) != Some(&labels) {
                     known.insert(name.clone(), labels);
-                    self.reconcile_where(|pod| pod.0 == name).await;
+                    self.reconcile_where(|pod| pod.namespace == name).await;
                 }
             }
             Ok(watcher::Event::Delete(namespace)) => {
@@ -169,8 +186,8 @@ impl LiveEnrollment {
         }
     }
 
-    /// Reconciles every known pod whose (namespace, name) `which` accepts.
-    async fn reconcile_where(&self, which: impl Fn(&(String, String)) -> bool) {
+    /// Reconciles every known pod whose name `which` accepts.
+    async fn reconcile_where(&self, which: impl Fn(&PodName) -> bool) {
         let pods: Vec<Pod> = self
             .pods
             .iter()
@@ -186,76 +203,52 @@ impl LiveEnrollment {
         let Some(namespaces) = &self.namespaces else {
             return;
         };
-        let (namespace, name) = key(pod);
-        let Some(labels) = namespaces.get(&namespace) else {
+        let name = PodName::of(pod);
+        let Some(labels) = namespaces.get(&name.namespace) else {
             return;
         };
         let Some(uid) = pod.metadata.uid.clone() else {
             return;
         };
         let enrolled = self.ambient.enrolled(&uid);
-        let config = self.ambient.config();
-        let action = decide(pod, labels, &self.exclude_namespaces, config, enrolled);
-        let pod_name = format!("{namespace}/{name}");
+        let action = decide(pod, labels, &self.settings, enrolled);
         let done = match action {
             Action::Nothing => return,
             Action::Enroll => self.enroll(pod, &uid).await,
             Action::Unenroll(target) => self.unenroll(target).await,
         };
         match done {
-            Ok(note) => info!(pod = %pod_name, "{note}"),
-            Err(note) => warn!(pod = %pod_name, "{note}"),
+            Ok(note) => info!(pod = %name, "{note}"),
+            Err(note) => warn!(pod = %name, "{note}"),
         }
     }
 
-    /// Enrolls a running pod in place, through the ADD path.
-    async fn enroll(&self, pod: &Pod, uid: &str) -> Result<String, String> {
+    /// Enrolls a running pod in place, as an ADD enrolls it.
+    async fn enroll(&self, pod: &Pod, uid: &str) -> Result<String, LiveError> {
         let ips = policy::status_pod_ips(pod);
         let (dir, search) = (self.netns_dir.clone(), ips.clone());
-        let netns = tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search))
+        let netns =
+            tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search)).await??;
+        let sandbox =
+            Sandbox::in_place(PodName::of(pod), uid, InPlace::Ambient, netns.clone(), ips);
+        let message = self
+            .hub
+            .enroll_in_place(sandbox, pod)
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| {
-                format!("to be enrolled in ambient mode, but its network namespace: {e}")
-            })?;
-        let (namespace, name) = key(pod);
-        let attachment = PodAttachment {
-            namespace,
-            name,
-            uid: Some(uid.to_owned()),
-            container_id: in_place_id("ambient", uid),
-            netns: netns.display().to_string(),
-            ifname: "eth0".into(),
-            ips,
-        };
-        let message = self.capture.enroll_running(attachment, pod).await?;
+            .map_err(LiveError::Enroll)?;
         Ok(format!(
             "its labels now enroll it: {message} (in {})",
             netns.display()
         ))
     }
 
-    /// Takes an enrolled pod out of ambient mode, through the DEL path, and removes its
-    /// annotation.
-    async fn unenroll(&self, target: PodRef) -> Result<String, String> {
-        let attachment = PodAttachment {
-            namespace: target.namespace.clone(),
-            name: target.name.clone(),
-            uid: None,
-            container_id: target.container_id.clone(),
-            netns: target.netns.display().to_string(),
-            ifname: "eth0".into(),
-            ips: Vec::new(),
-        };
-        if let Reply::Error { msg, .. } =
-            self.capture.handle(Op::Del { pod: attachment }).await.reply
-        {
-            return Err(format!("taking it out of ambient mode failed: {msg}"));
-        }
-        self.ambient
-            .annotate_unenrolled(&target)
+    /// Takes an enrolled pod out of ambient mode, as a DEL does, and removes its annotation.
+    async fn unenroll(&self, target: PodRef) -> Result<String, LiveError> {
+        self.hub
+            .del(target.clone())
             .await
-            .map_err(|e| format!("taken out of ambient mode, but: {e}"))?;
+            .map_err(LiveError::Release)?;
+        self.ambient.annotate_unenrolled(&target).await?;
         Ok("its labels no longer enroll it: out of ambient mode, ztunnel told".to_owned())
     }
 }
@@ -265,37 +258,30 @@ impl LiveEnrollment {
 fn decide(
     pod: &Pod,
     namespace_labels: &BTreeMap<String, String>,
-    exclude_namespaces: &[String],
-    config: &AmbientConfig,
+    settings: &NodeSettings,
     enrolled: Option<PodRef>,
 ) -> Action {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
     let terminated = matches!(phase, Some("Succeeded" | "Failed"));
     let deleting = pod.metadata.deletion_timestamp.is_some();
-    let should = match policy::ambient::enroll(pod, namespace_labels, exclude_namespaces, config) {
-        Ok(Enrollment::Enrolled { .. }) => !terminated,
-        Ok(Enrollment::NotEnrolled { .. }) => false,
+    let ips = policy::status_pod_ips(pod);
+    let should = match policy::decide(pod, &ips, namespace_labels, settings) {
+        Ok(Decision::Ambient { .. }) => !terminated,
+        Ok(Decision::Skip { .. } | Decision::Sidecar { .. })
+        | Err(DecisionError {
+            dataplane: DataplaneMode::Sidecar,
+            ..
+        }) => false,
         // Annotations that do not parse: an ADD would fail, a running pod stays as it is.
         Err(_) => return Action::Nothing,
     };
     match enrolled {
         Some(target) if !should => Action::Unenroll(target),
-        None if should
-            && !deleting
-            && phase == Some("Running")
-            && !policy::status_pod_ips(pod).is_empty() =>
-        {
+        None if should && !deleting && phase == Some("Running") && !ips.is_empty() => {
             Action::Enroll
         }
         _ => Action::Nothing,
     }
-}
-
-fn key(pod: &Pod) -> (String, String) {
-    (
-        pod.metadata.namespace.clone().unwrap_or_default(),
-        pod.metadata.name.clone().unwrap_or_default(),
-    )
 }
 
 fn name_of(namespace: &Namespace) -> String {
@@ -314,6 +300,7 @@ mod tests {
     };
 
     use super::*;
+    use crate::policy::{SelectConfig, ambient::AmbientConfig};
 
     /// A pod of namespace `shop` with `labels`, in `phase`, with an address unless `None`.
     fn pod(labels: &[(&str, &str)], phase: &str, ip: Option<&str>) -> Pod {
@@ -339,7 +326,7 @@ mod tests {
         Some(PodRef {
             namespace: "shop".to_owned(),
             name: "web".to_owned(),
-            container_id: in_place_id("ambient", "uid-web"),
+            container_id: InPlace::Ambient.container_id("uid-web"),
             netns: PathBuf::from("/var/run/netns/web"),
         })
     }
@@ -351,7 +338,13 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
-        decide(pod, &labels, &[], &AmbientConfig::default(), enrolled)
+        let settings = NodeSettings {
+            select: SelectConfig {
+                exclude_namespaces: Vec::new(),
+            },
+            ambient: Some(AmbientConfig::default()),
+        };
+        decide(pod, &labels, &settings, enrolled)
     }
 
     #[test]

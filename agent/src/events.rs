@@ -8,6 +8,8 @@ use kube::{
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
 
+use crate::policy::PodName;
+
 /// Publishes events as `meshcap-agent` on this node.
 #[derive(Clone)]
 pub struct EventSink {
@@ -19,19 +21,6 @@ impl std::fmt::Debug for EventSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EventSink").finish_non_exhaustive()
     }
-}
-
-/// The pod an event is about.
-#[derive(Clone, Debug)]
-pub struct PodObject {
-    /// `metadata.namespace`.
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-    /// `metadata.uid`, when the runtime passed it (`K8S_POD_UID`); otherwise it is read from
-    /// the API server, since `kubectl describe pod` shows only events that carry the pod's
-    /// uid.
-    pub uid: Option<String>,
 }
 
 impl EventSink {
@@ -48,11 +37,20 @@ impl EventSink {
         }
     }
 
-    /// A `Warning` event on `pod`, in the background (a failure to publish is logged).
-    pub fn warn(&self, pod: PodObject, reason: &'static str, action: &'static str, note: String) {
+    /// A `Warning` event on `pod`, in the background (a failure to publish is logged). `uid`
+    /// is the pod's when the caller knows it (`K8S_POD_UID`); otherwise it is read from the
+    /// API server, since `kubectl describe pod` shows only events that carry the pod's uid.
+    pub fn warn(
+        &self,
+        pod: PodName,
+        uid: Option<String>,
+        reason: &'static str,
+        action: &'static str,
+        note: String,
+    ) {
         let (client, recorder) = (self.client.clone(), self.recorder.clone());
         tokio::spawn(async move {
-            let uid = match pod.uid.clone() {
+            let uid = match uid {
                 Some(uid) => Some(uid),
                 None => Api::<Pod>::namespaced(client, &pod.namespace)
                     .get_opt(&pod.name)
@@ -77,7 +75,7 @@ impl EventSink {
                 secondary: None,
             };
             if let Err(err) = recorder.publish(&event, &reference).await {
-                tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), error = %err, "publishing an event");
+                tracing::warn!(pod = %pod, error = %err, "publishing an event");
             }
         });
     }

@@ -1,31 +1,40 @@
-//! meshcap-agent: the node daemon that captures sidecar pods' traffic.
+//! meshcap-agent: the node daemon that captures the traffic of pods in Istio's mesh, sidecar
+//! pods for their Envoy and ambient pods for ztunnel, in the kernel (eBPF) or with Istio's own
+//! rules.
 //!
 //! Layout, one concern per module:
-//! - [`ambient`]: ambient mode: an enrolled pod's in-pod rules and its hand-over to ztunnel;
-//! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection)
-//!   and the health, readiness and metrics endpoint;
-//! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`) behind
-//!   one trait;
+//! - [`ambient`]: ambient mode's own: ztunnel's hand-over, the node's probe sets, the pod's
+//!   annotation and the workload records, around the backend that captures ambient pods;
+//! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection;
+//!   the only place the plugin's protocol is read and written) and the health, readiness and
+//!   metrics endpoint;
+//! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`, Istio's
+//!   rules) behind one interface for both modes, and the router that sends each mode to the
+//!   backend chosen to serve it;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
-//! - [`capture`]: a plugin request → pod lookup → policy → backend;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
 //! - [`enrollment`]: ambient mode's live enrollment: running pods join and leave as their
 //!   labels and their namespace's change;
 //! - [`events`]: Kubernetes Events on pods whose capture failed;
+//! - [`hub`]: what the agent does with a pod, whoever asks (the plugin, the repair controller,
+//!   live enrollment): the request path, readiness, and the set of captures;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`mountinfo`]: the process's mounts (the cgroup v2 hierarchy, bind-mounted netns);
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
-//! - [`podnet`]: everything done inside a pod's network namespace (entering it, its cookie,
-//!   interfaces and addresses, routes, TC filters), over one netlink socket per visit, and
-//!   finding a running pod's namespace by its address;
+//! - [`pod`]: which pod a capture is: its name and sandbox, what a capture is asked for, the
+//!   ids of captures made in place;
+//! - [`podnet`]: everything done inside a pod's network namespace (a visit: entering it, its
+//!   cookie, interfaces and addresses, its netlink socket; routes; TC filters), and finding a
+//!   running pod's namespace by its address;
 //! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
-//! - [`policy`]: pod → capture decision and [`policy::RedirectPolicy`], Istio's semantics, its
-//!   iptables rendering and an evaluator of the rendered rules;
+//! - [`policy`]: Istio's semantics, pure: the pod's decision ([`policy::decide`]: left alone,
+//!   its sidecar's [`policy::RedirectPolicy`] or ambient mode's in-pod policy), Istio's exact
+//!   rules and an evaluator of them;
 //! - [`probe`]: can this kernel run the eBPF backend;
 //! - [`repair`]: Istio's repair controller, for pods that started before their capture;
 //! - [`sched`]: a short scheduler slice, so that a busy node's pods do not delay an ADD;
@@ -35,33 +44,36 @@
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap's DaemonSet is deleted;
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
-//! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]); [`capture`] looks the
-//! pod up ([`pods`]), asks [`policy::select`] whether and how Istio would capture it, and hands
-//! the [`policy::RedirectPolicy`] to the backend, run by the request's own worker thread
-//! (`block_in_place`). The eBPF backend ([`backend::ebpf`]) encodes the policy into map
-//! entries, visits the pod's network namespace once ([`podnet::run_in`]) to learn its cookie,
-//! interfaces and routes and attach its inbound TC stub, then writes the pod's lists and,
+//! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]), which hands the hub
+//! a [`pod::Sandbox`]. The [`hub`] looks the pod up ([`pods`]), asks [`policy::decide`] what
+//! happens to it, and gives the policy to the [`backend::Router`], on the request's own worker
+//! thread (`block_in_place`). The router sends a sidecar pod to the node's backend and an
+//! ambient pod to [`ambient`], which records it, has its backend capture it and hands it to
+//! ztunnel. The eBPF backend ([`backend::ebpf`]) captures a pod in one transaction: one visit
+//! to its network namespace ([`podnet::run_in`]) observes it (cookie, interfaces, addresses),
+//! plans its map entries and attaches its inbound TC stub, then it writes the pod's lists and,
 //! last, its `MESHCAP_PODS` entry, which makes the node-wide programs act on it. The iptables
 //! backend renders Istio's rules ([`policy::RedirectPolicy::render`]) and restores them in the
-//! same kind of visit.
-//! Dependencies point one way: api → capture → backend → podnet and policy.
+//! same kind of visit. docs/development.md maps where each decision and each record lives.
+//! Dependencies point one way: api → hub → ambient → backend → podnet, pod and policy.
 
 pub mod ambient;
 pub mod api;
 pub mod backend;
 pub mod bpf;
-pub mod capture;
 pub mod cgroup;
 pub mod crashpoint;
 pub mod decide;
 pub mod enrollment;
 pub mod events;
+pub mod hub;
 pub mod install;
 pub mod instance;
 pub mod ipset;
 pub mod logging;
 pub mod mountinfo;
 pub mod paths;
+pub mod pod;
 pub mod podnet;
 pub mod pods;
 pub mod policy;

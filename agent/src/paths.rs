@@ -1,5 +1,6 @@
-//! Where the agent finds things on the node, by default. `deploy/daemonset.yaml` mounts exactly
-//! these paths (a test checks it), so a change here is a change to the manifests too.
+//! Where the agent finds things on the node, by default. The DaemonSet in `deploy/` mounts
+//! exactly these paths (`agent/tests/deploy.rs` checks it), so a change here is a change to the
+//! manifests too.
 //!
 //! Host directories are mounted at the same path inside the agent's container, so one set of
 //! defaults serves both the DaemonSet and a host-installed agent.
@@ -33,6 +34,11 @@ pub const NETNS_DIR: &str = "/var/run/netns";
 
 /// The health, readiness and metrics endpoint, on every address of the node.
 pub const HTTP_LISTEN: &str = "0.0.0.0:15022";
+
+/// A private agent's name that cannot name its paths.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("instance name {0:?}: use 1 to 40 lowercase letters, digits and '-'")]
+pub struct InstanceNameError(pub String);
 
 /// Where one agent keeps everything it owns on the node: the DaemonSet's ([`Self::default`]),
 /// or a private agent's beside it ([`Self::instance`]), so that a second agent started by hand
@@ -72,16 +78,14 @@ impl AgentPaths {
     ///
     /// # Errors
     /// When `name` is not 1 to 40 lowercase letters, digits and `-`.
-    pub fn instance(name: &str) -> Result<Self, String> {
+    pub fn instance(name: &str) -> Result<Self, InstanceNameError> {
         if name.is_empty()
             || name.len() > 40
             || !name
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         {
-            return Err(format!(
-                "instance name {name:?}: use 1 to 40 lowercase letters, digits and '-'"
-            ));
+            return Err(InstanceNameError(name.to_owned()));
         }
         let run = std::path::PathBuf::from(format!("{RUN_DIR}-{name}"));
         let layout = std::path::Path::new(crate::backend::ebpf::DEFAULT_BPFFS_DIR)

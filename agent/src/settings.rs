@@ -1,8 +1,16 @@
 //! The node settings a cluster install gives the agent: the keys of the `meshcap-config`
-//! ConfigMap (Istio's names and defaults where Istio has the setting), and the environment
-//! variable the DaemonSet passes each in. `deploy/` is checked against this table by a test, and
+//! ConfigMap, each named after the Helm value it comes from (Istio's istio-cni chart's names and
+//! defaults where Istio has the setting, `deploy/chart`), and the environment variable the
+//! DaemonSet passes each in. The chart's rendering is checked against this table by a test, and
 //! the agent's `run` reads exactly these variables.
-use crate::{install, paths, taint};
+mod read;
+
+pub use read::{
+    LogLevels, SettingsError, bool_setting, enablement_selectors, install_config, log_levels,
+    not_supported, parse_bool, parse_list,
+};
+
+use crate::{paths, taint};
 
 /// One setting: its ConfigMap key, the agent's environment variable and the default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,7 +45,7 @@ pub const CNI_CONF_FILE_NAME: Setting = Setting {
 };
 
 /// `chained`: `true` inserts into the primary CNI's list, `false` writes
-/// [`install::STANDALONE_FILE_NAME`].
+/// [`crate::install::STANDALONE_FILE_NAME`].
 pub const CHAINED: Setting = Setting {
     key: "chained",
     env: "MESHCAP_CHAINED",
@@ -51,23 +59,41 @@ pub const EXCLUDE_NAMESPACES: Setting = Setting {
     default: "kube-system",
 };
 
-/// `logLevel`: the agent's and the plugin's log level.
+/// `logging.level` (or `global.logging.level`): the agent's and the plugin's log level, in
+/// Istio's `--log_output_level` form ([`log_levels`]).
 pub const LOG_LEVEL: Setting = Setting {
-    key: "logLevel",
+    key: "logging.level",
     env: "MESHCAP_LOG_LEVEL",
     default: "info",
 };
 
-/// `mode`: `auto` (eBPF when the kernel can, else iptables), `ebpf` or `iptables`.
+/// `global.logAsJson`: the agent logs one JSON object per line.
+pub const LOG_AS_JSON: Setting = Setting {
+    key: "global.logAsJson",
+    env: "MESHCAP_LOG_AS_JSON",
+    default: "false",
+};
+
+/// `cniNetnsDir`: where the runtime bind-mounts pod network namespaces (the DaemonSet mounts it
+/// at the same path); the repair controller and ambient mode look for a pod's netns there.
+pub const CNI_NETNS_DIR: Setting = Setting {
+    key: "cniNetnsDir",
+    env: "MESHCAP_CNI_NETNS_DIR",
+    default: paths::NETNS_DIR,
+};
+
+/// `meshcap.backend` (meshcap's own): `auto` (eBPF when the kernel can, else iptables), `ebpf`
+/// or `iptables`.
 pub const MODE: Setting = Setting {
-    key: "mode",
+    key: "meshcap.backend",
     env: "MESHCAP_MODE",
     default: "auto",
 };
 
-/// `startupTaint`: the taint key the agent removes from its node when ready; empty disables.
+/// `meshcap.startupTaint` (meshcap's own): the taint key the agent removes from its node when
+/// ready; empty disables.
 pub const STARTUP_TAINT: Setting = Setting {
-    key: "startupTaint",
+    key: "meshcap.startupTaint",
     env: "MESHCAP_STARTUP_TAINT",
     default: taint::DEFAULT_KEY,
 };
@@ -142,10 +168,10 @@ pub const AMBIENT_IPV6: Setting = Setting {
     default: "true",
 };
 
-/// `ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs (the
-/// eBPF backend, when it serves the node) instead of Istio's in-pod rules.
+/// `meshcap.ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs
+/// (the eBPF backend, when it serves the node) instead of Istio's in-pod rules.
 pub const AMBIENT_IN_KERNEL: Setting = Setting {
-    key: "ambient.inKernel",
+    key: "meshcap.ambient.inKernel",
     env: "MESHCAP_AMBIENT_IN_KERNEL",
     default: "false",
 };
@@ -159,23 +185,67 @@ pub const AMBIENT_RECONCILE_IPTABLES_ON_STARTUP: Setting = Setting {
     default: "true",
 };
 
-/// `ambient.enablementSelectors`: which pods ambient mode enrolls (JSON; Istio's chart default:
-/// the pod labelled `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the
-/// pod says `none`).
+/// `ambient.enablementSelectors`: which pods ambient mode enrolls, as YAML (Istio's chart renders
+/// its list with `toYaml`; JSON is YAML too). Istio's chart default: the pod labelled
+/// `istio.io/dataplane-mode=ambient`, or its namespace so labelled unless the pod says `none`.
 pub const AMBIENT_ENABLEMENT_SELECTORS: Setting = Setting {
     key: "ambient.enablementSelectors",
     env: "MESHCAP_AMBIENT_ENABLEMENT_SELECTORS",
     default: r#"[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]"#,
 };
 
+/// `istioOwnedCNIConfig`: Istio's own conflist merging the primary's (Istio 1.27). meshcap does
+/// not have it yet: accepted, and reported at start when set ([`not_supported`]).
+pub const ISTIO_OWNED_CNI_CONFIG: Setting = Setting {
+    key: "istioOwnedCNIConfig",
+    env: "MESHCAP_ISTIO_OWNED_CNI_CONFIG",
+    default: "false",
+};
+
+/// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27). Not in meshcap yet
+/// (its iptables backend picks legacy or nft iptables per pod, as Istio's iptables mode does).
+pub const NATIVE_NFTABLES: Setting = Setting {
+    key: "global.nativeNftables",
+    env: "MESHCAP_NATIVE_NFTABLES",
+    default: "false",
+};
+
+/// `ambient.enableAmbientDetectionRetry`: Istio's plugin retries its ambient check on API
+/// errors. Not in meshcap yet.
+pub const AMBIENT_DETECTION_RETRY: Setting = Setting {
+    key: "ambient.enableAmbientDetectionRetry",
+    env: "MESHCAP_AMBIENT_ENABLE_AMBIENT_DETECTION_RETRY",
+    default: "false",
+};
+
+/// Istio settings meshcap accepts but does not act on yet, and what it does instead.
+pub const NOT_SUPPORTED: [(Setting, &str); 3] = [
+    (
+        ISTIO_OWNED_CNI_CONFIG,
+        "meshcap chains its entry into the primary CNI's configuration (or writes its \
+         standalone file with chained=false)",
+    ),
+    (
+        NATIVE_NFTABLES,
+        "the iptables backend writes Istio's iptables rules (legacy or nft iptables, chosen per \
+         pod as Istio does); the eBPF backend needs neither",
+    ),
+    (
+        AMBIENT_DETECTION_RETRY,
+        "the plugin asks the agent, which looks a pod up again while the pod source lags",
+    ),
+];
+
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 21] = [
+pub const ALL: [Setting; 26] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
+    CNI_NETNS_DIR,
     CHAINED,
     EXCLUDE_NAMESPACES,
     LOG_LEVEL,
+    LOG_AS_JSON,
     MODE,
     STARTUP_TAINT,
     REPAIR_ENABLED,
@@ -191,6 +261,9 @@ pub const ALL: [Setting; 21] = [
     AMBIENT_IN_KERNEL,
     AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
+    ISTIO_OWNED_CNI_CONFIG,
+    NATIVE_NFTABLES,
+    AMBIENT_DETECTION_RETRY,
 ];
 
 /// The node the agent runs on (the downward API's `spec.nodeName`).
@@ -220,138 +293,3 @@ pub const INSTALL_CNI_ENV: &str = "MESHCAP_INSTALL_CNI";
 
 /// Where the `meshcap-cni` binary to install is, in the agent's image: beside the agent.
 pub const PLUGIN_SOURCE: &str = "/usr/local/bin/meshcap-cni";
-
-/// Parses `chained`'s value as Istio does (Go's `strconv.ParseBool`).
-#[must_use]
-pub fn parse_bool(value: &str) -> Option<bool> {
-    match value {
-        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
-        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
-        _ => None,
-    }
-}
-
-/// Splits a comma-separated list, dropping empty elements and whitespace (Istio's
-/// `config.Split`).
-#[must_use]
-pub fn parse_list(value: &str) -> Vec<String> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
-/// A setting with a value the agent cannot use.
-#[derive(Debug, thiserror::Error)]
-pub enum SettingsError {
-    /// A boolean setting is not one.
-    #[error("{env}: {value:?} is not true or false")]
-    NotBool {
-        /// The variable.
-        env: &'static str,
-        /// Its value.
-        value: String,
-    },
-    /// A JSON setting is not JSON.
-    #[error("{env}: {value:?} is not JSON: {reason}")]
-    NotJson {
-        /// The variable.
-        env: &'static str,
-        /// Its value.
-        value: String,
-        /// The parser's complaint.
-        reason: String,
-    },
-}
-
-/// A boolean setting through `lookup`.
-///
-/// # Errors
-/// When it is not a boolean: names the variable and the value.
-pub fn bool_setting(
-    lookup: &impl Fn(&str) -> Option<String>,
-    setting: Setting,
-) -> Result<bool, SettingsError> {
-    let value = lookup(setting.env).unwrap_or_else(|| setting.default.to_owned());
-    parse_bool(&value).ok_or(SettingsError::NotBool {
-        env: setting.env,
-        value,
-    })
-}
-
-/// The install configuration from these settings, read through `lookup` (e.g.
-/// `|name| std::env::var(name).ok()`); unset variables take the defaults.
-///
-/// # Errors
-/// When `chained` is not a boolean: names the variable and the value.
-pub fn install_config(
-    lookup: impl Fn(&str) -> Option<String>,
-    plugin_source: std::path::PathBuf,
-) -> Result<install::InstallConfig, SettingsError> {
-    let get = |s: Setting| lookup(s.env).unwrap_or_else(|| s.default.to_owned());
-    let mut config = install::InstallConfig::new(plugin_source);
-    config.cni_bin_dir = get(CNI_BIN_DIR).into();
-    config.cni_conf_dir = get(CNI_CONF_DIR).into();
-    config.cni_conf_file_name = Some(get(CNI_CONF_FILE_NAME)).filter(|n| !n.is_empty());
-    config.chained = bool_setting(&lookup, CHAINED)?;
-    config.plugin.exclude_namespaces = parse_list(&get(EXCLUDE_NAMESPACES));
-    config.plugin.log_level = get(LOG_LEVEL);
-    if let Some(namespace) = lookup(POD_NAMESPACE_ENV) {
-        config.plugin.agent_pod_namespace = namespace;
-    }
-    if bool_setting(&lookup, AMBIENT_ENABLED)? {
-        let value = get(AMBIENT_ENABLEMENT_SELECTORS);
-        let selectors = serde_json::from_str(&value).map_err(|e| SettingsError::NotJson {
-            env: AMBIENT_ENABLEMENT_SELECTORS.env,
-            value: value.clone(),
-            reason: e.to_string(),
-        })?;
-        config.plugin.ambient_selectors = Some(selectors);
-    }
-    Ok(config)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_are_the_install_modules() {
-        let config = install_config(|_| None, PLUGIN_SOURCE.into()).expect("defaults");
-        assert_eq!(
-            config,
-            install::InstallConfig::new(PLUGIN_SOURCE.into()),
-            "the ConfigMap's defaults and the install module's must agree"
-        );
-    }
-
-    #[test]
-    fn values_are_read_as_istio_reads_them() {
-        let env = |name: &str| match name {
-            "MESHCAP_CHAINED" => Some("False".to_owned()),
-            "MESHCAP_EXCLUDE_NAMESPACES" => Some(" kube-system,, istio-system ".to_owned()),
-            "MESHCAP_CNI_CONF_FILE_NAME" => Some("10-calico.conflist".to_owned()),
-            _ => None,
-        };
-        let config = install_config(env, PLUGIN_SOURCE.into()).expect("config");
-        assert!(!config.chained);
-        assert_eq!(
-            config.plugin.exclude_namespaces,
-            ["kube-system", "istio-system"]
-        );
-        assert_eq!(
-            config.cni_conf_file_name.as_deref(),
-            Some("10-calico.conflist")
-        );
-        let bad = install_config(
-            |n| (n == "MESHCAP_CHAINED").then(|| "yes".to_owned()),
-            PLUGIN_SOURCE.into(),
-        );
-        assert_eq!(
-            bad.expect_err("yes is not a Go bool").to_string(),
-            "MESHCAP_CHAINED: \"yes\" is not true or false"
-        );
-    }
-}

@@ -1,7 +1,8 @@
-//! `deploy/` against the agent: every manifest parses into its k8s-openapi type without a field
-//! lost (a misspelt field would be dropped silently by the API server), the RBAC rules are
-//! exactly what the agent calls, and the ConfigMap and DaemonSet carry exactly the settings and
-//! host paths the agent's defaults name.
+//! `deploy/` (the plain manifests, rendered from `deploy/chart` with its defaults) against the
+//! agent: every manifest parses into its k8s-openapi type without a field lost (a misspelt field
+//! would be dropped silently by the API server), the RBAC rules are exactly what the agent calls,
+//! and the ConfigMap and DaemonSet carry exactly the settings and host paths the agent's defaults
+//! name. `chart.rs` checks the chart's other configurations and that these files are its.
 use std::{collections::BTreeMap, fs, path::Path};
 
 use k8s_openapi::{
@@ -107,13 +108,13 @@ fn rbac_is_exactly_what_the_agent_calls() {
         rules,
         [
             (s(&[""]), s(&["pods"]), s(&["get", "list", "watch"])),
-            (s(&[""]), s(&["namespaces"]), s(&["get", "list", "watch"])),
-            (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
             (
                 s(&["events.k8s.io"]),
                 s(&["events"]),
                 s(&["create", "patch"])
             ),
+            // The default startup taint's removal.
+            (s(&[""]), s(&["nodes"]), s(&["get", "patch"])),
         ]
     );
 
@@ -130,7 +131,7 @@ fn rbac_is_exactly_what_the_agent_calls() {
         (Some(subject.name.clone()), subject.namespace.clone()),
         (sa.metadata.name.clone(), ns.clone())
     );
-    // In its own namespace only: its DaemonSet, read when it stops (uninstall on deletion).
+    // In its own namespace only: its own DaemonSet, read when it stops (uninstall on deletion).
     let local = one(&m.roles, "Role");
     assert_eq!(local.metadata.namespace, ns);
     let local_rules: Vec<_> = local
@@ -142,12 +143,19 @@ fn rbac_is_exactly_what_the_agent_calls() {
                 r.api_groups.clone().unwrap_or_default(),
                 r.resources.clone().unwrap_or_default(),
                 r.verbs.clone(),
+                r.resource_names.clone().unwrap_or_default(),
             )
         })
         .collect();
+    let ds_name = one(&m.daemon_sets, "DaemonSet").metadata.name.clone();
     assert_eq!(
         local_rules,
-        [(s(&["apps"]), s(&["daemonsets"]), s(&["get"]))]
+        [(
+            s(&["apps"]),
+            s(&["daemonsets"]),
+            s(&["get"]),
+            ds_name.into_iter().collect::<Vec<_>>()
+        )]
     );
     let local_binding = one(&m.role_bindings, "RoleBinding");
     assert_eq!(local_binding.metadata.namespace, ns);
@@ -188,10 +196,18 @@ fn the_config_map_has_every_setting_with_its_default() {
         .data
         .clone()
         .unwrap_or_default();
-    let expected: BTreeMap<String, String> = settings::ALL
+    let mut expected: BTreeMap<String, String> = settings::ALL
         .iter()
         .map(|s| (s.key.to_owned(), s.default.to_owned()))
         .collect();
+    // The selectors are YAML in the ConfigMap (the chart's toYaml of Istio's default list) and
+    // JSON in the agent's default: the same list.
+    let key = settings::AMBIENT_ENABLEMENT_SELECTORS.key;
+    assert_eq!(
+        settings::enablement_selectors(&data[key]).expect("YAML selectors"),
+        settings::enablement_selectors(&expected[key]).expect("JSON selectors")
+    );
+    expected.insert(key.to_owned(), data[key].clone());
     assert_eq!(data, expected);
 }
 
@@ -215,9 +231,11 @@ fn the_daemon_set_passes_every_setting_in_its_variable() {
             .as_ref()
             .and_then(|v| v.config_map_key_ref.as_ref())
             .unwrap_or_else(|| panic!("{} is not from the ConfigMap", setting.env));
+        // Optional: a key deleted from the ConfigMap leaves the agent on its default instead of
+        // failing the pod (CreateContainerConfigError).
         assert_eq!(
-            (Some(key.name.clone()), key.key.as_str()),
-            (config_map.clone(), setting.key)
+            (Some(key.name.clone()), key.key.as_str(), key.optional),
+            (config_map.clone(), setting.key, Some(true))
         );
     }
     let field = |name: &str| {
@@ -345,13 +363,24 @@ fn the_daemon_set_runs_first_everywhere_with_narrow_capabilities() {
     );
     assert_eq!(pod.host_network, Some(true));
     let tolerations = pod.tolerations.as_deref().unwrap_or_default();
-    assert!(
-        tolerations
-            .iter()
-            .any(|t| t.operator.as_deref() == Some("Exists")
-                && t.key.is_none()
-                && t.effect.is_none()),
-        "tolerates every taint, the startup taint included: {tolerations:?}"
+    for effect in ["NoSchedule", "NoExecute"] {
+        assert!(
+            tolerations
+                .iter()
+                .any(|t| t.operator.as_deref() == Some("Exists")
+                    && t.key.is_none()
+                    && t.effect.as_deref() == Some(effect)),
+            "tolerates every {effect} taint, the startup taint included: {tolerations:?}"
+        );
+    }
+    // Linux nodes only, and the architectures the image carries.
+    assert_eq!(
+        pod.node_selector
+            .clone()
+            .unwrap_or_default()
+            .get("kubernetes.io/os")
+            .map(String::as_str),
+        Some("linux")
     );
     let security = agent.security_context.as_ref().expect("securityContext");
     assert_eq!(security.privileged, Some(false));

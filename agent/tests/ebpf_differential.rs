@@ -8,7 +8,7 @@ use meshcap_agent::{
     backend::ebpf::{Entries, encode, encode_ambient},
     podnet::PodNet,
     policy::{
-        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodRef, PortSelection,
+        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodName, PortSelection,
         RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,
         ambient::{HostProbeSnat, InpodPolicy},
     },
@@ -95,7 +95,7 @@ fn policy(g: &mut Gen) -> RedirectPolicy {
     let mut exclude_inbound_ports = g.some(&PORTS, 20);
     exclude_inbound_ports.extend([15020, 15021, 15090]);
     RedirectPolicy {
-        pod: PodRef {
+        pod: PodName {
             namespace: "default".into(),
             name: "gen".into(),
         },

@@ -5,6 +5,11 @@
 //! which its shims, sandboxes and containers inherit and under which the pods' cgroups are
 //! made: the cgroup the eBPF programs attach to.
 //!
+//! [`Containerd::prepare_node`] also gives it a mount namespace of its own, the node's file
+//! system as its pods and their CNI plugins see it: a fresh tmpfs on `/run` and a bpffs of its
+//! own on `/sys/fs/bpf`, so that a DaemonSet's host paths there (`/var/run/meshcap`,
+//! `/var/run/ztunnel`, `/sys/fs/bpf`) are the test's and nothing is shared with the machine's.
+//!
 //! On drop every sandbox is stopped and removed through CRI, containerd is stopped by its pid,
 //! the shims it started and anything left in its cgroup are killed, and its directories,
 //! mounts and cgroups are removed.
@@ -34,6 +39,8 @@ pub const GATEWAY: &str = "10.244.0.1";
 pub struct Containerd {
     proc: Option<Proc>,
     dir: PathBuf,
+    /// Whether it runs in a mount namespace of its own ([`Self::prepare_node`]).
+    private_node: bool,
     /// The namespace containerd runs in: the node's network for the pods.
     pub node: Netns,
     /// The cgroup containerd and everything it starts live in.
@@ -90,6 +97,7 @@ impl Containerd {
         )?;
         Ok(Self {
             proc: None,
+            private_node: false,
             node: Netns::new("mc-ctd-node")?,
             cgroup: TestCgroup::new("meshcap-ctd")?,
             socket: dir.join("containerd.sock"),
@@ -98,6 +106,18 @@ impl Containerd {
             log_dir,
             dir,
         })
+    }
+
+    /// [`Self::prepare`], for a containerd that runs in a mount namespace of its own (module
+    /// docs): the node a DaemonSet's pod runs on.
+    ///
+    /// # Errors
+    /// As [`Self::prepare`].
+    pub fn prepare_node() -> anyhow::Result<Self> {
+        let mut ctd = Self::prepare()?;
+        ctd.private_node = true;
+        fs::create_dir_all(ctd.netns_dir())?;
+        Ok(ctd)
     }
 
     /// The cgroup parent to give sandboxes: the containerd cgroup's path from the root.
@@ -120,17 +140,46 @@ impl Containerd {
     pub fn start(&mut self) -> anyhow::Result<Cri> {
         let config = self.dir.join("config.toml");
         fs::write(&config, self.config())?;
-        self.proc = Some(Proc::spawn_logged(
-            Placement {
-                netns: &self.node,
-                cgroup: Some(&self.cgroup),
-                uid: 0,
-                gid: 0,
-            },
-            Path::new("/usr/bin/containerd"),
-            &["--config", &config.display().to_string()],
-            &self.dir.join("containerd.log"),
-        )?);
+        let config = config.display().to_string();
+        let placement = Placement {
+            netns: &self.node,
+            cgroup: Some(&self.cgroup),
+            uid: 0,
+            gid: 0,
+        };
+        let log = self.dir.join("containerd.log");
+        self.proc = Some(if self.private_node {
+            // util-linux's unshare makes every mount private first: nothing mounted here is
+            // seen outside. Shared again inside, so that the runtime accepts HostToContainer
+            // mounts (it wants their source on a shared or slave mount). `-n`: no utab, which
+            // would be written under the machine's /run.
+            Proc::spawn_logged(
+                placement,
+                Path::new("/usr/bin/unshare"),
+                &[
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "/bin/sh",
+                    "-ec",
+                    "mount -n --make-rshared /\n\
+                     mount -n -t tmpfs -o mode=0755 meshcap-node-run /run\n\
+                     mkdir -p /run/meshcap /run/ztunnel\n\
+                     mount -n -t bpf meshcap-node-bpffs /sys/fs/bpf\n\
+                     exec /usr/bin/containerd --config \"$1\"",
+                    "node",
+                    &config,
+                ],
+                &log,
+            )?
+        } else {
+            Proc::spawn_logged(
+                placement,
+                Path::new("/usr/bin/containerd"),
+                &["--config", &config],
+                &log,
+            )?
+        });
         for _ in 0..200 {
             if self.socket.exists()
                 && let Ok(mut cri) = Cri::connect(&self.socket)

@@ -138,7 +138,15 @@ impl Cri {
         cgroup_parent: &str,
         log_directory: &Path,
     ) -> anyhow::Result<String> {
-        let config = sandbox_config(pod, cgroup_parent, log_directory);
+        self.run_sandbox(sandbox_config(pod, cgroup_parent, log_directory))
+    }
+
+    /// `RunPodSandbox` with a configuration of the caller's (a host-network pod's, say).
+    /// Returns the sandbox id.
+    ///
+    /// # Errors
+    /// When the runtime refuses.
+    pub fn run_sandbox(&mut self, config: PodSandboxConfig) -> anyhow::Result<String> {
         let reply = self.call("RunPodSandbox", |mut c| async move {
             c.run_pod_sandbox(RunPodSandboxRequest {
                 config: Some(config),
@@ -176,6 +184,32 @@ impl Cri {
             .and_then(|ns| ns["path"].as_str())
             .map(str::to_owned)
             .with_context(|| format!("sandbox {sandbox}: no network namespace path in {info}"))
+    }
+
+    /// The pid of a sandbox's own process (its network namespace is `/proc/<pid>/ns/net`, wherever
+    /// the runtime mounted its file).
+    ///
+    /// # Errors
+    /// When the sandbox is unknown or has no pid.
+    pub fn sandbox_pid(&mut self, sandbox: &str) -> anyhow::Result<u32> {
+        let id = sandbox.to_owned();
+        let reply = self.call("PodSandboxStatus", |mut c| async move {
+            c.pod_sandbox_status(PodSandboxStatusRequest {
+                pod_sandbox_id: id,
+                verbose: true,
+            })
+            .await
+        })?;
+        let info: serde_json::Value = serde_json::from_str(
+            reply
+                .info
+                .get("info")
+                .context("PodSandboxStatus: no verbose info")?,
+        )?;
+        info["pid"]
+            .as_u64()
+            .and_then(|pid| u32::try_from(pid).ok())
+            .with_context(|| format!("sandbox {sandbox}: no pid in {info}"))
     }
 
     /// The ids of every sandbox the runtime has.
@@ -237,6 +271,20 @@ impl Cri {
             }),
             ..ContainerConfig::default()
         };
+        self.start_container(sandbox, sandbox_config, config)
+    }
+
+    /// `CreateContainer` then `StartContainer` of a configuration of the caller's, in
+    /// `sandbox` (made from `sandbox_config`). Returns the container id.
+    ///
+    /// # Errors
+    /// When either call fails.
+    pub fn start_container(
+        &mut self,
+        sandbox: &str,
+        sandbox_config: PodSandboxConfig,
+        config: ContainerConfig,
+    ) -> anyhow::Result<String> {
         let id = sandbox.to_owned();
         let created = self.call("CreateContainer", |mut c| async move {
             c.create_container(CreateContainerRequest {
@@ -303,7 +351,12 @@ impl Cri {
 }
 
 /// The sandbox configuration kubelet would send for `pod`.
-fn sandbox_config(pod: &PodMeta, cgroup_parent: &str, log_directory: &Path) -> PodSandboxConfig {
+#[must_use]
+pub fn sandbox_config(
+    pod: &PodMeta,
+    cgroup_parent: &str,
+    log_directory: &Path,
+) -> PodSandboxConfig {
     PodSandboxConfig {
         metadata: Some(PodSandboxMetadata {
             name: pod.name.clone(),

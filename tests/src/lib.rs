@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod agent;
 pub mod apiserver;
+pub mod chart;
 pub mod containerd;
 pub mod cri;
 pub mod fixtures;

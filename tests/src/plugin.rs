@@ -6,10 +6,10 @@ use std::{collections::HashMap, path::Path, sync::Mutex};
 
 use anyhow::{Context as _, ensure};
 use meshcap_agent::{
-    backend::PodRef,
+    pod::PodRef,
     policy::{
-        self, CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, SelectConfig,
-        Selection, keys,
+        self, CidrSet, InterceptionMode, IpRanges, PodName, PortSelection, RedirectPolicy,
+        SelectConfig, Selection, keys,
     },
 };
 use serde_json::{Value, json};
@@ -180,7 +180,7 @@ fn sandbox(pod: &PodRef) -> Sandbox {
 impl Backend for PluginUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
         let mut policy = policy.clone();
-        policy.pod = policy::PodRef {
+        policy.pod = PodName {
             namespace: pod.namespace.clone(),
             name: pod.name.clone(),
         };

@@ -9,11 +9,14 @@ use std::{
 use anyhow::{Context as _, bail};
 use meshcap_agent::{
     backend::{
-        CaptureBackend as _, PodRef,
+        CaptureBackend as _,
         ebpf::{EbpfBackend, EbpfConfig, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
-    policy::{CidrSet, InterceptionMode, IpPrefix, IpRanges, PortSelection, RedirectPolicy},
+    pod::PodRef,
+    policy::{
+        CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
+    },
 };
 
 use crate::{
@@ -141,7 +144,7 @@ impl Drop for EbpfUnderTest {
 
 impl Backend for EbpfUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
-        Ok(self.get().add(pod, policy)?)
+        Ok(self.get().add(pod, &policy.clone().into())?)
     }
 
     fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
@@ -181,7 +184,7 @@ impl Drop for IptablesUnderTest {
 
 impl Backend for IptablesUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
-        Ok(self.backend.add(pod, policy)?)
+        Ok(self.backend.add(pod, &policy.clone().into())?)
     }
 
     fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
@@ -194,7 +197,7 @@ impl Backend for IptablesUnderTest {
 pub fn default_policy(name: &str, pod_ips: Vec<IpAddr>) -> RedirectPolicy {
     let ipv6 = pod_ips.iter().any(IpAddr::is_ipv6);
     RedirectPolicy {
-        pod: meshcap_agent::policy::PodRef {
+        pod: PodName {
             namespace: "default".into(),
             name: name.into(),
         },

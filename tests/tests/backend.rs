@@ -10,9 +10,10 @@ use std::{path::Path, process::Command, thread, time::Duration};
 use aya::maps::{HashMap, Map, MapData};
 use meshcap_agent::{
     backend::{
-        PodRef,
+        CaptureBackend as _,
         ebpf::{Pins, TcAttach},
     },
+    pod::PodRef,
     policy::RedirectPolicy,
 };
 use meshcap_common::{FlowKey, OrigDst, PodConfig, maps};
@@ -122,12 +123,15 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         TcAttach::Netlink,
         "the default"
     );
-    first.get().add(&r, &policy).expect("add");
+    first.get().add(&r, &policy.clone().into()).expect("add");
     first
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect("add again (idempotent)");
-    first.get().check(&r, &policy).expect("check");
+    first
+        .get()
+        .check(&r, &policy.clone().into())
+        .expect("check");
     for dev in ["eth0", "eth1"] {
         let ours: Vec<_> = ingress_filters(&pod, dev)
             .into_iter()
@@ -148,10 +152,13 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
         "capture must outlive the agent"
     );
     let second = EbpfUnderTest::at(&node.cgroup, &dir).expect("restarted backend");
-    second.get().add(&r, &policy).expect("add after restart");
     second
         .get()
-        .check(&r, &policy)
+        .add(&r, &policy.clone().into())
+        .expect("add after restart");
+    second
+        .get()
+        .check(&r, &policy.clone().into())
         .expect("check after restart");
     for dev in ["eth0", "eth1"] {
         let ours = ingress_filters(&pod, dev)
@@ -170,14 +177,17 @@ fn netlink_tc_is_recorded_checked_adopted_and_removed_exactly() {
     );
     let err = second
         .get()
-        .check(&r, &policy)
+        .check(&r, &policy.clone().into())
         .expect_err("check must notice the missing filter");
     assert!(err.to_string().contains("eth0"), "{err}");
     // ADD repairs it: the stale record is dropped and the stub attached afresh.
-    second.get().add(&r, &policy).expect("add repairs");
     second
         .get()
-        .check(&r, &policy)
+        .add(&r, &policy.clone().into())
+        .expect("add repairs");
+    second
+        .get()
+        .check(&r, &policy.clone().into())
         .expect("check after the repair");
     assert_eq!(
         ingress_filters(&pod, "eth0")
@@ -240,7 +250,7 @@ fn a_failed_add_leaves_nothing_behind() {
     let backend = EbpfUnderTest::new(&node.cgroup).expect("backend");
     let err = backend
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect_err("the stub cannot go on eth1");
     assert!(err.to_string().contains("eth1"), "{err}");
     assert_eq!(ingress_filters(&pod, "eth0"), Vec::<String>::new());
@@ -255,7 +265,7 @@ fn a_failed_add_leaves_nothing_behind() {
         0,
         "no pins of the pod are left"
     );
-    assert!(backend.get().check(&r, &policy).is_err());
+    assert!(backend.get().check(&r, &policy.clone().into()).is_err());
     assert!(!captured(&node, &pod), "a failed ADD captures nothing");
 
     tc(
@@ -264,9 +274,12 @@ fn a_failed_add_leaves_nothing_behind() {
     );
     backend
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect("add once the way is clear");
-    backend.get().check(&r, &policy).expect("check");
+    backend
+        .get()
+        .check(&r, &policy.clone().into())
+        .expect("check");
     assert!(captured(&node, &pod) && captured_inbound(&node, &pod));
     backend.get().remove(&r).expect("remove");
 }
@@ -305,7 +318,7 @@ fn a_full_pod_table_fails_the_add_whole() {
 
     let err = backend
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect_err("no room for the pod");
     assert!(err.to_string().contains("at most 1024 pods"), "{err}");
     assert!(backend.get().pinned_pods().is_empty(), "no pins of the pod");
@@ -323,9 +336,12 @@ fn a_full_pod_table_fails_the_add_whole() {
     }
     backend
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect("add once there is room");
-    backend.get().check(&r, &policy).expect("check");
+    backend
+        .get()
+        .check(&r, &policy.clone().into())
+        .expect("check");
     assert!(captured(&node, &pod));
     backend.get().remove(&r).expect("remove");
 }
@@ -349,12 +365,15 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
     let tcx = tcx_where_supported();
 
     let first = EbpfUnderTest::with_tc_attach(&node.cgroup, tcx).expect("backend");
-    first.get().add(&r, &policy).expect("add");
+    first.get().add(&r, &policy.clone().into()).expect("add");
     first
         .get()
-        .add(&r, &policy)
+        .add(&r, &policy.clone().into())
         .expect("add again (idempotent)");
-    first.get().check(&r, &policy).expect("check");
+    first
+        .get()
+        .check(&r, &policy.clone().into())
+        .expect("check");
     // The agent goes away: nothing it attached may go with it.
     let dir = first.leave();
     assert!(captured(&node, &pod), "capture must outlive the agent");
@@ -366,12 +385,15 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
     }
     second
         .get()
-        .check(&r, &policy)
+        .check(&r, &policy.clone().into())
         .expect("check after restart");
-    second.get().add(&r, &policy).expect("add after restart");
     second
         .get()
-        .check(&r, &policy)
+        .add(&r, &policy.clone().into())
+        .expect("add after restart");
+    second
+        .get()
+        .check(&r, &policy.clone().into())
         .expect("check after the second add");
     let listed = second.get().pinned_pods();
     assert_eq!(listed.len(), 1, "{listed:?}");
@@ -381,7 +403,9 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
         for dev in ["eth0", "eth1"] {
             assert!(
                 Pins::new(&dir)
-                    .tc_record(listed[0].netns_cookie, dev)
+                    .pod(listed[0].netns_cookie)
+                    .tc(dev)
+                    .path()
                     .is_file(),
                 "{dev}: the TCX link's pin is kept, not replaced"
             );
@@ -402,7 +426,7 @@ fn pins_survive_the_agent_and_a_default_restart_adopts_tcx_ones() {
         "a removed pod's inbound is not captured"
     );
     assert!(second.get().pinned_pods().is_empty());
-    assert!(second.get().check(&r, &policy).is_err());
+    assert!(second.get().check(&r, &policy.clone().into()).is_err());
 }
 
 #[test]
@@ -419,7 +443,10 @@ fn identical_loopback_tuples_in_two_pods_do_not_cross() {
         pod.start_servers(&node, PROXY, false).expect("servers");
         backend
             .get()
-            .add(&pod_ref(&pod), &default_policy("twin", pod.ips(false)))
+            .add(
+                &pod_ref(&pod),
+                &default_policy("twin", pod.ips(false)).into(),
+            )
             .expect("add");
         pods.push(pod);
     }
@@ -479,7 +506,10 @@ fn closed_captured_connections_leave_no_entries_behind() {
     pod.start_servers(&node, PROXY, false).expect("servers");
     backend
         .get()
-        .add(&pod_ref(&pod), &default_policy("flows", pod.ips(false)))
+        .add(
+            &pod_ref(&pod),
+            &default_policy("flows", pod.ips(false)).into(),
+        )
         .expect("add");
     let service = format!("{}:80", pod.peer_v4());
     let dials = [
@@ -535,7 +565,7 @@ fn a_connection_let_through_reaches_the_app_after_its_4_tuple_was_captured() {
     }
     let (node, pod, mut policy, r) = serving_pod();
     let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
-    backend.get().add(&r, &policy).expect("add");
+    backend.get().add(&r, &policy.clone().into()).expect("add");
     let target = format!("tcp:{}:8080", pod.v4());
     let from = format!("{}:41234", pod.peer_v4());
     let first = dial(node.client(), &target, Some(&from))
@@ -547,7 +577,10 @@ fn a_connection_let_through_reaches_the_app_after_its_4_tuple_was_captured() {
         "captured first: {first:?}"
     );
     policy.exclude_inbound_ports.push(8080);
-    backend.get().add(&r, &policy).expect("update");
+    backend
+        .get()
+        .add(&r, &policy.clone().into())
+        .expect("update");
     let second = dial(node.client(), &target, Some(&from))
         .expect("dial")
         .expect("an answer");

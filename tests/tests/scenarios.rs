@@ -1,10 +1,11 @@
-//! The scenario table (every row of DESIGN.md's semantics table, Istio's validation probe,
-//! hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the real kernel,
-//! directly and through the agent and the real plugin binary.
+//! The scenario table (every row of the redirect semantics in docs/development.md, Istio's
+//! validation probe, hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the
+//! real kernel, directly and through the agent and the real plugin binary.
 use std::net::IpAddr;
 
 use meshcap_agent::{
-    backend::{PodRef, ebpf::unpin_link},
+    backend::ebpf::unpin_link,
+    pod::PodRef,
     policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
 };
 use meshcap_tests::{
@@ -656,8 +657,9 @@ fn every_program_is_needed() {
         fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
             self.0.add(pod, policy)?;
             let cookie = meshcap_agent::podnet::cookie_of(&pod.netns)?;
-            for (ifname, record) in self.0.get().config().pins().tc_records(cookie) {
-                if record.is_dir() {
+            for record in self.0.get().config().pins().pod(cookie).tc_records() {
+                let ifname = record.ifname();
+                if record.is_filter() {
                     // A netlink TC filter (the default): its clsact qdisc goes with it.
                     let netns = pod.netns.file_name().ok_or_else(|| {
                         anyhow::anyhow!("netns {} has no name", pod.netns.display())
@@ -665,10 +667,10 @@ fn every_program_is_needed() {
                     let netns = netns.to_string_lossy();
                     meshcap_tests::run(
                         "tc",
-                        &["-n", &netns, "qdisc", "del", "dev", &ifname, "clsact"],
+                        &["-n", &netns, "qdisc", "del", "dev", ifname, "clsact"],
                     )?;
                 } else {
-                    unpin_link(&record)?;
+                    unpin_link(record.path())?;
                 }
             }
             Ok(())
@@ -695,7 +697,7 @@ fn every_program_is_needed() {
         fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
             self.0.add(pod, policy)?;
             let cookie = meshcap_agent::podnet::cookie_of(&pod.netns)?;
-            unpin_link(&self.0.get().config().pins().handoff_link(cookie))?;
+            unpin_link(&self.0.get().config().pins().pod(cookie).handoff_link())?;
             Ok(())
         }
 

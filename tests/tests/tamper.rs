@@ -73,8 +73,8 @@ fn tampers(backend: Backend) -> Vec<Tamper> {
                 map.remove(&cookie(pod)).expect("removing the entry");
             }),
             ("the pin recording its TC filter removed", |pod| {
-                let record = pins(pod).tc_record(cookie(pod), "eth0");
-                std::fs::remove_dir_all(&record).expect("removing the record");
+                let record = pins(pod).pod(cookie(pod)).tc("eth0");
+                std::fs::remove_dir_all(record.path()).expect("removing the record");
             }),
         ],
     }

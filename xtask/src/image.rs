@@ -28,8 +28,10 @@ use crate::{
     cmd, userland,
 };
 
-/// The image's name and tag, as `deploy/05-daemonset.yaml` refers to it.
-pub const NAME: &str = "meshcap/meshcap";
+/// The image's name, as the chart's defaults refer to it (`global.hub: localhost`, `image:
+/// meshcap`, the appVersion as tag): a name only a node that imported the archive has, which no
+/// public registry can serve.
+pub const NAME: &str = "localhost/meshcap";
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Where the agent is in the image: the DaemonSet's command.
 pub const AGENT_PATH: &str = "usr/local/bin/meshcap-agent";
@@ -203,7 +205,7 @@ pub fn build(platforms: &[Platform], out: &Path) -> anyhow::Result<Built> {
         // The tag in the archive (`skopeo copy oci-archive:FILE:0.1.0 ...`; podman load).
         "org.opencontainers.image.ref.name": VERSION,
         // The name `ctr images import` gives it.
-        "io.containerd.image.name": format!("docker.io/{NAME}:{VERSION}"),
+        "io.containerd.image.name": format!("{NAME}:{VERSION}"),
     });
     let index_digest = digest(&index);
     blobs.insert(index_digest.clone(), index);

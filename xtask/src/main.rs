@@ -13,9 +13,11 @@ mod elf;
 mod fuzz;
 mod image;
 mod integration;
+mod manifests;
 mod setup;
 mod soak;
 mod test;
+mod tools;
 mod userland;
 
 #[derive(Parser)]
@@ -53,6 +55,9 @@ enum Task {
     /// container image as an OCI archive (target/image/meshcap-<version>.oci.tar) for skopeo,
     /// crane, podman or ctr to push.
     Image(image::Args),
+    /// Setup, then write the plain manifests in deploy/ from the chart in deploy/chart (one
+    /// source; a test fails when they are stale).
+    Manifests,
     /// Setup, build in release, then the chaos soak: pods ADDed and DELeted in parallel with
     /// connections flowing while the agent is SIGKILLed every few seconds (root).
     Soak(soak::Args),
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
         Task::Soak(args) => setup::run().and_then(|()| soak::run(&args)),
         Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
         Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
+        Task::Manifests => setup::run().and_then(|()| manifests::run()),
         Task::Bench {
             quick,
             only,

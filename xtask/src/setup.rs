@@ -34,6 +34,8 @@ const PACKAGES: &[&str] = &[
     "runc",
     "containernetworking-plugins",
     "busybox-static",
+    // The chart's tools (helm, kubernetes-validate) live in a venv of their own (crate::tools).
+    "python3-venv",
 ];
 
 /// The eBPF toolchain: the installed nightly builds the programs with `-Z build-std=core`.
@@ -48,7 +50,7 @@ pub fn run() -> anyhow::Result<()> {
     nightly_rust_src()?;
     bpf_linker()?;
     cargo_fuzz()?;
-    Ok(())
+    crate::tools::install()
 }
 
 fn is_root() -> bool {

@@ -8,7 +8,7 @@ use anyhow::Context as _;
 use crate::{
     arch::Arch,
     cmd::{self, root},
-    fuzz, integration,
+    fuzz, image, integration, tools,
 };
 
 /// Guests `cargo xtask test` boots in QEMU after the host suite (`cargo xtask integration`'s
@@ -111,10 +111,28 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
         // their dependencies' features unify differently and the test phase built them again.
         command(Command::new("cargo").args(["build", "--workspace", "--exclude", "meshcap-ebpf"]))
     })?;
+    let mut arm64 = std::path::PathBuf::new();
     phase("build (arm64 guest's binaries)".into(), &mut || {
-        // Cross-built (the host tests' image test reads the arm64 agent and plugin from here)
-        // and timed on its own: the arm64 guest's cost is this and its boot.
-        integration::build_binaries(Arch::Arm64).map(drop)
+        // Cross-built and timed on its own: the arm64 guest's cost is this and its boot. Its
+        // agent and plugin are also the test image's arm64 platform.
+        arm64 = integration::build_binaries(Arch::Arm64)?;
+        Ok(())
+    })?;
+    // The DaemonSet's image from the binaries just built (no release build), both platforms:
+    // what tests/tests/daemonset.rs runs under containerd (its amd64 one) and checks the
+    // chart's architectures against.
+    let archive = target.join("image/meshcap-test.oci.tar");
+    phase("image (debug binaries)".into(), &mut || {
+        let platform = |arch, dir: &Path| image::Platform {
+            arch,
+            agent: dir.join("meshcap-agent"),
+            plugin: dir.join("meshcap-cni"),
+        };
+        let platforms = [
+            platform(Arch::Amd64, &target.join("debug")),
+            platform(Arch::Arm64, &arm64),
+        ];
+        image::build(&platforms, &archive).map(drop)
     })?;
     phase("tests (host and real kernel)".into(), &mut || {
         // The end-to-end tests run these binaries; built once above instead of by each test
@@ -122,6 +140,8 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
         command(
             Command::new("cargo")
                 .env("MESHCAP_BIN_DIR", target.join("debug"))
+                .env("MESHCAP_IMAGE_ARCHIVE", &archive)
+                .env("MESHCAP_TOOLS_DIR", tools::dir())
                 .args(["test", "--workspace", "--exclude", "meshcap-ebpf"]),
         )
     })?;

@@ -2,13 +2,15 @@
 //! enrolled pod gets Istio's in-pod rules in its network namespace, then is handed to ztunnel
 //! over ZDS ([`crate::ztunnel`]), which opens its listeners inside it and acks.
 //!
-//! The capture is applied ([`InpodCapture`]) by the iptables machinery sidecar pods use
-//! (records written ahead, rollback, crash consistency, CHECK against the kernel), in a state
-//! directory of its own and whichever backend serves the node's sidecar pods; or, with
-//! `ambient.inKernel` on a node the eBPF backend serves, by the kernel programs, with the same
-//! decisions (`meshcap-common`'s ambient branch). Beside each record, what ztunnel must be told
-//! about the pod (its uid, name, namespace and service account) is kept, so that a ztunnel that
-//! connects later, or to a restarted agent, is sent every enrolled pod in the snapshot.
+//! [`Ambient`] is the backend the router sends ambient pods to: it keeps what is ambient mode's
+//! own — ztunnel, the node's probe sets, the pod's annotation and its workload record
+//! (`records`: what ztunnel must be told about the pod, so that a ztunnel that connects
+//! later, or to a restarted agent, is sent every enrolled pod in the snapshot) — around the
+//! backend that applies the capture, given at start: the iptables machinery sidecar pods use
+//! (records written ahead, rollback, crash consistency, CHECK against the kernel) with Istio's
+//! in-pod rules, in a state directory of its own; or, with `ambient.inKernel` on a node the
+//! eBPF backend serves, the kernel programs, with the same decisions (`meshcap-common`'s
+//! ambient branch). What a starting agent makes of earlier enrollments is `start`'s.
 //!
 //! Then its addresses join the node's probe set, so kubelet's probes reach it uncaptured
 //! ([`HostProbes`]). Last, the pod is annotated `ambient.istio.io/redirection: enabled`
@@ -22,8 +24,9 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
-mod inpod;
 mod probes;
+mod records;
+mod start;
 
 use std::{
     fs,
@@ -32,32 +35,34 @@ use std::{
     sync::Arc,
 };
 
-pub use inpod::InpodCapture;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 pub use probes::{HostProbes, remove_from_node};
-use serde::{Deserialize, Serialize};
+use records::{Records, Workload};
 use tracing::{info, warn};
 
 use crate::{
     backend::{
-        BackendError, CapturedPod, PodRef,
-        ebpf::EbpfBackend,
-        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
-        record_file_name, same_netns,
+        AmbientCapture, BackendError, CaptureBackend, CapturedPod, PodPolicy,
+        iptables::FlavourChoice,
     },
-    crashpoint, podnet,
-    policy::ambient::{AmbientConfig, InpodPolicy, ambient_keys},
-    ztunnel::{Enrolled, ZdsError, ZtunnelServer, proto::WorkloadInfo},
+    crashpoint,
+    pod::PodRef,
+    podnet,
+    policy::{
+        DataplaneMode,
+        ambient::{AmbientConfig, ambient_keys},
+    },
+    ztunnel::{ZdsError, ZtunnelServer},
 };
 
 /// What went wrong enrolling or removing an ambient pod.
 #[derive(Debug, thiserror::Error)]
 pub enum AmbientError {
-    /// The in-pod rules could not be applied, checked or removed.
+    /// The in-pod capture could not be applied, checked or removed.
     #[error(transparent)]
     Rules(#[from] BackendError),
-    /// ztunnel did not take the pod (its rules were removed again).
+    /// ztunnel did not take the pod (its capture was removed again).
     #[error("pod {pod}: ztunnel did not take the pod: {source}")]
     Ztunnel {
         /// The pod.
@@ -94,111 +99,74 @@ pub enum AmbientError {
     },
 }
 
-/// What ztunnel is told about an enrolled pod, kept per container.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Workload {
-    /// The id the pod is enrolled under: the runtime's sandbox, or one of
-    /// [`crate::capture::in_place_id`]'s for a pod enrolled while it runs.
-    #[serde(default)]
-    container_id: String,
-    uid: String,
-    name: String,
-    namespace: String,
-    service_account: String,
-    netns: PathBuf,
-    /// The policy the pod was enrolled with (none in records of builds before it was kept).
-    #[serde(default)]
-    policy: Option<InpodPolicy>,
-    /// The pod's addresses, in the node's probe set (none in records of builds before it).
-    #[serde(default)]
-    ips: Vec<IpAddr>,
-}
-
-impl Workload {
-    fn info(&self) -> WorkloadInfo {
-        WorkloadInfo {
-            name: self.name.clone(),
-            namespace: self.namespace.clone(),
-            service_account: self.service_account.clone(),
+/// Through the backend interface, ambient mode's own failures keep their words; a failure of
+/// the capture under it is the backend's.
+impl From<AmbientError> for BackendError {
+    fn from(err: AmbientError) -> Self {
+        match err {
+            AmbientError::Rules(err) => err,
+            other => Self::Ambient(Box::new(other)),
         }
     }
 }
 
-/// Ambient mode: the settings, the in-pod rules and ztunnel.
+/// Ambient mode: the settings, ztunnel, the probe sets and the workload records, around the
+/// backend that captures enrolled pods.
 pub struct Ambient {
     config: AmbientConfig,
-    rules: InpodCapture,
-    workloads: PathBuf,
+    backend: Arc<dyn CaptureBackend>,
+    records: Records,
     ztunnel: ZtunnelServer,
     probes: HostProbes,
     /// The API server, where pods are annotated (none: standalone).
     api: Option<kube::Client>,
 }
 
+/// Where ambient mode keeps its state and meets ztunnel and the node.
+pub struct AmbientPlaces<'a> {
+    /// The agent's state directory (ambient mode's is `ambient/` in it).
+    pub state_dir: &'a Path,
+    /// Where ztunnel connects.
+    pub socket: &'a Path,
+    /// The node's network namespace, where kubelet's probes are SNAT-ed (`None`: the agent's
+    /// own).
+    pub node_netns: Option<PathBuf>,
+    /// Which iptables the node's probe rule is written with.
+    pub flavour: FlavourChoice,
+}
+
 impl Ambient {
-    /// Opens the in-pod rules' records under `state_dir/ambient`, sets up the node's probe
-    /// set and rule in `node_netns` (`None`: the agent's own) and serves ztunnel at `socket`;
-    /// enrolled pods are annotated through `api` when given. `kernel` is the eBPF backend when
-    /// it serves the node; with `in_kernel` too, enrolled pods are captured by its programs
-    /// instead of Istio's in-pod rules. A pod an earlier agent captured the other way
-    /// (`ambient.inKernel` switched since) is moved to this one's ([`move_captures`]).
+    /// Opens the workload records under `state_dir/ambient`, makes what earlier agents left
+    /// this one's (`start`: `earlier` is the backend that captured ambient pods the other
+    /// way, when `ambient.inKernel` may have switched since), sets up the node's probe set and
+    /// rule and serves ztunnel; enrolled pods are captured by `backend` and annotated through
+    /// `api` when given.
     ///
     /// # Errors
     /// When the state directory, the probe set or rule, or the socket cannot be set up.
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "the agent's settings, each its own"
-    )]
     pub fn open(
         config: AmbientConfig,
-        state_dir: &Path,
-        flavour: FlavourChoice,
-        socket: &Path,
+        backend: Arc<dyn CaptureBackend>,
+        earlier: Option<Arc<dyn CaptureBackend>>,
+        places: AmbientPlaces<'_>,
         api: Option<kube::Client>,
-        node_netns: Option<PathBuf>,
-        kernel: Option<Arc<EbpfBackend>>,
-        in_kernel: bool,
     ) -> Result<Self, AmbientError> {
-        let state_dir = state_dir.join("ambient");
-        let in_pod_rules = || {
-            IptablesBackend::new(&IptablesConfig {
-                state_dir: state_dir.clone(),
-                flavour,
-            })
-        };
-        let (rules, earlier) = match kernel {
-            Some(ebpf) if in_kernel => (
-                InpodCapture::Ebpf(ebpf),
-                Some(InpodCapture::Iptables(in_pod_rules()?)),
-            ),
-            Some(ebpf) => (
-                InpodCapture::Iptables(in_pod_rules()?),
-                Some(InpodCapture::Ebpf(ebpf)),
-            ),
-            None => (InpodCapture::Iptables(in_pod_rules()?), None),
-        };
-        let workloads = state_dir.join("workloads");
-        fs::create_dir_all(&workloads).map_err(|e| state(&workloads, &e))?;
-        // Pods whose netns went while no agent ran: their rules went with it, and no ztunnel
-        // is to be told about them. (A record of what ztunnel is told is written before the
-        // rules' own, so that of a pod whose ADD was cut off may stand alone: it goes too.)
-        rules.prune_gone()?;
+        let records = Records::open(places.state_dir.join("ambient").join("workloads"))?;
+        start::drop_left(backend.as_ref(), earlier.as_ref(), &records)?;
         if let Some(earlier) = &earlier {
-            earlier.prune_gone()?;
-        }
-        for (path, workload) in records(&workloads) {
-            if !workload.netns.exists() {
-                remove_file(&path);
-            }
-        }
-        if let Some(earlier) = &earlier {
-            move_captures(earlier, &rules, &workloads, &config);
+            start::move_captures(earlier.as_ref(), backend.as_ref(), &records, &config);
         }
         if config.reconcile_on_startup {
-            reconcile(&rules, &workloads, &config);
+            start::reconcile(backend.as_ref(), &records, &config);
         }
-        let probes = HostProbes::open(node_netns, flavour, config.host_probe_snat, config.ipv6)?;
-        let enrolled: Vec<(String, Vec<IpAddr>)> = records(&workloads)
+        let probes = HostProbes::open(
+            places.node_netns,
+            places.flavour,
+            config.host_probe_snat,
+            config.ipv6,
+        )?;
+        let enrolled: Vec<(String, Vec<IpAddr>)> = records
+            .all()
             .map(|(_, w)| {
                 let ips = if w.ips.is_empty() {
                     addresses(&w.netns).unwrap_or_default()
@@ -209,12 +177,13 @@ impl Ambient {
             })
             .collect();
         probes.sync(&enrolled)?;
+        let socket = places.socket;
         if let Some(parent) = socket.parent() {
-            fs::create_dir_all(parent).map_err(|e| state(parent, &e))?;
+            fs::create_dir_all(parent).map_err(|e| records::state(parent, &e))?;
         }
         let snapshot = {
-            let workloads = workloads.clone();
-            move || snapshot(&workloads)
+            let records = records.clone();
+            move || records.snapshot()
         };
         let ztunnel = ZtunnelServer::start(socket, snapshot).map_err(|e| AmbientError::State {
             path: socket.to_owned(),
@@ -222,8 +191,8 @@ impl Ambient {
         })?;
         Ok(Self {
             config,
-            rules,
-            workloads,
+            backend,
+            records,
             ztunnel,
             probes,
             api,
@@ -238,52 +207,46 @@ impl Ambient {
 
     /// What captures enrolled pods: `iptables` (Istio's in-pod rules) or `ebpf`.
     #[must_use]
-    pub const fn capture(&self) -> &'static str {
-        self.rules.name()
+    pub fn capture(&self) -> &'static str {
+        self.backend.name()
     }
 
-    /// Enrolls a pod: its in-pod rules, then ztunnel, which must ack, then its addresses
-    /// (`ips`, or when none are given those found in its netns) in the node's probe set.
+    /// Enrolls a pod: its record, its capture, then ztunnel, which must ack, then its
+    /// addresses (the capture's, or when none are given those found in its netns) in the
+    /// node's probe set.
     ///
     /// # Errors
-    /// When the rules cannot be applied, ztunnel does not take the pod or the probe set
+    /// When the capture cannot be applied, ztunnel does not take the pod or the probe set
     /// refuses; nothing of the pod's enrollment is left then.
-    pub fn add(
-        &self,
-        pod: &PodRef,
-        uid: &str,
-        service_account: &str,
-        policy: &InpodPolicy,
-        ips: &[IpAddr],
-    ) -> Result<(), AmbientError> {
-        let ips = if ips.is_empty() {
-            addresses(&pod.netns).map_err(|reason| AmbientError::State {
-                path: pod.netns.clone(),
-                reason,
-            })?
+    fn enroll(&self, pod: &PodRef, capture: &AmbientCapture) -> Result<(), AmbientError> {
+        let ips = if capture.ips.is_empty() {
+            addresses(&pod.netns)?
         } else {
-            ips.to_vec()
+            capture.ips.clone()
         };
         let workload = Workload {
             container_id: pod.container_id.clone(),
-            uid: uid.to_owned(),
+            uid: capture.uid.clone(),
             name: pod.name.clone(),
             namespace: pod.namespace.clone(),
-            service_account: service_account.to_owned(),
+            service_account: capture.service_account.clone(),
             netns: pod.netns.clone(),
-            policy: Some(policy.clone()),
+            policy: Some(capture.policy.clone()),
             ips,
         };
-        let path = self.workload_path(&pod.container_id);
-        let bytes = serde_json::to_vec(&workload).map_err(|e| state(&path, &e))?;
-        fs::write(&path, bytes).map_err(|e| state(&path, &e))?;
+        let uid = &workload.uid;
+        let path = self.records.write(&workload)?;
         crashpoint::here(crashpoint::AMBIENT_ADD_RECORDED);
+        let captured = PodPolicy::Ambient(Box::new(AmbientCapture {
+            ips: workload.ips.clone(),
+            ..capture.clone()
+        }));
         let handed = self
-            .rules
-            .add(pod, policy, &workload.ips)
+            .backend
+            .add(pod, &captured)
             .map_err(AmbientError::from)
             .and_then(|()| {
-                let netns = fs::File::open(&pod.netns).map_err(|e| state(&pod.netns, &e))?;
+                let netns = fs::File::open(&pod.netns).map_err(|e| records::state(&pod.netns, &e))?;
                 self.ztunnel
                     .add(uid, workload.info(), std::os::fd::AsFd::as_fd(&netns))
                     .map_err(|source| AmbientError::Ztunnel {
@@ -303,14 +266,36 @@ impl Ambient {
             if let Err(undo) = self.probes.remove(uid) {
                 warn!(pod = %pod, error = %undo, "removing the probe addresses of a pod whose enrollment failed");
             }
-            if let Err(undo) = self.rules.remove(pod) {
+            if let Err(undo) = self.backend.remove(pod) {
                 warn!(pod = %pod, error = %undo, "removing the rules of a pod ztunnel did not take");
             }
-            remove_file(&path);
+            records::remove(&path);
             return Err(err);
         }
         crashpoint::here(crashpoint::AMBIENT_ADD_PROBED);
-        info!(pod = %pod, uid, ips = ?workload.ips, capture = self.rules.name(), "enrolled in ambient mode: captured in the pod, ztunnel serves it, kubelet's probes pass");
+        info!(pod = %pod, uid, ips = ?workload.ips, capture = self.backend.name(), "enrolled in ambient mode: captured in the pod, ztunnel serves it, kubelet's probes pass");
+        Ok(())
+    }
+
+    /// Removes a pod from ambient mode, if it was enrolled: every ztunnel is told (a failure
+    /// is logged: ztunnel drops a pod whose namespace is gone on its own), then its capture
+    /// goes.
+    ///
+    /// # Errors
+    /// When its capture cannot be removed from a netns that is still there.
+    fn release(&self, pod: &PodRef) -> Result<(), AmbientError> {
+        let Some((path, workload)) = self.records.of(pod) else {
+            return Ok(self.backend.remove(pod)?);
+        };
+        self.forget_probes(pod, &workload);
+        crashpoint::here(crashpoint::AMBIENT_REMOVE_PROBES);
+        if let Err(err) = self.ztunnel.delete(&workload.uid) {
+            warn!(pod = %pod, uid = workload.uid, error = %err, "telling ztunnel the pod is gone");
+        }
+        crashpoint::here(crashpoint::AMBIENT_REMOVE_TOLD);
+        self.backend.remove(pod)?;
+        records::remove(&path);
+        info!(pod = %pod, uid = workload.uid, "removed from ambient mode");
         Ok(())
     }
 
@@ -323,46 +308,13 @@ impl Ambient {
         self.annotate(pod, serde_json::json!("enabled")).await
     }
 
-    /// Whether `pod`'s in-pod rules are in place.
-    ///
-    /// # Errors
-    /// When they are not, or cannot be checked.
-    pub fn check(&self, pod: &PodRef, policy: &InpodPolicy) -> Result<(), AmbientError> {
-        Ok(self.rules.check(pod, policy)?)
-    }
-
-    /// Removes a pod from ambient mode, if it was enrolled: every ztunnel is told (a failure
-    /// is logged: ztunnel drops a pod whose namespace is gone on its own), then its rules go.
-    ///
-    /// # Errors
-    /// When its rules cannot be removed from a netns that is still there.
-    pub fn remove(&self, pod: &PodRef) -> Result<(), AmbientError> {
-        let Some((path, workload)) = self.workload_of(pod) else {
-            return Ok(self.rules.remove(pod)?);
-        };
-        self.forget_probes(pod, &workload);
-        crashpoint::here(crashpoint::AMBIENT_REMOVE_PROBES);
-        if let Err(err) = self.ztunnel.delete(&workload.uid) {
-            warn!(pod = %pod, uid = workload.uid, error = %err, "telling ztunnel the pod is gone");
-        }
-        crashpoint::here(crashpoint::AMBIENT_REMOVE_TOLD);
-        self.rules.remove(pod)?;
-        remove_file(&path);
-        info!(pod = %pod, uid = workload.uid, "removed from ambient mode");
-        Ok(())
-    }
-
     /// The enrolled pod whose uid is `uid`, if any, as its DEL names it.
     #[must_use]
     pub fn enrolled(&self, uid: &str) -> Option<PodRef> {
-        records(&self.workloads)
+        self.records
+            .all()
             .find(|(_, w)| w.uid == uid)
-            .map(|(_, w)| PodRef {
-                namespace: w.namespace,
-                name: w.name,
-                container_id: w.container_id,
-                netns: w.netns,
-            })
+            .map(|(_, w)| w.pod())
     }
 
     /// Removes `ambient.istio.io/redirection` from a pod taken out of ambient mode while it
@@ -394,41 +346,16 @@ impl Ambient {
             })
     }
 
-    /// The record of `pod`: by its container, else by its netns (a pod enrolled while it ran
-    /// is recorded under an id of meshcap's, which the runtime's DEL does not name).
-    fn workload_of(&self, pod: &PodRef) -> Option<(PathBuf, Workload)> {
-        let path = self.workload_path(&pod.container_id);
-        if let Some(workload) = read_workload(&path) {
-            return Some((path, workload));
-        }
-        records(&self.workloads).find(|(_, w)| same_netns(&w.netns, &pod.netns))
-    }
-
-    /// The enrolled pods.
-    ///
-    /// # Errors
-    /// As the backends' `list`.
-    pub fn list(&self) -> Result<Vec<CapturedPod>, AmbientError> {
-        Ok(self.rules.list()?)
-    }
-
-    /// Drops the enrollments of pods whose netns is gone without a DEL this agent saw.
-    ///
-    /// # Errors
-    /// When the records cannot be read.
-    pub fn prune_gone(&self) -> Result<Vec<PodRef>, AmbientError> {
-        let gone = self.rules.prune_gone()?;
-        for pod in &gone {
-            let path = self.workload_path(&pod.container_id);
-            if let Some(workload) = read_workload(&path) {
-                self.forget_probes(pod, &workload);
-                if let Err(err) = self.ztunnel.delete(&workload.uid) {
-                    warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
-                }
+    /// Forgets a pod whose capture went with its netns: its addresses, ztunnel's workload and
+    /// its record.
+    fn forget(&self, pod: &PodRef) {
+        if let Some(workload) = self.records.get(&pod.container_id) {
+            self.forget_probes(pod, &workload);
+            if let Err(err) = self.ztunnel.delete(&workload.uid) {
+                warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
             }
-            remove_file(&path);
         }
-        Ok(gone)
+        records::remove(&self.records.path(&pod.container_id));
     }
 
     /// Takes a leaving pod's addresses out of the probe set. A failure is logged, not
@@ -440,159 +367,68 @@ impl Ambient {
             warn!(pod = %pod, error = %err, "removing the pod's addresses from the probe set");
         }
     }
+}
 
-    fn workload_path(&self, container_id: &str) -> PathBuf {
-        workload_path(&self.workloads, container_id)
+/// Ambient pods' backend, as the router sees it: the capture is `backend`'s, the rest ambient
+/// mode's own.
+impl CaptureBackend for Ambient {
+    fn name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        match policy {
+            PodPolicy::Ambient(capture) => Ok(self.enroll(pod, capture)?),
+            PodPolicy::Sidecar(_) => Err(BackendError::NotServed(DataplaneMode::Sidecar)),
+        }
+    }
+
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.backend.check(pod, policy)
+    }
+
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        Ok(self.release(pod)?)
+    }
+
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
+        match mode {
+            DataplaneMode::Ambient => self.backend.list(mode),
+            DataplaneMode::Sidecar => Ok(Vec::new()),
+        }
+    }
+
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        let gone = start::drop_gone(self.backend.as_ref())?;
+        for pod in &gone {
+            self.forget(pod);
+        }
+        Ok(gone)
+    }
+
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
+        match mode {
+            DataplaneMode::Ambient => self.backend.gone(mode),
+            DataplaneMode::Sidecar => Ok(Vec::new()),
+        }
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        let dropped = self.backend.drop_if_gone(pod)?;
+        if dropped {
+            self.forget(pod);
+        }
+        Ok(dropped)
     }
 }
 
 /// The global addresses in the netns at `netns`.
-fn addresses(netns: &Path) -> Result<Vec<IpAddr>, String> {
-    podnet::run_in(netns, |_| podnet::global_addresses())
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("listing its addresses: {e}"))
-}
-
-/// The record of what ztunnel is told about one container's pod.
-fn workload_path(workloads: &Path, container_id: &str) -> PathBuf {
-    workloads.join(record_file_name(container_id))
-}
-
-/// `ambient.reconcileIptablesOnStartup`, as Istio's node agent's `reconcileExistingPod`: the
-/// in-pod rules of every pod already enrolled are made this build's, rendered from the policy
-/// the pod was enrolled with and the node's settings now. Nothing happens to a pod whose rules
-/// are already those; a failure is logged and leaves the pod as it was, as in Istio.
-fn reconcile(rules: &InpodCapture, workloads: &Path, config: &AmbientConfig) {
-    for held in held_by(rules, workloads, config, "reconciling in-pod rules") {
-        let Some(policy) = held.policy else {
-            continue;
-        };
-        if let Err(err) = rules.add(&held.pod, &policy, &held.ips) {
-            warn!(pod = %held.pod, error = %err, "reconciling in-pod rules failed: the pod keeps the rules it had; restart it, or take it out of ambient mode and back");
-        }
-    }
-}
-
-/// Moves every enrolled pod `earlier` captures (an agent before this one, with
-/// `ambient.inKernel` the other way) to `now`: captured by `now`, then released by `earlier`,
-/// then captured by `now` once more, as both keep the same reply route (the release took it):
-/// the pod is captured throughout. A pod that cannot be moved keeps the capture it has, with a
-/// warning naming it; the next start tries again.
-fn move_captures(
-    earlier: &InpodCapture,
-    now: &InpodCapture,
-    workloads: &Path,
-    config: &AmbientConfig,
-) {
-    let (from, to) = (earlier.name(), now.name());
-    for Held { pod, policy, ips } in held_by(earlier, workloads, config, "moving captures") {
-        let Some(policy) = policy else {
-            warn!(pod = %pod, from, "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
-            continue;
-        };
-        let moved = now
-            .add(&pod, &policy, &ips)
-            .and_then(|()| earlier.remove(&pod))
-            .and_then(|()| now.add(&pod, &policy, &ips));
-        match moved {
-            Ok(()) => {
-                info!(pod = %pod, from, to, "ambient.inKernel changed: the enrolled pod's capture moved");
-            }
-            Err(err) => {
-                warn!(pod = %pod, from, to, error = %err, "moving an enrolled pod's capture failed: it stays captured as it was, and only this agent's next start can release it; restart the pod, or the agent to try again");
-            }
-        }
-    }
-}
-
-/// An enrolled pod a capture holds.
-struct Held {
-    pod: PodRef,
-    /// The policy it was enrolled with, under the node's settings now (none in records of
-    /// builds before it was kept).
-    policy: Option<InpodPolicy>,
-    ips: Vec<IpAddr>,
-}
-
-/// The enrolled pods `capture` holds; none when its records cannot be read (logged, as
-/// `doing`).
-fn held_by(
-    capture: &InpodCapture,
-    workloads: &Path,
-    config: &AmbientConfig,
-    doing: &str,
-) -> Vec<Held> {
-    let captured: Vec<String> = match capture.list() {
-        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
-        Err(err) => {
-            warn!(error = %err, capture = capture.name(), "{doing}: the captures cannot be listed");
-            return Vec::new();
-        }
+fn addresses(netns: &Path) -> Result<Vec<IpAddr>, AmbientError> {
+    let failed = |reason: String| AmbientError::State {
+        path: netns.to_owned(),
+        reason,
     };
-    records(workloads)
-        .filter(|(_, w)| captured.contains(&w.container_id))
-        .map(|(_, w)| Held {
-            policy: w.policy.map(|mut policy| {
-                policy.ipv6 = config.ipv6;
-                policy.host_probe_snat = config.host_probe_snat;
-                policy
-            }),
-            ips: w.ips,
-            pod: PodRef {
-                namespace: w.namespace,
-                name: w.name,
-                container_id: w.container_id,
-                netns: w.netns,
-            },
-        })
-        .collect()
-}
-
-/// Every record in `workloads`, with its path.
-fn records(workloads: &Path) -> impl Iterator<Item = (PathBuf, Workload)> {
-    fs::read_dir(workloads)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let path = entry.path();
-            read_workload(&path).map(|workload| (path, workload))
-        })
-}
-
-/// Every enrolled pod, for a connecting ztunnel: with its netns when it is still there.
-fn snapshot(workloads: &Path) -> Vec<Enrolled> {
-    records(workloads)
-        .map(|(_, workload)| Enrolled {
-            uid: workload.uid.clone(),
-            workload: workload.info(),
-            netns: fs::File::open(&workload.netns).ok().map(Into::into),
-        })
-        .collect()
-}
-
-fn read_workload(path: &Path) -> Option<Workload> {
-    let bytes = fs::read(path).ok()?;
-    match serde_json::from_slice(&bytes) {
-        Ok(workload) => Some(workload),
-        Err(err) => {
-            warn!(path = %path.display(), error = %err, "ignoring an unreadable ambient record");
-            None
-        }
-    }
-}
-
-fn remove_file(path: &Path) {
-    if let Err(err) = fs::remove_file(path)
-        && err.kind() != std::io::ErrorKind::NotFound
-    {
-        warn!(path = %path.display(), error = %err, "removing an ambient record");
-    }
-}
-
-fn state(path: &Path, err: &impl std::fmt::Display) -> AmbientError {
-    AmbientError::State {
-        path: path.to_owned(),
-        reason: err.to_string(),
-    }
+    podnet::run_in(netns, |_| podnet::global_addresses())
+        .map_err(|e| failed(e.to_string()))?
+        .map_err(|e| failed(format!("listing its addresses: {e}")))
 }

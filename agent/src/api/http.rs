@@ -7,7 +7,7 @@ use std::{net::SocketAddr, sync::Arc};
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use tokio::net::TcpListener;
 
-use crate::capture::Capture;
+use crate::hub::Hub;
 
 /// Liveness: answers while the runtime does.
 pub const HEALTHZ: &str = "/healthz";
@@ -20,8 +20,8 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
-    match capture.not_ready_reason() {
+async fn readyz(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
+    match hub.readiness().not_ready_reason() {
         None => (StatusCode::OK, "ready\n".to_owned()),
         Some(reason) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -30,13 +30,13 @@ async fn readyz(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
     }
 }
 
-async fn metrics(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
+async fn metrics(State(hub): State<Arc<Hub>>) -> impl IntoResponse {
     (
         [(
             "content-type",
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        capture.metrics_text().await,
+        hub.metrics_text().await,
     )
 }
 
@@ -47,7 +47,7 @@ async fn metrics(State(capture): State<Arc<Capture>>) -> impl IntoResponse {
 /// When the address cannot be bound.
 pub async fn bind(
     addr: SocketAddr,
-    capture: Arc<Capture>,
+    hub: Arc<Hub>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<(SocketAddr, impl Future<Output = std::io::Result<()>>)> {
     let listener = TcpListener::bind(addr).await?;
@@ -56,7 +56,7 @@ pub async fn bind(
         .route(HEALTHZ, get(healthz))
         .route(READYZ, get(readyz))
         .route(METRICS, get(metrics))
-        .with_state(capture);
+        .with_state(hub);
     Ok((local, async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)

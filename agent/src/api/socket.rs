@@ -1,6 +1,10 @@
 //! The plugin socket: a UNIX socket (mode 0600) on which only root peers (SO_PEERCRED) are
 //! served, one length-bounded request per connection, with timeouts on the read and the
 //! write. A bad request gets a clear error response; the server keeps serving.
+//!
+//! The only place the agent reads or writes the plugin's protocol (`meshcap_cni::protocol`):
+//! a request's [`Op`] becomes a call of the [`Hub`] with a [`Sandbox`]; what the hub did becomes
+//! the [`Response`].
 use std::{
     fs, io,
     os::unix::fs::{FileTypeExt as _, PermissionsExt as _},
@@ -10,7 +14,8 @@ use std::{
 };
 
 use meshcap_cni::protocol::{
-    self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, ProtocolError, Response,
+    self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, Op, Outcome, PodAttachment,
+    ProtocolError, Reply, Response,
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
@@ -20,7 +25,10 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
-use crate::capture::Capture;
+use crate::{
+    hub::{CaptureError, Done, ErrorClass, Hub},
+    pod::{PodRef, Sandbox},
+};
 
 /// Socket settings.
 #[derive(Clone, Debug)]
@@ -85,7 +93,7 @@ impl Server {
     }
 
     /// Serves until `shutdown` completes, then waits for requests in flight.
-    pub async fn serve(self, capture: Arc<Capture>, shutdown: impl Future<Output = ()>) {
+    pub async fn serve(self, hub: Arc<Hub>, shutdown: impl Future<Output = ()>) {
         let slots = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
         let mut inflight = JoinSet::new();
         let config = Arc::new(self.config);
@@ -96,9 +104,9 @@ impl Server {
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, _)) => {
                         let Ok(permit) = slots.clone().acquire_owned().await else { break };
-                        let (capture, config) = (capture.clone(), config.clone());
+                        let (hub, config) = (hub.clone(), config.clone());
                         inflight.spawn(async move {
-                            connection(stream, &capture, &config).await;
+                            connection(stream, &hub, &config).await;
                             drop(permit);
                         });
                     }
@@ -110,7 +118,7 @@ impl Server {
                 Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             }
         }
-        capture.set_serving(false);
+        hub.readiness().set_serving(false);
         info!(
             inflight = inflight.len(),
             "plugin socket closing; finishing requests in flight"
@@ -129,18 +137,17 @@ fn remove_socket(path: &Path) {
 }
 
 /// Serves one connection: one request, one response.
-async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &ServerConfig) {
+async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
     let response = match stream.peer_cred() {
         Ok(cred) if cred.uid() == 0 => match read_request(&mut stream, config.io_timeout).await {
             Ok(body) => match protocol::decode_request(&body) {
                 Ok(request) => {
                     let op = request.op.name();
-                    match tokio::time::timeout(config.request_timeout, capture.handle(request.op))
-                        .await
+                    match tokio::time::timeout(config.request_timeout, serve(hub, request.op)).await
                     {
                         Ok(response) => response,
                         Err(_) => {
-                            capture.metrics().error(op, "timeout");
+                            hub.metrics().error(op, "timeout");
                             Response::error(
                                 ErrorKind::Internal,
                                 format!("{op} did not finish within {:?}", config.request_timeout),
@@ -149,12 +156,12 @@ async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &Ser
                         }
                     }
                 }
-                Err(err) => reject(capture, &err),
+                Err(err) => reject(hub, &err),
             },
-            Err(err) => reject(capture, &err),
+            Err(err) => reject(hub, &err),
         },
         Ok(cred) => {
-            capture.metrics().error("connect", "forbidden");
+            hub.metrics().error("connect", "forbidden");
             warn!(uid = cred.uid(), pid = ?cred.pid(), "refusing a non-root peer on the plugin socket");
             Response::error(
                 ErrorKind::Forbidden,
@@ -184,8 +191,8 @@ async fn connection(mut stream: UnixStream, capture: &Arc<Capture>, config: &Ser
     }
 }
 
-fn reject(capture: &Capture, err: &ProtocolError) -> Response {
-    capture.metrics().error("decode", "bad_request");
+fn reject(hub: &Hub, err: &ProtocolError) -> Response {
+    hub.metrics().error("decode", "bad_request");
     warn!(error = %err, "bad request on the plugin socket");
     Response::error(err.kind(), err.to_string(), "")
 }
@@ -211,4 +218,124 @@ async fn read_request(
                 format!("no complete request within {timeout:?}"),
             )))
         })
+}
+
+/// Serves one decoded request.
+pub(super) async fn serve(hub: &Hub, op: Op) -> Response {
+    let result = match op {
+        Op::Add { pod } => hub.add(sandbox(pod)).await,
+        Op::Del { pod } => hub.del(sandbox(pod).pod).await,
+        Op::Check { pod } => hub.check(sandbox(pod)).await,
+        Op::Gc {
+            valid_container_ids,
+        } => hub.gc(valid_container_ids).await,
+        Op::Ping => hub.ping().await,
+        Op::Status => hub.status().await,
+    };
+    respond(result)
+}
+
+/// The pod the plugin names, as the hub takes it (the interface name is the plugin's alone).
+fn sandbox(pod: PodAttachment) -> Sandbox {
+    Sandbox {
+        pod: PodRef {
+            namespace: pod.namespace,
+            name: pod.name,
+            container_id: pod.container_id,
+            netns: PathBuf::from(pod.netns),
+        },
+        uid: pod.uid,
+        ips: pod.ips,
+    }
+}
+
+fn respond(result: Result<Done, CaptureError>) -> Response {
+    match result {
+        Ok(Done::Status(report)) => {
+            let mut response = Response::ok(Outcome::Status, "status");
+            if let Reply::Ok { report: slot, .. } = &mut response.reply {
+                *slot = serde_json::to_value(report).ok();
+            }
+            response
+        }
+        Ok(done) => Response::ok(outcome(&done), done.message()),
+        Err(failure) => Response::error(kind(failure.class()), failure.to_string(), ""),
+    }
+}
+
+const fn outcome(done: &Done) -> Outcome {
+    match done {
+        Done::Captured(_) => Outcome::Captured,
+        Done::Skipped(_) => Outcome::Skipped,
+        Done::Removed => Outcome::Removed,
+        Done::Checked(_) => Outcome::Checked,
+        Done::Collected(_) => Outcome::Collected,
+        Done::Alive(_) => Outcome::Alive,
+        Done::Status(_) => Outcome::Status,
+    }
+}
+
+const fn kind(class: ErrorClass) -> ErrorKind {
+    match class {
+        ErrorClass::NotReady => ErrorKind::NotReady,
+        ErrorClass::PodNotFound => ErrorKind::PodNotFound,
+        ErrorClass::PodSourceUnavailable => ErrorKind::PodSourceUnavailable,
+        ErrorClass::InvalidPod => ErrorKind::InvalidPod,
+        ErrorClass::BadRequest => ErrorKind::BadRequest,
+        ErrorClass::Backend => ErrorKind::Backend,
+        ErrorClass::CheckFailed => ErrorKind::CheckFailed,
+        ErrorClass::Internal => ErrorKind::Internal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::SkipReason;
+
+    /// The metrics count failures and outcomes by the names the plugin's protocol gives them.
+    #[test]
+    fn metric_labels_are_the_protocols_names() {
+        for class in [
+            ErrorClass::NotReady,
+            ErrorClass::PodNotFound,
+            ErrorClass::PodSourceUnavailable,
+            ErrorClass::InvalidPod,
+            ErrorClass::BadRequest,
+            ErrorClass::Backend,
+            ErrorClass::CheckFailed,
+            ErrorClass::Internal,
+        ] {
+            assert_eq!(serde_json::json!(kind(class)), class.label(), "{class:?}");
+        }
+        for done in [
+            Done::Captured(String::new()),
+            Done::Skipped(SkipReason::NoProxy),
+            Done::Removed,
+            Done::Checked(""),
+            Done::Collected(0),
+            Done::Alive(String::new()),
+            Done::Status(Box::default()),
+        ] {
+            assert_eq!(serde_json::json!(outcome(&done)), done.label(), "{done:?}");
+        }
+    }
+
+    #[test]
+    fn a_request_is_answered_with_the_hubs_words() {
+        let skipped = respond(Ok(Done::Skipped(SkipReason::HostNetwork)));
+        assert_eq!(
+            skipped.reply,
+            Reply::Ok {
+                outcome: Outcome::Skipped,
+                message: "not captured: the pod uses the host network".to_owned(),
+                report: None,
+            }
+        );
+        let refused = respond(Err(CaptureError::NotReady("starting".to_owned())));
+        assert_eq!(
+            refused,
+            Response::error(ErrorKind::NotReady, "starting", "")
+        );
+    }
 }

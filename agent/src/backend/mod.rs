@@ -1,40 +1,66 @@
-//! Capture backends: translations of a [`RedirectPolicy`] into kernel state for one pod —
-//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback).
+//! Capture backends: translations of a pod's policy into kernel state for one pod —
+//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback) — behind
+//! one interface for both data plane modes, [`CaptureBackend`]: the policy is the variant
+//! ([`PodPolicy`]). [`Router`] sends each mode to the backend chosen at start to serve it: the
+//! node's backend for sidecar pods; for ambient pods the same kernel programs, or Istio's
+//! in-pod rules in a state directory of their own, wrapped by ambient mode's own layer
+//! ([`crate::ambient`]).
 //!
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::{
-    fmt,
-    os::unix::fs::MetadataExt as _,
-    path::{Path, PathBuf},
-};
+use std::{net::IpAddr, path::PathBuf, sync::Arc};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{podnet::PodNetError, policy::RedirectPolicy};
+use crate::{
+    pod::PodRef,
+    podnet::PodNetError,
+    policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy},
+};
 
 pub mod ebpf;
 pub mod iptables;
 
-/// The pod a backend works on: its identity and its sandbox.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PodRef {
-    /// `metadata.namespace`.
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-    /// The sandbox (pause) container's ID, as CNI names it: the key of a capture.
-    pub container_id: String,
-    /// The sandbox's network namespace file (may be empty on DEL: the runtime may have
-    /// removed it already).
-    pub netns: PathBuf,
+/// What a backend is asked to capture a pod as: the mode is the variant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodPolicy {
+    /// Its sidecar's capture.
+    Sidecar(Box<RedirectPolicy>),
+    /// Ambient mode's in-pod capture, for ztunnel.
+    Ambient(Box<AmbientCapture>),
 }
 
-impl fmt::Display for PodRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pod {}/{}", self.namespace, self.name)
+impl PodPolicy {
+    /// The mode this policy captures for.
+    #[must_use]
+    pub const fn dataplane(&self) -> DataplaneMode {
+        match self {
+            Self::Sidecar(_) => DataplaneMode::Sidecar,
+            Self::Ambient(_) => DataplaneMode::Ambient,
+        }
     }
+}
+
+impl From<RedirectPolicy> for PodPolicy {
+    fn from(policy: RedirectPolicy) -> Self {
+        Self::Sidecar(Box::new(policy))
+    }
+}
+
+/// An ambient pod's capture: its in-pod policy, its addresses, and what ztunnel is told it is
+/// (which only ambient mode's own layer reads).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmbientCapture {
+    /// The in-pod capture.
+    pub policy: InpodPolicy,
+    /// The pod's addresses: the local address of its redirected connections, and the probe
+    /// set's entries (none: read in its netns).
+    pub ips: Vec<IpAddr>,
+    /// The pod's uid, by which ztunnel knows the workload.
+    pub uid: String,
+    /// The pod's service account (its workload identity).
+    pub service_account: String,
 }
 
 /// A capture in place, as a backend reports it.
@@ -137,39 +163,15 @@ pub enum BackendError {
     /// The backend cannot run here (missing binaries, kernel features).
     #[error("{0}")]
     Unavailable(String),
+    /// No backend on this node captures pods of this mode.
+    #[error("no backend on this node captures {0} pods")]
+    NotServed(DataplaneMode),
     /// The eBPF backend's own failure (maps, programs, links, pins).
     #[error(transparent)]
     Ebpf(#[from] ebpf::EbpfError),
-}
-
-/// A file name for what is recorded about one container: its id as the runtime gave it (hex,
-/// in practice), anything else in it replaced, so that no id names a path elsewhere.
-#[must_use]
-pub fn record_file_name(container_id: &str) -> String {
-    let safe: String = container_id
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
-    format!("{safe}.json")
-}
-
-/// Whether two netns paths name the same namespace file (`/run/netns/x` and
-/// `/var/run/netns/x` are one); an empty path names none.
-#[must_use]
-pub fn same_netns(a: &Path, b: &Path) -> bool {
-    if a.as_os_str().is_empty() || b.as_os_str().is_empty() {
-        return false;
-    }
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
-        _ => a == b,
-    }
+    /// Ambient mode's own failure around the capture (ztunnel, the probe set, its records).
+    #[error(transparent)]
+    Ambient(Box<dyn std::error::Error + Send + Sync>),
 }
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.
@@ -178,30 +180,31 @@ pub trait CaptureBackend: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Captures the pod as the policy says. Idempotent; when the pod is already captured with
-    /// another policy, the capture is updated. On error nothing of this call stays applied.
+    /// another policy, the capture is updated, and what was removed behind meshcap's back is
+    /// put back. On error nothing of this call stays applied.
     ///
     /// # Errors
-    /// When the capture cannot be applied.
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
-
-    /// Removes the pod's capture. Idempotent: an unknown pod, or one whose netns is gone,
-    /// succeeds.
-    ///
-    /// # Errors
-    /// When capture state exists but cannot be removed.
-    fn remove(&self, pod: &PodRef) -> Result<(), BackendError>;
+    /// When the capture cannot be applied, or this backend does not serve the policy's mode.
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError>;
 
     /// Verifies that the pod is captured exactly as the policy says.
     ///
     /// # Errors
     /// [`BackendError::NotCaptured`] naming what is missing, or a failure to look.
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError>;
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError>;
 
-    /// The captures this backend holds.
+    /// Removes the pod's capture, whatever its mode. Idempotent: an unknown pod, or one whose
+    /// netns is gone, succeeds.
+    ///
+    /// # Errors
+    /// When capture state exists but cannot be removed.
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError>;
+
+    /// The captures of `mode` this backend holds.
     ///
     /// # Errors
     /// When its state cannot be read.
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError>;
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError>;
 
     /// The node-wide programs in place (none for a backend without kernel programs).
     fn programs(&self) -> Vec<AttachedProgram> {
@@ -220,33 +223,34 @@ pub trait CaptureBackend: Send + Sync {
         Vec::new()
     }
 
-    /// How many pods this backend captures (the metrics' gauge, updated after every ADD and
-    /// DEL): what [`Self::list`] would count, without building the list where the backend
-    /// keeps the number.
+    /// How many pods this backend captures, in either mode (the metrics' gauge, updated after
+    /// every ADD and DEL): what [`Self::list`] would count, without building the lists where
+    /// the backend keeps the number.
     ///
     /// # Errors
     /// When its state cannot be read.
     fn captured_count(&self) -> Result<usize, BackendError> {
-        self.list().map(|pods| pods.len())
+        Ok(self.list(DataplaneMode::Sidecar)?.len() + self.list(DataplaneMode::Ambient)?.len())
     }
 
     /// Reconciles the state a previous agent left with the live pods: drops every capture
-    /// whose network namespace no longer exists (its pod went while no agent ran), and
-    /// returns those pods, and drops what an agent stopped part-way through a request left
-    /// that nothing refers to. Live pods stay captured. Called once at start, before any
+    /// whose network namespace no longer exists (its pod went while no agent ran), in either
+    /// mode, and returns those pods, and drops what an agent stopped part-way through a request
+    /// left that nothing refers to. Live pods stay captured. Called once at start, before any
     /// request is served.
     ///
     /// # Errors
     /// When the state cannot be read or an entry cannot be dropped.
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError>;
 
-    /// The captured pods whose network namespace no longer exists, while the agent runs:
-    /// their runtime's DEL came while an earlier agent was down or dying (the plugin lets such
-    /// a DEL succeed) and the netns went after this agent started. Nothing is removed.
+    /// The pods of `mode` captured here whose network namespace no longer exists, while the
+    /// agent runs: their runtime's DEL came while an earlier agent was down or dying (the
+    /// plugin lets such a DEL succeed) and the netns went after this agent started. Nothing is
+    /// removed.
     ///
     /// # Errors
     /// When the state cannot be read.
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError>;
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError>;
 
     /// Drops `pod`'s capture if its network namespace is still gone, and says whether it did.
     /// The caller holds the container's request lock, so an ADD that captured the container
@@ -255,6 +259,95 @@ pub trait CaptureBackend: Send + Sync {
     /// # Errors
     /// When an entry cannot be dropped.
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError>;
+}
+
+/// Which backend serves each data plane mode, chosen at start: the node's backend (the kernel
+/// programs, or Istio's rules) serves sidecar pods; ambient pods, when the node runs ambient
+/// mode, go to ambient mode's own layer around the backend that captures them (the same kernel
+/// programs with `ambient.inKernel`, else Istio's in-pod rules). A request that knows its mode
+/// (ADD, CHECK) goes to the one backend; one that does not (DEL) to each.
+#[derive(Clone)]
+pub struct Router {
+    sidecar: Arc<dyn CaptureBackend>,
+    ambient: Option<Arc<dyn CaptureBackend>>,
+}
+
+impl Router {
+    /// `sidecar` serves sidecar pods; `ambient`, when the node runs ambient mode, ambient ones.
+    #[must_use]
+    pub fn new(sidecar: Arc<dyn CaptureBackend>, ambient: Option<Arc<dyn CaptureBackend>>) -> Self {
+        Self { sidecar, ambient }
+    }
+
+    /// The node's backend: the one that serves sidecar pods, whose name, programs and
+    /// warnings the agent reports.
+    #[must_use]
+    pub fn node_backend(&self) -> &Arc<dyn CaptureBackend> {
+        &self.sidecar
+    }
+
+    /// The backend serving `mode`, if the node captures pods of that mode.
+    #[must_use]
+    pub fn serving(&self, mode: DataplaneMode) -> Option<&Arc<dyn CaptureBackend>> {
+        match mode {
+            DataplaneMode::Sidecar => Some(&self.sidecar),
+            DataplaneMode::Ambient => self.ambient.as_ref(),
+        }
+    }
+
+    /// The modes served, each with its backend: ambient mode's first, so that a pod leaving
+    /// is taken from ztunnel before anything else of it goes.
+    pub fn modes(&self) -> impl Iterator<Item = (DataplaneMode, &Arc<dyn CaptureBackend>)> {
+        self.ambient
+            .iter()
+            .map(|ambient| (DataplaneMode::Ambient, ambient))
+            .chain([(DataplaneMode::Sidecar, &self.sidecar)])
+    }
+
+    fn backend_for(&self, policy: &PodPolicy) -> Result<&Arc<dyn CaptureBackend>, BackendError> {
+        let mode = policy.dataplane();
+        self.serving(mode).ok_or(BackendError::NotServed(mode))
+    }
+
+    /// Captures `pod` as `policy` says, with the backend serving its mode.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::add`]; [`BackendError::NotServed`] when no backend serves the mode.
+    pub fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.backend_for(policy)?.add(pod, policy)
+    }
+
+    /// Whether `pod` is captured as `policy` says, by the backend serving its mode.
+    ///
+    /// # Errors
+    /// As [`CaptureBackend::check`]; [`BackendError::NotServed`] when no backend serves the
+    /// mode.
+    pub fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.backend_for(policy)?.check(pod, policy)
+    }
+
+    /// Releases whatever captures `pod`, in every mode (a DEL does not say which).
+    ///
+    /// # Errors
+    /// The first backend that holds a capture of `pod` it cannot remove.
+    pub fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        for (_, backend) in self.modes() {
+            backend.remove(pod)?;
+        }
+        Ok(())
+    }
+
+    /// Every capture, sidecar pods first.
+    ///
+    /// # Errors
+    /// When a backend's state cannot be read.
+    pub fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+        let mut captured = self.sidecar.list(DataplaneMode::Sidecar)?;
+        if let Some(ambient) = &self.ambient {
+            captured.extend(ambient.list(DataplaneMode::Ambient)?);
+        }
+        Ok(captured)
+    }
 }
 
 /// Which backend the agent uses.
@@ -269,3 +362,6 @@ pub enum BackendChoice {
     /// Istio's iptables rules.
     Iptables,
 }
+
+#[cfg(test)]
+mod tests;

@@ -242,12 +242,13 @@ pub fn without_entry(conf: &ConfFile) -> Option<ConfFile> {
 }
 
 /// meshcap's standalone configuration (`chained: false`, for Multus and the like): a
-/// single-plugin config of its own.
+/// single-plugin config of its own, under Istio's network name
+/// ([`super::STANDALONE_NETWORK_NAME`]).
 #[must_use]
 pub fn standalone(entry: &Value, cni_version: &str) -> Value {
     let mut conf = entry.as_object().cloned().unwrap_or_default();
     conf.insert("cniVersion".to_owned(), cni_version.into());
-    conf.insert("name".to_owned(), PLUGIN_TYPE.into());
+    conf.insert("name".to_owned(), super::STANDALONE_NETWORK_NAME.into());
     Value::Object(conf)
 }
 

@@ -45,6 +45,13 @@ pub const TMP_MARKER: &str = ".meshcap-tmp.";
 /// sorts after the primary CNI's file and the runtime never takes it as the pod network.
 pub const STANDALONE_FILE_NAME: &str = "YYY-meshcap-cni.conf";
 
+/// The network name in the standalone file: Istio's (`cni/pkg/install/cniconfig.go` names its
+/// own `istio-cni`). Multus resolves a NetworkAttachmentDefinition without `spec.config` to the
+/// file in its conf dir whose `name` is the definition's, and Istio's injector, with
+/// `pilot.cni.provider=multus`, attaches pods to `default/istio-cni`: under that name meshcap's
+/// file is the one found (the chart's `provider: multus` creates that definition).
+pub const STANDALONE_NETWORK_NAME: &str = "istio-cni";
+
 /// The CNI version of the standalone file (Istio's).
 pub const STANDALONE_CNI_VERSION: &str = "0.3.1";
 

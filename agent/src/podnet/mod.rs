@@ -3,25 +3,25 @@
 //! [`run_in`] takes the calling thread into the namespace and back (`setns` moves only the
 //! calling thread; callers run synchronous work, so nothing else runs on it meanwhile), so
 //! every log line of the visit stays in the caller's span and names the pod. The closure gets
-//! a [`Visit`], whose one netlink socket ([`netlink::Netlink`], synchronous, opened on first
-//! use) serves every request of the visit:
-//! [`inspect`] (the netns cookie, interfaces, addresses and routes), [`route`] (the policy
-//! routes) and [`tc`] (the inbound TC filter). [`find`] finds a running pod's namespace by its
-//! address, for the controllers that capture pods in place.
+//! a [`Visit`], whose one netlink socket ([`Netlink`], synchronous, opened on first use)
+//! serves every request of the visit: [`inspect`] (the netns cookie, interfaces,
+//! addresses and routes), [`route`] (the policy routes) and [`clsact`] (the inbound TC filter
+//! on the clsact qdisc). [`find`] finds a running pod's namespace by its address, for the
+//! controllers that capture pods in place.
 //!
 //! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
 //! netlink and sockets, not BPF maps, pins or iptables.
-mod enter;
+pub mod clsact;
 pub mod find;
-mod inspect;
-pub mod netlink;
 pub mod route;
-pub mod tc;
+mod visit;
 
 use std::{io, path::PathBuf};
 
-pub use enter::{cookie_of, current_cookie, live_cookies, run_in};
-pub use inspect::{Interface, PodNet, global_addresses, inspect};
+pub use visit::{
+    Interface, Netlink, PodNet, Visit, cookie_of, current_cookie, errno, global_addresses, inspect,
+    live_cookies, run_in,
+};
 
 /// Errors entering a pod's network namespace or working inside it.
 #[derive(Debug, thiserror::Error)]
@@ -74,28 +74,5 @@ impl PodNetError {
     #[must_use]
     pub fn is_gone(&self) -> bool {
         matches!(self, Self::Open { .. })
-    }
-}
-
-/// One visit to a pod's network namespace (see the module documentation).
-#[derive(Default)]
-pub struct Visit {
-    netlink: Option<netlink::Netlink>,
-}
-
-impl Visit {
-    /// The visit's netlink socket, opened on first use.
-    ///
-    /// # Errors
-    /// When the kernel refuses the socket.
-    pub fn netlink(&mut self) -> Result<&mut netlink::Netlink, PodNetError> {
-        let socket = match self.netlink.take() {
-            Some(socket) => socket,
-            None => netlink::Netlink::open().map_err(|source| PodNetError::Netlink {
-                what: "opening a netlink socket".into(),
-                source,
-            })?,
-        };
-        Ok(self.netlink.insert(socket))
     }
 }

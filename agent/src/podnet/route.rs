@@ -20,10 +20,7 @@ use netlink_packet_route::{
     rule::{RuleAction, RuleAttribute, RuleMessage},
 };
 
-use super::{
-    Interface, PodNetError,
-    netlink::{Netlink, errno},
-};
+use super::{Interface, Netlink, PodNetError, errno};
 use crate::policy::{Family, IpPrefix, MarkRoute, PolicyRoutes};
 
 /// `lo` is always interface 1 in a network namespace.

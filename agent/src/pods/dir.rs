@@ -3,6 +3,7 @@
 //! manifest written just before the CNI ADD is seen.
 use std::{
     collections::BTreeMap,
+    io,
     path::{Path, PathBuf},
 };
 
@@ -11,7 +12,50 @@ use serde_json::Value;
 use tracing::warn;
 
 use super::Lookup;
-use crate::policy::manifest;
+use crate::policy::{ManifestError, manifest};
+
+/// What went wrong reading the manifest directory.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestDirError {
+    /// The directory cannot be listed.
+    #[error("reading {path}: {source}")]
+    List {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A manifest file cannot be read.
+    #[error("{0}")]
+    Read(#[from] io::Error),
+    /// A manifest is not YAML or JSON.
+    #[error("{0}")]
+    Manifest(#[from] ManifestError),
+    /// A `Pod` document does not parse as a pod.
+    #[error("pod {name}: {source}")]
+    Pod {
+        /// The document's `metadata.name`.
+        name: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A `Namespace` document's labels do not parse.
+    #[error("namespace {namespace} in {path}: labels: {source}")]
+    Labels {
+        /// The namespace.
+        namespace: String,
+        /// Its manifest.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The reading task failed.
+    #[error("reading manifests: {0}")]
+    Task(#[from] tokio::task::JoinError),
+}
 
 /// The directory source.
 #[derive(Debug)]
@@ -35,12 +79,10 @@ impl DirPods {
     pub(super) async fn namespace_labels(
         &self,
         namespace: &str,
-    ) -> Result<BTreeMap<String, String>, String> {
+    ) -> Result<BTreeMap<String, String>, ManifestDirError> {
         let dir = self.dir.clone();
         let namespace = namespace.to_owned();
-        tokio::task::spawn_blocking(move || namespace_labels(&dir, &namespace))
-            .await
-            .unwrap_or_else(|e| Err(format!("reading manifests: {e}")))
+        tokio::task::spawn_blocking(move || namespace_labels(&dir, &namespace)).await?
     }
 
     pub(super) async fn lookup(&self, namespace: &str, name: &str) -> Lookup {
@@ -57,15 +99,15 @@ impl DirPods {
 ///
 /// # Errors
 /// When the text is not YAML/JSON, or a `Pod` document does not parse as one.
-pub fn pods_in(text: &str) -> Result<Vec<Pod>, String> {
+pub fn pods_in(text: &str) -> Result<Vec<Pod>, ManifestDirError> {
     let mut pods = Vec::new();
-    for document in manifest::documents(text).map_err(|e| e.to_string())? {
+    for document in manifest::documents(text)? {
         collect(document, &mut pods)?;
     }
     Ok(pods)
 }
 
-fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), String> {
+fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), ManifestDirError> {
     match value.get("kind").and_then(Value::as_str) {
         Some("Pod") => {
             let name = value
@@ -73,7 +115,10 @@ fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), String> {
                 .and_then(Value::as_str)
                 .unwrap_or("<unnamed>")
                 .to_owned();
-            pods.push(serde_json::from_value(value).map_err(|e| format!("pod {name}: {e}"))?);
+            pods.push(
+                serde_json::from_value(value)
+                    .map_err(|source| ManifestDirError::Pod { name, source })?,
+            );
         }
         Some("List" | "PodList") => {
             if let Some(Value::Array(items)) = value.get("items").cloned() {
@@ -88,8 +133,11 @@ fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), String> {
 }
 
 /// The manifest files of `dir`, in name order.
-fn manifests(dir: &Path) -> Result<Vec<PathBuf>, String> {
-    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+fn manifests(dir: &Path) -> Result<Vec<PathBuf>, ManifestDirError> {
+    let entries = std::fs::read_dir(dir).map_err(|source| ManifestDirError::List {
+        path: dir.to_owned(),
+        source,
+    })?;
     let mut paths: Vec<PathBuf> = entries
         .flatten()
         .map(|e| e.path())
@@ -103,7 +151,10 @@ fn manifests(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(paths)
 }
 
-fn namespace_labels(dir: &Path, namespace: &str) -> Result<BTreeMap<String, String>, String> {
+fn namespace_labels(
+    dir: &Path,
+    namespace: &str,
+) -> Result<BTreeMap<String, String>, ManifestDirError> {
     for path in manifests(dir)? {
         let Ok(text) = std::fs::read_to_string(&path) else {
             continue;
@@ -123,7 +174,11 @@ fn namespace_labels(dir: &Path, namespace: &str) -> Result<BTreeMap<String, Stri
                 .unwrap_or(Value::Null);
             return serde_json::from_value::<Option<BTreeMap<String, String>>>(labels)
                 .map(Option::unwrap_or_default)
-                .map_err(|e| format!("namespace {namespace} in {}: labels: {e}", path.display()));
+                .map_err(|source| ManifestDirError::Labels {
+                    namespace: namespace.to_owned(),
+                    path: path.clone(),
+                    source,
+                });
         }
     }
     Ok(BTreeMap::new())
@@ -132,12 +187,12 @@ fn namespace_labels(dir: &Path, namespace: &str) -> Result<BTreeMap<String, Stri
 fn find(dir: &Path, namespace: &str, name: &str) -> Lookup {
     let paths = match manifests(dir) {
         Ok(paths) => paths,
-        Err(reason) => return Lookup::Failed(reason),
+        Err(err) => return Lookup::Failed(err.to_string()),
     };
     let mut broken = Vec::new();
     for path in paths {
         let parsed = std::fs::read_to_string(&path)
-            .map_err(|e| e.to_string())
+            .map_err(ManifestDirError::from)
             .and_then(|text| pods_in(&text));
         match parsed {
             Ok(pods) => {
@@ -193,7 +248,9 @@ items:
 
     #[test]
     fn a_broken_pod_is_named() {
-        let err = pods_in("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n").unwrap_err();
+        let err = pods_in("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("pod web"), "{err}");
     }
 

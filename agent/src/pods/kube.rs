@@ -17,7 +17,7 @@ use kube::{
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use super::Lookup;
+use super::{Lookup, NamespaceError};
 
 /// The Kubernetes source.
 pub struct KubePods {
@@ -91,12 +91,15 @@ impl KubePods {
     pub(super) async fn namespace_labels(
         &self,
         namespace: &str,
-    ) -> Result<BTreeMap<String, String>, String> {
+    ) -> Result<BTreeMap<String, String>, NamespaceError> {
         let api: Api<Namespace> = Api::all(self.client.clone());
         match api.get_opt(namespace).await {
             Ok(Some(found)) => Ok(found.metadata.labels.unwrap_or_default()),
-            Ok(None) => Err(format!("namespace {namespace} not found")),
-            Err(err) => Err(format!("namespace {namespace}: {err}")),
+            Ok(None) => Err(NamespaceError::NotFound(namespace.to_owned())),
+            Err(source) => Err(NamespaceError::Api {
+                namespace: namespace.to_owned(),
+                source,
+            }),
         }
     }
 

@@ -7,6 +7,8 @@ use std::{collections::BTreeMap, time::Duration};
 use k8s_openapi::api::core::v1::Pod;
 use tracing::debug;
 
+use crate::policy::{NodeSettings, PodName, reads_namespace_labels};
+
 pub mod dir;
 pub mod kube;
 
@@ -43,6 +45,26 @@ pub enum PodSourceError {
         /// The last error.
         reason: String,
     },
+}
+
+/// Errors reading a namespace's labels.
+#[derive(Debug, thiserror::Error)]
+pub enum NamespaceError {
+    /// The API server has no such namespace.
+    #[error("namespace {0} not found")]
+    NotFound(String),
+    /// The API server could not be asked.
+    #[error("namespace {namespace}: {source}")]
+    Api {
+        /// The namespace.
+        namespace: String,
+        /// Why.
+        #[source]
+        source: ::kube::Error,
+    },
+    /// The manifest directory could not be read.
+    #[error(transparent)]
+    Manifests(#[from] dir::ManifestDirError),
 }
 
 /// How often and how far apart a missing pod is looked up again.
@@ -95,11 +117,28 @@ impl PodSource {
     pub async fn namespace_labels(
         &self,
         namespace: &str,
-    ) -> Result<BTreeMap<String, String>, String> {
+    ) -> Result<BTreeMap<String, String>, NamespaceError> {
         match self {
             Self::Kube(k) => k.namespace_labels(namespace).await,
-            Self::Dir(d) => d.namespace_labels(namespace).await,
+            Self::Dir(d) => Ok(d.namespace_labels(namespace).await?),
         }
+    }
+
+    /// The labels of `pod`'s namespace where its decision reads them
+    /// ([`reads_namespace_labels`]: on a node that runs ambient mode), else none: one lookup,
+    /// only when it counts.
+    ///
+    /// # Errors
+    /// As [`Self::namespace_labels`].
+    pub async fn labels_for_decision(
+        &self,
+        pod: &Pod,
+        node: &NodeSettings,
+    ) -> Result<BTreeMap<String, String>, NamespaceError> {
+        if !reads_namespace_labels(pod, node) {
+            return Ok(BTreeMap::new());
+        }
+        self.namespace_labels(&PodName::of(pod).namespace).await
     }
 
     /// The pod `namespace/name`, retried as `retry` says while it is missing or the source

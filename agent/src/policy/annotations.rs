@@ -3,6 +3,11 @@
 
 use super::model::{CidrSet, IpPrefix, PrefixParseError};
 
+/// The entry of a list that does not parse, as written.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a valid entry")]
+pub struct BadEntry(pub String);
+
 /// Go's `strconv.ParseBool`: `1 t T TRUE true True` and `0 f F FALSE false False`; anything
 /// else is `None`.
 #[must_use]
@@ -17,14 +22,14 @@ pub fn parse_go_bool(value: &str) -> Option<bool> {
 /// A port list: the whole value and each entry trimmed, entries separated by `,`, each a
 /// decimal number 0-65535 (leading zeros allowed, no sign). All-blank is the empty list; an
 /// empty entry (`80,,443`, `80,`) is an error, as in Istio. Returns the offending entry.
-pub fn parse_port_list(value: &str) -> Result<Vec<u16>, String> {
+pub fn parse_port_list(value: &str) -> Result<Vec<u16>, BadEntry> {
     let value = value.trim();
     if value.is_empty() {
         return Ok(Vec::new());
     }
     value
         .split(',')
-        .map(|entry| parse_port(entry).ok_or_else(|| entry.to_owned()))
+        .map(|entry| parse_port(entry).ok_or_else(|| BadEntry(entry.to_owned())))
         .collect()
 }
 
@@ -59,7 +64,7 @@ pub fn parse_cidr_list(value: &str) -> Result<CidrSet, (String, PrefixParseError
 /// name (a letter, then letters, digits, `_`, `.`, `-`; at most 15 bytes), as Istio's
 /// `ValidateInterfaceNames` (pkg/util/net/ip.go, Istio ≥ 1.30) requires of all three. The
 /// empty value is the empty list; a blank entry is an error. Returns the offending entry.
-pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
+pub fn parse_interface_list(value: &str) -> Result<Vec<String>, BadEntry> {
     if value.is_empty() {
         return Ok(Vec::new());
     }
@@ -69,7 +74,7 @@ pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
             let name = entry.trim();
             is_interface_name(name)
                 .then(|| name.to_owned())
-                .ok_or_else(|| entry.to_owned())
+                .ok_or_else(|| BadEntry(entry.to_owned()))
         })
         .collect()
 }
@@ -78,7 +83,7 @@ pub fn parse_interface_list(value: &str) -> Result<Vec<String>, String> {
 /// `getPodLevelTrafficOverrides`): entries separated by `,` and trimmed, blank entries
 /// skipped. Each name must still be an interface name (meshcap's check: Istio writes any
 /// string into `-i`, and `iptables-restore` then fails the pod). Returns the offending entry.
-pub fn parse_ambient_interface_list(value: &str) -> Result<Vec<String>, String> {
+pub fn parse_ambient_interface_list(value: &str) -> Result<Vec<String>, BadEntry> {
     value
         .split(',')
         .map(str::trim)
@@ -86,7 +91,7 @@ pub fn parse_ambient_interface_list(value: &str) -> Result<Vec<String>, String> 
         .map(|name| {
             is_interface_name(name)
                 .then(|| name.to_owned())
-                .ok_or_else(|| name.to_owned())
+                .ok_or_else(|| BadEntry(name.to_owned()))
         })
         .collect()
 }
@@ -114,9 +119,9 @@ mod tests {
     fn ports() {
         assert_eq!(parse_port_list(" 80 , 0443 "), Ok(vec![80, 443]));
         assert_eq!(parse_port_list("   "), Ok(vec![]));
-        assert_eq!(parse_port_list("80,"), Err(String::new()));
-        assert_eq!(parse_port_list("65536"), Err("65536".to_owned()));
-        assert_eq!(parse_port_list("+80"), Err("+80".to_owned()));
+        assert_eq!(parse_port_list("80,"), Err(BadEntry(String::new())));
+        assert_eq!(parse_port_list("65536"), Err(BadEntry("65536".to_owned())));
+        assert_eq!(parse_port_list("+80"), Err(BadEntry("+80".to_owned())));
         assert_eq!(parse_port_list("0"), Ok(vec![0]));
     }
 
@@ -145,7 +150,10 @@ mod tests {
         assert!(parse_interface_list("eth1,").is_err());
         assert!(parse_interface_list("1eth").is_err());
         assert!(parse_interface_list("abcdefghijklmnop").is_err());
-        assert_eq!(parse_interface_list("eth1,,eth2"), Err(String::new()));
+        assert_eq!(
+            parse_interface_list("eth1,,eth2"),
+            Err(BadEntry(String::new()))
+        );
         assert!(parse_interface_list("eth 1").is_err());
     }
 
@@ -158,7 +166,7 @@ mod tests {
         assert_eq!(parse_ambient_interface_list(" "), Ok(vec![]));
         assert_eq!(
             parse_ambient_interface_list("eth1,1eth"),
-            Err("1eth".into())
+            Err(BadEntry("1eth".into()))
         );
     }
 }

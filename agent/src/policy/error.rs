@@ -1,7 +1,7 @@
 //! Why a pod's capture configuration is refused. Each error names the pod, the input and the
 //! offending value, so that the CNI ADD failure kubelet shows says what to fix.
 
-use super::model::PodRef;
+use super::model::PodName;
 
 /// A pod whose annotations (or `istio-proxy` settings) Istio would refuse: the pod must not
 /// start uncaptured, so CNI ADD fails with this message.
@@ -13,7 +13,7 @@ pub enum PolicyError {
     )]
     InvalidCidr {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// The annotation.
         key: &'static str,
         /// The annotation's whole value.
@@ -28,7 +28,7 @@ pub enum PolicyError {
     #[error("pod {pod}: annotation {key}: {value:?}: \"*\" is not allowed here")]
     WildcardNotAllowed {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// The annotation.
         key: &'static str,
         /// The annotation's whole value.
@@ -40,7 +40,7 @@ pub enum PolicyError {
     )]
     InvalidPort {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// The annotation.
         key: &'static str,
         /// The annotation's whole value.
@@ -54,7 +54,7 @@ pub enum PolicyError {
     )]
     InvalidInterceptionMode {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// The annotation.
         key: &'static str,
         /// Its value.
@@ -66,7 +66,7 @@ pub enum PolicyError {
     )]
     InvalidInterface {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// The annotation.
         key: &'static str,
         /// The annotation's whole value.
@@ -78,7 +78,7 @@ pub enum PolicyError {
     #[error("pod {pod}: container istio-proxy: securityContext.{field}: {value} is not a valid id")]
     InvalidProxyId {
         /// The pod.
-        pod: PodRef,
+        pod: PodName,
         /// `runAsUser` or `runAsGroup`.
         field: &'static str,
         /// Its value.

@@ -1,7 +1,9 @@
 //! Pod → capture decision, with Istio's CNI semantics down to the edge cases.
 //!
-//! - [`select`] decides, as Istio's CNI plugin does, whether a pod is captured at all, and
-//!   builds its [`RedirectPolicy`];
+//! - [`decide`] is the pod's decision, the only one the agent makes: left alone, its sidecar's
+//!   [`RedirectPolicy`], or ambient mode's [`ambient::InpodPolicy`]; it asks the two below;
+//! - [`select`] decides, as Istio's CNI plugin does, whether a pod is captured for its sidecar,
+//!   and builds its [`RedirectPolicy`];
 //! - [`RedirectPolicy`] is the one model both backends translate (the eBPF maps and the
 //!   iptables rules); nothing else in meshcap reads the annotations;
 //! - [`RedirectPolicy::decide`] is the policy's own per-packet decision, written from the
@@ -18,22 +20,26 @@
 mod addr;
 pub mod ambient;
 pub mod annotations;
-mod decide;
+mod decision;
 mod error;
 mod eval;
 mod iptables;
 pub mod manifest;
 mod model;
 mod packet;
-mod pod;
+mod per_packet;
 mod routes;
+mod sidecar;
 
-pub use decide::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
+pub use decision::{
+    DataplaneMode, Decision, DecisionError, NodeSettings, decide, reads_namespace_labels,
+};
 pub use error::{ManifestError, PolicyError};
 pub use eval::{RuleEvaluator, RuleParseError, RuleSet, Trace};
 pub use iptables::{IptablesRules, hostprobe};
 pub use manifest::parse_pod_manifest;
 pub use model::*;
 pub use packet::{CtState, Direction, Outcome, Packet, Protocol, Verdict};
-pub use pod::{SelectConfig, select, status_pod_ips};
+pub use per_packet::{INBOUND_PASSTHROUGH_V4, INBOUND_PASSTHROUGH_V6, LOOPBACK_INTERFACE};
 pub use routes::{MarkRoute, PolicyRoutes};
+pub use sidecar::{SelectConfig, select, status_pod_ips};

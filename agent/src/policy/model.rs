@@ -1,7 +1,7 @@
 //! The redirect policy: everything Istio's CNI plugin derives from a pod, as one value.
 //!
 //! Both backends translate this model; nothing else in meshcap reads the annotations. Field by
-//! field it is the table in DESIGN.md ("Redirect semantics: identical to Istio"), already parsed,
+//! field it is the table in docs/development.md ("Redirect semantics"), already parsed,
 //! validated, defaulted and split per address family.
 
 use std::{fmt, net::IpAddr};
@@ -95,16 +95,16 @@ pub mod keys {
     pub const ENV_DISABLE_ENVOY: &str = "DISABLE_ENVOY";
 }
 
-/// A pod's identity, as errors and logs show it: `namespace/name`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct PodRef {
+/// A pod's namespace and name, shown as `namespace/name`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PodName {
     /// `metadata.namespace` (`default` when the manifest has none).
     pub namespace: String,
     /// `metadata.name`.
     pub name: String,
 }
 
-impl PodRef {
+impl PodName {
     /// `pod`'s namespace and name.
     #[must_use]
     pub fn of(pod: &k8s_openapi::api::core::v1::Pod) -> Self {
@@ -119,7 +119,7 @@ impl PodRef {
     }
 }
 
-impl fmt::Display for PodRef {
+impl fmt::Display for PodName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
     }
@@ -171,7 +171,7 @@ impl PortSelection {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RedirectPolicy {
     /// The pod this policy is for.
-    pub pod: PodRef,
+    pub pod: PodName,
     /// The pod's addresses (as given: from CNI's `prevResult` or the pod's status).
     pub pod_ips: Vec<IpAddr>,
     /// Whether IPv6 rules are installed (ip6tables, `::1`/`::6`, the v6 policy route): true when

@@ -30,13 +30,14 @@ use kube::{
     api::{DeleteParams, Patch, PatchParams, Preconditions},
     runtime::{WatchStreamExt as _, watcher},
 };
-use meshcap_cni::protocol::{Op, Outcome, PodAttachment, Reply};
 use tracing::{info, warn};
 
 use crate::{
-    capture::Capture,
-    events::{EventSink, PodObject},
-    podnet,
+    events::EventSink,
+    hub::{CaptureError, Done, Hub},
+    pod::{InPlace, Sandbox},
+    podnet::{self, find::FindError},
+    policy::PodName,
     settings::{self, SettingsError},
 };
 
@@ -127,17 +128,40 @@ impl RepairConfig {
     }
 }
 
+/// Why a broken pod was not repaired.
+#[derive(Debug, thiserror::Error)]
+enum RepairError {
+    /// Looking for its netns did not finish.
+    #[error("{0}")]
+    Task(#[from] tokio::task::JoinError),
+    /// Its netns was not found.
+    #[error("pod detected as broken, but its network namespace: {0}")]
+    Netns(#[from] FindError),
+    /// meshcap leaves the pod alone (how, in words).
+    #[error("pod detected as broken, but meshcap would not capture it: {0}")]
+    NotCaptured(String),
+    /// Capturing it failed.
+    #[error("pod detected as broken, but capturing it failed: {0}")]
+    Capture(#[from] CaptureError),
+    /// Deleting it failed.
+    #[error("pod detected as broken, but failed to delete: {0}")]
+    Delete(#[source] kube::Error),
+    /// Labelling it failed.
+    #[error("pod detected as broken, but failed to label: {0}")]
+    Label(#[source] kube::Error),
+}
+
 /// The running controller's state.
 pub struct Repairer {
     client: kube::Client,
     node: String,
     config: RepairConfig,
     mode: Mode,
-    capture: Arc<Capture>,
+    hub: Arc<Hub>,
     events: EventSink,
     netns_dir: PathBuf,
-    /// Pods captured in place, by namespace/name, with the uid repaired (each once).
-    repaired: HashMap<(String, String), String>,
+    /// Pods captured in place, by name, with the uid repaired (each once).
+    repaired: HashMap<PodName, String>,
 }
 
 impl Repairer {
@@ -147,7 +171,7 @@ impl Repairer {
         client: kube::Client,
         node: String,
         config: RepairConfig,
-        capture: Arc<Capture>,
+        hub: Arc<Hub>,
         events: EventSink,
         netns_dir: PathBuf,
     ) -> Option<Self> {
@@ -156,7 +180,7 @@ impl Repairer {
             client,
             node,
             config,
-            capture,
+            hub,
             events,
             netns_dir,
             repaired: HashMap::new(),
@@ -180,7 +204,7 @@ impl Repairer {
                     self.reconcile(&pod).await;
                 }
                 Ok(watcher::Event::Delete(pod)) => {
-                    self.repaired.remove(&key(&pod));
+                    self.repaired.remove(&PodName::of(&pod));
                 }
                 Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
                 Err(err) => warn!(error = %err, "repair controller's pod watch"),
@@ -192,17 +216,16 @@ impl Repairer {
         if !detect::is_broken(pod, &self.config) {
             return;
         }
-        let (namespace, name) = key(pod);
+        let name = PodName::of(pod);
         let uid = pod.metadata.uid.clone().unwrap_or_default();
         let result = match self.mode {
             Mode::Repair => {
-                if self.repaired.get(&(namespace.clone(), name.clone())) == Some(&uid) {
+                if self.repaired.get(&name) == Some(&uid) {
                     return;
                 }
                 let done = self.repair(pod).await;
                 if done.is_ok() {
-                    self.repaired
-                        .insert((namespace.clone(), name.clone()), uid.clone());
+                    self.repaired.insert(name.clone(), uid.clone());
                 }
                 done
             }
@@ -212,14 +235,13 @@ impl Repairer {
         let (outcome, note) = match result {
             Ok(Some(note)) => ("success", note),
             Ok(None) => ("skip", String::new()),
-            Err(note) => ("fail", note),
+            Err(err) => ("fail", err.to_string()),
         };
-        self.capture.metrics().repaired(self.mode.label(), outcome);
-        let pod_name = format!("{namespace}/{name}");
+        self.hub.metrics().repaired(self.mode.label(), outcome);
         if outcome == "fail" {
-            warn!(pod = %pod_name, mode = self.mode.label(), "broken pod not repaired: {note}");
+            warn!(pod = %name, mode = self.mode.label(), "broken pod not repaired: {note}");
         } else {
-            info!(pod = %pod_name, mode = self.mode.label(), outcome, "broken pod: {note}");
+            info!(pod = %name, mode = self.mode.label(), outcome, "broken pod: {note}");
         }
         if outcome != "skip" {
             let reason = match self.mode {
@@ -227,59 +249,34 @@ impl Repairer {
                 Mode::Delete => "DeleteBrokenPod",
                 Mode::Label => "LabelBrokenPod",
             };
-            let object = PodObject {
-                namespace,
-                name,
-                uid: Some(uid),
-            };
-            self.events.warn(object, reason, "Repair", note);
+            self.events.warn(name, Some(uid), reason, "Repair", note);
         }
     }
 
-    /// Captures the running pod in place: Ok(note) when captured.
-    async fn repair(&self, pod: &Pod) -> Result<Option<String>, String> {
+    /// Captures the running pod in place, as an ADD captures it: Ok(note) when captured.
+    async fn repair(&self, pod: &Pod) -> Result<Option<String>, RepairError> {
         let ips = crate::policy::status_pod_ips(pod);
         let dir = self.netns_dir.clone();
         let search = ips.clone();
-        let netns = tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("pod detected as broken, but its network namespace: {e}"))?;
-        let (namespace, name) = key(pod);
+        let netns =
+            tokio::task::spawn_blocking(move || podnet::find::find(&dir, &search)).await??;
         let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let attachment = PodAttachment {
-            namespace,
-            name,
-            uid: Some(uid.clone()),
-            // The sandbox id is the runtime's; the API does not say it. The runtime's DEL names
-            // the pod's netns, by which both backends find this capture.
-            container_id: crate::capture::in_place_id("repair", &uid),
-            netns: netns.display().to_string(),
-            ifname: "eth0".into(),
-            ips,
-        };
-        let response = self.capture.handle(Op::Add { pod: attachment }).await;
-        match response.reply {
-            Reply::Ok {
-                outcome: Outcome::Captured,
-                message,
-                ..
-            } => Ok(Some(format!(
+        // The sandbox id is the runtime's; the API does not say it. The runtime's DEL names
+        // the pod's netns, by which both backends find this capture.
+        let sandbox =
+            Sandbox::in_place(PodName::of(pod), &uid, InPlace::Repair, netns.clone(), ips);
+        match self.hub.add(sandbox).await? {
+            Done::Captured(message) => Ok(Some(format!(
                 "pod detected as broken, captured in place in {}: {message}",
                 netns.display()
             ))),
-            Reply::Ok { message, .. } => Err(format!(
-                "pod detected as broken, but meshcap would not capture it: {message}"
-            )),
-            Reply::Error { msg, .. } => Err(format!(
-                "pod detected as broken, but capturing it failed: {msg}"
-            )),
+            other => Err(RepairError::NotCaptured(other.message())),
         }
     }
 
     /// Deletes the pod, if it is still the one seen.
-    async fn delete(&self, pod: &Pod) -> Result<Option<String>, String> {
-        let (namespace, name) = key(pod);
+    async fn delete(&self, pod: &Pod) -> Result<Option<String>, RepairError> {
+        let PodName { namespace, name } = PodName::of(pod);
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: pod.metadata.uid.clone(),
@@ -291,11 +288,11 @@ impl Repairer {
             .delete(&name, &params)
             .await
             .map(|_| Some("pod detected as broken, deleted".to_owned()))
-            .map_err(|e| format!("pod detected as broken, but failed to delete: {e}"))
+            .map_err(RepairError::Delete)
     }
 
     /// Labels the pod through `pods/status`, unless it carries the label already.
-    async fn label(&self, pod: &Pod) -> Result<Option<String>, String> {
+    async fn label(&self, pod: &Pod) -> Result<Option<String>, RepairError> {
         if pod
             .metadata
             .labels
@@ -304,7 +301,7 @@ impl Repairer {
         {
             return Ok(None);
         }
-        let (namespace, name) = key(pod);
+        let PodName { namespace, name } = PodName::of(pod);
         let patch = serde_json::json!({
             "metadata": {"labels": {&self.config.label_key: &self.config.label_value}}
         });
@@ -317,15 +314,8 @@ impl Repairer {
                     self.config.label_key, self.config.label_value
                 ))
             })
-            .map_err(|e| format!("pod detected as broken, but failed to label: {e}"))
+            .map_err(RepairError::Label)
     }
-}
-
-fn key(pod: &Pod) -> (String, String) {
-    (
-        pod.metadata.namespace.clone().unwrap_or_default(),
-        pod.metadata.name.clone().unwrap_or_default(),
-    )
 }
 
 #[cfg(test)]

@@ -294,7 +294,7 @@ fn the_archive_is_a_multi_arch_oci_image_that_runs_the_daemonsets_command() {
     );
     assert_eq!(
         tagged[0]["annotations"]["io.containerd.image.name"],
-        format!("docker.io/{NAME}:{VERSION}").as_str()
+        format!("{NAME}:{VERSION}").as_str()
     );
     let index: Value =
         serde_json::from_slice(&blob(&layout, &tagged[0], MEDIA_INDEX)).expect("the image index");

@@ -29,11 +29,18 @@ const HELPERS: &[&str] = &[
 
 /// Tests that run on the host only, with the reason printed by every `integration` run: what
 /// they need is not in the guest's initramfs.
-pub const HOST_ONLY: &[(&str, &str)] = &[(
-    "containerd",
-    "drives a real containerd 1.6 with runc, ctr and the CNI reference plugins, which the \
-     guest's initramfs does not carry; the kernel paths it crosses are the other tests'",
-)];
+pub const HOST_ONLY: &[(&str, &str)] = &[
+    (
+        "containerd",
+        "drives a real containerd 1.6 with runc, ctr and the CNI reference plugins, which the \
+         guest's initramfs does not carry; the kernel paths it crosses are the other tests'",
+    ),
+    (
+        "daemonset",
+        "runs the chart's DaemonSet under that containerd, from the image archive and the \
+         chart rendered by helm, none of which the guest carries",
+    ),
+];
 
 /// The tests a guest of another architecture runs, unless `--whole-suite` asks for all of
 /// them, as selections of `binary::test` names (`*` for any characters; the VM init's

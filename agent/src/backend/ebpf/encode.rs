@@ -1,13 +1,21 @@
 //! A pod's capture configuration as map entries: the flags word, port lists and CIDR lists of
-//! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes).
+//! `meshcap-common`, plus what only the pod's netns knows (its addresses and routes); and the
+//! [`Plan`] of a capture, made once the pod's netns has been observed: its entries and what
+//! its netns needs (the policy route, `tcp_fwmark_accept`, which interfaces get a stub).
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use meshcap_common::{CidrKind, PodAddrs, PodConfig, PortKind, flags, iface_flags};
+use aya::maps::lpm_trie::Key;
+use meshcap_common::{
+    Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, PodAddrs, PodConfig, PortKind,
+    flags, iface_flags,
+};
 
 use crate::{
+    backend::PodPolicy,
     podnet::PodNet,
     policy::{
-        CidrSet, InterceptionMode, IpRanges, PortSelection, RedirectPolicy, ambient::InpodPolicy,
+        CidrSet, InterceptionMode, IpRanges, MarkRoute, PolicyRoutes, PortSelection,
+        RedirectPolicy, ambient::InpodPolicy,
     },
 };
 
@@ -64,6 +72,103 @@ impl Entries {
                 self.ifaces.push((name.clone(), f));
             }
         }
+    }
+}
+
+/// A pod's map entries, once its netns has been observed: its policy's, then what its netns
+/// says ([`Entries::add_pod_net`]). The one encoding of a capture.
+#[must_use]
+pub fn entries(policy: &PodPolicy, net: &PodNet) -> Entries {
+    let mut entries = policy_entries(policy);
+    let (exclude, reroute) = interfaces(policy);
+    entries.add_pod_net(net, exclude, reroute);
+    entries
+}
+
+/// What a policy alone puts in the maps: what CHECK compares with what they hold.
+#[must_use]
+pub fn policy_entries(policy: &PodPolicy) -> Entries {
+    match policy {
+        PodPolicy::Sidecar(policy) => encode(policy),
+        PodPolicy::Ambient(ambient) => encode_ambient(&ambient.policy, &ambient.ips),
+    }
+}
+
+/// The interfaces a policy names: excluded ones (no stub, routes leaving by them not
+/// captured) and rerouted ones (inbound treated as outbound).
+#[must_use]
+pub fn interfaces(policy: &PodPolicy) -> (&[String], &[String]) {
+    match policy {
+        PodPolicy::Sidecar(policy) => (
+            &policy.exclude_interfaces,
+            &policy.reroute_virtual_interfaces,
+        ),
+        PodPolicy::Ambient(ambient) => (&[], &ambient.policy.virtual_interfaces),
+    }
+}
+
+/// A pod's capture, planned from its policy and its observed netns.
+pub(super) struct Plan {
+    pub(super) net: PodNet,
+    pub(super) entries: Entries,
+    /// Interfaces that get no stub (`excludeInterfaces`).
+    pub(super) exclude_interfaces: Vec<String>,
+    /// Whether the policy reroutes interfaces (their traffic needs the policy route).
+    reroute: bool,
+}
+
+impl Plan {
+    pub(super) fn new(policy: &PodPolicy, net: PodNet, handoff: bool) -> Self {
+        let mut entries = entries(policy, &net);
+        if handoff {
+            entries.config.flags |= flags::HANDOFF;
+        }
+        let (exclude, reroute) = interfaces(policy);
+        Self {
+            net,
+            entries,
+            exclude_interfaces: exclude.to_vec(),
+            reroute: !reroute.is_empty(),
+        }
+    }
+
+    pub(super) fn ambient(&self) -> bool {
+        self.entries.config.has(flags::AMBIENT)
+    }
+
+    /// `::6` on lo (Envoy's IPv6 passthrough source) and, for TPROXY mode and rerouted
+    /// interfaces, the policy route, as Istio installs them; in ambient mode, Istio's in-pod
+    /// reply route, which rerouted interfaces share. `None` when the pod needs none.
+    pub(super) fn routes(&self) -> Option<PolicyRoutes> {
+        let config = &self.entries.config;
+        let ipv6 = config.has(flags::IPV6);
+        let mark_route = if self.ambient() {
+            Some(MarkRoute::ambient(ipv6))
+        } else if config.has(flags::TPROXY) || self.reroute {
+            Some(MarkRoute::tproxy(ipv6))
+        } else {
+            None
+        };
+        let passthrough6 = ipv6 && !self.ambient();
+        if mark_route.is_none() && !passthrough6 {
+            return None;
+        }
+        let mut routes = if passthrough6 {
+            PolicyRoutes::passthrough6()
+        } else {
+            PolicyRoutes::default()
+        };
+        routes.mark_route = mark_route;
+        Some(routes)
+    }
+
+    /// Accepted sockets inherit the SYN's mark, so that the app's replies to the original
+    /// client source reach the proxy's transparent socket (in ambient mode, the mark the
+    /// classifier on `lo` gives ztunnel's SYNs). Rerouted interfaces need only the route: their
+    /// packets are marked by the TC program, and the proxy's sockets must not inherit that
+    /// mark.
+    pub(super) fn fwmark_accept(&self) -> bool {
+        self.entries.config.has(flags::TPROXY) || self.ambient()
     }
 }
 
@@ -211,7 +316,7 @@ fn pod_addrs(ips: &[IpAddr]) -> PodAddrs {
             IpAddr::V6(v6)
                 if addrs.v6 == [0; 4] && !v6.is_loopback() && !v6.is_unicast_link_local() =>
             {
-                addrs.v6 = meshcap_common::Addr::v6(v6.octets()).words();
+                addrs.v6 = Addr::v6(v6.octets()).words();
             }
             _ => {}
         }
@@ -234,4 +339,25 @@ fn prefixes(kind: CidrKind, set: &CidrSet) -> impl Iterator<Item = (CidrKind, Ip
         };
         (kind, addr, p.len(), 1)
     })
+}
+
+/// A CIDR list entry's key, in the map of its family.
+pub(super) enum CidrKey {
+    V4(Key<Cidr4Data>),
+    V6(Key<Cidr6Data>),
+}
+
+/// The key of `addr/len` in `pod_id`'s `kind` list.
+pub(super) fn cidr_key(pod_id: u32, kind: CidrKind, addr: IpAddr, len: u8) -> CidrKey {
+    let prefix = CIDR_KEY_PREFIX_BITS + u32::from(len);
+    match addr {
+        IpAddr::V4(a) => CidrKey::V4(Key::new(
+            prefix,
+            Cidr4Data::new(pod_id, kind, u32::from_ne_bytes(a.octets())),
+        )),
+        IpAddr::V6(a) => CidrKey::V6(Key::new(
+            prefix,
+            Cidr6Data::new(pod_id, kind, Addr::v6(a.octets()).words()),
+        )),
+    }
 }

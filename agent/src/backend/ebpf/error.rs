@@ -4,10 +4,7 @@ use std::io;
 use aya::programs::ProgramError;
 
 use super::sys;
-use crate::{
-    backend::{BackendError, PodRef},
-    podnet::PodNetError,
-};
+use crate::{backend::BackendError, pod::PodRef, podnet::PodNetError};
 
 /// Errors of the eBPF backend.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +45,7 @@ pub enum EbpfError {
     PodNet(#[from] PodNetError),
     /// The kernel refused a pod's TC stub.
     #[error("loading the pod's TC stub: {0}")]
-    Stub(#[from] sys::LoadError),
+    Stub(#[from] sys::Refused),
     /// A pod-level failure.
     #[error("{pod}: {message}")]
     Pod {

@@ -3,18 +3,20 @@
 //!
 //! - [`node`](node.rs): the object loaded once, its maps pinned, the cgroup programs attached
 //!   to the cgroup root and the shared inbound classifier installed;
-//! - [`pod`](pod.rs): each pod's ADD, CHECK and DEL: a visit to its netns
-//!   ([`crate::podnet`]) for its cookie, interfaces and routes, its stub attached on its
-//!   interfaces ([`tc`](tc.rs), assembled by [`stub`](stub.rs)) and, where the kernel
-//!   needs it ([`release`](release.rs)), the socket lookup program on its netns, then its entries
-//!   ([`encode`](encode.rs) translates the policy) written by [`tables`](tables.rs), the
-//!   maps' only writer, which indexes what each pod holds;
-//! - [`pins`](pins.rs): the pinned layout under one versioned bpffs directory
+//! - [`pod`](pod/mod.rs): each pod's capture as one transaction — observe its netns
+//!   ([`crate::podnet`]: cookie, interfaces, addresses, routes), plan its entries
+//!   ([`encode`](encode.rs) translates the policy and what was observed, once), attach its
+//!   stub on its interfaces ([`stub`](stub.rs), assembled and attached) and, where the
+//!   kernel needs it ([`release`](release.rs)), the socket lookup program on its netns, then
+//!   commit its entries through [`tables`](tables/mod.rs), the maps' only writer, which indexes
+//!   what each pod holds; and each pod's CHECK and release;
+//! - [`pins`](pins/mod.rs): the pinned layout under one versioned bpffs directory
 //!   ([`EbpfConfig::bpffs_dir`], default `/sys/fs/bpf/meshcap/v3`), the source of truth across
-//!   agent restarts; [`layout`]: every layout version on the node, for uninstall;
+//!   agent restarts, each pod's through the handle that creates, marks and removes its pins;
+//!   [`layout`]: every layout version on the node, for uninstall;
 //! - [`order`](order.rs): other programs on the same hooks (a socket load balancer's), and
 //!   meshcap's programs kept first where the kernel can order them;
-//! - [`sys`](sys.rs): the raw `bpf()` calls aya does not offer (links for every hook,
+//! - [`sys`](sys/mod.rs): the raw `bpf()` calls aya does not offer (links for every hook,
 //!   pinning, queries); [`bpffs`](bpffs.rs) mounts bpffs where there is none; `klog.rs`
 //!   forwards the programs' own log records.
 //!
@@ -35,21 +37,20 @@ mod release;
 mod stub;
 mod sys;
 mod tables;
-mod tc;
 
-use std::{collections::HashSet, os::fd::OwnedFd, path::PathBuf, sync::Mutex};
+use std::{path::PathBuf, sync::Mutex};
 
 pub use coverage::Uncovered;
 pub use encode::{Entries, encode, encode_ambient};
 pub use error::EbpfError;
 use meshcap_common::maps;
 pub use node::{cgroup_attachments, trial_load_stub};
-pub use pins::{PinnedPod, Pins, unpin_link};
+pub use pins::{PinnedPod, Pins, PodPins, TcRecord, unpin_link};
+use pod::Pods;
 pub use release::assigns_to_reuseport_listeners;
-pub use tc::TcAttach;
+pub use stub::TcAttach;
 
-use super::{AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodRef};
-use crate::{podnet, policy::RedirectPolicy};
+use super::{AttachedProgram, OtherProgram};
 
 /// Where the backend attaches and pins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,24 +88,15 @@ impl EbpfConfig {
     }
 }
 
-/// The eBPF capture backend. Cheap to call concurrently: map updates are serialised, netns
-/// work runs on each calling thread (which enters the pod's netns and returns).
+/// The eBPF capture backend: the node-wide programs, and each pod's capture (`pod::Pods`). Cheap
+/// to call concurrently: map updates are serialised, netns work runs on each calling thread
+/// (which enters the pod's netns and returns).
 pub struct EbpfBackend {
     config: EbpfConfig,
-    pins: Pins,
-    /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
-    tc_prog: OwnedFd,
-    /// The socket lookup program, loaded where `bpf_sk_assign` refuses `SO_REUSEPORT`
-    /// listeners: every captured pod's netns gets it (ebpf/meshcap-ebpf/src/handoff.rs).
-    handoff: Option<OwnedFd>,
-    tables: Mutex<tables::Tables>,
+    pods: Pods,
     kernel_log: Mutex<Option<klog::KernelLog>>,
     /// The ids of the programs this process loaded and put in place, by name.
     loaded: Vec<(&'static str, u32)>,
-    /// The netns cookies [`CaptureBackend::gone`] last found dead. A netns never comes back
-    /// and its cookie is never given to another, so dropping one of these needs no second walk
-    /// of every namespace on the node.
-    found_gone: Mutex<HashSet<u64>>,
 }
 
 impl std::fmt::Debug for EbpfBackend {
@@ -152,14 +144,10 @@ impl EbpfBackend {
             Some(node::load_handoff(&mut ebpf)?)
         };
         Ok(Self {
+            pods: Pods::new(pins, tables, tc_prog, handoff, config.tc_attach),
             config,
-            pins,
-            tc_prog,
-            handoff,
-            tables: Mutex::new(tables),
             kernel_log: Mutex::new(kernel_log),
             loaded,
-            found_gone: Mutex::default(),
         })
     }
 
@@ -202,7 +190,7 @@ impl EbpfBackend {
     /// put it there.
     #[must_use]
     pub fn attached(&self) -> Vec<AttachedProgram> {
-        let mut programs = node::attached(&self.pins, &self.tc_prog);
+        let mut programs = node::attached(self.pods.pins(), self.pods.tc_prog());
         for program in &mut programs {
             program.this_agent = self
                 .loaded
@@ -216,7 +204,7 @@ impl EbpfBackend {
     /// changes the original destination; returns those it could not move, and why.
     fn keep_first(&self) -> Vec<(OtherProgram, String)> {
         let ahead: Vec<OtherProgram> = self
-            .other_programs()
+            .neighbours()
             .into_iter()
             .filter(order::decides_destination)
             .collect();
@@ -228,7 +216,7 @@ impl EbpfBackend {
             else {
                 continue;
             };
-            match order::put_first(&self.config.cgroup_root, &self.pins, hook, attach) {
+            match order::put_first(&self.config.cgroup_root, self.pods.pins(), hook, attach) {
                 Ok(order::Placed::First) => {
                     tracing::info!(program = %other.hook, other = %other, "moved meshcap's program before the other one");
                 }
@@ -250,20 +238,13 @@ impl EbpfBackend {
     /// of pod configurations, CIDR lists, port lists and interfaces.
     #[must_use]
     pub fn entry_counts(&self) -> Vec<(&'static str, usize)> {
-        let tables = self.lock();
-        vec![
-            (maps::PODS, tables.pods.keys().count()),
-            (maps::CIDRS4, tables.cidrs4.keys().count()),
-            (maps::CIDRS6, tables.cidrs6.keys().count()),
-            (maps::PORTS, tables.ports.keys().count()),
-            (maps::IFACES, tables.ifaces.keys().count()),
-        ]
+        self.pods.entry_counts()
     }
 
     /// Every pod captured, from the pins.
     #[must_use]
     pub fn pinned_pods(&self) -> Vec<PinnedPod> {
-        self.pins.pinned_pods()
+        self.pods.pins().pinned_pods()
     }
 
     /// The processes of captured pods that the node-wide programs do not run for: outside
@@ -284,141 +265,20 @@ impl EbpfBackend {
         layout::remove(&dir)
     }
 
-    /// The pods captured for ztunnel (ambient mode), which [`CaptureBackend::list`] leaves
-    /// out: ambient mode lists them.
+    /// Other programs on the node-wide hooks, and where they run.
     #[must_use]
-    pub fn list_ambient(&self) -> Vec<CapturedPod> {
-        self.pinned_pods()
-            .into_iter()
-            .filter(|pinned| pinned.ambient)
-            .map(|pinned| CapturedPod {
-                summary: format!(
-                    "ambient (ztunnel) in the kernel: netns cookie {}, TC on {}",
-                    pinned.netns_cookie,
-                    pinned.interfaces.join(",")
-                ),
-                pod: pinned.pod_ref(),
-                backend: "ebpf".to_owned(),
-            })
-            .collect()
+    pub fn neighbours(&self) -> Vec<OtherProgram> {
+        order::neighbours(
+            &self.config.cgroup_root,
+            self.pods.pins(),
+            &node::CGROUP_PROGRAMS,
+        )
     }
 
-    /// Drops the ambient captures whose network namespace is gone and returns those pods. The
-    /// pins are listed before the namespaces are walked, as in `gone`.
-    ///
-    /// # Errors
-    /// When an entry cannot be dropped.
-    pub fn prune_gone_ambient(&self) -> Result<Vec<PodRef>, EbpfError> {
-        let pinned_pods = self.pinned_pods();
-        let live = podnet::live_cookies();
-        let mut gone = Vec::new();
-        for pinned in pinned_pods {
-            if pinned.ambient && !live.contains(&pinned.netns_cookie) {
-                let pod = pinned.pod_ref();
-                Self::remove(self, &pod)?;
-                gone.push(pod);
-            }
-        }
-        Ok(gone)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, tables::Tables> {
-        self.tables
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn found_gone(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
-        self.found_gone
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-impl CaptureBackend for EbpfBackend {
-    fn name(&self) -> &'static str {
-        "ebpf"
-    }
-
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Ok(Self::add(self, pod, policy)?)
-    }
-
-    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        Ok(Self::remove(self, pod)?)
-    }
-
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        Self::check(self, pod, policy).map_err(EbpfError::into_check)
-    }
-
-    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        // Listed before the walk, as in `gone`.
-        let pinned_pods = self.pinned_pods();
-        let live = podnet::live_cookies();
-        let mut gone = Vec::new();
-        let mut pinned = HashSet::new();
-        for pod in pinned_pods {
-            if live.contains(&pod.netns_cookie) {
-                pinned.insert(pod.netns_cookie);
-                continue;
-            }
-            let pod_ref = pod.pod_ref();
-            Self::remove(self, &pod_ref)?;
-            tracing::info!(pod = %pod_ref, container = %pod_ref.container_id, netns_cookie = pod.netns_cookie, "netns gone: entries and pins dropped");
-            gone.push(pod_ref);
-        }
-        let orphans = self.lock().sweep_orphans(&pinned);
-        if orphans > 0 {
-            tracing::info!(
-                entries = orphans,
-                "dropped map entries an interrupted request left that no pod refers to"
-            );
-        }
-        Ok(gone)
-    }
-
-    /// The pins are listed before the namespaces are walked: a pod pinned by an ADD running
-    /// meanwhile, whose netns may be newer than the walk, is never judged on it.
-    ///
-    /// Sidecar captures only: an ambient one is its enrollment's to drop
-    /// ([`Self::prune_gone_ambient`], which also tells ztunnel and forgets the probe
-    /// addresses); dropped here, a netns going between the two looks would leave its
-    /// enrollment behind.
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let pinned_pods = self.pinned_pods();
-        let live = podnet::live_cookies();
-        let gone: Vec<_> = pinned_pods
-            .into_iter()
-            .filter(|pod| !pod.ambient && !live.contains(&pod.netns_cookie))
-            .collect();
-        *self.found_gone() = gone.iter().map(|pod| pod.netns_cookie).collect();
-        Ok(gone.into_iter().map(|pod| pod.pod_ref()).collect())
-    }
-
-    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some(cookie) = self.find_cookie(pod) else {
-            return Ok(false);
-        };
-        // The container captured anew since `gone` looked has another cookie: walk for that.
-        let known_gone = self.found_gone().contains(&cookie);
-        if !known_gone && podnet::live_cookies().contains(&cookie) {
-            return Ok(false);
-        }
-        Self::remove(self, pod)?;
-        tracing::info!(pod = %pod, container = %pod.container_id, netns_cookie = cookie, "netns gone without a DEL this agent saw: entries and pins dropped");
-        Ok(true)
-    }
-
-    fn programs(&self) -> Vec<AttachedProgram> {
-        self.attached()
-    }
-
-    fn other_programs(&self) -> Vec<OtherProgram> {
-        order::neighbours(&self.config.cgroup_root, &self.pins, &node::CGROUP_PROGRAMS)
-    }
-
-    fn warnings(&self) -> Vec<String> {
+    /// What an operator should know about the captures in place: processes the programs do
+    /// not run for, and other programs ahead of meshcap's that rewrite destinations.
+    #[must_use]
+    pub fn node_warnings(&self) -> Vec<String> {
         let mut out: Vec<String> = self
             .uncovered()
             .into_iter()
@@ -439,30 +299,5 @@ impl CaptureBackend for EbpfBackend {
             )
         }));
         out
-    }
-
-    fn captured_count(&self) -> Result<usize, BackendError> {
-        Ok(self.lock().pod_count())
-    }
-
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
-        Ok(self
-            .pinned_pods()
-            .into_iter()
-            .filter(|pinned| !pinned.ambient)
-            .map(|pinned| CapturedPod {
-                summary: format!(
-                    "netns cookie {}, inbound TC on {}",
-                    pinned.netns_cookie,
-                    if pinned.interfaces.is_empty() {
-                        "no interface".to_owned()
-                    } else {
-                        pinned.interfaces.join(",")
-                    }
-                ),
-                pod: pinned.pod_ref(),
-                backend: "ebpf".to_owned(),
-            })
-            .collect())
     }
 }

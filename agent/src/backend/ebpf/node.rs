@@ -61,7 +61,7 @@ pub(super) fn load_object(pins: &Pins) -> Result<Ebpf, EbpfError> {
     if crate::bpf::object().is_empty() {
         return Err(EbpfError::Bpf {
             what: "opening the embedded object".into(),
-            source: Box::new(crate::bpf::LoadError::NotEmbedded),
+            source: Box::new(crate::bpf::ObjectError::NotEmbedded),
         });
     }
     let mut loader = EbpfLoader::new();
@@ -155,11 +155,19 @@ pub(super) fn attached(pins: &Pins, tc_prog: &std::os::fd::OwnedFd) -> Vec<Attac
     out
 }
 
+/// A node-wide program whose pinned link is missing.
+#[derive(Debug, thiserror::Error)]
+#[error("node-wide program {name} is not attached: {source}")]
+pub(super) struct NotAttached {
+    name: &'static str,
+    #[source]
+    source: std::io::Error,
+}
+
 /// Fails naming the first node-wide program whose pinned link is missing.
-pub(super) fn check_cgroup_links(pins: &Pins) -> Result<(), String> {
+pub(super) fn check_cgroup_links(pins: &Pins) -> Result<(), NotAttached> {
     for (name, _) in CGROUP_PROGRAMS {
-        sys::obj_get(&pins.link(name))
-            .map_err(|e| format!("node-wide program {name} is not attached: {e}"))?;
+        sys::obj_get(&pins.link(name)).map_err(|source| NotAttached { name, source })?;
     }
     Ok(())
 }

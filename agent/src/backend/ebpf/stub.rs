@@ -19,9 +19,19 @@
 //! r0 = TC_ACT_OK                  ; slot 0 empty (only before the agent's first open): pass
 //! exit
 //! ```
-use std::os::fd::{AsFd, AsRawFd as _, OwnedFd};
+//!
+//! Attached on a pod's interfaces, each attachment recorded in the pod's pins ([`TcRecord`]):
+//! a netlink `cls_bpf` filter ([`crate::podnet::clsact`], the default) recorded as a directory
+//! holding the stub pinned under the filter's place, or a TCX `bpf_link` pinned as the record
+//! itself. Attach and detach run on the pod's netns thread; checking an attachment against the
+//! kernel is [`super::pod`]'s.
+use std::os::fd::{AsFd, AsRawFd as _, BorrowedFd, OwnedFd};
 
-use super::sys;
+use super::{EbpfError, pins::TcRecord, sys};
+use crate::{
+    crashpoint,
+    podnet::{self, Visit, clsact},
+};
 
 /// The stub's name in the kernel (`bpftool prog`, `tc filter show`); at most 15 bytes.
 pub const NAME: &str = "meshcap_tc_stub";
@@ -115,10 +125,161 @@ fn program(cookie: u64, prog_array: i32) -> Vec<Insn> {
 ///
 /// # Errors
 /// The kernel's refusal, with the verifier log.
-pub fn load(cookie: u64, prog_array: impl AsFd) -> Result<OwnedFd, sys::LoadError> {
+pub fn load(cookie: u64, prog_array: impl AsFd) -> Result<OwnedFd, sys::Refused> {
     let insns = program(cookie, prog_array.as_fd().as_raw_fd());
     // The classifier it tail-calls is GPL (it calls GPL-only helpers): so is the caller.
     sys::prog_load_sched_cls(NAME, &insns, c"GPL")
+}
+
+/// `lo`'s index in every network namespace (`LOOPBACK_IFINDEX`): an ambient pod's stub sits
+/// there too.
+pub(super) const LOOPBACK_IFINDEX: u32 = 1;
+
+/// How pods' inbound stubs are attached to their interfaces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttach {
+    /// A TCX bpf_link (Linux 6.6+), pinned at `pods/<cookie>/tc-<ifname>`. Creating and
+    /// releasing one each wait for an RCU grace period in the kernel (6–12 ms apiece), so it
+    /// is only used when asked for.
+    Tcx,
+    /// A `cls_bpf` direct-action filter on the `clsact` qdisc, over netlink (every kernel
+    /// meshcap runs on), recorded in the directory `pods/<cookie>/tc-<ifname>/`: the default,
+    /// on every kernel (docs/ebpf.md says why).
+    #[default]
+    Netlink,
+}
+
+/// Attaches the pod's `stub` on the ingress of interface `ifindex` (`record`'s) in the visited
+/// netns, and records it. Nothing is left attached without its record, even when the agent is
+/// killed half-way.
+///
+/// # Errors
+/// When the kernel refuses the attachment or the pin.
+pub fn attach(
+    visit: &mut Visit,
+    mode: TcAttach,
+    stub: impl AsFd,
+    ifindex: u32,
+    record: &TcRecord,
+) -> Result<(), EbpfError> {
+    let ifname = record.ifname();
+    match mode {
+        TcAttach::Tcx => {
+            let link = sys::tcx_ingress_link_create(stub, ifindex)
+                .map_err(|e| EbpfError::io(&format!("attaching TCX ingress on {ifname}"), e))?;
+            // Unpinned, the link goes with its fd: nothing stays attached.
+            record.pin_link(&link).map_err(|e| {
+                EbpfError::io(
+                    &format!(
+                        "pinning the TC link of {ifname} at {}",
+                        record.path().display()
+                    ),
+                    e,
+                )
+            })
+        }
+        TcAttach::Netlink => attach_netlink(visit, stub.as_fd(), ifindex, record),
+    }
+}
+
+/// The netlink filter, written ahead: the record's directory and its qdisc intent are pinned
+/// before the kernel is asked for anything, so that an agent killed at any instant leaves a
+/// record for whatever it attached ([`detach`] finishes the job). The intent stays only while
+/// meshcap may own the qdisc without a filter record saying so.
+fn attach_netlink(
+    visit: &mut Visit,
+    stub: BorrowedFd<'_>,
+    ifindex: u32,
+    record: &TcRecord,
+) -> Result<(), EbpfError> {
+    let ifname = record.ifname();
+    let recording = |e| {
+        EbpfError::io(
+            &format!(
+                "recording the TC filter of {ifname} at {}",
+                record.path().display()
+            ),
+            e,
+        )
+    };
+    record.begin_filter().map_err(recording)?;
+    let attached = visit.netlink().and_then(|netlink| {
+        let created_qdisc = clsact::add_qdisc(netlink, ifindex, ifname)?;
+        if !created_qdisc {
+            record.drop_intent();
+        }
+        crashpoint::here(crashpoint::EBPF_ADD_QDISC);
+        clsact::add_filter(netlink, ifindex, ifname, created_qdisc, stub, NAME)
+    });
+    let pinned = attached.map_err(EbpfError::from).and_then(|filter| {
+        crashpoint::here(crashpoint::EBPF_ADD_FILTER);
+        record.pin_filter(stub, &filter).map_err(recording)
+    });
+    if let Err(err) = pinned {
+        detach(visit, record);
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Detaches what [`attach`] attached (the visited netns) and removes its record. For netlink
+/// TC only meshcap's filter goes, and the clsact qdisc only when meshcap added it and nothing
+/// else uses it.
+pub fn detach(visit: &mut Visit, record: &TcRecord) {
+    let ifname = record.ifname();
+    if record.is_filter()
+        && let Ok(ifindex) = nix::net::if_::if_nametoindex(ifname)
+    {
+        let detached = visit.netlink().and_then(|netlink| match record.filter() {
+            Ok((filter, id)) => clsact::detach(netlink, ifindex, ifname, id, filter),
+            // An attach cut short before its filter was recorded: the filter by its place
+            // and name, and the qdisc if the intent says meshcap may have added it.
+            Err(_) => clsact::detach_named(netlink, ifindex, ifname, NAME, record.may_own_qdisc())
+                .map(drop),
+        });
+        if let Err(err) = detached {
+            tracing::warn!(interface = ifname, error = %err, "detaching the TC filter");
+        }
+    }
+    record.remove();
+}
+
+/// Detaches meshcap's stub from every interface of the visited netns (and `lo` with
+/// `with_lo`: an ambient pod's, or one whose kind is not known) that has none of `records`
+/// yet runs it: a filter whose record was removed behind meshcap's back, or never written (an
+/// agent killed in between). Recognised by its place and its program's name; its qdisc stays
+/// (whether meshcap added it went with the record).
+pub fn detach_unrecorded(visit: &mut Visit, records: &[TcRecord], with_lo: bool) {
+    let mut interfaces = match podnet::inspect(visit, false) {
+        Ok(net) => net.interfaces,
+        Err(err) => {
+            tracing::warn!(error = %err, "listing interfaces for unrecorded TC filters");
+            return;
+        }
+    };
+    if with_lo {
+        interfaces.push((LOOPBACK_IFINDEX, "lo".to_owned()));
+    }
+    for (ifindex, ifname) in interfaces {
+        if records
+            .iter()
+            .any(|record| record.ifname() == ifname.as_str())
+        {
+            continue;
+        }
+        let removed = visit
+            .netlink()
+            .and_then(|netlink| clsact::detach_named(netlink, ifindex, &ifname, NAME, false));
+        match removed {
+            Ok(true) => {
+                tracing::warn!(interface = %ifname, "removed meshcap's TC filter, whose record was gone")
+            }
+            Ok(false) => {}
+            Err(err) => {
+                tracing::warn!(interface = %ifname, error = %err, "looking for an unrecorded TC filter")
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@
 //!   less machinery: `XTABLES_LOCKFILE` (iptables ≥ 1.8.3) points each netns at its own lock
 //!   file, and `-w` waits for it. Two operations on one pod are already serialized by the
 //!   agent, so the lock only guards against foreign writers in that netns. nft takes no lock.
-//! - **Idempotence and updates**: what was applied is recorded per pod (in memory and in
-//!   `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
+//! - **Idempotence and updates**: what was applied is recorded per pod (`records`: in memory
+//!   and in `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
 //!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
 //!   A failure part-way rolls back what this call applied.
@@ -21,27 +21,28 @@
 mod flavour;
 mod inpod;
 pub mod node;
+mod records;
 mod restore;
 mod xtables;
 
 use std::{
-    collections::HashMap,
     fs,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
-    sync::Mutex,
 };
 
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
-use serde::{Deserialize, Serialize};
+use records::{Applied, Records};
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodRef};
+use super::{BackendError, CaptureBackend, CapturedPod, PodPolicy};
 use crate::{
-    crashpoint, podnet,
-    policy::{Family, InterceptionMode, IptablesRules, PolicyRoutes, RedirectPolicy},
+    crashpoint,
+    pod::PodRef,
+    podnet,
+    policy::{DataplaneMode, Family, InterceptionMode, IptablesRules, PolicyRoutes},
 };
 
 /// Backend configuration.
@@ -62,37 +63,12 @@ fn nothing() -> IptablesRules {
     }
 }
 
-/// What was applied to a pod: the record, written before the rules are applied.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Applied {
-    pod: PodRef,
-    flavour: Flavour,
-    /// The rules the pod's capture consists of.
-    rules: IptablesRules,
-    /// Rule sets that may still be in the netns besides `rules`: those of an update or an ADD
-    /// that has not finished (empty once it has).
-    #[serde(default)]
-    replacing: Vec<IptablesRules>,
-    mode: InterceptionMode,
-    /// Ambient mode's in-pod rules (ztunnel's), not a sidecar's.
-    #[serde(default)]
-    ambient: bool,
-}
-
-impl Applied {
-    /// Every rule set the netns may hold.
-    fn rule_sets(&self) -> impl Iterator<Item = &IptablesRules> {
-        std::iter::once(&self.rules).chain(&self.replacing)
-    }
-}
-
 /// The iptables backend.
 #[derive(Debug)]
 pub struct IptablesBackend {
-    records: PathBuf,
+    records: Records,
     locks: PathBuf,
     flavour: FlavourChoice,
-    applied: Mutex<HashMap<String, Applied>>,
 }
 
 impl IptablesBackend {
@@ -101,119 +77,18 @@ impl IptablesBackend {
     /// # Errors
     /// When the state directory cannot be created or read.
     pub fn new(config: &IptablesConfig) -> Result<Self, BackendError> {
-        let records = config.state_dir.join("iptables");
         let locks = config.state_dir.join("xtables-locks");
-        for dir in [&records, &locks] {
-            fs::create_dir_all(dir).map_err(|e| BackendError::State {
-                path: dir.clone(),
-                reason: e.to_string(),
-            })?;
-        }
-        let mut applied = HashMap::new();
-        let entries = fs::read_dir(&records).map_err(|e| BackendError::State {
-            path: records.clone(),
+        fs::create_dir_all(&locks).map_err(|e| BackendError::State {
+            path: locks.clone(),
             reason: e.to_string(),
         })?;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let parsed = || {
-                fs::read(&path)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
-            };
-            if name.ends_with(".json.tmp") {
-                // An ADD stopped between writing its record and renaming it into place: its
-                // rules were applied (the record is written after them), so a complete record
-                // is adopted; a partial one says nothing and goes.
-                match parsed() {
-                    Ok(record) => {
-                        let target = path.with_extension("");
-                        if fs::rename(&path, &target).is_ok() {
-                            info!(path = %target.display(), "adopted the record of an interrupted ADD");
-                            applied.insert(record.pod.container_id.clone(), record);
-                            continue;
-                        }
-                    }
-                    Err(reason) => {
-                        info!(path = %path.display(), %reason, "dropping the partial record of an interrupted ADD");
-                    }
-                }
-                let _ = fs::remove_file(&path);
-                continue;
-            }
-            match parsed() {
-                Ok(record) => {
-                    applied.insert(record.pod.container_id.clone(), record);
-                }
-                Err(reason) => {
-                    warn!(path = %path.display(), %reason, "ignoring unreadable iptables record")
-                }
-            }
-        }
-        info!(adopted = applied.len(), flavour = ?config.flavour, "iptables backend ready");
+        let records = Records::open(config.state_dir.join("iptables"))?;
+        info!(adopted = records.count(), flavour = ?config.flavour, "iptables backend ready");
         Ok(Self {
             records,
             locks,
             flavour: config.flavour,
-            applied: Mutex::new(applied),
         })
-    }
-
-    fn record_path(&self, container_id: &str) -> PathBuf {
-        self.records.join(super::record_file_name(container_id))
-    }
-
-    fn save(&self, record: &Applied) -> Result<(), BackendError> {
-        let path = self.record_path(&record.pod.container_id);
-        let tmp = path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            fs::write(
-                &tmp,
-                serde_json::to_vec(record).map_err(std::io::Error::other)?,
-            )?;
-            crashpoint::here(crashpoint::IPTABLES_ADD_RECORD_WRITTEN);
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| BackendError::State {
-            path,
-            reason: e.to_string(),
-        })
-    }
-
-    fn forget(&self, container_id: &str) {
-        let path = self.record_path(container_id);
-        for path in [path.with_extension("json.tmp"), path] {
-            if let Err(e) = fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                warn!(path = %path.display(), error = %e, "removing iptables record");
-            }
-        }
-        self.lock().remove(container_id);
-    }
-
-    /// What was applied for `pod`, and the id it is recorded under: by the container, else by
-    /// the netns (a pod captured in place by the repair controller is recorded under an id of
-    /// its own, not the runtime's sandbox id).
-    fn recorded(&self, pod: &PodRef) -> Option<(String, Applied)> {
-        let applied = self.lock();
-        applied
-            .get(&pod.container_id)
-            .map(|r| (pod.container_id.clone(), r.clone()))
-            .or_else(|| {
-                applied
-                    .iter()
-                    .find(|(_, r)| super::same_netns(&r.pod.netns, &pod.netns))
-                    .map(|(id, r)| (id.clone(), r.clone()))
-            })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
-        // A panic while holding the map leaves it consistent (single inserts and removes).
-        self.applied
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The lock file for one netns: its device and inode identify it.
@@ -225,23 +100,17 @@ impl IptablesBackend {
         self.locks.join(format!("{id}.lock"))
     }
 
-    /// Applies an ambient pod's in-pod rules ([`crate::policy::ambient::InpodPolicy::render`]),
-    /// with the same records, rollback and crash consistency as a sidecar pod's.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::add`].
-    #[tracing::instrument(name = "iptables_add_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    pub fn add_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        self.apply(pod, rules, InterceptionMode::Redirect, true)
-    }
-
-    /// Whether an ambient pod's in-pod rules are in place.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::check`].
-    #[tracing::instrument(name = "iptables_check_ambient", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    pub fn check_ambient(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        self.verify(pod, rules)
+    /// The rules a policy renders: Istio's sidecar rules, or ambient mode's in-pod rules
+    /// ([`crate::policy::ambient::InpodPolicy::render`]), with their interception mode and
+    /// whether they are ambient mode's. Both get the same records, rollback and crash
+    /// consistency.
+    fn rules(policy: &PodPolicy) -> (IptablesRules, InterceptionMode, bool) {
+        match policy {
+            PodPolicy::Sidecar(policy) => (policy.render(), policy.mode, false),
+            PodPolicy::Ambient(ambient) => {
+                (ambient.policy.render(), InterceptionMode::Redirect, true)
+            }
+        }
     }
 
     /// Applies `rules` to the pod's netns, recorded (ahead) so that a DEL, an ADD or a
@@ -253,7 +122,7 @@ impl IptablesBackend {
         mode: InterceptionMode,
         ambient: bool,
     ) -> Result<(), BackendError> {
-        let previous = self.lock().get(&pod.container_id).cloned();
+        let previous = self.records.get(&pod.container_id);
         if let Some(prev) = &previous
             && prev.rules == *rules
             && prev.replacing.is_empty()
@@ -283,8 +152,8 @@ impl IptablesBackend {
                 mode,
                 ambient,
             };
-            self.save(&intent)?;
-            self.lock().insert(pod.container_id.clone(), intent.clone());
+            self.records.save(&intent)?;
+            self.records.insert(intent.clone());
             let old = previous
                 .as_ref()
                 .filter(|p| p.replacing.is_empty())
@@ -306,9 +175,9 @@ impl IptablesBackend {
             replacing: Vec::new(),
             ..record
         };
-        self.save(&record)?;
+        self.records.save(&record)?;
         info!(flavour = ?record.flavour, %mode, ambient, "iptables rules applied");
-        self.lock().insert(pod.container_id.clone(), record);
+        self.records.insert(record);
         Ok(())
     }
 
@@ -318,7 +187,7 @@ impl IptablesBackend {
             pod: pod.to_string(),
             missing,
         };
-        let Some((_, record)) = self.recorded(pod) else {
+        let Some((_, record)) = self.records.recorded(pod) else {
             return Err(not_captured(
                 "meshcap never applied rules to this container".into(),
             ));
@@ -368,45 +237,52 @@ impl CaptureBackend for IptablesBackend {
     }
 
     #[tracing::instrument(name = "iptables_add", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        self.apply(pod, &policy.render(), policy.mode, false)
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        let (rules, mode, ambient) = Self::rules(policy);
+        self.apply(pod, &rules, mode, ambient)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone = self.gone()?;
+        let gone: Vec<PodRef> = [DataplaneMode::Sidecar, DataplaneMode::Ambient]
+            .into_iter()
+            .flat_map(|mode| self.records.of_mode(mode))
+            .filter(|record| !record.pod.netns.exists())
+            .map(|record| record.pod)
+            .collect();
         for pod in &gone {
             // The rules lived in the netns and went with it: only the record is left.
-            self.forget(&pod.container_id);
+            self.records.forget(&pod.container_id);
             info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
         }
         Ok(gone)
     }
 
-    fn gone(&self) -> Result<Vec<PodRef>, BackendError> {
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
         Ok(self
-            .lock()
-            .values()
+            .records
+            .of_mode(mode)
+            .into_iter()
             .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod.clone())
+            .map(|record| record.pod)
             .collect())
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some((id, record)) = self.recorded(pod) else {
+        let Some((id, record)) = self.records.recorded(pod) else {
             return Ok(false);
         };
         if record.pod.netns.exists() {
             return Ok(false);
         }
         // The rules lived in the netns and went with it: only the record is left.
-        self.forget(&id);
+        self.records.forget(&id);
         info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
         Ok(true)
     }
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some((recorded_id, record)) = self.recorded(pod) else {
+        let Some((recorded_id, record)) = self.records.recorded(pod) else {
             debug!("nothing applied for this container");
             return Ok(());
         };
@@ -417,7 +293,7 @@ impl CaptureBackend for IptablesBackend {
         };
         if !target.netns.exists() {
             debug!(netns = %target.netns.display(), "netns gone: its rules went with it");
-            self.forget(&recorded_id);
+            self.records.forget(&recorded_id);
             return Ok(());
         }
         self.in_netns(&target, |ctx| {
@@ -441,20 +317,21 @@ impl CaptureBackend for IptablesBackend {
             Ok(())
         })?;
         crashpoint::here(crashpoint::IPTABLES_REMOVE_REMOVED);
-        self.forget(&recorded_id);
+        self.records.forget(&recorded_id);
         info!("iptables rules removed");
         Ok(())
     }
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
-    fn check(&self, pod: &PodRef, policy: &RedirectPolicy) -> Result<(), BackendError> {
-        self.verify(pod, &policy.render())
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.verify(pod, &Self::rules(policy).0)
     }
 
-    fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         let mut out: Vec<CapturedPod> = self
-            .lock()
-            .values()
+            .records
+            .of_mode(mode)
+            .iter()
             .map(|a| CapturedPod {
                 pod: a.pod.clone(),
                 backend: self.name().to_owned(),

@@ -11,7 +11,8 @@ use clap::Args;
 use meshcap_agent::{
     bpf, decide,
     pods::{PodSource, dir::DirPods, kube::KubePods},
-    policy, probe, settings,
+    policy::{self, PodName},
+    probe, settings,
     status::StatusReport,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
@@ -157,50 +158,42 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
     } else {
         args.ips.clone()
     };
-    let enrollment = if args.ambient {
-        let mut config = policy::ambient::AmbientConfig::default();
-        config.dns_capture = args.ambient_dns_capture;
-        config.ipv6 = args.ambient_ipv6;
-        let namespace_labels = args.namespace_labels.iter().cloned().collect();
-        let enrollment =
-            policy::ambient::enroll(&pod, &namespace_labels, &args.exclude_namespaces, &config)?;
-        if let policy::ambient::Enrollment::Enrolled { policy, .. } = &enrollment {
-            match args.format {
-                PolicyFormat::Json => print_json(&serde_json::json!({ "ambient": enrollment }))?,
-                PolicyFormat::Iptables => {
-                    let rules = policy.render();
-                    print_restore(&rules.v4, rules.v6.as_deref());
-                }
-            }
-            return Ok(());
-        }
-        Some(enrollment)
-    } else {
-        None
+    let node = policy::NodeSettings {
+        select: policy::SelectConfig {
+            exclude_namespaces: args.exclude_namespaces.clone(),
+        },
+        ambient: args.ambient.then(|| {
+            let mut config = policy::ambient::AmbientConfig::default();
+            config.dns_capture = args.ambient_dns_capture;
+            config.ipv6 = args.ambient_ipv6;
+            config
+        }),
     };
-    let config = policy::SelectConfig {
-        exclude_namespaces: args.exclude_namespaces.clone(),
-    };
-    let selection = policy::select(&pod, &ips, &config)?;
+    let namespace_labels = args.namespace_labels.iter().cloned().collect();
+    let decision = policy::decide(&pod, &ips, &namespace_labels, &node)?;
+    let (enrollment, selection) = (decision.enrollment(), decision.selection());
     match args.format {
-        PolicyFormat::Json => match enrollment {
-            Some(ambient) => print_json(&serde_json::json!({
+        PolicyFormat::Json => match (enrollment, selection) {
+            (Some(ambient), Some(sidecar)) => print_json(&serde_json::json!({
                 "ambient": ambient,
-                "sidecar": selection,
+                "sidecar": sidecar,
             }))?,
-            None => print_json(&selection)?,
+            (Some(ambient), None) => print_json(&serde_json::json!({ "ambient": ambient }))?,
+            (None, sidecar) => print_json(&sidecar)?,
         },
         PolicyFormat::Iptables => {
             if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
                 println!("# not enrolled in ambient mode: {reason}");
             }
-            match selection {
-                policy::Selection::Skip { reason } => println!("# not captured: {reason}"),
-                policy::Selection::Capture { policy } => {
-                    let rules = policy.render();
-                    print_restore(&rules.v4, rules.v6.as_deref());
+            let rules = match decision {
+                policy::Decision::Ambient { policy, .. } => policy.render(),
+                policy::Decision::Sidecar { policy, .. } => policy.render(),
+                policy::Decision::Skip { reason, .. } => {
+                    println!("# not captured: {reason}");
+                    return Ok(());
                 }
-            }
+            };
+            print_restore(&rules.v4, rules.v6.as_deref());
         }
     }
     Ok(())
@@ -287,14 +280,20 @@ pub async fn decide(args: &DecideArgs) -> anyhow::Result<()> {
         None
     };
     let request = decide::Request {
-        namespace: args.namespace.clone(),
-        name: args.name.clone(),
+        pod: PodName {
+            namespace: args.namespace.clone(),
+            name: args.name.clone(),
+        },
         uid: args.uid.clone(),
         ips: args.ips.clone(),
-        exclude_namespaces: args.exclude_namespaces.clone(),
-        ambient,
+        node: policy::NodeSettings {
+            select: policy::SelectConfig {
+                exclude_namespaces: args.exclude_namespaces.clone(),
+            },
+            ambient,
+        },
     };
-    let decision = decide::decide(&source, &request).await?;
-    println!("{}", serde_json::to_string(&decision)?);
+    let answer = decide::decide(&source, &request).await?;
+    println!("{}", serde_json::to_string(&answer)?);
     Ok(())
 }

@@ -1,7 +1,10 @@
 //! `meshcap-agent`: the node daemon. Subcommands are the agent's user interface: `run` is
-//! the daemon ([`run`]); the others inspect or clean up a node ([`commands`]).
+//! the daemon (its settings [`run`], what is made of them [`wiring`], what keeps its life in
+//! order [`lifecycle`]); the others inspect or clean up a node ([`commands`]).
 mod commands;
+mod lifecycle;
 mod run;
+mod wiring;
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -12,11 +15,12 @@ use run::RunArgs;
 #[derive(Parser)]
 #[command(name = "meshcap-agent", version, about)]
 struct Cli {
-    /// Log format.
+    /// Log format (`MESHCAP_LOG_AS_JSON=true`, Istio's `global.logAsJson`, also selects json).
     #[arg(long, value_enum, default_value_t, global = true)]
     log_format: logging::LogFormat,
-    /// Log level (`error`, `warn`, `info`, `debug`, `trace`, or a `RUST_LOG` filter, which
-    /// takes precedence when set).
+    /// Log level, as Istio's `--log_output_level` (`debug`, `info`, `warn`, `error`, `none`, or
+    /// `scope:level,...`: `cni-plugin:` sets the plugin's), or a `tracing` filter; `RUST_LOG`
+    /// takes precedence when set.
     #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
     log_level: String,
     #[command(subcommand)]
@@ -71,7 +75,18 @@ pub enum PolicyFormat {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Err(err) = logging::init(cli.log_format, &cli.log_level) {
+    let format = match settings::bool_setting(
+        &|name: &str| std::env::var(name).ok(),
+        settings::LOG_AS_JSON,
+    ) {
+        Ok(true) => logging::LogFormat::Json,
+        Ok(false) => cli.log_format,
+        Err(err) => {
+            eprintln!("meshcap-agent: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(err) = logging::init(format, &settings::log_levels(&cli.log_level).agent) {
         eprintln!("meshcap-agent: {err:#}");
         return ExitCode::FAILURE;
     }
@@ -86,7 +101,7 @@ fn main() -> ExitCode {
             if let Err(err) = meshcap_agent::sched::ask_for_short_slice() {
                 tracing::warn!("the kernel refused a short scheduler slice: {err}");
             }
-            run::run(*args)
+            wiring::run(*args)
         }
         Command::Status { socket, json } => commands::status(&socket, json),
         Command::Policy(args) => commands::show_policy(&args),

@@ -124,7 +124,8 @@ impl RuleSet {
                             chains.entry((*chain).to_owned()).or_default();
                         }
                         "-A" => {
-                            let rule = parse_rule(line, rest).map_err(|reason| fail(&reason))?;
+                            let rule = parse_rule(line, rest)
+                                .map_err(|reason| fail(&reason.to_string()))?;
                             chains.entry((*chain).to_owned()).or_default().push(rule);
                         }
                         "-I" => {
@@ -132,7 +133,8 @@ impl RuleSet {
                                 rest.split_first().ok_or_else(|| fail("no position"))?;
                             let position: usize =
                                 position.parse().map_err(|_| fail("bad position"))?;
-                            let rule = parse_rule(line, rest).map_err(|reason| fail(&reason))?;
+                            let rule = parse_rule(line, rest)
+                                .map_err(|reason| fail(&reason.to_string()))?;
                             let rules = chains.entry((*chain).to_owned()).or_default();
                             if position == 0 || position > rules.len() + 1 {
                                 return Err(fail("position out of range"));

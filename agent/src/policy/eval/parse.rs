@@ -7,6 +7,45 @@ use super::super::{
     packet::{CtState, Protocol},
 };
 
+/// What of a rule the evaluator does not read: only the matches and targets Istio's rules use
+/// are.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(super) enum Unsupported {
+    /// A `!` with nothing after it.
+    #[error("\"!\" at the end")]
+    DanglingNot,
+    /// An option without its value.
+    #[error("{0} needs a value")]
+    NoValue(String),
+    /// A protocol other than TCP and UDP.
+    #[error("protocol {0}")]
+    Protocol(String),
+    /// A match module Istio's rules do not use.
+    #[error("match module {0}")]
+    Module(String),
+    /// An option Istio's rules do not use.
+    #[error("option {0}")]
+    Option(String),
+    /// A rule without `-j`.
+    #[error("no target")]
+    NoTarget,
+    /// A target Istio's rules do not use, with its arguments.
+    #[error("target {0}")]
+    Target(String),
+    /// An address or prefix that does not parse.
+    #[error("address {0}")]
+    Address(String),
+    /// A port that does not parse.
+    #[error("port {0}")]
+    Port(String),
+    /// A number that does not parse.
+    #[error("number {0}")]
+    Number(String),
+    /// A conntrack state Istio's rules do not use.
+    #[error("conntrack state {0}")]
+    CtState(String),
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Rule {
     pub(super) text: String,
@@ -55,7 +94,7 @@ pub(super) enum Target {
     ConntrackZone,
 }
 
-pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
+pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, Unsupported> {
     let mut matches = Vec::new();
     let mut target = None;
     let mut words = words.iter().copied().peekable();
@@ -63,20 +102,20 @@ pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
     while let Some(word) = words.next() {
         let negated = word == "!";
         let option = if negated {
-            words.next().ok_or("\"!\" at the end")?
+            words.next().ok_or(Unsupported::DanglingNot)?
         } else {
             word
         };
         let mut value = || {
             words
                 .next()
-                .ok_or_else(|| format!("{option} needs a value"))
+                .ok_or_else(|| Unsupported::NoValue(option.to_owned()))
         };
         let parsed = match option {
             "-p" => Match::Protocol(match value()? {
                 "tcp" => Protocol::Tcp,
                 "udp" => Protocol::Udp,
-                other => return Err(format!("protocol {other}")),
+                other => return Err(Unsupported::Protocol(other.to_owned())),
             }),
             "-s" => Match::Source(prefix(value()?)?),
             "-d" => Match::Destination(prefix(value()?)?),
@@ -109,7 +148,7 @@ pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
                     module,
                     "multiport" | "owner" | "conntrack" | "mark" | "connmark" | "tcp" | "udp"
                 ) {
-                    return Err(format!("match module {module}"));
+                    return Err(Unsupported::Module(module.to_owned()));
                 }
                 continue;
             }
@@ -117,11 +156,11 @@ pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
                 target = Some(parse_target(value()?, &mut words)?);
                 continue;
             }
-            other => return Err(format!("option {other}")),
+            other => return Err(Unsupported::Option(other.to_owned())),
         };
         matches.push((negated, parsed));
     }
-    let target = target.ok_or("no target")?;
+    let target = target.ok_or(Unsupported::NoTarget)?;
     Ok(Rule {
         text: text.to_owned(),
         matches,
@@ -132,7 +171,7 @@ pub(super) fn parse_rule(text: &str, words: &[&str]) -> Result<Rule, String> {
 fn parse_target<'a>(
     name: &str,
     words: &mut impl Iterator<Item = &'a str>,
-) -> Result<Target, String> {
+) -> Result<Target, Unsupported> {
     let args: Vec<&str> = words.collect();
     Ok(match (name, args.as_slice()) {
         ("RETURN", []) => Target::Return,
@@ -164,44 +203,47 @@ fn parse_target<'a>(
             Target::ConntrackZone
         }
         (chain, []) if chain.starts_with("ISTIO_") => Target::Jump(chain.to_owned()),
-        (other, _) => return Err(format!("target {other} {}", args.join(" "))),
+        (other, _) => {
+            return Err(Unsupported::Target(format!("{other} {}", args.join(" "))));
+        }
     })
 }
 
-fn prefix(text: &str) -> Result<IpPrefix, String> {
+fn prefix(text: &str) -> Result<IpPrefix, Unsupported> {
     if let Ok(prefix) = text.parse() {
         return Ok(prefix);
     }
-    let addr: IpAddr = text.parse().map_err(|_| format!("address {text}"))?;
+    let bad = || Unsupported::Address(text.to_owned());
+    let addr: IpAddr = text.parse().map_err(|_| bad())?;
     let len = if addr.is_ipv4() { 32 } else { 128 };
-    IpPrefix::new(addr, len).ok_or_else(|| format!("address {text}"))
+    IpPrefix::new(addr, len).ok_or_else(bad)
 }
 
-fn port(text: &str) -> Result<u16, String> {
-    text.parse().map_err(|_| format!("port {text}"))
+fn port(text: &str) -> Result<u16, Unsupported> {
+    text.parse().map_err(|_| Unsupported::Port(text.to_owned()))
 }
 
-fn number(text: &str) -> Result<u32, String> {
+fn number(text: &str) -> Result<u32, Unsupported> {
     match text.strip_prefix("0x") {
         Some(hex) => u32::from_str_radix(hex, 16),
         None => text.parse(),
     }
-    .map_err(|_| format!("number {text}"))
+    .map_err(|_| Unsupported::Number(text.to_owned()))
 }
 
-fn mark(text: &str) -> Result<(u32, u32), String> {
+fn mark(text: &str) -> Result<(u32, u32), Unsupported> {
     match text.split_once('/') {
         Some((value, mask)) => Ok((number(value)?, number(mask)?)),
         None => Ok((number(text)?, u32::MAX)),
     }
 }
 
-fn ct_state(text: &str) -> Result<CtState, String> {
+fn ct_state(text: &str) -> Result<CtState, Unsupported> {
     match text {
         "NEW" => Ok(CtState::New),
         "ESTABLISHED" => Ok(CtState::Established),
         "RELATED" => Ok(CtState::Related),
         "INVALID" => Ok(CtState::Invalid),
-        other => Err(format!("conntrack state {other}")),
+        other => Err(Unsupported::CtState(other.to_owned())),
     }
 }

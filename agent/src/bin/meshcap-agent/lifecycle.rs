@@ -1,0 +1,223 @@
+//! What keeps the daemon's life in order around its work: signals caught from the start
+//! ([`ShutdownSignal`]), one agent per state directory, the plugin installed and kept chained,
+//! the node's startup taint removed once pods can be captured, the periodic looks (warnings,
+//! captures whose netns went without a DEL), and the uninstall when meshcap is being deleted.
+use std::{path::PathBuf, sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use meshcap_agent::{
+    backend::iptables::FlavourChoice,
+    hub::Hub,
+    install::{self, watch::InstallStatus},
+    settings, taint,
+};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::run::{PodSourceKind, RunArgs};
+
+/// Stopped because meshcap is being deleted from the cluster (its DaemonSet gone or being
+/// deleted, as `kubectl delete -f deploy/` does): removes the plugin from this node, so new pods
+/// no longer wait for an agent that will never come back, and the eBPF programs once no pod
+/// they capture lives. On a rolling update, a restart, an eviction or a drain the DaemonSet is
+/// there and nothing is removed; when the API server cannot be asked, nothing is either.
+/// With ambient mode on, `probes` (the node's netns and iptables) says where its probe rule
+/// and sets go from.
+pub async fn uninstall_if_deleted(
+    client: &kube::Client,
+    config: install::InstallConfig,
+    bpffs_dir: PathBuf,
+    probes: Option<(Option<PathBuf>, FlavourChoice)>,
+) {
+    let (Ok(namespace), Ok(pod)) = (
+        std::env::var(settings::POD_NAMESPACE_ENV),
+        std::env::var(settings::POD_NAME_ENV),
+    ) else {
+        return;
+    };
+    let why = match meshcap_agent::uninstall::is_being_deleted(client, &namespace, &pod).await {
+        Ok(Some(why)) => why,
+        Ok(None) => {
+            info!("meshcap stays installed on this node (a restart, an update or a drain)");
+            return;
+        }
+        Err(err) => {
+            warn!(error = %err, "cannot tell whether meshcap is being deleted: it stays installed");
+            return;
+        }
+    };
+    info!(%why, "meshcap is being deleted: uninstalling it from this node");
+    let removed = tokio::task::spawn_blocking(move || {
+        if let Some((netns, flavour)) = probes {
+            meshcap_agent::uninstall::probes(netns.as_deref(), flavour)?;
+        }
+        meshcap_agent::uninstall::node(Some(&config), &bpffs_dir)
+    })
+    .await;
+    match removed {
+        Ok(Ok(removed)) => {
+            for (dir, pods) in &removed.kept {
+                warn!(layout = %dir.display(), pods = %pods.join(", "), "eBPF programs kept: pods they capture still run (restart them; a node reboot or `meshcap-agent uninstall` then removes the programs)");
+            }
+            info!(layouts = removed.layouts.len(), "uninstalled");
+        }
+        Ok(Err(err)) => warn!(error = %err, "uninstalling"),
+        Err(err) => warn!(error = %err, "uninstalling"),
+    }
+}
+
+/// Keeps the install-ready gauge with the installation's state.
+pub async fn track_install(hub: Arc<Hub>, mut status: watch::Receiver<InstallStatus>) {
+    loop {
+        let installed = status.borrow_and_update().is_installed();
+        hub.metrics().set_install_ready(installed);
+        if status.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Drops, every `every`, the captures whose netns went without a DEL this agent saw (see
+/// [`Hub::drop_gone`]); the start-up reconciliation has done it once already.
+pub async fn drop_gone(hub: Arc<Hub>, every: Duration) {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let dropped = hub.drop_gone().await;
+        if dropped > 0 {
+            info!(
+                dropped,
+                "dropped the captures of pods whose netns went without a DEL"
+            );
+        }
+    }
+}
+
+/// How often the backend's warnings are looked for.
+const WARNINGS_EVERY: Duration = Duration::from_secs(60);
+
+/// Logs each of the backend's warnings when it first appears (checked at start and every
+/// [`WARNINGS_EVERY`]; `meshcap-agent status` shows the current ones), and keeps the metric
+/// of other programs on its hooks current.
+pub async fn log_warnings(hub: Arc<Hub>) {
+    let mut logged = std::collections::HashSet::new();
+    loop {
+        let current = hub.check_backend().await;
+        for warning in &current {
+            if !logged.contains(warning) {
+                warn!("{warning}");
+            }
+        }
+        logged = current.into_iter().collect();
+        tokio::time::sleep(WARNINGS_EVERY).await;
+    }
+}
+
+/// Installs the plugin and keeps its conflist entry in place (a watcher thread); the returned
+/// watcher must live as long as the agent.
+pub fn start_install(
+    args: &RunArgs,
+    socket: &std::path::Path,
+    status: watch::Sender<InstallStatus>,
+    on_write: impl Fn() + Send + 'static,
+) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
+    let plugin = match &args.plugin_binary {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .context("locating meshcap-agent")?
+            .with_file_name("meshcap-cni"),
+    };
+    let mut config = settings::install_config(|name| std::env::var(name).ok(), plugin)?;
+    socket.clone_into(&mut config.plugin.agent_socket);
+    // While this agent is down, the plugin decides from the same source it uses: a copy of this
+    // binary beside the plugin, and the API server's credentials or the manifest directory.
+    config.decider_source = Some(std::env::current_exe().context("locating meshcap-agent")?);
+    match args.pods {
+        PodSourceKind::Kube => {
+            config.kubeconfig_source =
+                install::kubeconfig::Source::of_this_agent(|name| std::env::var(name).ok());
+            if config.kubeconfig_source.is_some() {
+                config.plugin.kubeconfig =
+                    Some(config.cni_conf_dir.join(install::KUBECONFIG_FILE_NAME));
+            }
+        }
+        PodSourceKind::Dir => config.plugin.pod_dir.clone_from(&args.pod_dir),
+    }
+    info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, "installing meshcap-cni");
+    Ok((
+        install::watch::spawn(config.clone(), status, on_write)?,
+        config,
+    ))
+}
+
+/// Removes the node's startup taint once pods can be captured: the agent serves and, when it
+/// installs the plugin, the plugin is chained in. Retries until it succeeds.
+pub async fn untaint_when_ready(
+    client: kube::Client,
+    node: String,
+    key: String,
+    install: Option<watch::Receiver<InstallStatus>>,
+) {
+    if let Some(mut install) = install
+        && install.wait_for(InstallStatus::is_installed).await.is_err()
+    {
+        return;
+    }
+    loop {
+        match taint::remove(client.clone(), &node, &key).await {
+            Ok(removal) => {
+                info!(%node, %key, ?removal, "startup taint handled: the node may run pods");
+                return;
+            }
+            Err(err) => {
+                warn!(%node, %key, "removing the startup taint: {err}; retrying in 5s");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+        }
+    }
+}
+
+/// Takes the state directory's lock; while another agent holds it (an operator's `run` beside
+/// the DaemonSet's, or a predecessor still shutting down), says so once and waits.
+pub async fn lock_state_dir(
+    dir: &std::path::Path,
+) -> anyhow::Result<meshcap_agent::instance::Exclusive> {
+    let mut told = false;
+    loop {
+        if let Some(held) = meshcap_agent::instance::try_lock(dir)
+            .with_context(|| format!("locking the state directory {}", dir.display()))?
+        {
+            return Ok(held);
+        }
+        if !told {
+            warn!(state_dir = %dir.display(), "another meshcap-agent holds this state directory: waiting for it to exit");
+            told = true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// SIGTERM and SIGINT, caught from the moment the agent starts; a signal that arrives before
+/// the agent waits for it is kept until then.
+pub struct ShutdownSignal {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignal {
+    pub fn register() -> anyhow::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate()).context("catching SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("catching SIGINT")?,
+        })
+    }
+
+    pub async fn received(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => info!("SIGTERM"),
+            _ = self.int.recv() => info!("SIGINT"),
+        }
+    }
+}

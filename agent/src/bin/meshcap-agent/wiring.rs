@@ -1,0 +1,395 @@
+//! `meshcap-agent run`: the daemon, put together from its settings ([`RunArgs`]). Opens the pod
+//! source and the backends (probing the kernel for `auto`; ambient mode's around the one that
+//! captures its pods), builds the hub on them, serves the plugin socket and the health
+//! endpoint, installs the plugin and keeps it chained, starts the controllers, serves until
+//! SIGTERM, and uninstalls when meshcap is being deleted ([`crate::lifecycle`]).
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use anyhow::Context as _;
+use meshcap_agent::{
+    ambient::{Ambient, AmbientPlaces},
+    api::{Server, ServerConfig, http},
+    backend::{
+        BackendChoice, BackendError, CaptureBackend, Router,
+        ebpf::{EbpfBackend, EbpfConfig},
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+    },
+    enrollment::LiveEnrollment,
+    events::EventSink,
+    hub::{Hub, Parts, Settings},
+    install::watch::InstallStatus,
+    pods::{PodSource, dir::DirPods, kube::KubePods},
+    policy::NodeSettings,
+    probe::{self, ProbeReport},
+    repair::{RepairConfig, Repairer},
+};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::{
+    lifecycle::{self, ShutdownSignal},
+    run::{
+        Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, netns_dir,
+        warn_not_supported,
+    },
+};
+
+/// A backend, shared by the router and whoever else needs it.
+type Shared = Arc<dyn CaptureBackend>;
+
+/// The API server and this node's name, with `--pods kube`.
+type KubeNode = (kube::Client, String);
+
+#[tokio::main]
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    // Before anything else: a SIGTERM that arrives while the agent starts (a rollout, or the
+    // DaemonSet deleted right after a restart) must end in the same orderly shutdown, not in
+    // the default action that skips the uninstall.
+    let mut shutdown = ShutdownSignal::register()?;
+    warn_not_supported()?;
+    let (source, kube_node) = pod_source(&args).await?;
+    let paths = args.paths()?;
+    // Held until the process ends: nothing below may run beside another agent's writes.
+    let _instance = tokio::select! {
+        held = lifecycle::lock_state_dir(&paths.state_dir) => held?,
+        () = shutdown.received() => {
+            info!("stopped while waiting for the other agent: nothing was started");
+            return Ok(());
+        }
+    };
+    let node = open_node(&args, &paths, kube_node.as_ref()).await?;
+    // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
+    // the socket come up before the first install ends (copying the binaries can take seconds),
+    // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
+    let (install_tx, install_rx) = watch::channel(InstallStatus::Starting);
+    let events = kube_node
+        .as_ref()
+        .map(|(client, node)| EventSink::new(client.clone(), node));
+    let hub = Arc::new(Hub::new(
+        Parts {
+            source: Arc::new(source),
+            router: node.router,
+            backend_reason: node.reason,
+            probe: node.probe,
+            ambient: node.ambient.clone(),
+            install: args.install_cni.then(|| install_rx.clone()),
+            events: events.clone(),
+        },
+        Settings {
+            retry: args.retry(),
+            node: node.settings.clone(),
+            socket: paths.socket.clone(),
+        },
+    ));
+    tokio::spawn(lifecycle::log_warnings(hub.clone()));
+    tokio::spawn(lifecycle::drop_gone(
+        hub.clone(),
+        Duration::from_secs(args.gone_check_seconds.max(1)),
+    ));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (http_task, serve) = serve(&args, &paths, &hub, &stop_rx).await?;
+    let installer = if args.install_cni {
+        let metrics = hub.clone();
+        let installed = lifecycle::start_install(&args, &paths.socket, install_tx, move || {
+            metrics.metrics().count_install();
+        })?;
+        tokio::spawn(lifecycle::track_install(hub.clone(), install_rx.clone()));
+        Some(installed)
+    } else {
+        None
+    };
+    if let (Some((client, node_name)), Some(events)) = (&kube_node, events) {
+        let in_place = Controllers {
+            events,
+            ambient: node.ambient,
+            settings: node.settings,
+            netns_dir: netns_dir(),
+        };
+        start_controllers(client, node_name, &hub, in_place)?;
+    }
+    if let Some((client, node)) = kube_node.clone()
+        && !args.startup_taint.is_empty()
+    {
+        let gate = args.install_cni.then_some(install_rx);
+        tokio::spawn(lifecycle::untaint_when_ready(
+            client,
+            node,
+            args.startup_taint.clone(),
+            gate,
+        ));
+    }
+
+    shutdown.received().await;
+    info!("shutting down: no new requests; captured pods stay captured");
+    let _ = stop_tx.send(true);
+    serve.await?;
+    http_task.await??;
+    if let (Some((watcher, config)), Some((client, _))) = (installer, kube_node) {
+        // The watcher would put back what an uninstall removes.
+        drop(watcher);
+        let probes = node
+            .ambient_on
+            .then(|| (args.node_netns.clone(), args.iptables_flavour));
+        lifecycle::uninstall_if_deleted(&client, config, paths.bpffs_dir, probes).await;
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// Where pods come from: a manifest directory, or this node's pods from the API server (with
+/// the client and the node's name, for the controllers).
+async fn pod_source(args: &RunArgs) -> anyhow::Result<(PodSource, Option<KubeNode>)> {
+    Ok(match args.pods {
+        PodSourceKind::Dir => {
+            let dir = args
+                .pod_dir
+                .clone()
+                .context("--pod-dir is required with --pods dir")?;
+            (PodSource::Dir(DirPods::new(dir)), None)
+        }
+        PodSourceKind::Kube => {
+            let node = args
+                .node_name
+                .clone()
+                .context("--node-name (or NODE_NAME) is required with --pods kube")?;
+            let client = kube::Client::try_default()
+                .await
+                .context("building a Kubernetes client (in-cluster config or $KUBECONFIG)")?;
+            let source = PodSource::Kube(KubePods::start(client.clone(), node.clone()));
+            (source, Some((client, node)))
+        }
+    })
+}
+
+/// What the node captures with, and how it decides.
+struct Node {
+    router: Router,
+    /// Why the node's backend.
+    reason: String,
+    probe: Option<ProbeReport>,
+    ambient: Option<Arc<Ambient>>,
+    ambient_on: bool,
+    settings: NodeSettings,
+}
+
+/// Opens the node's backend, reconciles what an earlier agent left with the live pods, and,
+/// with ambient mode on, opens ambient mode around the backend that captures its pods; the
+/// router sends each mode to its backend.
+async fn open_node(
+    args: &RunArgs,
+    paths: &Paths,
+    kube_node: Option<&KubeNode>,
+) -> anyhow::Result<Node> {
+    let iptables = IptablesConfig {
+        state_dir: paths.state_dir.clone(),
+        flavour: args.iptables_flavour,
+    };
+    let ebpf = EbpfConfig {
+        cgroup_root: paths.cgroup_root.clone(),
+        bpffs_dir: paths.bpffs_dir.clone(),
+        tc_attach: args.tc_attach.unwrap_or_default(),
+    };
+    let choice = args.backend;
+    let (Chosen { backend, ebpf }, reason, probe) =
+        tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
+    info!(backend = backend.name(), %reason, cgroup_root = %paths.cgroup_root.display(), bpffs_dir = %paths.bpffs_dir.display(), "backend chosen");
+    let reconciling = backend.clone();
+    let gone = tokio::task::spawn_blocking(move || reconciling.prune_gone())
+        .await?
+        .context("reconciling the captures of a previous run with live pods")?;
+    info!(
+        dropped = gone.len(),
+        "reconciled with live pods: captures whose netns is gone dropped"
+    );
+    let ambient_config = ambient_config()?;
+    let ambient = match ambient_config.clone() {
+        None => None,
+        Some(config) => {
+            let (state_dir, flavour, socket, node_netns) = (
+                paths.state_dir.clone(),
+                args.iptables_flavour,
+                args.ztunnel_socket.clone(),
+                args.node_netns.clone(),
+            );
+            let api = kube_node.map(|(client, _)| client.clone());
+            let in_kernel = in_kernel_ambient(ebpf.is_some())?;
+            let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
+                let (now, earlier) = ambient_ways(ebpf, in_kernel, &state_dir, flavour)?;
+                let places = AmbientPlaces {
+                    state_dir: &state_dir,
+                    socket: &socket,
+                    node_netns,
+                    flavour,
+                };
+                Ok(Ambient::open(config, now, earlier, places, api)?)
+            })
+            .await?
+            .context("starting ambient mode")?;
+            info!(ztunnel_socket = %args.ztunnel_socket.display(), capture = ambient.capture(), "ambient mode on: enrolled pods are captured for ztunnel");
+            Some(Arc::new(ambient))
+        }
+    };
+    let router = Router::new(backend, ambient.clone().map(|ambient| ambient as Shared));
+    Ok(Node {
+        router,
+        reason,
+        probe,
+        ambient_on: ambient.is_some(),
+        ambient,
+        settings: args.node_settings(ambient_config),
+    })
+}
+
+/// The backend chosen, and the eBPF backend itself when it is that one (ambient mode can
+/// capture its pods with it).
+struct Chosen {
+    backend: Shared,
+    ebpf: Option<Arc<EbpfBackend>>,
+}
+
+/// The backend `choice` picks (for `auto`, what the kernel probe says), why, and the probe's
+/// findings.
+fn open_backend(
+    choice: BackendChoice,
+    iptables: IptablesConfig,
+    ebpf: EbpfConfig,
+) -> anyhow::Result<(Chosen, String, Option<ProbeReport>)> {
+    let iptables = || -> anyhow::Result<Chosen> {
+        Ok(Chosen {
+            backend: Arc::new(IptablesBackend::new(&iptables)?),
+            ebpf: None,
+        })
+    };
+    let open_ebpf = |ebpf| -> anyhow::Result<Chosen> {
+        let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
+        if !backend.forward_kernel_logs()? {
+            warn!("the programs' own log records will not reach this log");
+        }
+        let backend = Arc::new(backend);
+        Ok(Chosen {
+            backend: backend.clone(),
+            ebpf: Some(backend),
+        })
+    };
+    match choice {
+        BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
+        BackendChoice::Ebpf => Ok((open_ebpf(ebpf)?, "forced by --backend ebpf".into(), None)),
+        BackendChoice::Auto => {
+            let report = probe::run();
+            if report.ok() {
+                let reason = "auto: the kernel passed every probe".to_owned();
+                return Ok((open_ebpf(ebpf)?, reason, Some(report)));
+            }
+            let reason = format!(
+                "auto: the kernel cannot run the eBPF backend ({})",
+                report.failures()
+            );
+            warn!(%reason, "using the iptables backend");
+            Ok((iptables()?, reason, Some(report)))
+        }
+    }
+}
+
+/// What captures ambient pods now, and what an earlier agent may have captured them with (the
+/// other way, `ambient.inKernel` switched since): the kernel programs where `in_kernel` asks
+/// for them and `kernel`, the eBPF backend, serves the node, else Istio's in-pod rules through
+/// the iptables machinery, in `state_dir/ambient`.
+fn ambient_ways(
+    kernel: Option<Arc<EbpfBackend>>,
+    in_kernel: bool,
+    state_dir: &Path,
+    flavour: FlavourChoice,
+) -> Result<(Shared, Option<Shared>), BackendError> {
+    let in_pod_rules = || -> Result<Shared, BackendError> {
+        Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+            state_dir: state_dir.join("ambient"),
+            flavour,
+        })?))
+    };
+    Ok(match kernel {
+        Some(ebpf) if in_kernel => (ebpf, Some(in_pod_rules()?)),
+        Some(ebpf) => (in_pod_rules()?, Some(ebpf)),
+        None => (in_pod_rules()?, None),
+    })
+}
+
+/// Binds the health, readiness and metrics endpoint and the plugin socket, and serves both
+/// until `stop` says so; their tasks.
+async fn serve(
+    args: &RunArgs,
+    paths: &Paths,
+    hub: &Arc<Hub>,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<(
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    tokio::task::JoinHandle<()>,
+)> {
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let (http_addr, http_server) =
+        http::bind(paths.http_listen, hub.clone(), stopped(stop.clone()))
+            .await
+            .with_context(|| format!("binding --http-listen {}", paths.http_listen))?;
+    info!(%http_addr, "health and metrics endpoint listening");
+    let http_task = tokio::spawn(http_server);
+    let server = Server::bind(ServerConfig {
+        path: paths.socket.clone(),
+        io_timeout: Duration::from_secs(args.io_timeout_seconds),
+        request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        max_connections: args.max_connections,
+    })
+    .await?;
+    hub.readiness().set_serving(true);
+    let serve = tokio::spawn(server.serve(hub.clone(), stopped(stop.clone())));
+    Ok((http_task, serve))
+}
+
+/// What the controllers that capture running pods in place work with besides the hub.
+struct Controllers {
+    events: EventSink,
+    ambient: Option<Arc<Ambient>>,
+    settings: NodeSettings,
+    /// Where they look for a running pod's netns.
+    netns_dir: PathBuf,
+}
+
+/// The controllers that watch this node's pods: the repair controller, and, with ambient mode
+/// on, live enrollment.
+fn start_controllers(
+    client: &kube::Client,
+    node: &str,
+    hub: &Arc<Hub>,
+    with: Controllers,
+) -> anyhow::Result<()> {
+    let config = RepairConfig::from_settings(|name| std::env::var(name).ok())?;
+    if let Some(repairer) = Repairer::new(
+        client.clone(),
+        node.to_owned(),
+        config,
+        hub.clone(),
+        with.events,
+        with.netns_dir.clone(),
+    ) {
+        tokio::spawn(repairer.run());
+    } else {
+        info!("repair controller off (repair.enabled, or no repair mode set)");
+    }
+    if let Some(ambient) = with.ambient {
+        let live = LiveEnrollment::new(
+            client.clone(),
+            node.to_owned(),
+            hub.clone(),
+            ambient,
+            with.settings,
+            with.netns_dir,
+        );
+        tokio::spawn(live.run());
+    }
+    Ok(())
+}
