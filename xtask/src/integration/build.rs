@@ -49,17 +49,26 @@ pub const HOST_ONLY: &[(&str, &str)] = &[
 /// ("Architectures") says what the rest would add and cost.
 pub const CROSS_TESTS: &[(&str, &str)] = &[
     (
-        "scenarios::",
-        "every row of the semantics table on both backends, directly and through the agent and \
-         the real plugin",
+        "scenarios::*through_the_plugin",
+        "every row of the semantics table on both backends through the real agent and plugin \
+         (the same rows the direct table tests run, with the binaries that ship)",
+    ),
+    (
+        "scenarios::*with_tcx",
+        "the inbound rows with the pods' programs attached as TCX links",
     ),
     (
         "backend::",
         "the eBPF backend's life cycle: pins, adoption, netlink TC and TCX, release",
     ),
     (
-        "ambient::*kernel",
-        "ambient mode's capture in the kernel programs (`ambient.inKernel`)",
+        "ambient::an_ambient_pod_is_captured_in_the_kernel",
+        "ambient mode's capture in the kernel programs (`ambient.inKernel`) for ztunnel, and \
+         its release",
+    ),
+    (
+        "ambient::a_sidecar_pod_and_an_ambient_pod_in_the_kernel",
+        "a sidecar pod's and an ambient pod's programs side by side on one node",
     ),
     (
         "connect4::",
