@@ -96,29 +96,41 @@ fn arm64_binaries(amd64: &Path) -> PathBuf {
 }
 
 /// The name `ctr images import` gives the archive's image (its index's annotation), and the
-/// architectures its index holds.
+/// architectures it holds: the platforms of the image index `index.json` names.
 fn image_name(archive: &Path) -> (String, Vec<String>) {
+    let mut files = std::collections::HashMap::new();
     let mut tar = tar::Archive::new(std::fs::File::open(archive).expect("image archive"));
     for entry in tar.entries().expect("tar") {
         let mut entry = entry.expect("tar entry");
-        if entry.path().expect("path").as_os_str() == "index.json" {
-            let mut text = String::new();
-            entry.read_to_string(&mut text).expect("index.json");
-            let index: Value = serde_json::from_str(&text).expect("index.json");
-            let name = index["manifests"][0]["annotations"]["io.containerd.image.name"]
-                .as_str()
-                .expect("the image's name")
-                .to_owned();
-            let architectures = index["manifests"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["platform"]["architecture"].as_str().map(str::to_owned))
-                .collect();
-            return (name, architectures);
-        }
+        let path = entry.path().expect("path").to_string_lossy().into_owned();
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).expect("reading the archive");
+        files.insert(path, bytes);
     }
-    panic!("{}: no index.json", archive.display());
+    let json = |path: &str| -> Value {
+        let bytes = files
+            .get(path)
+            .unwrap_or_else(|| panic!("{}: no {path}", archive.display()));
+        serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let layout = json("index.json");
+    let image = &layout["manifests"][0];
+    let name = image["annotations"]["io.containerd.image.name"]
+        .as_str()
+        .expect("the image's name")
+        .to_owned();
+    let digest = image["digest"].as_str().expect("the image's digest");
+    let index = json(&format!(
+        "blobs/sha256/{}",
+        digest.trim_start_matches("sha256:")
+    ));
+    let architectures = index["manifests"]
+        .as_array()
+        .expect("the image is an index of platforms")
+        .iter()
+        .filter_map(|m| m["platform"]["architecture"].as_str().map(str::to_owned))
+        .collect();
+    (name, architectures)
 }
 
 /// `GET path` on the node's `port`, from the node's network namespace (as kubelet probes a
