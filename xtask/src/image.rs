@@ -435,8 +435,14 @@ impl Tree {
                     builder.append_link(&mut header, path, target)?;
                 }
                 Node::Hardlink(target) => {
+                    // The target's mode: containerd's applier chmods the shared inode to a
+                    // link's header mode, so 0644 here left the image's loader unexecutable.
+                    let mode = match self.nodes.get(target) {
+                        Some(Node::File(mode, _)) => *mode,
+                        _ => bail!("{path}: a hard link to {target}, which is no file"),
+                    };
                     header.set_entry_type(tar::EntryType::Link);
-                    header.set_mode(0o644);
+                    header.set_mode(mode);
                     builder.append_link(&mut header, path, target)?;
                 }
             }
