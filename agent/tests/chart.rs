@@ -688,7 +688,7 @@ fn the_pod_spec_is_istios_where_it_should_be() {
         // Scheduled on the architectures the image carries (the one value that says so).
         assert_eq!(
             spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"],
-            json!([{"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}])
+            json!([{"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]}]}])
         );
     }
     // An operator's affinity keeps its terms, each with the architectures added.
@@ -698,7 +698,7 @@ fn the_pod_spec_is_istios_where_it_should_be() {
             ["nodeSelectorTerms"],
         json!([{"matchExpressions": [
             {"key": "node-role.example.com/mesh", "operator": "Exists"},
-            {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]},
+            {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]},
         ]}])
     );
 }

@@ -70,6 +70,19 @@ pub fn binaries() -> &'static Path {
     })
 }
 
+/// How long an agent may take to come up: 20 s, or `MESHCAP_AGENT_READY_SECS` seconds.
+/// `cargo xtask integration` gives 60: its guests' CPUs are emulated, and an arm64 guest's
+/// run the debug agent's start (the programs parsed and through the verifier, then the node's
+/// set-up) two to three times slower than an x86 guest's, which is itself many times slower
+/// than this host (docs/development.md, "The arm64 guest").
+fn ready_within() -> Duration {
+    let seconds = std::env::var("MESHCAP_AGENT_READY_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    Duration::from_secs(seconds)
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -256,9 +269,10 @@ impl Agent {
     /// Waits until the agent's socket exists and it answers /healthz.
     ///
     /// # Errors
-    /// When it exits first, or does not come up in 20 s.
+    /// When it exits first, or does not come up in [`ready_within`].
     pub fn wait_ready(&mut self) -> anyhow::Result<()> {
-        for _ in 0..400 {
+        let deadline = std::time::Instant::now() + ready_within();
+        while std::time::Instant::now() < deadline {
             if let Some(status) = self.child.try_wait()? {
                 bail!(
                     "meshcap-agent exited during start-up: {status}\n{}",
@@ -271,7 +285,11 @@ impl Agent {
             }
             thread::sleep(Duration::from_millis(50));
         }
-        bail!("meshcap-agent did not become ready\n{}", self.log())
+        bail!(
+            "meshcap-agent did not become ready within {:?}\n{}",
+            ready_within(),
+            self.log()
+        )
     }
 
     /// The backend it runs.

@@ -50,14 +50,17 @@ const PEER: &str = "10.244.0.1:8080";
 /// Where the kubeconfig is mounted in the agent's container.
 const KUBECONFIG: &str = "/var/run/meshcap-test/kubeconfig";
 
-/// The image archive: `MESHCAP_IMAGE_ARCHIVE`, or `cargo xtask image` from the binaries the
-/// other tests run.
+/// The image archive: `MESHCAP_IMAGE_ARCHIVE` (`cargo xtask test` builds it for amd64 and
+/// arm64), or `cargo xtask image` from the binaries the other tests run and the arm64 ones
+/// cross-built beside them ([`arm64_binaries`]): the chart's architectures are checked against
+/// the image's, so both are in it.
 fn image_archive(scratch: &Path) -> PathBuf {
     if let Some(archive) = std::env::var_os("MESHCAP_IMAGE_ARCHIVE") {
         return PathBuf::from(archive);
     }
     let out = scratch.join("meshcap.oci.tar");
     let bins = binaries();
+    let arm64 = arm64_binaries(bins);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = Command::new(cargo)
         .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
@@ -65,6 +68,10 @@ fn image_archive(scratch: &Path) -> PathBuf {
         .arg(bins.join("meshcap-agent"))
         .arg("--plugin")
         .arg(bins.join("meshcap-cni"))
+        .arg("--agent")
+        .arg(arm64.join("meshcap-agent"))
+        .arg("--plugin")
+        .arg(arm64.join("meshcap-cni"))
         .arg("--out")
         .arg(&out)
         .status()
@@ -73,30 +80,64 @@ fn image_archive(scratch: &Path) -> PathBuf {
     out
 }
 
+/// The arm64 `meshcap-agent` and `meshcap-cni` beside the amd64 ones in the target directory:
+/// the debug ones the arm64 guest's build writes (`cargo xtask integration --kernel
+/// 6.12-arm64`, `cargo xtask test`), else the release ones of `cargo xtask build --arch arm64`.
+fn arm64_binaries(amd64: &Path) -> PathBuf {
+    let target = amd64
+        .parent()
+        .expect("the binaries' directory is in a target directory")
+        .join("aarch64-unknown-linux-gnu");
+    ["debug", "release"]
+        .into_iter()
+        .map(|profile| target.join(profile))
+        .find(|dir| dir.join("meshcap-agent").is_file() && dir.join("meshcap-cni").is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no arm64 meshcap-agent and meshcap-cni in {}/{{debug,release}}: the image \
+                 carries both architectures; cross-build them with `cargo xtask build --arch \
+                 arm64`, or give MESHCAP_IMAGE_ARCHIVE",
+                target.display()
+            )
+        })
+}
+
 /// The name `ctr images import` gives the archive's image (its index's annotation), and the
-/// architectures its index holds.
+/// architectures it holds: the platforms of the image index `index.json` names.
 fn image_name(archive: &Path) -> (String, Vec<String>) {
+    let mut files = std::collections::HashMap::new();
     let mut tar = tar::Archive::new(std::fs::File::open(archive).expect("image archive"));
     for entry in tar.entries().expect("tar") {
         let mut entry = entry.expect("tar entry");
-        if entry.path().expect("path").as_os_str() == "index.json" {
-            let mut text = String::new();
-            entry.read_to_string(&mut text).expect("index.json");
-            let index: Value = serde_json::from_str(&text).expect("index.json");
-            let name = index["manifests"][0]["annotations"]["io.containerd.image.name"]
-                .as_str()
-                .expect("the image's name")
-                .to_owned();
-            let architectures = index["manifests"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["platform"]["architecture"].as_str().map(str::to_owned))
-                .collect();
-            return (name, architectures);
-        }
+        let path = entry.path().expect("path").to_string_lossy().into_owned();
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).expect("reading the archive");
+        files.insert(path, bytes);
     }
-    panic!("{}: no index.json", archive.display());
+    let json = |path: &str| -> Value {
+        let bytes = files
+            .get(path)
+            .unwrap_or_else(|| panic!("{}: no {path}", archive.display()));
+        serde_json::from_slice(bytes).unwrap_or_else(|e| panic!("{path}: {e}"))
+    };
+    let layout = json("index.json");
+    let image = &layout["manifests"][0];
+    let name = image["annotations"]["io.containerd.image.name"]
+        .as_str()
+        .expect("the image's name")
+        .to_owned();
+    let digest = image["digest"].as_str().expect("the image's digest");
+    let index = json(&format!(
+        "blobs/sha256/{}",
+        digest.trim_start_matches("sha256:")
+    ));
+    let architectures = index["manifests"]
+        .as_array()
+        .expect("the image is an index of platforms")
+        .iter()
+        .filter_map(|m| m["platform"]["architecture"].as_str().map(str::to_owned))
+        .collect();
+    (name, architectures)
 }
 
 /// `GET path` on the node's `port`, from the node's network namespace (as kubelet probes a

@@ -13,6 +13,11 @@ pub fn root() -> PathBuf {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
+/// Cargo's target directory: `CARGO_TARGET_DIR`, or `target/` in the workspace.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from)
+}
+
 /// Runs `cmd`, echoing it first; fails when it exits non-zero.
 pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {}", describe(cmd));

@@ -3,24 +3,30 @@
 //! of skopeo and podman, what containerd's `ctr images import` takes, and once unpacked a
 //! layout `crane push` takes), written in Rust without a container engine.
 //!
-//! Two gzip'd layers: the host userland the agent runs (`ip`, the iptables family, their
-//! libraries and extensions, data files; [`crate::userland`]), then the release binaries. The
-//! output depends only on the files that go in: entries sorted, mtimes 0, owner root, no host
-//! uid/gid or xattrs, gzip headers without a time, so the same inputs give the same digest.
+//! One image index for linux/amd64 and linux/arm64 (the layout's `index.json` names it, tagged
+//! with the version; it lists one image manifest per platform), so a mixed cluster pulls one
+//! name and each node its own architecture. Each platform's image has two gzip'd layers: the
+//! userland the agent runs (`ip`, the iptables family, their libraries and extensions, data
+//! files), from Debian 12's packages of that architecture ([`crate::userland`]), then the
+//! release binaries built for it ([`crate::arch`]). The output depends only on the files that
+//! go in: entries sorted, mtimes 0, owner root, no host uid/gid or xattrs, gzip headers
+//! without a time, so the same inputs give the same digests.
 use std::{
     collections::{BTreeMap, HashMap},
     fs,
     io::Write as _,
     path::{Path, PathBuf},
-    process::Command,
     time::Instant,
 };
 
-use anyhow::{Context as _, ensure};
+use anyhow::{Context as _, bail, ensure};
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
-use crate::{cmd, userland};
+use crate::{
+    arch::{self, Arch},
+    cmd, userland,
+};
 
 /// The image's name, as the chart's defaults refer to it (`global.hub: localhost`, `image:
 /// meshcap`, the appVersion as tag): a name only a node that imported the archive has, which no
@@ -50,19 +56,33 @@ pub struct Args {
     /// The archive to write (default: target/image/meshcap-<version>.oci.tar).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// A prebuilt `meshcap-agent` instead of `cargo build --release` (with --plugin).
-    #[arg(long, requires = "plugin")]
-    agent: Option<PathBuf>,
-    /// A prebuilt `meshcap-cni` (with --agent).
-    #[arg(long, requires = "agent")]
-    plugin: Option<PathBuf>,
+    /// Architectures to build and ship (repeatable; amd64 and arm64 without).
+    #[arg(long = "arch", value_enum, conflicts_with = "agents")]
+    arches: Vec<Arch>,
+    /// A prebuilt `meshcap-agent` instead of the release build (with --plugin); repeatable,
+    /// one per architecture, which is read from the file. The image has the platforms given.
+    #[arg(long = "agent", requires = "plugins")]
+    agents: Vec<PathBuf>,
+    /// A prebuilt `meshcap-cni` (with --agent); repeatable, one per architecture.
+    #[arg(long = "plugin", requires = "agents")]
+    plugins: Vec<PathBuf>,
+}
+
+/// One platform's binaries.
+#[derive(Clone, Debug)]
+pub struct Platform {
+    pub arch: Arch,
+    pub agent: PathBuf,
+    pub plugin: PathBuf,
 }
 
 /// What [`build`] wrote.
 #[derive(Debug)]
 pub struct Built {
-    /// `sha256:...` of the image manifest: the digest a registry reports after a push.
-    pub manifest_digest: String,
+    /// `sha256:...` of the image index: the digest a registry reports after a push.
+    pub index_digest: String,
+    /// Each platform's image manifest digest, by architecture.
+    pub manifests: Vec<(Arch, String)>,
     /// Bytes of the archive.
     pub size: u64,
 }
@@ -70,51 +90,184 @@ pub struct Built {
 /// Builds the release binaries (unless given) and writes the archive.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let start = Instant::now();
-    let root = cmd::root();
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let (agent, plugin) = if let (Some(agent), Some(plugin)) = (&args.agent, &args.plugin) {
-        (agent.clone(), plugin.clone())
+    let platforms = if args.agents.is_empty() {
+        let arches = if args.arches.is_empty() {
+            Arch::ALL.to_vec()
+        } else {
+            args.arches.clone()
+        };
+        arches
+            .into_iter()
+            .map(|arch| {
+                let dir = arch::release(arch)?;
+                Ok(Platform {
+                    arch,
+                    agent: dir.join("meshcap-agent"),
+                    plugin: dir.join("meshcap-cni"),
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?
     } else {
-        cmd::run(Command::new("cargo").current_dir(&root).args([
-            "build",
-            "--release",
-            "-p",
-            "meshcap-agent",
-            "-p",
-            "meshcap-cni",
-        ]))?;
-        let release = target.join("release");
-        (release.join("meshcap-agent"), release.join("meshcap-cni"))
+        prebuilt(&args.agents, &args.plugins)?
     };
     let out = args.out.clone().unwrap_or_else(|| {
-        target
+        cmd::target_dir()
             .join("image")
             .join(format!("meshcap-{VERSION}.oci.tar"))
     });
-    let built = build(&agent, &plugin, &out)?;
+    let built = build(&platforms, &out)?;
     eprintln!(
-        "image: {NAME}:{VERSION} written to {} ({:.1} MB, manifest {}) in {:.1?}",
+        "image: {NAME}:{VERSION} written to {} ({:.1} MB, index {}) in {:.1?}",
         out.display(),
         built.size as f64 / 1e6,
-        built.manifest_digest,
+        built.index_digest,
         start.elapsed()
     );
+    for (arch, manifest) in &built.manifests {
+        eprintln!("image:   linux/{arch}: manifest {manifest}");
+    }
     eprintln!(
-        "image: push it with `skopeo copy oci-archive:{} docker://REGISTRY/meshcap:{VERSION}` \
+        "image: push it with `skopeo copy --all oci-archive:{} docker://REGISTRY/meshcap:{VERSION}` \
          (docs/install.md)",
         out.display()
     );
     Ok(())
 }
 
-/// Writes the OCI archive of an image holding `agent`, `plugin` and the host userland to `out`.
-pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
-    ensure!(
-        std::env::consts::ARCH == "x86_64",
-        "the image is amd64 and takes its userland from this host, which is {}",
-        std::env::consts::ARCH
+/// `--agent` and `--plugin` paired by the architecture each file is built for.
+fn prebuilt(agents: &[PathBuf], plugins: &[PathBuf]) -> anyhow::Result<Vec<Platform>> {
+    let arch_of = |path: &PathBuf| -> anyhow::Result<Arch> {
+        let bytes = read(path)?;
+        Arch::of_elf(&bytes)
+            .with_context(|| format!("{}: not an amd64 or arm64 Linux executable", path.display()))
+    };
+    let mut by_arch: BTreeMap<Arch, (Option<PathBuf>, Option<PathBuf>)> = BTreeMap::new();
+    for (paths, is_agent) in [(agents, true), (plugins, false)] {
+        for path in paths {
+            let arch = arch_of(path)?;
+            let slot = by_arch.entry(arch).or_default();
+            let slot = if is_agent { &mut slot.0 } else { &mut slot.1 };
+            if let Some(first) = slot.replace(path.clone()) {
+                bail!(
+                    "two {arch} {}s: {} and {}",
+                    if is_agent { "agent" } else { "plugin" },
+                    first.display(),
+                    path.display()
+                );
+            }
+        }
+    }
+    by_arch
+        .into_iter()
+        .map(|(arch, pair)| match pair {
+            (Some(agent), Some(plugin)) => Ok(Platform {
+                arch,
+                agent,
+                plugin,
+            }),
+            (Some(_), None) => bail!("an {arch} --agent but no {arch} --plugin"),
+            _ => bail!("an {arch} --plugin but no {arch} --agent"),
+        })
+        .collect()
+}
+
+/// Writes the OCI archive of an image index holding, for each platform, an image with its
+/// binaries and its architecture's userland, to `out`.
+pub fn build(platforms: &[Platform], out: &Path) -> anyhow::Result<Built> {
+    ensure!(!platforms.is_empty(), "an image needs a platform");
+    let mut platforms = platforms.to_vec();
+    platforms.sort_by_key(|p| p.arch);
+    let mut blobs = BTreeMap::new();
+    let mut descriptors = Vec::new();
+    let mut manifests = Vec::new();
+    for (i, platform) in platforms.iter().enumerate() {
+        ensure!(
+            platforms[..i].iter().all(|p| p.arch != platform.arch),
+            "two {} platforms",
+            platform.arch
+        );
+        let manifest = platform_image(platform, &mut blobs)?;
+        let mut descriptor = descriptor(MEDIA_MANIFEST, &manifest);
+        descriptor["platform"] = json!({ "architecture": platform.arch.name(), "os": "linux" });
+        let manifest_digest = digest(&manifest);
+        manifests.push((platform.arch, manifest_digest.clone()));
+        blobs.insert(manifest_digest, manifest);
+        descriptors.push(descriptor);
+    }
+    let index = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": MEDIA_INDEX,
+        "manifests": descriptors,
+        "annotations": labels(),
+    }))?;
+    let mut index_descriptor = descriptor(MEDIA_INDEX, &index);
+    index_descriptor["annotations"] = json!({
+        // The tag in the archive (`skopeo copy oci-archive:FILE:0.1.0 ...`; podman load).
+        "org.opencontainers.image.ref.name": VERSION,
+        // The name `ctr images import` gives it.
+        "io.containerd.image.name": format!("{NAME}:{VERSION}"),
+    });
+    let index_digest = digest(&index);
+    blobs.insert(index_digest.clone(), index);
+    let layout = json!({
+        "schemaVersion": 2,
+        "mediaType": MEDIA_INDEX,
+        "manifests": [index_descriptor],
+    });
+
+    let mut archive = Tree::default();
+    archive.file(
+        "oci-layout",
+        0o644,
+        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
     );
+    archive.file("index.json", 0o644, serde_json::to_vec(&layout)?);
+    for (digest, bytes) in blobs {
+        let hex = digest.trim_start_matches("sha256:");
+        archive.file(&format!("blobs/sha256/{hex}"), 0o644, bytes);
+    }
+    let bytes = archive.tar()?;
+    if let Some(dir) = out.parent() {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let partial = out.with_extension("tar.partial");
+    fs::write(&partial, &bytes).with_context(|| format!("writing {}", partial.display()))?;
+    fs::rename(&partial, out).with_context(|| format!("renaming to {}", out.display()))?;
+    Ok(Built {
+        index_digest,
+        manifests,
+        size: bytes.len() as u64,
+    })
+}
+
+/// The image annotations and config labels.
+fn labels() -> Value {
+    json!({
+        "org.opencontainers.image.title": "meshcap",
+        "org.opencontainers.image.description": DESCRIPTION,
+        "org.opencontainers.image.version": VERSION,
+        "org.opencontainers.image.source": env!("CARGO_PKG_REPOSITORY"),
+        "org.opencontainers.image.licenses": env!("CARGO_PKG_LICENSE"),
+    })
+}
+
+/// One platform's layers and config into `blobs`; returns its image manifest.
+fn platform_image(
+    platform: &Platform,
+    blobs: &mut BTreeMap<String, Vec<u8>>,
+) -> anyhow::Result<Vec<u8>> {
+    let arch = platform.arch;
+    let agent = read(&platform.agent)?;
+    let plugin = read(&platform.plugin)?;
+    for (path, bytes) in [(&platform.agent, &agent), (&platform.plugin, &plugin)] {
+        let found = Arch::of_elf(bytes);
+        ensure!(
+            found == Some(arch),
+            "{} is not an {arch} executable (it is {}): it cannot go in the linux/{arch} image",
+            path.display(),
+            found.map_or("something else", Arch::name)
+        );
+    }
     let mut base = Tree::default();
     base.dir("tmp", 0o1777);
     base.dir("run", 0o755);
@@ -125,14 +278,13 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
         b"root:x:0:0:root:/root:/usr/sbin/nologin\n".to_vec(),
     );
     base.file("etc/group", 0o644, b"root:x:0:\n".to_vec());
-    let entries = userland::entries(&[agent.to_path_buf(), plugin.to_path_buf()])?;
+    let entries = userland::entries(arch, &[platform.agent.clone(), platform.plugin.clone()])?;
     base.files(&entries)?;
 
     let mut meshcap = Tree::default();
-    meshcap.file(AGENT_PATH, 0o755, read(agent)?);
-    meshcap.file(PLUGIN_PATH, 0o755, read(plugin)?);
+    meshcap.file(AGENT_PATH, 0o755, agent);
+    meshcap.file(PLUGIN_PATH, 0o755, plugin);
 
-    let mut blobs = BTreeMap::new();
     let mut layers = Vec::new();
     let mut diff_ids = Vec::new();
     for tree in [&base, &meshcap] {
@@ -146,17 +298,13 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
         layers.push(descriptor(MEDIA_LAYER, &gz));
         blobs.insert(digest(&gz), gz);
     }
-
-    let labels = json!({
-        "org.opencontainers.image.title": "meshcap",
-        "org.opencontainers.image.description": DESCRIPTION,
-        "org.opencontainers.image.version": VERSION,
-        "org.opencontainers.image.source": env!("CARGO_PKG_REPOSITORY"),
-        "org.opencontainers.image.licenses": env!("CARGO_PKG_LICENSE"),
-    });
+    let userland = format!(
+        "cargo xtask image: ip, iptables (legacy and nft), their libraries and extensions, data \
+         files, from Debian 12's {arch} packages"
+    );
     let config = json!({
         "created": "1970-01-01T00:00:00Z",
-        "architecture": "amd64",
+        "architecture": arch.name(),
         "os": "linux",
         "config": {
             "Entrypoint": [ENTRYPOINT],
@@ -164,12 +312,12 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
             "Env": [PATH_ENV],
             "WorkingDir": "/",
             "User": "0:0",
-            "Labels": labels,
+            "Labels": labels(),
         },
         "rootfs": { "type": "layers", "diff_ids": diff_ids },
         "history": [
-            { "created": "1970-01-01T00:00:00Z", "created_by": "cargo xtask image: ip, iptables (legacy and nft), their libraries and extensions, data files" },
-            { "created": "1970-01-01T00:00:00Z", "created_by": "cargo xtask image: meshcap-agent, meshcap-cni" },
+            { "created": "1970-01-01T00:00:00Z", "created_by": userland },
+            { "created": "1970-01-01T00:00:00Z", "created_by": format!("cargo xtask image: meshcap-agent, meshcap-cni for {arch}") },
         ],
     });
     let config = serde_json::to_vec(&config)?;
@@ -178,48 +326,10 @@ pub fn build(agent: &Path, plugin: &Path, out: &Path) -> anyhow::Result<Built> {
         "mediaType": MEDIA_MANIFEST,
         "config": descriptor(MEDIA_CONFIG, &config),
         "layers": layers,
-        "annotations": labels,
+        "annotations": labels(),
     });
     blobs.insert(digest(&config), config);
-    let manifest = serde_json::to_vec(&manifest)?;
-    let mut manifest_descriptor = descriptor(MEDIA_MANIFEST, &manifest);
-    manifest_descriptor["platform"] = json!({ "architecture": "amd64", "os": "linux" });
-    manifest_descriptor["annotations"] = json!({
-        // The tag in the archive (`skopeo copy oci-archive:FILE:0.1.0 ...`; podman load).
-        "org.opencontainers.image.ref.name": VERSION,
-        // The name `ctr images import` gives it.
-        "io.containerd.image.name": format!("{NAME}:{VERSION}"),
-    });
-    let manifest_digest = digest(&manifest);
-    blobs.insert(manifest_digest.clone(), manifest);
-    let index = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_INDEX,
-        "manifests": [manifest_descriptor],
-    });
-
-    let mut archive = Tree::default();
-    archive.file(
-        "oci-layout",
-        0o644,
-        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
-    );
-    archive.file("index.json", 0o644, serde_json::to_vec(&index)?);
-    for (digest, bytes) in blobs {
-        let hex = digest.trim_start_matches("sha256:");
-        archive.file(&format!("blobs/sha256/{hex}"), 0o644, bytes);
-    }
-    let bytes = archive.tar()?;
-    if let Some(dir) = out.parent() {
-        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    let partial = out.with_extension("tar.partial");
-    fs::write(&partial, &bytes).with_context(|| format!("writing {}", partial.display()))?;
-    fs::rename(&partial, out).with_context(|| format!("renaming to {}", out.display()))?;
-    Ok(Built {
-        manifest_digest,
-        size: bytes.len() as u64,
-    })
+    Ok(serde_json::to_vec(&manifest)?)
 }
 
 /// `sha256:<hex>` of `bytes`.
@@ -268,8 +378,8 @@ impl Tree {
             .insert(path.to_owned(), Node::Symlink(target.to_owned()));
     }
 
-    /// Host files, each copied once: a later path of the same file becomes a hard link to the
-    /// first (in path order, so the link follows its target in the tar).
+    /// Userland files, each copied once: a later path of the same file becomes a hard link to
+    /// the first (in path order, so the link follows its target in the tar).
     fn files(&mut self, entries: &[userland::Entry]) -> anyhow::Result<()> {
         let mut sorted: Vec<&userland::Entry> = entries.iter().collect();
         sorted.sort_by(|a, b| a.path.cmp(&b.path));
@@ -325,8 +435,14 @@ impl Tree {
                     builder.append_link(&mut header, path, target)?;
                 }
                 Node::Hardlink(target) => {
+                    // The target's mode: containerd's applier chmods the shared inode to a
+                    // link's header mode, so 0644 here left the image's loader unexecutable.
+                    let mode = match self.nodes.get(target) {
+                        Some(Node::File(mode, _)) => *mode,
+                        _ => bail!("{path}: a hard link to {target}, which is no file"),
+                    };
                     header.set_entry_type(tar::EntryType::Link);
-                    header.set_mode(0o644);
+                    header.set_mode(mode);
                     builder.append_link(&mut header, path, target)?;
                 }
             }

@@ -4,9 +4,12 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod apt;
+mod arch;
 mod bench;
 mod cmd;
 mod demo;
+mod elf;
 mod fuzz;
 mod image;
 mod integration;
@@ -29,9 +32,13 @@ enum Task {
     /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker,
     /// cargo-fuzz).
     Setup,
+    /// Setup, then the release `meshcap-agent` and `meshcap-cni` for each architecture
+    /// (target/<triple>/release/), with the nightly and its rust-src.
+    Build(arch::Args),
     /// Setup, then format check, clippy (host crates and the eBPF crate), every test including
-    /// the real-kernel ones (root), every fuzz target for 30 s, then the end-to-end tests in QEMU
-    /// on Debian's 5.10, 6.1 and 6.12 kernels. What CI runs.
+    /// the real-kernel ones (root), every fuzz target for 20 s, then the end-to-end tests in QEMU
+    /// on Debian's 5.10 and 6.1 x86 kernels and the kernel side on its 6.12 arm64 kernel. What
+    /// CI runs.
     Test {
         /// Stop after the host suite (no QEMU phase).
         #[arg(long)]
@@ -41,10 +48,12 @@ enum Task {
     Fuzz(fuzz::Args),
     /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
-    /// Setup, then the end-to-end tests inside QEMU on Debian's 5.10, 6.1 and 6.12 cloud kernels.
+    /// Setup, then the end-to-end tests inside QEMU on Debian's cloud kernels, amd64 and arm64
+    /// (CI's guests unless --kernel says which).
     Integration(integration::Args),
-    /// Setup, build in release, then write the DaemonSet's container image as an OCI archive
-    /// (target/image/meshcap-<version>.oci.tar) for skopeo, crane, podman or ctr to push.
+    /// Setup, build in release for amd64 and arm64, then write the DaemonSet's multi-arch
+    /// container image as an OCI archive (target/image/meshcap-<version>.oci.tar) for skopeo,
+    /// crane, podman or ctr to push.
     Image(image::Args),
     /// Setup, then write the plain manifests in deploy/ from the chart in deploy/chart (one
     /// source; a test fails when they are stale).
@@ -59,6 +68,7 @@ enum Task {
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
         Task::Setup => setup::run(),
+        Task::Build(args) => setup::run().and_then(|()| arch::run(&args)),
         Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
         Task::Demo => setup::run().and_then(|()| demo::run()),
         Task::Fuzz(args) => setup::run().and_then(|()| fuzz::run(&args)),

@@ -13,10 +13,20 @@ const PACKAGES: &[&str] = &[
     // The iptables fallback and the tests' network plumbing.
     "iptables",
     "iproute2",
-    // `cargo xtask integration` boots Debian's kernels in QEMU; objcopy strips the test
-    // binaries for its initramfs.
+    // `cargo xtask integration` boots Debian's kernels in QEMU (x86_64 and aarch64 guests);
+    // objcopy strips the test binaries for its initramfs.
     "qemu-system-x86",
+    "qemu-system-arm",
     "binutils",
+    // arm64 builds (`cargo xtask build --arch arm64`, the arm64 guest's test binaries): the
+    // linker and the C compiler of ring's and other crates' C parts for aarch64, and glibc's
+    // aarch64 headers and libraries. The nightly builds the standard library from its rust-src.
+    "gcc-aarch64-linux-gnu",
+    // Only recommended by the compiler, so named: without it no C file builds for aarch64.
+    "libc6-dev-arm64-cross",
+    // Runs aarch64 programs on this host: the image test starts the arm64 image's tools and
+    // binaries from the unpacked layers.
+    "qemu-user",
     // The containerd test (tests/tests/containerd.rs): a private containerd 1.6 with runc and
     // the CNI reference plugins, its pause and app image built from the static busybox. The
     // package starts no daemon here (no init system runs it); the test starts its own.

@@ -1,16 +1,21 @@
-//! The binaries the VM runs, built exactly as `cargo xtask test` builds them (same commands,
-//! profile, features and target dir), so after `cargo xtask test` this costs seconds instead of
-//! a second full build of the workspace. They are ordinary dynamically linked executables: the
-//! initramfs carries their ELF interpreter and shared libraries (glibc, libgcc_s), as it does for
+//! The binaries the VM runs. For this machine's architecture they are built exactly as `cargo
+//! xtask test` builds them (same commands, profile, features and target dir), so after `cargo
+//! xtask test` this costs seconds instead of a second full build of the workspace. For the
+//! other (arm64 on these machines) they are cross-built with the toolchain that ships that
+//! architecture ([`Arch::cargo`]), only the test binaries that guest runs ([`CROSS_TESTS`]).
+//! They are ordinary dynamically linked executables: the initramfs carries their ELF
+//! interpreter and shared libraries (glibc, libgcc_s) of their architecture, as it does for
 //! `ip` and iptables.
 use std::{
     io::BufRead as _,
-    path::{Path, PathBuf},
+    path::PathBuf,
     process::{Command, Stdio},
 };
 
 use anyhow::{Context as _, ensure};
 use serde_json::Value;
+
+use crate::arch::Arch;
 
 /// Binaries the harness starts from `MESHCAP_BIN_DIR` or beside the test executables.
 const HELPERS: &[&str] = &[
@@ -47,6 +52,41 @@ pub const HOST_ONLY: &[(&str, &str)] = &[
     ),
 ];
 
+/// The tests a guest of another architecture runs, unless `--whole-suite` asks for all of
+/// them, as selections of `binary::test` names (`*` for any characters; the VM init's
+/// `selected`), with what each proves there: the kernel programs through that architecture's
+/// JIT and on its kernel's own structures, on both backends. docs/development.md
+/// ("Architectures") says what the rest would add and cost.
+pub const CROSS_TESTS: &[(&str, &str)] = &[
+    (
+        "scenarios::*through_the_plugin",
+        "every row of the semantics table on both backends through the real agent and plugin \
+         (the same rows the direct table tests run, with the binaries that ship)",
+    ),
+    (
+        "scenarios::*with_tcx",
+        "the inbound rows with the pods' programs attached as TCX links",
+    ),
+    (
+        "backend::",
+        "the eBPF backend's life cycle: pins, adoption, netlink TC and TCX, release",
+    ),
+    (
+        "ambient::an_ambient_pod_is_captured_in_the_kernel",
+        "ambient mode's capture in the kernel programs (`ambient.inKernel`) for ztunnel, and \
+         its release",
+    ),
+    (
+        "ambient::a_sidecar_pod_and_an_ambient_pod_in_the_kernel",
+        "a sidecar pod's and an ambient pod's programs side by side on one node",
+    ),
+    (
+        "connect4::",
+        "every embedded program through the verifier; connect4 on a cgroup",
+    ),
+    ("probe::", "the kernel probe's answer"),
+];
+
 /// What the VM runs.
 pub struct Binaries {
     /// Test executables of `tests/tests/*.rs`, by test name.
@@ -58,34 +98,67 @@ pub struct Binaries {
     pub init: PathBuf,
 }
 
-/// Builds (or finds up to date) the test executables of meshcap-tests, the binaries they start
-/// and the VM init.
-pub fn build(workspace: &Path) -> anyhow::Result<Binaries> {
+/// Builds (or finds up to date) the test executables of meshcap-tests for `arch`, the binaries
+/// they start and the VM init. Of another architecture than this machine's, only
+/// [`CROSS_TESTS`] unless `whole_suite`.
+pub fn build(arch: Arch, whole_suite: bool) -> anyhow::Result<Binaries> {
+    let workspace = crate::cmd::root();
     let (mut tests, mut helpers, mut init) = (Vec::new(), Vec::new(), None);
-    // `cargo xtask test`'s own test command (which also builds the agent's and the harness's
-    // binaries for their packages' integration tests), then the two binaries it does not build.
-    let commands: [&[&str]; 2] = [
-        &[
-            "test",
-            "--workspace",
-            "--exclude",
-            "meshcap-ebpf",
-            "--no-run",
-        ],
-        &[
-            "build",
+    let commands = if Arch::host() == Some(arch) {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let command = |args: &[&str]| {
+            let mut cmd = Command::new(&cargo);
+            cmd.current_dir(&workspace).args(args);
+            cmd
+        };
+        // `cargo xtask test`'s own test command (which also builds the agent's and the
+        // harness's binaries for their packages' integration tests), then the two binaries it
+        // does not build.
+        vec![
+            command(&[
+                "test",
+                "--workspace",
+                "--exclude",
+                "meshcap-ebpf",
+                "--no-run",
+            ]),
+            command(&[
+                "build",
+                "-p",
+                "meshcap-cni",
+                "-p",
+                "xtask",
+                "--bin",
+                "meshcap-cni",
+                "--bin",
+                "meshcap-vm-init",
+            ]),
+        ]
+    } else {
+        // One command, so that one feature resolution serves all: the harness's test
+        // binaries and helpers, the agent (with the test build's crash points, which
+        // meshcap-tests, selected with it, asks for), the plugin and the init.
+        let mut build = arch.cargo("build");
+        build.args([
+            "-p",
+            "meshcap-tests",
+            "-p",
+            "meshcap-agent",
             "-p",
             "meshcap-cni",
             "-p",
             "xtask",
-            "--bin",
-            "meshcap-cni",
-            "--bin",
-            "meshcap-vm-init",
-        ],
-    ];
-    for args in commands {
-        for artifact in cargo(workspace, args)? {
+        ]);
+        for name in cross_tests(whole_suite)? {
+            build.args(["--test", &name]);
+        }
+        for bin in HELPERS.iter().chain(&["meshcap-vm-init"]) {
+            build.args(["--bin", bin]);
+        }
+        vec![build]
+    };
+    for command in commands {
+        for artifact in cargo(command)? {
             let Artifact {
                 package,
                 name,
@@ -127,6 +200,35 @@ pub fn build(workspace: &Path) -> anyhow::Result<Binaries> {
     })
 }
 
+/// The test binaries a guest of another architecture runs: those of [`CROSS_TESTS`], or with
+/// `whole_suite` every one of `tests/tests/` the VMs run.
+fn cross_tests(whole_suite: bool) -> anyhow::Result<Vec<String>> {
+    if !whole_suite {
+        let mut names: Vec<String> = CROSS_TESTS
+            .iter()
+            .filter_map(|(selection, _)| selection.split("::").next())
+            .map(str::to_owned)
+            .collect();
+        names.dedup();
+        return Ok(names);
+    }
+    let dir = crate::cmd::root().join("tests/tests");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .with_context(|| format!("listing {}", dir.display()))?
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e
+                .file_name()
+                .to_string_lossy()
+                .strip_suffix(".rs")?
+                .to_owned();
+            (!HOST_ONLY.iter().any(|(host_only, _)| *host_only == name)).then_some(name)
+        })
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
 /// One executable cargo produced.
 struct Artifact {
     package: String,
@@ -136,11 +238,9 @@ struct Artifact {
     exe: PathBuf,
 }
 
-fn cargo(workspace: &Path, args: &[&str]) -> anyhow::Result<Vec<Artifact>> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let mut child = Command::new(cargo)
-        .current_dir(workspace)
-        .args(args)
+fn cargo(mut command: Command) -> anyhow::Result<Vec<Artifact>> {
+    let described = format!("{command:?}");
+    let mut child = command
         .arg("--message-format=json-render-diagnostics")
         .stdout(Stdio::piped())
         .spawn()
@@ -164,6 +264,6 @@ fn cargo(workspace: &Path, args: &[&str]) -> anyhow::Result<Vec<Artifact>> {
             exe,
         });
     }
-    ensure!(child.wait()?.success(), "cargo {} failed", args.join(" "));
+    ensure!(child.wait()?.success(), "{described} failed");
     Ok(artifacts)
 }

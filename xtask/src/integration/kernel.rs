@@ -1,17 +1,20 @@
-//! Debian's cloud kernels: found with apt-cache, fetched with `apt-get download` into the cache
-//! dir, unpacked with dpkg-deb. A series this machine's release does not ship (5.10, Debian 11's)
-//! comes from that release's suites through a private apt state under the cache dir: its own
-//! sources, package lists and cache, so the machine's apt configuration is never touched. Debian builds veth, sch_ingress, cls_bpf and the netfilter
-//! matches as modules, so the ones the tests need are resolved (with their dependencies, in
-//! load order) from the package's own files.
+//! Debian's cloud kernels, amd64 and arm64: found, fetched and checked through a private apt
+//! state ([`crate::apt`]), unpacked with dpkg-deb. 5.10 is Debian 11's (bullseye), the others
+//! Debian 12's. Debian builds veth, sch_ingress, cls_bpf and the netfilter matches as modules,
+//! so the ones the tests need are resolved (with their dependencies, in load order) from the
+//! package's own files.
 use std::{
     collections::{BTreeMap, HashSet},
     fs,
     path::{Path, PathBuf},
-    process::Command,
 };
 
 use anyhow::{Context as _, bail, ensure};
+
+use crate::{
+    apt::{self, Apt},
+    arch::Arch,
+};
 
 /// Modules the end-to-end suites may need; those built into a kernel are simply absent.
 const WANTED_MODULES: &[&str] = &[
@@ -54,7 +57,7 @@ const WANTED_MODULES: &[&str] = &[
 
 /// An unpacked kernel package.
 pub struct Kernel {
-    /// The package's kernel release (`6.1.0-56-cloud-amd64`).
+    /// The package's kernel release (`6.1.0-56-cloud-amd64`, `6.12.117+deb12-cloud-arm64`).
     pub release: String,
     /// The bootable image.
     pub vmlinuz: PathBuf,
@@ -62,129 +65,27 @@ pub struct Kernel {
     pub modules: Vec<PathBuf>,
 }
 
-/// Debian releases whose suites hold a kernel series this machine's own release lacks.
+/// Debian releases whose suites hold a kernel series the userland's release lacks.
 const OTHER_RELEASES: &[(&str, &str)] = &[("5.10", "bullseye")];
 
-/// How apt is asked about one series: the machine's own configuration, or a private one for a
-/// series of another Debian release.
-struct Apt {
-    /// `-o` options pointing apt at the private state, empty for the machine's own.
-    options: Vec<String>,
-}
-
-impl Apt {
-    fn for_series(series: &str, cache: &Path) -> anyhow::Result<Self> {
-        let Some((_, release)) = OTHER_RELEASES.iter().find(|(s, _)| *s == series) else {
-            return Ok(Self {
-                options: Vec::new(),
-            });
-        };
-        let root = cache.join(format!("apt-{release}"));
-        for dir in ["lists/partial", "cache/archives/partial"] {
-            fs::create_dir_all(root.join(dir))?;
-        }
-        let sources = root.join("sources.list");
-        fs::write(
-            &sources,
-            format!(
-                "deb http://deb.debian.org/debian {release} main\n\
-                 deb http://deb.debian.org/debian-security {release}-security main\n"
-            ),
-        )?;
-        let path = |p: PathBuf| p.display().to_string();
-        let options = [
-            ("Dir::Etc::SourceList", path(sources)),
-            ("Dir::Etc::SourceParts", path(root.join("sources.list.d"))),
-            ("Dir::State::Lists", path(root.join("lists"))),
-            ("Dir::Cache", path(root.join("cache"))),
-        ]
+/// The `linux-image-<series>…-cloud-<arch>-unsigned` packages apt knows, newest first.
+fn packages_for(apt: &Apt, series: &str, arch: Arch) -> anyhow::Result<Vec<String>> {
+    let pattern = format!("^linux-image-.*-cloud-{arch}-unsigned$");
+    let mut matching: Vec<String> = apt
+        .search(&pattern)?
         .into_iter()
-        .flat_map(|(key, value)| ["-o".to_owned(), format!("{key}={value}")])
+        .filter(|name| {
+            name.strip_prefix("linux-image-")
+                .and_then(|rest| rest.strip_prefix(series))
+                .is_some_and(|rest| rest.starts_with(['.', '-']))
+        })
         .collect();
-        Ok(Self { options })
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.args(&self.options);
-        cmd
-    }
-
-    /// The `linux-image-<series>…-cloud-amd64-unsigned` packages apt knows, newest first;
-    /// package lists that are missing or stale get one `apt-get update` first.
-    fn packages_for(&self, series: &str) -> anyhow::Result<Vec<String>> {
-        let packages = self.packages(series)?;
-        if !packages.is_empty() {
-            return Ok(packages);
-        }
-        eprintln!("integration: apt knows no {series} cloud kernel; apt-get update");
-        let status = self
-            .command("apt-get")
-            .args(["update", "-qq"])
-            .status()
-            .context("running apt-get update")?;
-        ensure!(status.success(), "apt-get update failed");
-        let packages = self.packages(series)?;
-        ensure!(
-            !packages.is_empty(),
-            "apt knows no linux-image-{series}*-cloud-amd64-unsigned, even after apt-get update"
-        );
-        Ok(packages)
-    }
-
-    fn packages(&self, series: &str) -> anyhow::Result<Vec<String>> {
-        let out = self
-            .command("apt-cache")
-            .args([
-                "search",
-                "--names-only",
-                "^linux-image-.*-cloud-amd64-unsigned$",
-            ])
-            .output()
-            .context("running apt-cache (is this Debian?)")?;
-        ensure!(out.status.success(), "apt-cache search failed");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let mut matching: Vec<String> = text
-            .lines()
-            .filter_map(|l| l.split_whitespace().next())
-            .filter(|name| {
-                name.strip_prefix("linux-image-")
-                    .and_then(|rest| rest.strip_prefix(series))
-                    .is_some_and(|rest| rest.starts_with(['.', '-']))
-            })
-            .map(str::to_owned)
-            .collect();
-        matching.sort_by_key(|name| std::cmp::Reverse(version_key(name)));
-        Ok(matching)
-    }
-
-    /// The SHA-256 apt's (signed) package index gives for `package`.
-    fn expected_sha256(&self, package: &str) -> anyhow::Result<String> {
-        let out = self
-            .command("apt-cache")
-            .args(["show", "--no-all-versions", package])
-            .output()
-            .context("running apt-cache show")?;
-        ensure!(out.status.success(), "apt-cache show {package} failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .find_map(|l| l.strip_prefix("SHA256:"))
-            .map(|h| h.trim().to_owned())
-            .with_context(|| format!("apt-cache show {package}: no SHA256"))
-    }
-}
-
-fn sha256(path: &Path) -> anyhow::Result<String> {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .context("running sha256sum")?;
-    ensure!(out.status.success(), "sha256sum {} failed", path.display());
-    Ok(String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned())
+    ensure!(
+        !matching.is_empty(),
+        "apt knows no linux-image-{series}*-cloud-{arch}-unsigned"
+    );
+    matching.sort_by_key(|name| std::cmp::Reverse(version_key(name)));
+    Ok(matching)
 }
 
 /// Orders `linux-image-6.1.0-9-…` before `linux-image-6.1.0-56-…` (numbers compared as numbers).
@@ -195,59 +96,19 @@ fn version_key(name: &str) -> Vec<u64> {
         .collect()
 }
 
-/// The verified `.deb` of `package` in `debs`, downloaded unless a copy matching apt's
-/// SHA-256 is there.
-fn deb_of(apt: &Apt, package: &str, debs: &Path) -> anyhow::Result<PathBuf> {
-    let prefix = format!("{package}_");
-    let cached = |dir: &Path| -> anyhow::Result<Option<PathBuf>> {
-        Ok(fs::read_dir(dir)?
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .find(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".deb"))
-            }))
-    };
-    let want = apt.expected_sha256(package)?;
-    if let Some(deb) = cached(debs)? {
-        if sha256(&deb)? == want {
-            return Ok(deb);
-        }
-        eprintln!(
-            "integration: {} does not match apt's SHA-256; fetching it again",
-            deb.display()
-        );
-        fs::remove_file(&deb)?;
-    }
-    eprintln!("integration: apt-get download {package}");
-    let status = apt
-        .command("apt-get")
-        .args(["download", package])
-        .current_dir(debs)
-        .status()
-        .context("running apt-get download")?;
-    ensure!(status.success(), "apt-get download {package} failed");
-    let deb = cached(debs)?.with_context(|| format!("{package}: downloaded .deb not found"))?;
-    ensure!(
-        sha256(&deb)? == want,
-        "{}: SHA-256 differs from apt's index ({want})",
-        deb.display()
-    );
-    Ok(deb)
-}
-
-/// Fetches (unless cached) and unpacks the newest kernel of `series` the mirror serves. A
-/// package the index names but the mirror does not hold yet (a security update still on its
-/// way to it) is passed over for the next older one, saying so.
-pub fn fetch(series: &str, cache: &Path) -> anyhow::Result<Kernel> {
-    let debs = cache.join("debs");
-    fs::create_dir_all(&debs)?;
-    let apt = Apt::for_series(series, cache)?;
+/// Fetches (unless cached) and unpacks the newest kernel of `series` for `arch` the mirror
+/// serves. A package the index names but the mirror does not hold yet (a security update
+/// still on its way to it) is passed over for the next older one, saying so.
+pub fn fetch(series: &str, arch: Arch) -> anyhow::Result<Kernel> {
+    let release = OTHER_RELEASES
+        .iter()
+        .find(|(s, _)| *s == series)
+        .map_or(apt::USERLAND_RELEASE, |(_, release)| release);
+    let apt = Apt::new(release, arch)?;
     let mut refused = Vec::new();
     let mut found = None;
-    for package in apt.packages_for(series)? {
-        match deb_of(&apt, &package, &debs) {
+    for package in packages_for(&apt, series, arch)? {
+        match apt.deb(&package) {
             Ok(deb) => {
                 found = Some((package, deb));
                 break;
@@ -260,27 +121,15 @@ pub fn fetch(series: &str, cache: &Path) -> anyhow::Result<Kernel> {
     }
     let (package, deb) = found.with_context(|| {
         format!(
-            "no {series} cloud kernel could be fetched (tried {})",
+            "no {series} {arch} cloud kernel could be fetched (tried {})",
             refused.join(", ")
         )
     })?;
     // Keyed by the .deb's name, which carries the Debian revision the package name lacks.
-    let stem = deb.file_stem().unwrap_or_default();
-    let root = cache.join("unpacked").join(stem);
-    if !root.join("boot").is_dir() {
-        let tmp = root.with_extension("tmp");
-        let _ = fs::remove_dir_all(&tmp);
-        fs::create_dir_all(&tmp)?;
-        let status = Command::new("dpkg-deb")
-            .arg("-x")
-            .arg(&deb)
-            .arg(&tmp)
-            .status()
-            .context("running dpkg-deb")?;
-        ensure!(status.success(), "dpkg-deb -x {} failed", deb.display());
-        let _ = fs::remove_dir_all(&root);
-        fs::rename(&tmp, &root)?;
-    }
+    let root = apt::cache_dir()
+        .join("unpacked")
+        .join(deb.file_stem().unwrap_or_default());
+    apt::unpack(&[deb], &root)?;
     let vmlinuz = fs::read_dir(root.join("boot"))?
         .filter_map(Result::ok)
         .map(|e| e.path())

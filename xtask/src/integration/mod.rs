@@ -1,19 +1,23 @@
 //! `cargo xtask integration`: the end-to-end tests (`tests/tests/*.rs`, whatever exists) inside
 //! QEMU on Debian's cloud kernels, so older verifiers, netlink TC and TCX are all covered, and a
-//! kernel below the eBPF floor (5.10) proves the iptables fallback.
+//! kernel below the eBPF floor (5.10) proves the iptables fallback; an arm64 guest runs the
+//! arm64 build of the programs, the agent and the plugin on Debian's arm64 kernel.
 //!
-//! Per kernel: fetch its package (`apt-get download`, cached), build an initramfs in Rust
-//! (newc cpio) holding a small init, the test binaries, the modules they need and the
-//! host tools the harness calls (`ip`, the iptables family, with their shared libraries), boot
-//! it (KVM when usable, else TCG) and read the init's single result line.
+//! Per guest (a kernel series of one architecture): fetch its package (`apt-get download`,
+//! cached), build an initramfs in Rust (newc cpio) holding a small init, the test binaries, the
+//! modules they need and the tools the harness calls (`ip`, the iptables family, with their
+//! shared libraries, from Debian's packages of the guest's architecture), boot it (KVM when
+//! usable, else TCG) and read the init's single result line.
 use std::{
-    fs,
+    fmt, fs,
     path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, bail};
+
+use crate::arch::Arch;
 
 mod build;
 mod chart;
@@ -25,12 +29,18 @@ mod stuck;
 /// Options of `cargo xtask integration`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Kernel series to test (Debian cloud kernels).
-    #[arg(long = "kernel", default_values = ["5.10", "6.1", "6.12"])]
-    kernels: Vec<String>,
-    /// Where kernel packages and build products are kept between runs.
+    /// Guests to boot: a Debian cloud kernel series, amd64 unless suffixed `-arm64`
+    /// (`6.1`, `6.12-arm64`).
+    #[arg(long = "kernel", default_values = crate::test::CI_GUESTS)]
+    kernels: Vec<Guest>,
+    /// Where consoles, initramfs images and the last run's durations are kept between runs
+    /// (the kernels themselves in target/debian/).
     #[arg(long, default_value = "target/integration")]
     cache_dir: PathBuf,
+    /// A guest of another architecture than this machine's runs every test binary, not only
+    /// the subset CI runs there (`CROSS_TESTS` in xtask/src/integration/build.rs).
+    #[arg(long)]
+    whole_suite: bool,
     /// Test binaries run at once inside the VM (each with one test thread).
     #[arg(long, default_value_t = 2)]
     jobs: usize,
@@ -42,7 +52,9 @@ pub struct Args {
     /// often a guest locks up or the emulator faults, as docs/development.md describes.
     #[arg(long, default_value_t = 1)]
     boots: u32,
-    /// Only the tests whose `binary::test` name contains one of these (all of them without).
+    /// Only the tests whose `binary::test` name contains one of these (all of them without);
+    /// `*` stands for any characters (`ambient::*kernel`), and a leading `!` excludes what
+    /// matches instead (`!ambient::`).
     #[arg(long = "test")]
     tests: Vec<String>,
     /// Runs no tests: checks the emulator against the kernel's patching of its own text, with
@@ -53,6 +65,47 @@ pub struct Args {
     /// How long the emulator probe runs, in seconds.
     #[arg(long, default_value_t = 60)]
     probe_seconds: u64,
+}
+
+/// One guest: a kernel series of an architecture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Guest {
+    pub series: String,
+    pub arch: Arch,
+}
+
+impl Guest {
+    /// The name its files carry (`6.1`, `6.12-arm64`): amd64's as they were before arm64.
+    fn name(&self) -> String {
+        match self.arch {
+            Arch::Amd64 => self.series.clone(),
+            Arch::Arm64 => format!("{}-{}", self.series, self.arch),
+        }
+    }
+}
+
+impl std::str::FromStr for Guest {
+    type Err = anyhow::Error;
+
+    fn from_str(text: &str) -> anyhow::Result<Self> {
+        let (series, arch) = match text.split_once('-') {
+            None => (text, Arch::Amd64),
+            Some((series, "amd64")) => (series, Arch::Amd64),
+            Some((series, "arm64")) => (series, Arch::Arm64),
+            Some((_, other)) => bail!("{text:?}: architecture {other:?}: expected amd64 or arm64"),
+        };
+        kernel::check_series(series)?;
+        Ok(Self {
+            series: series.to_owned(),
+            arch,
+        })
+    }
+}
+
+impl fmt::Display for Guest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
 }
 
 /// What `--emulator-probe` does with the static key.
@@ -66,7 +119,7 @@ enum EmulatorProbe {
 
 impl Args {
     /// The defaults of `cargo xtask integration --kernel <each of kernels>`.
-    pub fn for_kernels(kernels: &[&str]) -> Self {
+    pub fn for_guests(kernels: &[&str]) -> Self {
         #[derive(clap::Parser)]
         struct Standalone {
             #[command(flatten)]
@@ -80,37 +133,72 @@ impl Args {
     }
 }
 
-/// Runs the suite on every kernel asked for; fails when any kernel fails.
+/// Builds what a guest of `arch` runs, as `cargo xtask integration` does (CI's subset for a
+/// guest of another architecture than this machine's); returns the directory holding its
+/// `meshcap-agent` and `meshcap-cni`.
+pub fn build_binaries(arch: Arch) -> anyhow::Result<PathBuf> {
+    let binaries = build::build(arch, false)?;
+    binaries
+        .helpers
+        .iter()
+        .find(|h| h.ends_with("meshcap-agent"))
+        .and_then(|agent| agent.parent())
+        .map(Path::to_path_buf)
+        .context("meshcap-agent was not built")
+}
+
+/// Runs the suite on every guest asked for; fails when any guest fails.
 pub fn run(args: &Args) -> anyhow::Result<()> {
-    for series in &args.kernels {
-        kernel::check_series(series)?;
-    }
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .context("xtask is not inside the workspace")?
-        .to_path_buf();
-    let cache = workspace.join(&args.cache_dir);
+    let cache = crate::cmd::root().join(&args.cache_dir);
     fs::create_dir_all(&cache)?;
-    let started = Instant::now();
-    eprintln!("integration: building the test binaries (as `cargo xtask test` does)");
-    let binaries = build::build(&workspace)?;
-    let charts = chart::render(&workspace)?;
-    eprintln!(
-        "integration: binaries ready in {:.0}s",
-        started.elapsed().as_secs_f64()
-    );
+    let mut binaries = Vec::new();
+    for guest in &args.kernels {
+        if binaries.iter().any(|(arch, _)| *arch == guest.arch) {
+            continue;
+        }
+        let started = Instant::now();
+        eprintln!(
+            "integration: building the {} test binaries{}",
+            guest.arch,
+            if Arch::host() == Some(guest.arch) {
+                " (as `cargo xtask test` does)"
+            } else {
+                ""
+            }
+        );
+        let built = build::build(guest.arch, args.whole_suite)?;
+        eprintln!(
+            "integration: {} binaries ready in {:.0}s",
+            guest.arch,
+            started.elapsed().as_secs_f64()
+        );
+        binaries.push((guest.arch, built));
+    }
+    let charts = chart::render(&crate::cmd::root())?;
     for (test, why) in build::HOST_ONLY {
         eprintln!("integration: not in the VMs (host only, `cargo xtask test`): {test}: {why}");
+    }
+    if !args.whole_suite {
+        let cross: Vec<&str> = build::CROSS_TESTS.iter().map(|(t, _)| *t).collect();
+        for guest in args.kernels.iter().filter(|g| Arch::host() != Some(g.arch)) {
+            eprintln!(
+                "integration: {guest} runs {} (--whole-suite: every test)",
+                cross.join(", ")
+            );
+        }
     }
 
     let mut failures = Vec::new();
     let mut summary = Vec::new();
-    for series in &args.kernels {
-        match run_kernel(series, &cache, (&binaries, &charts), args) {
-            Ok(boots) => summarise(series, &cache, &boots, args, &mut summary, &mut failures),
+    for guest in &args.kernels {
+        let Some((_, binaries)) = binaries.iter().find(|(arch, _)| *arch == guest.arch) else {
+            continue;
+        };
+        match run_kernel(guest, &cache, (binaries, &charts), args) {
+            Ok(boots) => summarise(guest, &cache, &boots, args, &mut summary, &mut failures),
             Err(err) => {
-                summary.push(format!("{series}: FAILED: {err:#}"));
-                failures.push(series.clone());
+                summary.push(format!("{guest}: FAILED: {err:#}"));
+                failures.push(guest.to_string());
             }
         }
     }
@@ -119,7 +207,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         eprintln!("  {line}");
     }
     if !failures.is_empty() {
-        bail!("integration failed on kernel(s) {}", failures.join(", "));
+        bail!("integration failed on guest(s) {}", failures.join(", "));
     }
     Ok(())
 }
@@ -141,9 +229,9 @@ struct Boots {
     outcomes: Vec<qemu::Outcome>,
 }
 
-/// Adds one kernel's lines to the summary (and its name to `failures` when it failed).
+/// Adds one guest's lines to the summary (and its name to `failures` when it failed).
 fn summarise(
-    series: &str,
+    guest: &Guest,
     cache: &Path,
     boots: &Boots,
     args: &Args,
@@ -151,6 +239,7 @@ fn summarise(
     failures: &mut Vec<String>,
 ) {
     let release = &boots.release;
+    let series = guest.to_string();
     for (i, outcome) in boots.outcomes.iter().enumerate() {
         let verdict = if outcome.passed { "ok" } else { "FAILED" };
         let boot = if boots.outcomes.len() > 1 {
@@ -175,7 +264,10 @@ fn summarise(
             .iter()
             .filter_map(|(name, b)| Some(format!("{name} {}\n", b.seconds?)))
             .collect();
-        let _ = fs::write(cache.join(format!("durations-{series}.txt")), durations);
+        let _ = fs::write(
+            cache.join(format!("durations-{}.txt", guest.name())),
+            durations,
+        );
     }
     let locked = boots
         .outcomes
@@ -203,26 +295,27 @@ fn summarise(
         boots.outcomes.last().is_none_or(|o| !o.passed)
     };
     if failed {
-        failures.push(series.to_owned());
+        failures.push(series);
     }
 }
 
 fn run_kernel(
-    series: &str,
+    guest: &Guest,
     cache: &Path,
     (binaries, charts): (&build::Binaries, &[(String, Vec<u8>)]),
     args: &Args,
 ) -> anyhow::Result<Boots> {
-    let kernel = kernel::fetch(series, cache)?;
+    let (series, name) = (guest.series.as_str(), guest.name());
+    let kernel = kernel::fetch(series, guest.arch)?;
     let mut archive = cpio::Archive::default();
-    add_userland(&mut archive, binaries)?;
+    add_userland(&mut archive, guest.arch, binaries)?;
     for (name, rendered) in charts {
         archive.file(&format!("chart/{name}.yaml"), 0o644, rendered);
     }
     archive.file(
         "tests.list",
         0o644,
-        test_order(binaries, cache, series).as_bytes(),
+        test_order(binaries, cache, &name).as_bytes(),
     );
     let mut list = String::new();
     for (i, module) in kernel.modules.iter().enumerate() {
@@ -244,6 +337,16 @@ fn run_kernel(
     }
     let filter: String = args.tests.iter().map(|t| format!("{t}\n")).collect();
     archive.file("tests.filter", 0o644, filter.as_bytes());
+    // A guest of another architecture runs its share of the suite (`build::CROSS_TESTS`).
+    let select: String = if args.whole_suite || Arch::host() == Some(guest.arch) {
+        String::new()
+    } else {
+        build::CROSS_TESTS
+            .iter()
+            .map(|(t, _)| format!("{t}\n"))
+            .collect()
+    };
+    archive.file("tests.select", 0o644, select.as_bytes());
     if let Some(probe) = args.emulator_probe {
         let mode = match probe {
             EmulatorProbe::Flip => "flip",
@@ -257,17 +360,20 @@ fn run_kernel(
         0o644,
         format!("{series} {}\n", kernel.release).as_bytes(),
     );
-    let initrd = cache.join(format!("initramfs-{series}.cpio"));
+    let initrd = cache.join(format!("initramfs-{name}.cpio"));
     fs::write(&initrd, archive.finish())?;
-    let log = cache.join(format!("console-{series}.log"));
-    let label = format!("linux {series}");
+    let log = cache.join(format!("console-{name}.log"));
+    let label = match guest.arch {
+        Arch::Amd64 => format!("linux {series}"),
+        Arch::Arm64 => format!("linux {series} {}", guest.arch),
+    };
     let timeout = Duration::from_secs(args.timeout);
     let mut outcomes = Vec::new();
     let mut retried = false;
     let boots = usize::try_from(args.boots.max(1))?;
     while outcomes.len() < boots + usize::from(retried) {
         let boot = outcomes.len() + 1;
-        let outcome = qemu::boot(&label, &kernel.vmlinuz, &initrd, &log, timeout)?;
+        let outcome = qemu::boot(&label, guest.arch, &kernel.vmlinuz, &initrd, &log, timeout)?;
         let (locked_up, fault) = (outcome.locked_up, outcome.emulator_fault);
         let frames = outcome.bpf_frames.join(", ");
         outcomes.push(outcome);
@@ -321,11 +427,10 @@ fn keep(log: &Path, kept: &str, outcomes: &mut [qemu::Outcome]) -> anyhow::Resul
     Ok(kept)
 }
 
-/// The test binaries, longest first by this kernel's last run (new ones first of all), so the
+/// The test binaries, longest first by this guest's last run (new ones first of all), so the
 /// VM's parallel jobs finish close together.
-fn test_order(binaries: &build::Binaries, cache: &Path, series: &str) -> String {
-    let last =
-        fs::read_to_string(cache.join(format!("durations-{series}.txt"))).unwrap_or_default();
+fn test_order(binaries: &build::Binaries, cache: &Path, guest: &str) -> String {
+    let last = fs::read_to_string(cache.join(format!("durations-{guest}.txt"))).unwrap_or_default();
     let seconds = |name: &str| {
         last.lines()
             .filter_map(|l| l.split_once(' '))
@@ -338,19 +443,23 @@ fn test_order(binaries: &build::Binaries, cache: &Path, series: &str) -> String 
     names.iter().map(|n| format!("{n}\n")).collect()
 }
 
-/// Everything but the kernel's modules: init, tests, helpers, host tools and their libraries.
-fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyhow::Result<()> {
+/// Everything but the kernel's modules: init, tests, helpers, the tools and their libraries.
+fn add_userland(
+    archive: &mut cpio::Archive,
+    arch: Arch,
+    binaries: &build::Binaries,
+) -> anyhow::Result<()> {
     archive.char_device("dev/console", 5, 1);
-    archive.file("init", 0o755, &stripped(&binaries.init)?);
+    archive.file("init", 0o755, &stripped(arch, &binaries.init)?);
     for (name, exe) in &binaries.tests {
-        archive.file(&format!("tests/{name}"), 0o755, &stripped(exe)?);
+        archive.file(&format!("tests/{name}"), 0o755, &stripped(arch, exe)?);
     }
     for helper in &binaries.helpers {
         let name = helper
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
-        archive.file(&format!("tests/{name}"), 0o755, &stripped(helper)?);
+        archive.file(&format!("tests/{name}"), 0o755, &stripped(arch, helper)?);
     }
     for dir in ["proc", "sys", "dev", "tmp", "run", "usr/bin", "bin", "sbin"] {
         archive.dir(dir);
@@ -361,7 +470,7 @@ fn add_userland(archive: &mut cpio::Archive, binaries: &build::Binaries) -> anyh
     let mut elfs: Vec<PathBuf> = binaries.tests.iter().map(|(_, exe)| exe.clone()).collect();
     elfs.extend(binaries.helpers.iter().cloned());
     elfs.push(binaries.init.clone());
-    for entry in crate::userland::entries(&elfs)? {
+    for entry in crate::userland::entries(arch, &elfs)? {
         archive.file(&entry.path, entry.mode, &read(&entry.source)?);
     }
     Ok(())
@@ -371,16 +480,16 @@ fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
     fs::read(path).with_context(|| format!("reading {}", path.display()))
 }
 
-/// The binary without its debug info (ten times smaller: the whole initramfs sits in the VM's
-/// memory). Symbols stay, so backtraces still name functions.
-fn stripped(path: &Path) -> anyhow::Result<Vec<u8>> {
+/// The binary (of `arch`) without its debug info (ten times smaller: the whole initramfs sits
+/// in the VM's memory). Symbols stay, so backtraces still name functions.
+fn stripped(arch: Arch, path: &Path) -> anyhow::Result<Vec<u8>> {
     let out = path.with_extension("stripped");
-    let status = Command::new("objcopy")
+    let status = Command::new(arch.objcopy())
         .arg("--strip-debug")
         .arg(path)
         .arg(&out)
         .status()
-        .context("running objcopy (binutils)")?;
+        .with_context(|| format!("running {} (binutils)", arch.objcopy()))?;
     anyhow::ensure!(
         status.success(),
         "objcopy --strip-debug {} failed",

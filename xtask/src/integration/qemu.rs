@@ -15,6 +15,7 @@ use std::{
 use anyhow::Context as _;
 
 use super::stuck;
+use crate::arch::Arch;
 
 /// The line the VM's init prints last.
 pub const RESULT_PREFIX: &str = "meshcap-vm: result:";
@@ -46,7 +47,9 @@ pub struct Outcome {
     pub bpf_frames: Vec<String>,
     /// The emulator's own fault, shown without meshcap (docs/development.md, "Emulator
     /// faults"): multi-threaded TCG runs an `int3` the kernel has already patched away (a
-    /// static key's `text_poke_bp`), which a CPU cannot do. What the guest showed of it.
+    /// static key's `text_poke_bp`), which a CPU cannot do. What the guest showed of it. An
+    /// x86 guest's only: an arm64 kernel patches a static key's site with one instruction,
+    /// which other CPUs may run old or new, and no breakpoint.
     pub emulator_fault: Option<&'static str>,
 }
 
@@ -194,17 +197,27 @@ const LOCKUP_GRACE: Duration = Duration::from_secs(20);
 /// Set once a KVM boot showed no sign of life: later kernels go straight to TCG.
 static KVM_STUCK: AtomicBool = AtomicBool::new(false);
 
-/// Boots `vmlinuz` with `initrd`, mirrors the console to stdout (prefixed) and `log`, and
-/// returns the init's verdict. Fails on a kernel panic, a missing verdict or `timeout`.
+/// Boots `vmlinuz` (of `arch`) with `initrd`, mirrors the console to stdout (prefixed) and
+/// `log`, and returns the init's verdict. Fails on a kernel panic, a missing verdict or
+/// `timeout`.
 pub fn boot(
     label: &str,
+    arch: Arch,
     vmlinuz: &Path,
     initrd: &Path,
     log: &Path,
     timeout: Duration,
 ) -> anyhow::Result<Outcome> {
-    if kvm_usable() && !KVM_STUCK.load(Ordering::Relaxed) {
-        match boot_once(label, vmlinuz, initrd, log, timeout, true)? {
+    let vm = Vm {
+        label,
+        arch,
+        vmlinuz,
+        initrd,
+        log,
+        timeout,
+    };
+    if Arch::host() == Some(arch) && kvm_usable() && !KVM_STUCK.load(Ordering::Relaxed) {
+        match boot_once(&vm, true)? {
             Some(outcome) => return Ok(outcome),
             None => {
                 KVM_STUCK.store(true, Ordering::Relaxed);
@@ -215,8 +228,73 @@ pub fn boot(
             }
         }
     }
-    boot_once(label, vmlinuz, initrd, log, timeout, false)?
-        .with_context(|| format!("{label}: the VM never started its init"))
+    boot_once(&vm, false)?.with_context(|| format!("{label}: the VM never started its init"))
+}
+
+/// What one boot runs.
+struct Vm<'a> {
+    label: &'a str,
+    arch: Arch,
+    vmlinuz: &'a Path,
+    initrd: &'a Path,
+    log: &'a Path,
+    timeout: Duration,
+}
+
+impl Vm<'_> {
+    /// The QEMU command line, bar the monitor.
+    ///
+    /// Both: panic=-1 reboots at once on a panic, which -no-reboot turns into QEMU exiting.
+    /// mitigations=off: under emulation, page-table isolation's address-space switch on every
+    /// syscall flushes QEMU's software TLB; the tests make many syscalls and guard no secrets.
+    /// softlockup_all_cpu_backtrace: a soft lockup prints every CPU's stack, not only the
+    /// stuck one's, so whatever holds what the stuck CPU waits for is in the log too.
+    fn command(&self, kvm: bool) -> Command {
+        const APPEND: &str = "panic=-1 oops=panic rdinit=/init loglevel=5 mitigations=off \
+                              softlockup_all_cpu_backtrace=1";
+        let mut cmd;
+        match self.arch {
+            Arch::Amd64 => {
+                cmd = Command::new("qemu-system-x86_64");
+                if kvm {
+                    cmd.args(["-accel", "kvm", "-cpu", "host"]);
+                } else {
+                    // One host thread per vCPU (MTTCG), so both vCPUs run at once.
+                    cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max"]);
+                }
+                cmd.arg("-append")
+                    .arg(format!("console=ttyS0 noapic {APPEND}"));
+            }
+            Arch::Arm64 => {
+                cmd = Command::new("qemu-system-aarch64");
+                // QEMU's generic board; `max` with its own pointer-authentication algorithm,
+                // which it emulates far faster than the architected one (the kernel uses
+                // pointer authentication on every function return where the CPU has it).
+                cmd.args(["-machine", "virt"]);
+                if kvm {
+                    cmd.args(["-accel", "kvm", "-cpu", "host"]);
+                } else {
+                    cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max,pauth-impdef=on"]);
+                }
+                cmd.arg("-append").arg(format!("console=ttyAMA0 {APPEND}"));
+            }
+        }
+        cmd.args([
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-nographic",
+            "-no-reboot",
+            "-nodefaults",
+        ])
+        .args(["-serial", "stdio"])
+        .arg("-kernel")
+        .arg(self.vmlinuz)
+        .arg("-initrd")
+        .arg(self.initrd);
+        cmd
+    }
 }
 
 /// Sends every line `from` yields, tagged `stderr`, until it ends.
@@ -236,61 +314,36 @@ fn forward(
 }
 
 /// One boot; `None` when a KVM boot failed or showed no sign of life.
-fn boot_once(
-    label: &str,
-    vmlinuz: &Path,
-    initrd: &Path,
-    log: &Path,
-    timeout: Duration,
-    kvm: bool,
-) -> anyhow::Result<Option<Outcome>> {
+fn boot_once(vm: &Vm<'_>, kvm: bool) -> anyhow::Result<Option<Outcome>> {
+    let &Vm {
+        label,
+        arch,
+        log,
+        timeout,
+        ..
+    } = vm;
+    // The emulator's known fault is an x86 guest's (see `Outcome::emulator_fault`).
+    let x86 = arch == Arch::Amd64;
     let monitor_path = log.with_extension("monitor");
     let _ = fs::remove_file(&monitor_path);
-    let monitor = stuck::Monitor::at(&monitor_path);
-    let mut cmd = Command::new("qemu-system-x86_64");
-    if kvm {
-        cmd.args(["-accel", "kvm", "-cpu", "host"]);
-    } else {
-        // One host thread per vCPU (MTTCG), so both vCPUs run at once.
-        cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max"]);
-    }
-    cmd.args([
-        "-m",
-        "2048",
-        "-smp",
-        "2",
-        "-nographic",
-        "-no-reboot",
-        "-nodefaults",
-    ])
-    .args(["-serial", "stdio"])
-    .arg("-monitor")
-    .arg(format!("unix:{},server,nowait", monitor_path.display()))
-    .arg("-kernel")
-    .arg(vmlinuz)
-    .arg("-initrd")
-    .arg(initrd)
-    // panic=-1: reboot at once on a panic, which -no-reboot turns into QEMU exiting.
-    // mitigations=off: under emulation, page-table isolation's address-space switch on every
-    // syscall flushes QEMU's software TLB; the tests make many syscalls and guard no secrets.
-    // softlockup_all_cpu_backtrace: a soft lockup prints every CPU's stack, not only the stuck
-    // one's, so whatever holds what the stuck CPU waits for is in the log too.
-    .args([
-        "-append",
-        "console=ttyS0 panic=-1 oops=panic rdinit=/init loglevel=5 noapic mitigations=off \
-         softlockup_all_cpu_backtrace=1",
-    ])
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped());
+    let monitor = stuck::Monitor::at(&monitor_path, arch);
+    let mut cmd = vm.command(kvm);
+    cmd.arg("-monitor")
+        .arg(format!("unix:{},server,nowait", monitor_path.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     eprintln!(
         "integration: booting {label} ({})",
         if kvm { "KVM" } else { "TCG emulation" }
     );
     let started = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .context("starting qemu-system-x86_64 (cargo xtask setup installs it)")?;
+    let mut child = cmd.spawn().with_context(|| {
+        format!(
+            "starting {} (cargo xtask setup installs it)",
+            cmd.get_program().to_string_lossy()
+        )
+    })?;
     let stdout = child.stdout.take().context("qemu's stdout")?;
     let stderr = child.stderr.take().context("qemu's stderr")?;
     // (from QEMU's stderr, line): the console is stdout.
@@ -347,14 +400,14 @@ fn boot_once(
                     panicked = true;
                     locked_up_at.get_or_insert_with(Instant::now);
                 }
-                if line.contains("Oops: int3") {
+                if x86 && line.contains("Oops: int3") {
                     int3_oops = true;
                 } else if int3_oops && line.contains("Code: ") {
                     int3_oops = false;
                     stale_breakpoint |= breakpoint_gone(&line) == Some(true);
                 }
                 if locked_up_at.is_some() {
-                    int3_in_stacks |= in_int3_handling(&line);
+                    int3_in_stacks |= x86 && in_int3_handling(&line);
                     for frame in bpf_frames(&line) {
                         if !frames.iter().any(|f| f == frame) {
                             frames.push(frame.to_owned());
@@ -373,13 +426,13 @@ fn boot_once(
                 next_sample = now + stuck::SAMPLE_EVERY;
                 let cpus = monitor.sample().unwrap_or_default();
                 if let Some(found) = stuck.observe(&cpus, &int3_path, now) {
-                    let rips: Vec<String> = cpus.iter().map(|c| format!("{:x}", c.rip)).collect();
+                    let pcs: Vec<String> = cpus.iter().map(|c| format!("{:x}", c.pc)).collect();
                     writeln!(
                         log_file,
-                        "runner: every vCPU has had interrupts off for {:?} (last RIPs {}); \
+                        "runner: every vCPU has had interrupts off for {:?} (last PCs {}); \
                          in the kernel's int3 handling: {}",
                         stuck::STUCK_FOR,
-                        rips.join(" "),
+                        pcs.join(" "),
                         found.in_int3
                     )?;
                     hard_lockup = Some(found);

@@ -2,18 +2,23 @@
 //! interrupts off takes no timer, so the guest's own lock-up detectors never report it and
 //! the console just goes silent until the run's timeout. While the console is quiet, the
 //! runner samples every vCPU through QEMU's monitor (`info registers -a`): interrupts off on
-//! every vCPU in every sample for [`STUCK_FOR`] is a hard lock-up.
+//! every vCPU in every sample for [`STUCK_FOR`] is a hard lock-up. On x86 "off" is RFLAGS.IF
+//! clear, on arm64 PSTATE.I set (IRQs masked; Debian's arm64 kernel masks them there unless
+//! booted with pseudo-NMIs, which these guests are not).
 //!
-//! The emulator's own such lock-up (docs/development.md, "Emulator faults") has the vCPUs
-//! trapping on an `int3` the kernel has already patched away, again and again: the guest's
-//! init prints where the kernel's `int3` handling lives ([`INT3_PATH`], from `/proc/kallsyms`),
-//! so that a sample inside it says which lock-up this is.
+//! The emulator's own such lock-up (docs/development.md, "Emulator faults"), an x86 guest's,
+//! has the vCPUs trapping on an `int3` the kernel has already patched away, again and again:
+//! the guest's init prints where the kernel's `int3` handling lives ([`INT3_PATH`], from
+//! `/proc/kallsyms`), so that a sample inside it says which lock-up this is. An arm64 guest
+//! prints no such path: every hard lock-up there fails the run.
 use std::{
     io::{Read as _, Write as _},
     os::unix::net::UnixStream,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
+
+use crate::arch::Arch;
 
 /// What the guest's init prints before the ranges of the kernel's `int3` handling
 /// (`asm_exc_int3`, `exc_int3`, `poke_int3_handler`), as `START-END` in hexadecimal.
@@ -28,19 +33,20 @@ pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
 /// One vCPU as the monitor shows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cpu {
-    /// The instruction pointer.
-    pub rip: u64,
-    /// Whether it takes interrupts (RFLAGS.IF).
+    /// The instruction pointer (RIP, PC).
+    pub pc: u64,
+    /// Whether it takes interrupts (RFLAGS.IF set, PSTATE.I clear).
     pub interrupts: bool,
 }
 
-/// QEMU's human monitor on a Unix socket (`-monitor unix:PATH,server,nowait`).
-pub struct Monitor(PathBuf);
+/// QEMU's human monitor on a Unix socket (`-monitor unix:PATH,server,nowait`) of a guest of
+/// one architecture.
+pub struct Monitor(PathBuf, Arch);
 
 impl Monitor {
     /// The monitor at `path`.
-    pub fn at(path: &Path) -> Self {
-        Self(path.to_owned())
+    pub fn at(path: &Path, arch: Arch) -> Self {
+        Self(path.to_owned(), arch)
     }
 
     /// Every vCPU's registers now; `None` when the monitor does not answer.
@@ -63,27 +69,52 @@ impl Monitor {
                 Err(_) => {}
             }
         }
-        let cpus = registers(&String::from_utf8_lossy(&text));
+        let cpus = registers(self.1, &String::from_utf8_lossy(&text));
         (!cpus.is_empty()).then_some(cpus)
     }
 }
 
-/// The vCPUs in `info registers -a`'s answer (`RIP=… RFL=…` lines).
-pub fn registers(text: &str) -> Vec<Cpu> {
-    text.lines()
-        .filter_map(|line| {
-            let hex = |key: &str| {
-                let (_, rest) = line.split_once(key)?;
-                let digits = rest.split_whitespace().next()?;
-                u64::from_str_radix(digits, 16).ok()
-            };
-            let (rip, flags) = (hex("RIP=")?, hex("RFL=")?);
-            Some(Cpu {
-                rip,
-                interrupts: flags & 0x200 != 0,
+/// The vCPUs in `info registers -a`'s answer: x86's `RIP=… RFL=…` lines, or arm64's `PC=…`
+/// line followed, further down each vCPU's dump, by its `PSTATE=…`.
+pub fn registers(arch: Arch, text: &str) -> Vec<Cpu> {
+    let hex = |line: &str, key: &str| {
+        let (before, rest) = line.split_once(key)?;
+        // `PC=` must not match the end of another register's name.
+        if before.ends_with(|c: char| c.is_ascii_alphanumeric()) {
+            return None;
+        }
+        let digits = rest.split_whitespace().next()?;
+        u64::from_str_radix(digits, 16).ok()
+    };
+    match arch {
+        Arch::Amd64 => text
+            .lines()
+            .filter_map(|line| {
+                let (pc, flags) = (hex(line, "RIP=")?, hex(line, "RFL=")?);
+                Some(Cpu {
+                    pc,
+                    interrupts: flags & 0x200 != 0,
+                })
             })
-        })
-        .collect()
+            .collect(),
+        Arch::Arm64 => {
+            let mut cpus = Vec::new();
+            let mut pc = None;
+            for line in text.lines() {
+                if let Some(at) = hex(line, "PC=") {
+                    pc = Some(at);
+                }
+                if let (Some(at), Some(pstate)) = (pc, hex(line, "PSTATE=")) {
+                    cpus.push(Cpu {
+                        pc: at,
+                        interrupts: pstate & 0x80 == 0,
+                    });
+                    pc = None;
+                }
+            }
+            cpus
+        }
+    }
 }
 
 /// Where the kernel handles `int3`, as the guest's init printed it.
@@ -137,7 +168,7 @@ impl Stuck {
             return None;
         }
         let since = *self.since.get_or_insert(now);
-        self.in_int3 |= cpus.iter().any(|cpu| path.contains(cpu.rip));
+        self.in_int3 |= cpus.iter().any(|cpu| path.contains(cpu.pc));
         (now.duration_since(since) >= STUCK_FOR).then_some(HardLockup {
             in_int3: self.in_int3,
         })
@@ -156,14 +187,14 @@ mod tests {
                     RIP=ffffffff81a04ffe RFL=00000046 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=0\r\n\
                     \r\nCPU#1\r\nRIP=ffffffff810e1725 RFL=00000202 [-------] CPL=0 II=0\r\n(qemu) ";
         assert_eq!(
-            registers(text),
+            registers(Arch::Amd64, text),
             [
                 Cpu {
-                    rip: 0xffff_ffff_81a0_4ffe,
+                    pc: 0xffff_ffff_81a0_4ffe,
                     interrupts: false
                 },
                 Cpu {
-                    rip: 0xffff_ffff_810e_1725,
+                    pc: 0xffff_ffff_810e_1725,
                     interrupts: true
                 },
             ]
@@ -171,11 +202,40 @@ mod tests {
     }
 
     #[test]
+    fn arm64_registers_are_read_off_the_monitor() {
+        // An arm64 guest's answer (`-cpu max`, trimmed: the X, P and Z registers run on for
+        // 8 KiB): CPU#0 as sampled in an EL0 test process, CPU#1 in the kernel (EL1h) with
+        // IRQs and FIQs masked (PSTATE's I and F bits, 0x80 and 0x40).
+        let text = "(qemu) info registers -a\r\n\r\nCPU#0\r\n PC=0000aaaade24ed60 \
+                    X00=0000000000000000 X01=0000000000000002\r\nX29=0000ffff82d2d7b0 \
+                    X30=0000aaaade24f820  SP=0000ffff82d2d780\r\nPSTATE=20001000 --C- EL0t  \
+                    SVCR=00000000 --  BTYPE=0     FPCR=00000000 FPSR=00000000\r\n\
+                    P00=000000ffffffffff P01=0000000000000000\r\nCPU#1\r\n \
+                    PC=ffff800080e1c5d4 X00=0000000000001429\r\nPSTATE=604000c5 -ZC- EL1h  \
+                    SVCR=00000000 --  BTYPE=0\r\n(qemu) ";
+        assert_eq!(
+            registers(Arch::Arm64, text),
+            [
+                Cpu {
+                    pc: 0x0000_aaaa_de24_ed60,
+                    interrupts: true
+                },
+                Cpu {
+                    pc: 0xffff_8000_80e1_c5d4,
+                    interrupts: false
+                },
+            ]
+        );
+        // Neither architecture reads the other's dump.
+        assert!(registers(Arch::Amd64, text).is_empty());
+    }
+
+    #[test]
     fn only_interrupts_off_everywhere_for_long_enough_is_a_lockup() {
         let path = Int3Path::parse("meshcap-vm: int3 path: ffffffff81c00ba0-ffffffff81c00be0 x")
             .expect("the line");
-        let off = |rip| Cpu {
-            rip,
+        let off = |pc| Cpu {
+            pc,
             interrupts: false,
         };
         let start = Instant::now();
@@ -190,7 +250,7 @@ mod tests {
         let one_on = [
             off(0x1000),
             Cpu {
-                rip: 0x2000,
+                pc: 0x2000,
                 interrupts: true,
             },
         ];
