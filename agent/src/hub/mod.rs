@@ -19,32 +19,32 @@
 mod captures;
 mod error;
 mod explain;
+mod lookup;
 mod readiness;
 mod request;
 mod verify;
 
-use std::{net::IpAddr, path::PathBuf, sync::Arc};
+use std::{path::PathBuf, sync::Arc};
 
 pub use error::{CaptureError, ErrorClass};
 use k8s_openapi::api::core::v1::Pod;
 pub use readiness::Readiness;
 pub use request::Done;
 use tokio::sync::watch;
-use tracing::warn;
 
 use self::{
     captures::Captures,
-    request::{Locks, Verb, off_the_runtime},
+    lookup::{Lookup, netns_still_the_pods},
+    request::{Locks, Verb},
 };
 use crate::{
     ambient::Ambient,
     backend::{AmbientCapture, PodPolicy, Router},
     events::EventSink,
     install::watch::InstallStatus,
-    pod::{PodRef, Sandbox, made_in_place},
-    podnet,
+    pod::{PodRef, Sandbox},
     pods::{PodSource, Retry},
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::InpodPolicy},
+    policy::{DataplaneMode, Decision, NodeSettings, ambient::InpodPolicy},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
     verify::Ledger,
@@ -323,128 +323,6 @@ impl Hub {
     pub async fn drop_gone(&self) -> usize {
         self.captures.drop_gone(&self.locks, &self.metrics).await
     }
-}
-
-/// Looks pods up and decides them, with the node's settings.
-struct Lookup {
-    source: std::sync::Arc<PodSource>,
-    node: NodeSettings,
-    retry: Retry,
-}
-
-impl Lookup {
-    const fn new(source: std::sync::Arc<PodSource>, node: NodeSettings, retry: Retry) -> Self {
-        Self {
-            source,
-            node,
-            retry,
-        }
-    }
-
-    fn source(&self) -> &PodSource {
-        &self.source
-    }
-
-    /// The node's settings every decision reads.
-    const fn node(&self) -> &NodeSettings {
-        &self.node
-    }
-
-    /// The pod `sandbox` is of, as the pod source has it (retried while it is missing), and its
-    /// decision. The addresses the runtime gave decide; without any, those in the pod's netns
-    /// do (what Istio reads there), unless ambient mode decides the pod, which needs none.
-    async fn decide(&self, sandbox: &Sandbox) -> Result<(Pod, Decision), CaptureError> {
-        let pod = &sandbox.pod;
-        let found = self
-            .source
-            .get(
-                &pod.namespace,
-                &pod.name,
-                sandbox.uid.as_deref(),
-                self.retry,
-            )
-            .await?;
-        let decision = self.decide_on(sandbox, &found, true).await?;
-        Ok((found, decision))
-    }
-
-    /// `found`'s decision for `sandbox` (`found`: the pod as a watch last saw it, which the pod
-    /// source may not have seen yet). With `read_addresses`, a pod whose runtime gave no
-    /// addresses is decided on those in its netns.
-    async fn decide_on(
-        &self,
-        sandbox: &Sandbox,
-        found: &Pod,
-        read_addresses: bool,
-    ) -> Result<Decision, CaptureError> {
-        let labels = self
-            .source
-            .labels_for_decision(found, &self.node)
-            .await
-            .map_err(|source| CaptureError::Namespace {
-                pod: sandbox.pod.pod_name(),
-                source: Box::new(source),
-            })?;
-        let mut decision = policy::decide(found, &sandbox.ips, &labels, &self.node);
-        let ambient = matches!(
-            &decision,
-            Ok(Decision::Ambient { .. })
-                | Err(DecisionError {
-                    dataplane: DataplaneMode::Ambient,
-                    ..
-                })
-        );
-        if read_addresses && sandbox.ips.is_empty() && !ambient {
-            let ips = netns_addresses(sandbox).await?;
-            decision = policy::decide(found, &ips, &labels, &self.node);
-        }
-        let decision = decision?;
-        if let Decision::Ambient { ignored, .. } = &decision {
-            for annotation in ignored {
-                warn!(
-                    annotation = annotation.key,
-                    value = annotation.value,
-                    "not a boolean: ignored, as Istio does"
-                );
-            }
-        }
-        Ok(decision)
-    }
-}
-
-/// The global addresses in `sandbox`'s netns.
-async fn netns_addresses(sandbox: &Sandbox) -> Result<Vec<IpAddr>, CaptureError> {
-    let netns = sandbox.pod.netns.clone();
-    let pod = || sandbox.pod.pod_name();
-    off_the_runtime(move || podnet::run_in(&netns, |_| podnet::global_addresses()))
-        .await?
-        .map_err(|source| CaptureError::Netns { pod: pod(), source })?
-        .map_err(|source| CaptureError::Addresses {
-            pod: pod(),
-            netns: sandbox.pod.netns.display().to_string(),
-            source,
-        })
-}
-
-/// For a pod captured in place (the repair controller, live enrollment): that its netns still
-/// holds one of the pod's IPs, as Istio checks before it enrolls a running pod (1.31,
-/// `releasenotes/notes/validate-netns-ownership.yaml`). meshcap found the netns by those IPs
-/// ([`podnet::find`]), but its decision came after (an API call away): by now the pod may be
-/// gone and its netns another's. Checked under the pod's lock, just before the capture; a
-/// runtime's ADD names the netns it made and is not checked.
-async fn netns_still_the_pods(sandbox: &Sandbox) -> Result<(), CaptureError> {
-    if !made_in_place(&sandbox.pod.container_id) {
-        return Ok(());
-    }
-    let held = netns_addresses(sandbox).await?;
-    if sandbox.ips.iter().any(|ip| held.contains(ip)) {
-        return Ok(());
-    }
-    Err(CaptureError::NotThePodsNetns {
-        pod: sandbox.pod.pod_name(),
-        netns: sandbox.pod.netns.display().to_string(),
-        ips: sandbox.ips.clone(),
-    })
 }
 
 /// An enrolled pod's capture: `policy` with the pod's addresses and what ztunnel is told it is,

@@ -16,18 +16,20 @@ use std::{
     fmt, fs, io,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
-    time::Duration,
 };
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::paths;
 
 pub mod binary;
 pub mod conflist;
+mod entry;
 pub mod kubeconfig;
 pub mod owned;
 pub mod watch;
+
+pub use entry::PluginSettings;
 
 /// The plugin's CNI `type`.
 pub const PLUGIN_TYPE: &str = "meshcap-cni";
@@ -82,74 +84,6 @@ pub const AGENT_POD_NAMESPACE: &str = meshcap_cni::cni::DEFAULT_AGENT_POD_NAMESP
 /// The name prefix of meshcap's own pods: the DaemonSet's name and a dash (`deploy/`), the
 /// plugin's default too.
 pub const AGENT_POD_PREFIX: &str = meshcap_cni::cni::DEFAULT_AGENT_POD_PREFIX;
-
-/// What the plugin is told in its entry: the keys of `meshcap_cni::cni::PluginConfig`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PluginSettings {
-    /// The agent's socket (`agent_socket`).
-    pub agent_socket: PathBuf,
-    /// Namespaces the plugin passes through without asking the agent (`exclude_namespaces`).
-    pub exclude_namespaces: Vec<String>,
-    /// Namespace of the agent's own pods, never sent to the agent (`agent_pod_namespace`).
-    pub agent_pod_namespace: String,
-    /// Name prefix of the agent's own pods (`agent_pod_prefix`).
-    pub agent_pod_prefix: String,
-    /// The plugin's log level: error, warn, info or debug (`log_level`).
-    pub log_level: String,
-    /// How long the plugin waits for the agent, whole seconds (`timeout_seconds`).
-    pub timeout: Duration,
-    /// With the agent unreachable, the plugin decides from the API server with this
-    /// kubeconfig (`kubeconfig`)...
-    pub kubeconfig: Option<PathBuf>,
-    /// ...or from this manifest directory (`pod_dir`, standalone mode).
-    pub pod_dir: Option<PathBuf>,
-    /// The node runs ambient mode with these enablement selectors (`ambient_enabled`,
-    /// `enablement_selectors`), so that the plugin decides as the agent does without it.
-    pub ambient_selectors: Option<Value>,
-}
-
-impl Default for PluginSettings {
-    fn default() -> Self {
-        Self {
-            agent_socket: PathBuf::from(paths::AGENT_SOCKET),
-            exclude_namespaces: vec!["kube-system".to_owned()],
-            agent_pod_namespace: AGENT_POD_NAMESPACE.to_owned(),
-            agent_pod_prefix: AGENT_POD_PREFIX.to_owned(),
-            log_level: "info".to_owned(),
-            timeout: Duration::from_secs(meshcap_cni::cni::DEFAULT_TIMEOUT_SECONDS),
-            kubeconfig: None,
-            pod_dir: None,
-            ambient_selectors: None,
-        }
-    }
-}
-
-impl PluginSettings {
-    /// meshcap's plugin entry, as chained into the conflist.
-    #[must_use]
-    pub fn entry(&self) -> Value {
-        let mut entry = json!({
-            "type": PLUGIN_TYPE,
-            "agent_socket": self.agent_socket,
-            "exclude_namespaces": self.exclude_namespaces,
-            "agent_pod_namespace": self.agent_pod_namespace,
-            "agent_pod_prefix": self.agent_pod_prefix,
-            "log_level": self.log_level,
-            "timeout_seconds": self.timeout.as_secs().max(1),
-        });
-        if let Some(path) = &self.kubeconfig {
-            entry["kubeconfig"] = json!(path);
-        }
-        if let Some(dir) = &self.pod_dir {
-            entry["pod_dir"] = json!(dir);
-        }
-        if let Some(selectors) = &self.ambient_selectors {
-            entry["ambient_enabled"] = json!(true);
-            entry["enablement_selectors"] = selectors.clone();
-        }
-        entry
-    }
-}
 
 /// Where and how to install. Field names follow Istio's settings of the same meaning.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -481,37 +415,5 @@ fn remove_file(path: &Path) -> Result<(), InstallError> {
     match fs::remove_file(path) {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(InstallError::io("removing", path, e)),
         _ => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_plugin_reads_the_entry_as_written() {
-        let settings = PluginSettings {
-            exclude_namespaces: vec!["kube-system".to_owned(), "istio-system".to_owned()],
-            log_level: "debug".to_owned(),
-            timeout: Duration::from_secs(7),
-            ..PluginSettings::default()
-        };
-        // The runtime hands each plugin of a list its entry plus the list's name and version.
-        let mut conf = settings.entry();
-        conf["cniVersion"] = "1.0.0".into();
-        conf["name"] = "k8s-pod-network".into();
-        let bytes = serde_json::to_vec(&conf).expect("JSON");
-        let parsed = meshcap_cni::cni::NetConf::parse(&bytes).expect("the plugin accepts it");
-        let plugin = parsed.meshcap;
-        assert_eq!(plugin.agent_socket, settings.agent_socket);
-        assert_eq!(plugin.exclude_namespaces, settings.exclude_namespaces);
-        assert_eq!(plugin.agent_pod_namespace, AGENT_POD_NAMESPACE);
-        assert_eq!(plugin.agent_pod_prefix, AGENT_POD_PREFIX);
-        assert_eq!(plugin.timeout(), Duration::from_secs(7));
-        assert_eq!(
-            paths::AGENT_SOCKET,
-            meshcap_cni::cni::DEFAULT_AGENT_SOCKET,
-            "the plugin's default socket is the agent's"
-        );
     }
 }

@@ -10,6 +10,7 @@
 //!
 //! Every pin of a pod is made, marked and removed through its [`PodPins`]; what a capture is
 //! checked against is [`check`]'s, what takes it away [`remove`]'s.
+mod attach;
 mod check;
 mod remove;
 mod verify;
@@ -27,9 +28,8 @@ use meshcap_common::{PodConfig, maps};
 use super::{
     EbpfBackend, EbpfError, Handoff,
     encode::{self, Plan},
-    pins::{Pins, PodPins, record_name},
-    stub::{self, TcAttach},
-    sys,
+    pins::{Pins, record_name},
+    stub::TcAttach,
     tables::{Snapshot, Tables},
 };
 use crate::{
@@ -39,8 +39,8 @@ use crate::{
     },
     crashpoint,
     pod::PodRef,
-    podnet::{self, Visit},
-    policy::{DataplaneMode, PolicyRoutes},
+    podnet,
+    policy::DataplaneMode,
 };
 
 /// `policy` with the proxy's uid and gid as the programs see them: the node's ids, which
@@ -175,97 +175,6 @@ impl Pods {
         Ok(())
     }
 
-    /// What the pod's netns needs, in the visit: its pins first (so that whoever comes next
-    /// finds everything this attaches), then its route, `tcp_fwmark_accept`, its stubs and
-    /// the socket lookup program.
-    fn attach(&self, visit: &mut Visit, pod: &PodRef, plan: &Plan) -> Result<(), EbpfError> {
-        let pins = self.pins.pod(plan.net.cookie);
-        let pinning = |e| EbpfError::io(&format!("creating {}", pins.dir().display()), e);
-        pins.create(pod).map_err(pinning)?;
-        if plan.ambient() {
-            pins.mark_ambient().map_err(pinning)?;
-        }
-        crashpoint::here(crashpoint::EBPF_ADD_PINNED);
-        if let Some(routes) = plan.routes() {
-            podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
-        }
-        set_fwmark_accept(&pins, plan.fwmark_accept())?;
-        self.attach_stubs(visit, &pins, plan)?;
-        self.attach_handoff(&pins)?;
-        crashpoint::here(crashpoint::EBPF_ADD_ATTACHED);
-        Ok(())
-    }
-
-    /// Attaches the pod's stub on every interface but the excluded ones (and on `lo` for an
-    /// ambient pod, where ztunnel's connections to the app are told apart). An interface whose
-    /// record the kernel confirms is attached already (by this agent or the one before it):
-    /// never twice. A record the kernel contradicts (the filter deleted behind meshcap's back,
-    /// the TCX link's interface replaced) is dropped and the stub attached afresh.
-    fn attach_stubs(
-        &self,
-        visit: &mut Visit,
-        pins: &PodPins,
-        plan: &Plan,
-    ) -> Result<(), EbpfError> {
-        let lo = (stub::LOOPBACK_IFINDEX, "lo".to_owned());
-        let mut todo = Vec::new();
-        for (ifindex, name) in plan
-            .net
-            .interfaces
-            .iter()
-            .chain(plan.ambient().then_some(&lo))
-        {
-            if plan.exclude_interfaces.contains(name) {
-                continue;
-            }
-            let record = pins.tc(name);
-            if record.exists() {
-                let Err(stale) = check::verify(visit, &record) else {
-                    continue;
-                };
-                tracing::warn!(interface = %name, reason = %stale, "re-attaching the inbound TC stub");
-                stub::detach(visit, &record);
-            }
-            todo.push((*ifindex, record));
-        }
-        if todo.is_empty() {
-            return Ok(());
-        }
-        // One stub per pod, shared by its interfaces; `lo` (ambient) gets a stub of its own,
-        // which tail-calls only for ztunnel's packets.
-        let (mut stub, mut lo_stub) = (None, None);
-        for (ifindex, record) in todo {
-            let lo = ifindex == stub::LOOPBACK_IFINDEX;
-            let loaded = if lo { &mut lo_stub } else { &mut stub };
-            let prog = match loaded.take() {
-                Some(prog) => prog,
-                None if lo => stub::load_lo(&self.tc_prog)?,
-                None => stub::load(plan.net.cookie, &self.tc_prog)?,
-            };
-            stub::attach(visit, self.tc_attach, &prog, ifindex, &record)?;
-            *loaded = Some(prog);
-        }
-        Ok(())
-    }
-
-    /// Attaches the socket lookup program to the visited netns, where this kernel needs it
-    /// (ebpf/meshcap-ebpf/src/handoff.rs), unless its pinned link is there already.
-    fn attach_handoff(&self, pins: &PodPins) -> Result<(), EbpfError> {
-        let Some(prog) = &self.handoff else {
-            return Ok(());
-        };
-        let pin = pins.handoff_link();
-        if sys::obj_get(&pin).is_ok() {
-            return Ok(());
-        }
-        let netns = std::fs::File::open("/proc/thread-self/ns/net")
-            .map_err(|e| EbpfError::io("opening the pod's netns", e))?;
-        let link = sys::sk_lookup_link_create(prog, &netns)
-            .map_err(|e| EbpfError::io("attaching the socket lookup program", e))?;
-        sys::obj_pin(&link, &pin)
-            .map_err(|e| EbpfError::io(&format!("pinning {}", pin.display()), e))
-    }
-
     /// Writes the pod's lists under a fresh pod id, its interface flags and addresses, and last
     /// its entry; an update's old lists go once the new entry points past them.
     fn commit(&self, pod: &PodRef, plan: &Plan) -> Result<(), EbpfError> {
@@ -340,44 +249,6 @@ impl Pods {
         self.tables
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// The sysctl `tcp_fwmark_accept` of the calling thread's netns.
-const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
-
-/// Sets the visited netns' `net.ipv4.tcp_fwmark_accept` to 1 when `on`, first recording the
-/// pod's own value in its pins; otherwise puts a recorded value back (an update that needs it
-/// no more). Released pods get theirs back when their capture is removed.
-fn set_fwmark_accept(pins: &PodPins, on: bool) -> Result<(), EbpfError> {
-    let before = pins.fwmark_accept_before();
-    if !on {
-        if let Some(value) = before {
-            restore_fwmark_accept(value);
-            pins.forget_fwmark_accept(value);
-        }
-        return Ok(());
-    }
-    if before.is_none() {
-        let current = std::fs::read_to_string(FWMARK_ACCEPT)
-            .map_err(|e| EbpfError::io("reading net.ipv4.tcp_fwmark_accept", e))?;
-        let value = current.trim().parse().map_err(|_| {
-            EbpfError::io(
-                "reading net.ipv4.tcp_fwmark_accept",
-                std::io::Error::other(format!("not a number: {current:?}")),
-            )
-        })?;
-        pins.record_fwmark_accept(value)
-            .map_err(|e| EbpfError::io(&format!("creating {}", pins.dir().display()), e))?;
-    }
-    std::fs::write(FWMARK_ACCEPT, "1").map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
-}
-
-/// Puts the pod's own `tcp_fwmark_accept` back (in the visited netns). A failure leaves 1,
-/// which nothing in a released pod relies on: logged, never fatal.
-fn restore_fwmark_accept(value: u8) {
-    if let Err(err) = std::fs::write(FWMARK_ACCEPT, value.to_string()) {
-        tracing::warn!(error = %err, value, "restoring net.ipv4.tcp_fwmark_accept");
     }
 }
 

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use meshcap_common::flags;
 
-use super::{Pods, restore_fwmark_accept};
+use super::{Pods, attach::restore_fwmark_accept};
 use crate::{
     backend::ebpf::{EbpfError, pins::unpin_link, stub},
     crashpoint,

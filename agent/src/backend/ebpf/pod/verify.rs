@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use meshcap_common::{flags, iface_flags};
 
-use super::{FWMARK_ACCEPT, Pods, check};
+use super::{Pods, attach::FWMARK_ACCEPT, check};
 use crate::{
     backend::{
         DriftKind, PodCheck, Verify,
