@@ -8,8 +8,9 @@
 //! allocates no port, connect does), so `getsockname(2)` is the pod's address and the proxy
 //! sees the pod's address as its peer; `getpeername(2)` answers the dialled address
 //! (`cgroup/getpeername4|6`, from the socket's storage; for a TCP socket an earlier build
-//! redirected, from its connection's `MESHCAP_FLOWS` entry); a DNS reply's source is the server the app asked (`recvmsg`). Destinations on
-//! loopback keep the loopback source, as routing gives it under NAT.
+//! redirected, from its connection's `MESHCAP_FLOWS` entry); a DNS reply's source is the
+//! server the app asked (`recvmsg`). Destinations on loopback keep the loopback source, as
+//! routing gives it under NAT.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
@@ -381,10 +382,9 @@ fn source_from_pod(
 /// connection's flow goes when the proxy's end closes, often before the app asks); a TCP
 /// socket without one (redirected by an earlier build, during an upgrade) from its
 /// connection's flow. Only such a socket has either (the flow is keyed by the netns), so no
-/// pod is looked up. The peer is
-/// looked at first: every `accept(2)` that asks for the peer's address runs this program too
-/// (the proxy's, whose peer is the app), and only a socket connected to the proxy's loopback
-/// ports goes on to a map.
+/// pod is looked up. The peer is looked at first: every `accept(2)` that asks for the peer's
+/// address runs this program too (the proxy's, whose peer is the app), and only a socket
+/// connected to the proxy's loopback ports goes on to a map.
 #[inline(always)]
 fn show_dialled(ctx: &SockAddrContext, family: Family) {
     let sa = ctx.sock_addr;
