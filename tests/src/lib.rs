@@ -741,6 +741,36 @@ pub fn dial_with(
         .with_context(|| format!("dial printed {line:?}"))
 }
 
+/// Dials `target` (`tcp:ADDR:PORT`) from `at` with `meshcap-dial --after-close`: reads the
+/// answer and until the server closes its end, runs `closed` (the test waits there for what
+/// the close does), and only then asks the app's socket for its addresses.
+///
+/// # Errors
+/// When the client cannot run, nothing answers or the server never closes.
+pub fn dial_after_close(
+    at: Placement<'_>,
+    target: &str,
+    closed: impl FnOnce(),
+) -> anyhow::Result<Report> {
+    use std::io::Write as _;
+    let mut proc = Proc::spawn_inner(
+        at,
+        &bin::dial(),
+        &[target, "--after-close"],
+        false,
+        Stdio::piped(),
+        None,
+    )?;
+    let line = proc.wait_line()?;
+    ensure!(line == "closed", "dial said {line:?} instead of closed");
+    closed();
+    let stdin = proc.child.stdin.as_mut().context("stdin not piped")?;
+    writeln!(stdin)?;
+    stdin.flush()?;
+    let line = proc.wait_line()?;
+    serde_json::from_str(&line).with_context(|| format!("dial printed {line:?}"))
+}
+
 /// A long-lived TCP connection from a pod process (`meshcap-dial --hold`), to a stand-in
 /// listener in hold mode (`tcp:ADDR:PORT+hold`). The client exits when this is dropped.
 #[derive(Debug)]

@@ -4,7 +4,7 @@
 //! netlink TC filters by default (every kernel); pods captured with TCX links (asked for, or
 //! by an agent before netlink TC became the default) must still be adopted, checked and
 //! released by a default agent. The original destinations' hand-off tables hold open
-//! connections only.
+//! connections only; the app's socket keeps its dialled peer after they let go.
 use std::{path::Path, process::Command, thread, time::Duration};
 
 use aya::maps::{Array, HashMap, Map, MapData};
@@ -565,6 +565,57 @@ fn closed_captured_connections_leave_no_entries_behind() {
         0,
         "MESHCAP_DIALING slots still held after every connection was established"
     );
+    backend.get().remove(&pod_ref(&pod)).expect("remove");
+}
+
+/// The app's socket reports the address it dialled for as long as it lives, as under Istio's
+/// NAT: also after the proxy closed its end and the connection's flow went (a short
+/// connection whose app asks late). IPv4 and IPv6.
+#[test]
+fn the_app_sees_its_dialled_peer_after_the_proxy_closed() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let mut node = Node::new().expect("node");
+    let dir = EbpfUnderTest::unique_dir();
+    let backend = EbpfUnderTest::at(&node.cgroup, &dir).expect("backend");
+    let mut pod = node.add_pod(true).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    backend
+        .get()
+        .add(
+            &pod_ref(&pod),
+            &default_policy("peer", pod.ips(true)).into(),
+        )
+        .expect("add");
+    for target in [
+        format!("{}:80", pod.peer_v4()),
+        format!("[{}]:80", pod.peer_v6()),
+    ] {
+        let report = meshcap_tests::dial_after_close(
+            pod.at(&node, APP_UID, APP_UID),
+            &format!("tcp:{target}"),
+            || {
+                // The stand-in closed its end first; the flow goes when that end is closed
+                // for good: wait for it, boundedly.
+                for _ in 0..1000 {
+                    if entries::<FlowKey>(&dir, maps::FLOWS) == 0 {
+                        return;
+                    }
+                    thread::sleep(Duration::from_millis(10));
+                }
+                panic!("the proxy's end of {target} never closed");
+            },
+        )
+        .expect("dial");
+        assert_eq!(report.listener, 15001, "{report:?}");
+        assert_eq!(
+            report.app_peer.map(|a| a.to_string()),
+            Some(target.clone()),
+            "{report:?}"
+        );
+    }
     backend.get().remove(&pod_ref(&pod)).expect("remove");
 }
 

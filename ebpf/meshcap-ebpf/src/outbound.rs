@@ -1,18 +1,20 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's in the slot
-//! of its cookie in `MESHCAP_DIALING` (sockops carries it on), a UDP socket's in its storage.
+//! exists (no NAT, no conntrack), and the original is remembered in the socket's storage
+//! (`MESHCAP_DIALED`, for as long as the socket lives) and, a TCP socket's, in the slot of its
+//! cookie in `MESHCAP_DIALING` too (sockops carries it on to the proxy's end).
 //!
 //! What the socket reports stays what Istio's NAT shows: a redirected socket that the app did
 //! not bind is bound to the pod's own address (`MESHCAP_POD_ADDRS`; `bpf_bind` with port 0
 //! allocates no port, connect does), so `getsockname(2)` is the pod's address and the proxy
 //! sees the pod's address as its peer; `getpeername(2)` answers the dialled address
-//! (`cgroup/getpeername4|6`, from the connection's `MESHCAP_FLOWS` entry or the UDP socket's
-//! storage); a DNS reply's source is the server the app asked (`recvmsg`). Destinations on
-//! loopback keep the loopback source, as routing gives it under NAT.
+//! (`cgroup/getpeername4|6`, from the socket's storage; for a TCP socket an earlier build
+//! redirected, from its connection's `MESHCAP_FLOWS` entry); a DNS reply's source is the
+//! server the app asked (`recvmsg`). Destinations on loopback keep the loopback source, as
+//! routing gives it under NAT.
 use core::ptr::{read_volatile, write_volatile};
 
 use aya_ebpf::{
-    bindings::{bpf_sock_addr, sockaddr},
+    bindings::{bpf_sock, bpf_sock_addr, sockaddr},
     helpers::{
         bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie, generated::bpf_bind,
     },
@@ -229,14 +231,14 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
             only.is_some(),
         );
     }
-    match proto {
-        Proto::Tcp => {
-            // SAFETY: the helper takes the program's own context.
-            dial(unsafe { bpf_get_socket_cookie(sa.cast()) }, orig);
-        }
-        // SAFETY: context read, then the context's socket.
-        Proto::Udp => unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) },
+    if proto == Proto::Tcp {
+        // SAFETY: the helper takes the program's own context.
+        dial(unsafe { bpf_get_socket_cookie(sa.cast()) }, orig);
     }
+    // The socket's own copy: getpeername's answer (recvmsg's too, for UDP) for as long as the
+    // socket lives, also after the proxy closed its end and its flow went.
+    // SAFETY: context read, then the context's socket.
+    unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) };
     set_user_addr(sa, family, matches!(dst, Addr::V4(_)), port);
 }
 
@@ -376,11 +378,13 @@ fn source_from_pod(
 }
 
 /// getpeername on a socket meshcap redirected to one of the proxy's loopback ports: the
-/// address the app dialled, from its connection's flow (TCP) or its storage (UDP). Only such
-/// a socket has either (the flow is keyed by the netns), so no pod is looked up. The peer is
-/// looked at first: every `accept(2)` that asks for the peer's address runs this program too
-/// (the proxy's, whose peer is the app), and only a socket connected to the proxy's loopback
-/// ports goes on to a map.
+/// address the app dialled, from its storage, which lives as long as the socket (the
+/// connection's flow goes when the proxy's end closes, often before the app asks); a TCP
+/// socket without one (redirected by an earlier build, during an upgrade) from its
+/// connection's flow. Only such a socket has either (the flow is keyed by the netns), so no
+/// pod is looked up. The peer is looked at first: every `accept(2)` that asks for the peer's
+/// address runs this program too (the proxy's, whose peer is the app), and only a socket
+/// connected to the proxy's loopback ports goes on to a map.
 #[inline(always)]
 fn show_dialled(ctx: &SockAddrContext, family: Family) {
     let sa = ctx.sock_addr;
@@ -404,23 +408,8 @@ fn show_dialled(ctx: &SockAddrContext, family: Family) {
         )
     };
     let orig = match protocol {
-        IPPROTO_TCP => {
-            let Some((sk_family, local, remote)) = sock_ends(sk) else {
-                return;
-            };
-            // SAFETY: the helper takes the program's own context.
-            let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
-            let key = FlowKey {
-                netns,
-                client: local.0,
-                server: remote.0,
-                client_port: local.1,
-                server_port: remote.1,
-                family: sk_family,
-            };
-            // SAFETY: a plain read of a value written whole.
-            unsafe { FLOWS.get(key) }.copied()
-        }
+        // SAFETY: the context's socket.
+        IPPROTO_TCP => unsafe { sk_get(&DIALED, sk) }.or_else(|| flow(sa, sk)),
         // SAFETY: the context's socket.
         IPPROTO_UDP => unsafe { sk_get(&DIALED, sk) },
         _ => None,
@@ -428,4 +417,22 @@ fn show_dialled(ctx: &SockAddrContext, family: Family) {
     if let Some(orig) = orig {
         write_user_addr(sa, family, &orig);
     }
+}
+
+/// The original destination in the flow of the TCP connection of `sk`, the context's socket.
+#[inline(always)]
+fn flow(sa: *mut bpf_sock_addr, sk: *mut bpf_sock) -> Option<OrigDst> {
+    let (family, local, remote) = sock_ends(sk)?;
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
+    let key = FlowKey {
+        netns,
+        client: local.0,
+        server: remote.0,
+        client_port: local.1,
+        server_port: remote.1,
+        family,
+    };
+    // SAFETY: a plain read of a value written whole.
+    unsafe { FLOWS.get(key) }.copied()
 }

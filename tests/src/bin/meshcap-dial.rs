@@ -10,6 +10,10 @@
 //!
 //! With `--hold` (TCP) it keeps the connection: every line read from stdin is sent, and the
 //! answer line printed, until stdin closes (or `no-answer: <why>` and exit on a failure).
+//!
+//! With `--after-close` (TCP) it reads the answer and then until the server closes its end,
+//! prints `closed`, waits for a line on stdin and only then asks its socket for its addresses
+//! and prints the answer with them: what the app's socket reports after the proxy's end went.
 use std::{
     io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpStream, UdpSocket},
@@ -31,12 +35,14 @@ fn main() -> anyhow::Result<()> {
         .context("usage: meshcap-dial tcp|udp:ADDR:PORT [--bind ADDR]")?;
     let mut bind_to = None;
     let mut hold = false;
+    let mut after_close = false;
     let mut mark = None;
     let mut transparent = false;
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--bind" => bind_to = Some(args.next().context("--bind needs an address")?),
             "--hold" => hold = true,
+            "--after-close" => after_close = true,
             "--transparent" => transparent = true,
             "--mark" => {
                 mark = Some(meshcap_tests::parse_mark(
@@ -57,8 +63,12 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(proto == "tcp", "--hold is for tcp");
         return hold_tcp(addr, mark);
     }
+    anyhow::ensure!(!after_close || proto == "tcp", "--after-close is for tcp");
     let answer = match proto {
-        "tcp" => tcp(addr, bind_to, mark, transparent).and_then(|(line, reader)| {
+        "tcp" => tcp(addr, bind_to, mark, transparent).and_then(|(line, mut reader)| {
+            if after_close {
+                wait_for_close(&mut reader)?;
+            }
             let stream = reader.get_ref();
             Ok(with_own_view(
                 &line,
@@ -89,6 +99,17 @@ fn with_own_view(line: &str, local: SocketAddr, peer: SocketAddr) -> String {
         }
         _ => line.to_owned(),
     }
+}
+
+/// Reads until the server closes its end, says `closed` and waits for a line on stdin.
+fn wait_for_close(reader: &mut BufReader<TcpStream>) -> anyhow::Result<()> {
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(reader, &mut rest)?;
+    println!("closed");
+    std::io::stdout().flush()?;
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go)?;
+    Ok(())
 }
 
 /// `--bind 127.0.0.6` or `--bind 127.0.0.6:0`.
