@@ -6,7 +6,7 @@
 //! - [`pod`](pod/mod.rs): each pod's capture as one transaction — observe its netns
 //!   ([`crate::podnet`]: cookie, interfaces, addresses, routes), plan its entries
 //!   ([`encode`](encode.rs) translates the policy and what was observed, once), attach its
-//!   stub on its interfaces ([`stub`](stub.rs), assembled and attached) and, where the
+//!   stub on its interfaces ([`stub`](stub/mod.rs), assembled and attached) and, where the
 //!   kernel needs it ([`release`](release.rs)), the socket lookup program on its netns, then
 //!   commit its entries through [`tables`](tables/mod.rs), the maps' only writer, which indexes
 //!   what each pod holds; and each pod's CHECK and release;
