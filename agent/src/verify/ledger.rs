@@ -83,6 +83,20 @@ struct State {
     interval: Option<Duration>,
 }
 
+impl State {
+    /// Adds what of `drift` could not be put back to the pass's failures, under `whom`.
+    fn note_failing(&mut self, whom: String, drift: &[Drift]) {
+        let failed: Vec<String> = drift
+            .iter()
+            .filter(|d| d.failed())
+            .map(ToString::to_string)
+            .collect();
+        if !failed.is_empty() {
+            self.failing.entry(whom).or_default().extend(failed);
+        }
+    }
+}
+
 impl Ledger {
     /// Says how often passes run.
     pub fn set_interval(&self, every: Duration) {
@@ -99,18 +113,7 @@ impl Ledger {
     pub fn pod(&self, container: &str, pod: &PodName, drift: &[Drift]) {
         let at = now();
         let mut state = self.lock();
-        let failed: Vec<String> = drift
-            .iter()
-            .filter(|d| d.failed())
-            .map(ToString::to_string)
-            .collect();
-        if !failed.is_empty() {
-            state
-                .failing
-                .entry(format!("pod {pod}"))
-                .or_default()
-                .extend(failed);
-        }
+        state.note_failing(format!("pod {pod}"), drift);
         state
             .pods
             .entry(container.to_owned())
@@ -124,18 +127,7 @@ impl Ledger {
     pub fn node(&self, drift: &[Drift]) {
         let at = now();
         let mut state = self.lock();
-        let failed: Vec<String> = drift
-            .iter()
-            .filter(|d| d.failed())
-            .map(ToString::to_string)
-            .collect();
-        if !failed.is_empty() {
-            state
-                .failing
-                .entry("the node".to_owned())
-                .or_default()
-                .extend(failed);
-        }
+        state.note_failing("the node".to_owned(), drift);
         state.node.note(at, drift);
     }
 
