@@ -93,7 +93,23 @@ pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
 
 pub fn status(socket: &Path, json: bool) -> anyhow::Result<()> {
     let response = protocol::call(socket, &Request::new(Op::Status), Duration::from_secs(10))?;
-    match response.reply {
+    print_report(
+        response.reply,
+        json,
+        "the agent sent no status report",
+        StatusReport::to_text,
+    )
+}
+
+/// Prints the report of an agent's `reply`, as JSON or as `text` renders it; `missing` says
+/// what it means that the reply carries none.
+pub fn print_report<T: serde::de::DeserializeOwned>(
+    reply: Reply,
+    json: bool,
+    missing: &str,
+    text: impl FnOnce(&T) -> String,
+) -> anyhow::Result<()> {
+    match reply {
         Reply::Ok {
             report: Some(report),
             ..
@@ -101,12 +117,11 @@ pub fn status(socket: &Path, json: bool) -> anyhow::Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                let report: StatusReport = serde_json::from_value(report)?;
-                print!("{}", report.to_text());
+                print!("{}", text(&serde_json::from_value(report)?));
             }
             Ok(())
         }
-        Reply::Ok { .. } => bail!("the agent sent no status report"),
+        Reply::Ok { .. } => bail!("{missing}"),
         Reply::Error { msg, .. } => bail!("{msg}"),
     }
 }

@@ -2,9 +2,9 @@
 //! (not) captured and what is installed for it (docs/install.md, Troubleshooting).
 use std::{path::Path, time::Duration};
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use meshcap_agent::verify::Explanation;
-use meshcap_cni::protocol::{self, Op, Reply, Request};
+use meshcap_cni::protocol::{self, Op, Request};
 
 /// Prints the agent's answer for `pod` (`namespace/name`), as text or JSON.
 pub fn explain(socket: &Path, pod: &str, json: bool) -> anyhow::Result<()> {
@@ -18,20 +18,10 @@ pub fn explain(socket: &Path, pod: &str, json: bool) -> anyhow::Result<()> {
     });
     let response = protocol::call(socket, &request, Duration::from_secs(30))
         .with_context(|| format!("asking the agent at {}", socket.display()))?;
-    match response.reply {
-        Reply::Ok {
-            report: Some(report),
-            ..
-        } => {
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                let explanation: Explanation = serde_json::from_value(report)?;
-                print!("{}", explanation.to_text());
-            }
-            Ok(())
-        }
-        Reply::Ok { .. } => bail!("the agent sent no explanation (an agent older than explain?)"),
-        Reply::Error { msg, .. } => bail!("{msg}"),
-    }
+    crate::commands::print_report(
+        response.reply,
+        json,
+        "the agent sent no explanation (an agent older than explain?)",
+        Explanation::to_text,
+    )
 }
