@@ -5,7 +5,6 @@
 use std::{
     fs,
     path::{Path, PathBuf},
-    time::Instant,
 };
 
 use serde_json::{Value, json};
@@ -14,7 +13,7 @@ use crate::{
     agent::{Agent, Backend, binaries},
     apiserver::{AGENT_POD, ApiServer, SYSTEM_NAMESPACE},
     fixtures::{ManifestDir, eventually},
-    kubelet::{CniOutput, run_plugin_at},
+    kubelet::{CniOutput, installed_add},
     unique_name,
 };
 
@@ -180,25 +179,6 @@ impl ClusterNode {
         entry["cniVersion"] = json!("1.0.0");
         entry["name"] = json!("k8s-pod-network");
         entry["prevResult"] = json!({"cniVersion": "1.0.0", "ips": [{"address": "10.0.0.2/24"}]});
-        let env = [
-            ("CNI_COMMAND", "ADD".to_owned()),
-            ("CNI_CONTAINERID", unique_name("sandbox")),
-            ("CNI_NETNS", "/var/run/netns/unused".to_owned()),
-            ("CNI_IFNAME", "eth0".to_owned()),
-            ("CNI_PATH", self.bin_dir.display().to_string()),
-            (
-                "CNI_ARGS",
-                format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};IgnoreUnknown=1"),
-            ),
-        ];
-        let started = Instant::now();
-        let out = run_plugin_at(
-            &self.bin_dir.join("meshcap-cni"),
-            &env,
-            entry.to_string().as_bytes(),
-            0,
-        )
-        .expect("running the installed plugin");
-        (out, started.elapsed())
+        installed_add(&self.bin_dir, &entry, namespace, name)
     }
 }

@@ -111,6 +111,41 @@ pub fn run_plugin_raw(env: &[(&str, String)], stdin: &[u8], uid: u32) -> anyhow:
     run_plugin_at(&binaries().join("meshcap-cni"), env, stdin, uid)
 }
 
+/// The plugin installed in `bin_dir` run as the runtime runs an ADD of `namespace/name` with
+/// `conf` (its entry, with the list's name and version), into a netns that does not exist, and
+/// how long it took.
+///
+/// # Panics
+/// When the plugin cannot be run.
+#[must_use]
+pub fn installed_add(
+    bin_dir: &Path,
+    conf: &Value,
+    namespace: &str,
+    name: &str,
+) -> (CniOutput, std::time::Duration) {
+    let env = [
+        ("CNI_COMMAND", "ADD".to_owned()),
+        ("CNI_CONTAINERID", unique_name("sandbox")),
+        ("CNI_NETNS", "/var/run/netns/unused".to_owned()),
+        ("CNI_IFNAME", "eth0".to_owned()),
+        ("CNI_PATH", bin_dir.display().to_string()),
+        (
+            "CNI_ARGS",
+            format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};IgnoreUnknown=1"),
+        ),
+    ];
+    let started = std::time::Instant::now();
+    let out = run_plugin_at(
+        &bin_dir.join("meshcap-cni"),
+        &env,
+        conf.to_string().as_bytes(),
+        0,
+    )
+    .expect("running the installed plugin");
+    (out, started.elapsed())
+}
+
 /// [`run_plugin_raw`] with the plugin at `plugin` (a copy the agent installed, say).
 ///
 /// # Errors

@@ -10,7 +10,7 @@ use std::{
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use meshcap_tests::{
@@ -18,7 +18,7 @@ use meshcap_tests::{
     agent::binaries,
     apiserver::{AGENT_POD, ApiServer, SYSTEM_NAMESPACE},
     fixtures::{plain_pod, sidecar_pod, write_manifest},
-    kubelet::{CniOutput, run_plugin_at},
+    kubelet::{CniOutput, installed_add},
     require_root, unique_name,
 };
 use serde_json::{Value, json};
@@ -104,26 +104,7 @@ impl Node {
 
     /// The installed plugin's ADD of `namespace/name`, and how long it took.
     fn add(&self, conf: &Value, namespace: &str, name: &str) -> (CniOutput, Duration) {
-        let env = [
-            ("CNI_COMMAND", "ADD".to_owned()),
-            ("CNI_CONTAINERID", unique_name("sandbox")),
-            ("CNI_NETNS", "/var/run/netns/unused".to_owned()),
-            ("CNI_IFNAME", "eth0".to_owned()),
-            ("CNI_PATH", self.bin_dir.display().to_string()),
-            (
-                "CNI_ARGS",
-                format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};IgnoreUnknown=1"),
-            ),
-        ];
-        let started = Instant::now();
-        let out = run_plugin_at(
-            &self.bin_dir.join("meshcap-cni"),
-            &env,
-            conf.to_string().as_bytes(),
-            0,
-        )
-        .expect("running the installed plugin");
-        (out, started.elapsed())
+        installed_add(&self.bin_dir, conf, namespace, name)
     }
 }
 
