@@ -102,6 +102,8 @@ const KNOWN_HELPERS: &[BpfHelper] = {
         H::BPF_FUNC_l3_csum_replace,
         H::BPF_FUNC_l4_csum_replace,
         H::BPF_FUNC_redirect,
+        H::BPF_FUNC_csum_diff,
+        H::BPF_FUNC_skb_change_tail,
         H::BPF_FUNC_tail_call,
         H::BPF_FUNC_sk_lookup_tcp,
         H::BPF_FUNC_sk_lookup_udp,

@@ -21,6 +21,7 @@ use std::{
 use anyhow::{Context as _, bail, ensure};
 
 pub mod scenario;
+pub mod wire;
 pub mod world;
 use serde::{Deserialize, Serialize};
 
@@ -739,6 +740,21 @@ pub fn dial_with(
     serde_json::from_str(line)
         .map(Some)
         .with_context(|| format!("dial printed {line:?}"))
+}
+
+/// Dials `target` from `at` expecting nothing to answer: how the client failed, as
+/// `std::io::ErrorKind` names it (`ConnectionRefused`: a reset or an ICMP error; `TimedOut`:
+/// the SYN went unanswered for `meshcap-dial`'s timeout).
+///
+/// # Errors
+/// When the client cannot run, or something answered.
+pub fn dial_failure(at: Placement<'_>, target: &str) -> anyhow::Result<String> {
+    let out = Proc::spawn(at, &bin::dial(), &[target])?.finish()?;
+    let line = out.trim();
+    let why = line
+        .strip_prefix("no-answer: ")
+        .with_context(|| format!("{target} answered: {line}"))?;
+    Ok(why.split(':').next().unwrap_or_default().to_owned())
 }
 
 /// Dials `target` (`tcp:ADDR:PORT`) from `at` with `meshcap-dial --after-close`: reads the

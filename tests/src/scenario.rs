@@ -20,7 +20,7 @@ use meshcap_agent::{
 };
 
 use crate::{
-    Report, TestCgroup, dial, unique_name,
+    Report, TestCgroup, dial, dial_failure, unique_name,
     world::{APP_UID, Node, PROXY, Pod},
 };
 
@@ -290,6 +290,12 @@ pub enum Expect {
     Server(&'static str),
     /// The app, which sees the dialling client's own address as peer (TPROXY).
     AppSeesClient,
+    /// Nothing: the client's `connect` is refused at once (a reset), as when `REDIRECT` finds
+    /// no listener on the proxy's port.
+    Refused,
+    /// Nothing: the SYN goes unanswered and the client times out, as when Istio's `TPROXY`
+    /// target finds no listener (it drops).
+    Unanswered,
 }
 
 /// One row of the table.
@@ -311,9 +317,11 @@ pub struct Case {
     pub bind: Option<&'static str>,
     /// What must answer.
     pub expect: Expect,
+    /// The stand-in proxy listens (otherwise only the app runs in the pod).
+    pub proxy: bool,
 }
 
-/// A row with defaults: REDIRECT, IPv4 only, TCP, no bind.
+/// A row with defaults: REDIRECT, IPv4 only, TCP, no bind, the proxy listening.
 #[must_use]
 pub const fn case(name: &'static str, from: Who, to: To, expect: Expect) -> Case {
     Case {
@@ -325,6 +333,7 @@ pub const fn case(name: &'static str, from: Who, to: To, expect: Expect) -> Case
         to,
         bind: None,
         expect,
+        proxy: true,
     }
 }
 
@@ -350,7 +359,11 @@ pub fn run_case(node: &mut Node, backend: &dyn Backend, c: &Case) -> anyhow::Res
     let mut policy = default_policy(c.name, pod.ips(c.ipv6));
     (c.policy)(&mut policy);
     let transparent = policy.mode == InterceptionMode::Tproxy;
-    pod.start_servers(node, policy.proxy_uid, transparent)?;
+    if c.proxy {
+        pod.start_servers(node, policy.proxy_uid, transparent)?;
+    } else {
+        pod.start_app(node)?;
+    }
     let pod_ref = PodRef {
         namespace: "default".into(),
         name: format!("case-{}", pod.index),
@@ -375,7 +388,20 @@ fn check(node: &Node, pod: &Pod, c: &Case) -> anyhow::Result<()> {
         },
         Who::Node => node.client(),
     };
-    let answer = dial(at, &format!("{}:{to}", c.proto), c.bind)?;
+    let target = format!("{}:{to}", c.proto);
+    let failure = match c.expect {
+        Expect::Refused => Some("ConnectionRefused"),
+        Expect::Unanswered => Some("TimedOut"),
+        _ => None,
+    };
+    if let Some(expected) = failure {
+        let failed = dial_failure(at, &target)?;
+        if failed != expected {
+            bail!("{:?} expected, the client failed with {failed}", c.expect);
+        }
+        return Ok(());
+    }
+    let answer = dial(at, &target, c.bind)?;
     let Some(report) = answer else {
         bail!("nothing answered {} {to}", c.proto);
     };
@@ -406,6 +432,7 @@ fn expect(c: &Case, to: SocketAddr, r: &Report, pod: &Pod) -> anyhow::Result<()>
         Expect::AppSeesClient => {
             r.server == "app" && r.peer.ip() == IpAddr::from(pod.peer_v4()) && r.local == to
         }
+        Expect::Refused | Expect::Unanswered => false,
     };
     if !ok {
         bail!("{:?} expected, got {r:?}", c.expect);

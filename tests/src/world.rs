@@ -272,6 +272,16 @@ impl Pod {
             ENVOY_OPTIONS,
         )
         .context("stand-in envoy")?;
+        self.servers.push(envoy);
+        self.start_app(node)
+    }
+
+    /// Starts the app alone (uid 1000) on 8080, 8081, 15008 and 15020: a pod whose proxy is
+    /// not listening (yet, or any more).
+    ///
+    /// # Errors
+    /// When it cannot start.
+    pub fn start_app(&mut self, node: &Node) -> anyhow::Result<()> {
         let app = start_server(
             self.at(node, APP_UID, APP_UID),
             "app",
@@ -284,7 +294,6 @@ impl Pod {
             ],
         )
         .context("app server")?;
-        self.servers.push(envoy);
         self.servers.push(app);
         Ok(())
     }

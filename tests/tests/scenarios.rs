@@ -460,6 +460,57 @@ fn table() -> Vec<Case> {
                 AppSeesClient,
             )
         },
+        // No proxy listening (Envoy not started yet, or gone): REDIRECT finds no listener and
+        // the kernel answers a reset, NAT-ed back from the address dialled; TPROXY finds none
+        // and drops (`xt_TPROXY.c`, `tproxy_tg4`). Never the app on the port dialled.
+        Case {
+            proxy: false,
+            ..case(
+                "no proxy listening: inbound is refused",
+                Node,
+                Own(8080),
+                Refused,
+            )
+        },
+        Case {
+            proxy: false,
+            ipv6: true,
+            ..case(
+                "no proxy listening: IPv6 inbound is refused",
+                Node,
+                OwnV6(8080),
+                Refused,
+            )
+        },
+        Case {
+            proxy: false,
+            policy: |p| p.reroute_virtual_interfaces = vec!["eth1".into()],
+            ..case(
+                "no proxy listening: inbound on a rerouted interface is refused",
+                Node,
+                OwnSide(8080),
+                Refused,
+            )
+        },
+        Case {
+            proxy: false,
+            ..case(
+                "no proxy listening: outbound is refused",
+                App,
+                Peer(80),
+                Refused,
+            )
+        },
+        Case {
+            proxy: false,
+            policy: |p| p.mode = InterceptionMode::Tproxy,
+            ..case(
+                "no proxy listening: TPROXY inbound goes unanswered",
+                Node,
+                Own(8080),
+                Unanswered,
+            )
+        },
     ]
 }
 

@@ -29,6 +29,7 @@ use meshcap_common::{
 
 use crate::{
     handoff::{forget, hand_off},
+    refuse::{Syn, refuses, reset},
     tables::{FLOWS, IFACES, Maps, pod},
 };
 
@@ -63,6 +64,8 @@ struct Packet {
     sport: u16,
     dport: u16,
     flags: u8,
+    /// Where the TCP header starts.
+    l4: usize,
 }
 
 #[inline(always)]
@@ -94,6 +97,7 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
         sport: u16::from_be(ctx.load::<u16>(l4).ok()?),
         dport: u16::from_be(ctx.load::<u16>(l4 + 2).ok()?),
         flags: ctx.load::<u8>(l4 + 13).ok()?,
+        l4,
     })
 }
 
@@ -288,9 +292,28 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
             });
             match assign(ctx, &p, port, handoff) {
                 Ok(()) => {}
-                // Fail closed: the proxy is not listening (yet); the client retries. Rare and
-                // worth knowing (a proxy down or not started): one record per dropped packet.
+                // Nothing listens on the proxy's port (a proxy down or not started): the SYN
+                // is refused where Istio's rules refuse it and dropped where they drop it
+                // (`crate::refuse`), never let through. Rare and worth knowing: one record per
+                // SYN.
                 Err(Refused::NoListener) => {
+                    let syn = Syn {
+                        src: p.src,
+                        dst: p.dst,
+                        l4: p.l4,
+                    };
+                    if p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+                        && refuses(&pod, iface)
+                        && let Some(action) = reset(ctx, &syn, ifindex)
+                    {
+                        aya_log_ebpf::info!(
+                            ctx,
+                            "inbound TCP to port {} refused: no proxy listener on port {}",
+                            p.dport,
+                            port
+                        );
+                        return Some(action);
+                    }
                     aya_log_ebpf::warn!(
                         ctx,
                         "inbound TCP to port {} dropped: no proxy listener on port {}",

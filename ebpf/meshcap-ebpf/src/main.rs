@@ -6,6 +6,7 @@
 //! - [`flows`]: `sockops` carries a redirected socket's original destination to a
 //!   netns-qualified 4-tuple, `cgroup/getsockopt` answers `SO_ORIGINAL_DST` from it;
 //! - [`ingress`]: the TC classifier on a pod's interfaces (inbound capture with `bpf_sk_assign`);
+//!   [`refuse`] answers a SYN no proxy listens for with the reset Istio's rules would give;
 //! - [`handoff`]: `sk_lookup` takes over the assignment where `bpf_sk_assign` refuses the
 //!   proxy's `SO_REUSEPORT` listeners (before Linux 6.5).
 #![no_std]
@@ -15,6 +16,7 @@ mod flows;
 mod handoff;
 mod ingress;
 mod outbound;
+mod refuse;
 mod tables;
 
 #[cfg(not(test))]

@@ -1,7 +1,8 @@
 //! The application side of end-to-end tests: `meshcap-dial tcp|udp|udpc:ADDR:PORT [--bind ADDR]`
 //! (`udpc`: connected UDP)
 //! connects (or sends one datagram), prints the one-line answer of whoever took it, or
-//! `no-answer: <why>` when nothing did. Exits 0 either way: what answered is the test's call.
+//! `no-answer: <kind>: <why>` when nothing did (`<kind>`: the failed call's
+//! `std::io::ErrorKind`, e.g. `ConnectionRefused` or `TimedOut`). Exits 0 either way: what answered is the test's call.
 //!
 //! `--mark N` sets `SO_MARK` on the socket (as ztunnel marks its own, 0x539).
 //! `--transparent` (IPv4) sets `IP_TRANSPARENT`, so that `--bind` may name an
@@ -82,9 +83,24 @@ fn main() -> anyhow::Result<()> {
     };
     match answer {
         Ok(line) => println!("{}", line.trim()),
-        Err(err) => println!("no-answer: {err:#}"),
+        Err(err) => println!("no-answer: {}: {err:#}", error_kind(&err)),
     }
     Ok(())
+}
+
+/// How the client failed, as `std::io::ErrorKind` names it (`ConnectionRefused`, `TimedOut`,
+/// ...), or `Other` when no system call failed.
+fn error_kind(err: &anyhow::Error) -> String {
+    err.chain()
+        .find_map(|e| {
+            e.downcast_ref::<std::io::Error>()
+                .map(std::io::Error::kind)
+                .or_else(|| {
+                    e.downcast_ref::<nix::errno::Errno>()
+                        .map(|errno| std::io::Error::from(*errno).kind())
+                })
+        })
+        .map_or_else(|| "Other".to_owned(), |kind| format!("{kind:?}"))
 }
 
 /// The server's answer with what the app's own socket reports added: `app_local`
