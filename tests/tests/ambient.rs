@@ -23,7 +23,7 @@ use meshcap_tests::{
     APP_UID, Netns, PROXY_UID, Placement, Proc, Report,
     agent::{Agent, Backend},
     apiserver::{AGENT_ACCOUNT, ApiServer},
-    bin, dial, dial_with,
+    bin, dial, dial_failure, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, start_server, unique_name,
@@ -336,6 +336,64 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
     );
 }
 
+/// No ztunnel: nothing listens on its ports in the pod. Istio's in-pod rules `REDIRECT` the
+/// app's outbound to 15001 and another pod's inbound to 15006, and leave HBONE's 15008 as it
+/// is: the kernel refuses each at once (a reset, `ECONNREFUSED`), and nothing reaches the peer
+/// or the app uncaptured. The kernel programs must answer the same (`ebpf/meshcap-ebpf/src/
+/// refuse.rs` for inbound).
+fn refused_while_ztunnel_is_away(node: &Node, pod: &Pod, other: &Pod) {
+    let me = pod.v4();
+    // The stand-in's listeners run in a child it takes down with it (`PR_SET_PDEATHSIG`): gone
+    // a moment after the stand-in itself.
+    eventually("ztunnel's listeners in the pod gone with it", || {
+        !ztunnel_listening(pod)
+    })
+    .expect("listeners");
+    let other = Placement {
+        netns: &other.netns,
+        cgroup: None,
+        uid: 0,
+        gid: 0,
+    };
+    let refusals = [
+        (
+            "outbound",
+            app(node, pod),
+            format!("tcp:{}:80", pod.peer_v4()),
+        ),
+        ("inbound", other, format!("tcp:{me}:8080")),
+        ("HBONE", other, format!("tcp:{me}:15008")),
+    ]
+    .map(|(what, at, to)| (what, dial_failure(at, &to).expect("dial")));
+    assert_eq!(
+        refusals,
+        ["outbound", "inbound", "HBONE"].map(|what| (what, "ConnectionRefused".to_owned())),
+        "with no ztunnel, the pod's connections are refused"
+    );
+}
+
+/// Whether anything in `pod` listens on ztunnel's TCP ports (15001, 15006, 15008).
+fn ztunnel_listening(pod: &Pod) -> bool {
+    const PORTS: [&str; 3] = ["3A99", "3A9E", "3AA0"];
+    const LISTEN: &str = "0A";
+    pod.netns
+        .run_in(|| {
+            let mut tables = String::new();
+            for file in ["tcp", "tcp6"] {
+                tables += &std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
+            }
+            Ok(tables.lines().any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                fields.get(3) == Some(&LISTEN)
+                    && fields
+                        .get(1)
+                        .and_then(|local| local.rsplit(':').next())
+                        .is_some_and(|port| PORTS.contains(&port))
+            }))
+        })
+        .expect("the pod's sockets")
+}
+
 /// The node's probe set: (address, comment) of every entry, IPv4 then IPv6.
 fn probe_set(node: &Node) -> Vec<(String, String)> {
     node.netns
@@ -589,21 +647,12 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
         agent.log()
     );
     agent.set_env("MESHCAP_AMBIENT_IPV6", None);
-    eprintln!(
-        "DEBUG rules6: {}",
-        pod.netns.ip(&["-6", "rule", "show"]).unwrap()
-    );
-    eprintln!(
-        "DEBUG t100: {}",
-        pod.netns.ip(&["route", "show", "table", "100"]).unwrap()
-    );
-    eprintln!(
-        "DEBUG addr: {}",
-        pod.netns.ip(&["addr", "show", "dev", "lo"]).unwrap()
-    );
     captured_as_istio_does(&node, &pod, &other);
-    // ztunnel restarts: the new one is sent the pod.
+    // ztunnel restarts: the new one is sent the pod. While none runs the pod stays captured,
+    // and its connections are refused as under Istio's in-pod rules.
+    assert!(ztunnel_listening(&pod), "ztunnel listens in the pod");
     drop(zt);
+    refused_while_ztunnel_is_away(&node, &pod, &other);
     let mut zt = ztunnel(&node, &sockets.socket(), &[added]);
     captured_as_istio_does(&node, &pod, &other);
 
