@@ -1,7 +1,9 @@
 //! Named points in the agent's state changes where a test can have it die, as a SIGKILL or an
-//! OOM kill would stop it: between two steps of an ADD, a DEL or an update. Compiled only with
-//! the `crash-points` feature, which the end-to-end tests enable (the test build's agent
-//! binary has it, inert unless `MESHCAP_CRASH_AT` names a point); a release build never has it.
+//! OOM kill would stop it: between two steps of an ADD, a DEL or an update; or pause there, to
+//! make something else happen in between (a ztunnel connecting while a pod leaves). Compiled
+//! only with the `crash-points` feature, which the end-to-end tests enable (the test build's
+//! agent binary has it, inert unless `MESHCAP_CRASH_AT` or `MESHCAP_PAUSE_AT` names a point); a
+//! release build never has it.
 //!
 //! The tests kill the agent at each point and check that its next start reaches a state in
 //! which the pod is either fully captured as its policy says or fully released, with nothing
@@ -9,6 +11,10 @@
 
 /// The environment variable naming the point to die at.
 pub const ENV: &str = "MESHCAP_CRASH_AT";
+
+/// The environment variable naming a point to pause at and a file, `POINT=PATH`: the agent
+/// creates the file there and goes on when the test removes it (or after a minute).
+pub const PAUSE_ENV: &str = "MESHCAP_PAUSE_AT";
 
 /// Every point, for the tests to iterate over.
 pub const POINTS: [&str; 16] = [
@@ -71,12 +77,27 @@ pub const AMBIENT_REMOVE_PROBES: &str = "ambient-remove-probes";
 pub const AMBIENT_REMOVE_TOLD: &str = "ambient-remove-told";
 
 /// Dies here (SIGKILL to itself: nothing runs on the way out) when `MESHCAP_CRASH_AT` names
-/// `point`.
+/// `point`; pauses here when `MESHCAP_PAUSE_AT` does ([`PAUSE_ENV`]).
 #[cfg(feature = "crash-points")]
 pub fn here(point: &str) {
     if std::env::var(ENV).is_ok_and(|wanted| wanted == point) {
         tracing::warn!(point, "crash point reached: killing myself");
         let _ = nix::sys::signal::kill(nix::unistd::getpid(), nix::sys::signal::Signal::SIGKILL);
+    }
+    if let Ok(pause) = std::env::var(PAUSE_ENV)
+        && let Some((wanted, file)) = pause.split_once('=')
+        && wanted == point
+    {
+        let file = std::path::Path::new(file);
+        tracing::warn!(point, file = %file.display(), "pause point reached: waiting for the file to go");
+        if std::fs::write(file, b"").is_ok() {
+            for _ in 0..6_000 {
+                if !file.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
     }
 }
 

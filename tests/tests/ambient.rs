@@ -1303,6 +1303,47 @@ fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
     }
 }
 
+/// A ztunnel that connects while a pod leaves, after the connected ones were told it is gone
+/// and before its record goes, is not handed the pod in its snapshot: nothing would ever tell
+/// it the pod is gone, and it would keep the pod's network namespace and listeners. The agent
+/// is paused there (`crashpoint::PAUSE_ENV`) while the second ztunnel connects.
+#[test]
+fn a_ztunnel_connecting_while_a_pod_leaves_is_not_handed_it() {
+    require_root();
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::new(Backend::Iptables);
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    let paused = sockets.0.join("paused");
+    let pause = format!("{}={}", crashpoint::AMBIENT_REMOVE_TOLD, paused.display());
+    agent.set_env(crashpoint::PAUSE_ENV, Some(&pause));
+    agent.restart().expect("restart");
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+
+    let del = std::thread::spawn(move || cni("DEL", &sandbox, &conf));
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    eventually("the DEL pauses after telling ztunnel", || paused.exists())
+        .unwrap_or_else(|err| panic!("{err:#}\n{}", agent.log()));
+    // Sent its snapshot: nothing in it (`ztunnel` checks that the next line is the end).
+    let late = ztunnel(&node, &sockets.socket(), &[]);
+    std::fs::remove_file(&paused).expect("resuming the DEL");
+    let del = del.join().expect("the DEL's thread").expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}\n{}", agent.log());
+    drop(late);
+    agent.set_env(crashpoint::PAUSE_ENV, None);
+}
+
 /// Crash consistency, as tests/tests/crash.rs checks it for sidecar pods: the agent killed
 /// between two steps of an enrollment (its own points, and its in-pod rules' iptables ones)
 /// or of a removal. The ADD fails as a transient failure (kubelet retries); after a restart the

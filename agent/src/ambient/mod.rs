@@ -242,12 +242,14 @@ impl Ambient {
             ips: workload.ips.clone(),
             ..capture.clone()
         }));
+        let mut acked = false;
         let handed = self
             .backend
             .add(pod, &captured)
             .map_err(AmbientError::from)
             .and_then(|()| {
-                let netns = fs::File::open(&pod.netns).map_err(|e| records::state(&pod.netns, &e))?;
+                let netns =
+                    fs::File::open(&pod.netns).map_err(|e| records::state(&pod.netns, &e))?;
                 self.ztunnel
                     .add(uid, workload.info(), std::os::fd::AsFd::as_fd(&netns))
                     .map_err(|source| AmbientError::Ztunnel {
@@ -256,14 +258,16 @@ impl Ambient {
                     })
             })
             .and_then(|()| {
+                acked = true;
                 crashpoint::here(crashpoint::AMBIENT_ADD_HANDED);
-                self.probes.add(uid, &workload.ips).inspect_err(|_| {
-                    if let Err(err) = self.ztunnel.delete(uid) {
-                        warn!(pod = %pod, error = %err, "telling ztunnel a pod whose enrollment failed is gone");
-                    }
-                })
+                self.probes.add(uid, &workload.ips)
             });
         if let Err(err) = handed {
+            // No snapshot names the pod from here (its record goes last).
+            let _leaving = self.records.leaving(uid);
+            if acked && let Err(err) = self.ztunnel.delete(uid) {
+                warn!(pod = %pod, error = %err, "telling ztunnel a pod whose enrollment failed is gone");
+            }
             if let Err(undo) = self.probes.remove(uid) {
                 warn!(pod = %pod, error = %undo, "removing the probe addresses of a pod whose enrollment failed");
             }
@@ -288,6 +292,7 @@ impl Ambient {
         let Some((path, workload)) = self.records.of(pod) else {
             return Ok(self.backend.remove(pod)?);
         };
+        let _leaving = self.records.leaving(&workload.uid);
         self.forget_probes(pod, &workload);
         crashpoint::here(crashpoint::AMBIENT_REMOVE_PROBES);
         if let Err(err) = self.ztunnel.delete(&workload.uid) {
@@ -350,8 +355,10 @@ impl Ambient {
     /// Forgets a pod whose capture went with its netns: its addresses, ztunnel's workload and
     /// its record.
     fn forget(&self, pod: &PodRef) {
-        if let Some(workload) = self.records.get(&pod.container_id) {
-            self.forget_probes(pod, &workload);
+        let workload = self.records.get(&pod.container_id);
+        let _leaving = workload.as_ref().map(|w| self.records.leaving(&w.uid));
+        if let Some(workload) = &workload {
+            self.forget_probes(pod, workload);
             if let Err(err) = self.ztunnel.delete(&workload.uid) {
                 warn!(pod = %pod, error = %err, "telling ztunnel a gone pod is gone");
             }

@@ -2,11 +2,14 @@
 //! namespace and service account), with the policy it was enrolled with and its addresses, one
 //! file per container under `<state dir>/ambient/workloads/`. Written before the pod's capture
 //! and removed after it, so that a ztunnel that connects later, or to a restarted agent, is
-//! sent every enrolled pod in the snapshot.
+//! sent every enrolled pod in the snapshot; a pod on its way out (ztunnel being told it is gone,
+//! its record not removed yet) is left out of it.
 use std::{
+    collections::HashSet,
     fs,
     net::IpAddr,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
 };
 
 use serde::{Deserialize, Serialize};
@@ -60,17 +63,49 @@ impl Workload {
     }
 }
 
-/// The records' directory.
+/// The records' directory, and the pods leaving (shared by every clone: the snapshot's too).
 #[derive(Clone)]
 pub(super) struct Records {
     dir: PathBuf,
+    leaving: Arc<Mutex<HashSet<String>>>,
+}
+
+/// A pod leaving, by uid, until dropped: no snapshot names it ([`Records::leaving`]).
+pub(super) struct Leaving<'a> {
+    records: &'a Records,
+    uid: String,
+}
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        lock(&self.records.leaving).remove(&self.uid);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Records {
     /// The records under `dir`, created when missing.
     pub(super) fn open(dir: PathBuf) -> Result<Self, AmbientError> {
         fs::create_dir_all(&dir).map_err(|e| state(&dir, &e))?;
-        Ok(Self { dir })
+        Ok(Self {
+            dir,
+            leaving: Arc::default(),
+        })
+    }
+
+    /// Marks the pod whose uid is `uid` as leaving until the guard drops: from here no snapshot
+    /// names it, though its record stays until its capture is gone. Taken before the connected
+    /// ztunnels are told it is gone, so a ztunnel connecting meanwhile is either told too (it
+    /// was listed before the telling) or never handed it (its snapshot comes after this).
+    pub(super) fn leaving(&self, uid: &str) -> Leaving<'_> {
+        lock(&self.leaving).insert(uid.to_owned());
+        Leaving {
+            records: self,
+            uid: uid.to_owned(),
+        }
     }
 
     /// The record of one container's pod.
@@ -113,9 +148,12 @@ impl Records {
             })
     }
 
-    /// Every enrolled pod, for a connecting ztunnel: with its netns when it is still there.
+    /// Every enrolled pod not leaving, for a connecting ztunnel: with its netns when it is still
+    /// there.
     pub(super) fn snapshot(&self) -> Vec<Enrolled> {
+        let leaving = lock(&self.leaving).clone();
         self.all()
+            .filter(|(_, workload)| !leaving.contains(&workload.uid))
             .map(|(_, workload)| Enrolled {
                 uid: workload.uid.clone(),
                 workload: workload.info(),

@@ -141,7 +141,9 @@ pub(crate) fn reset(ctx: &TcContext, syn: &Syn, ifindex: u32) -> Option<i32> {
 #[inline(always)]
 fn options_sum(ctx: &TcContext, l4: usize, len: usize) -> Option<u32> {
     let mut words = [0u32; MAX_OPTIONS / 4];
-    if len > 0 {
+    // Options come in 32-bit words. `>= 4`, not `> 0`: older verifiers (Linux 6.1's) learn no
+    // lower bound from `!= 0`, and refuse a length that may be zero ("invalid zero-sized read").
+    if len >= 4 {
         let len = u32::try_from(len.min(MAX_OPTIONS)).ok()?;
         // SAFETY: `words` holds MAX_OPTIONS bytes and `len` is at most that.
         let loaded = unsafe {
