@@ -22,7 +22,7 @@
 //! keep the drop on their captured ports ([`refuses`]).
 use aya_ebpf::{
     bindings::{BPF_F_PSEUDO_HDR, TC_ACT_REDIRECT},
-    helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes},
+    helpers::{bpf_csum_diff, bpf_redirect, bpf_skb_change_tail},
     programs::TcContext,
 };
 use meshcap_common::{Addr, PodConfig, flags, iface_flags};
@@ -140,22 +140,12 @@ pub(crate) fn reset(ctx: &TcContext, syn: &Syn, ifindex: u32) -> Option<i32> {
 /// The sum to add to a checksum for the `len` bytes of options after the TCP header to leave it.
 #[inline(always)]
 fn options_sum(ctx: &TcContext, l4: usize, len: usize) -> Option<u32> {
+    // Word by word, at a constant size: a load of a variable length must be proven non-zero,
+    // and older verifiers (Linux 6.1's) learn no lower bound from the test LLVM emits for it.
     let mut words = [0u32; MAX_OPTIONS / 4];
-    // Options come in 32-bit words. `>= 4`, not `> 0`: older verifiers (Linux 6.1's) learn no
-    // lower bound from `!= 0`, and refuse a length that may be zero ("invalid zero-sized read").
-    if len >= 4 {
-        let len = u32::try_from(len.min(MAX_OPTIONS)).ok()?;
-        // SAFETY: `words` holds MAX_OPTIONS bytes and `len` is at most that.
-        let loaded = unsafe {
-            bpf_skb_load_bytes(
-                ctx.skb.skb.cast(),
-                u32::try_from(l4 + TCP_HLEN).ok()?,
-                words.as_mut_ptr().cast(),
-                len,
-            )
-        };
-        if loaded != 0 {
-            return None;
+    for (i, word) in words.iter_mut().enumerate() {
+        if i * 4 < len {
+            *word = ctx.load::<u32>(l4 + TCP_HLEN + i * 4).ok()?;
         }
     }
     // SAFETY: `words` is MAX_OPTIONS readable bytes (the unused ones zero, which add nothing);
