@@ -568,9 +568,38 @@ fn closed_captured_connections_leave_no_entries_behind() {
     backend.get().remove(&pod_ref(&pod)).expect("remove");
 }
 
+/// Whether a connection accepted on the proxy's outbound port 15001 in `pod` still has a full
+/// socket: the listener aside, a row of `/proc/net/tcp` without the time-wait timer (`03`,
+/// which a full socket's close turns into a time-wait one, in `FIN_WAIT2` or `TIME_WAIT`).
+fn proxy_end_open(pod: &Pod) -> bool {
+    const PORT: &str = "3A99";
+    const TIME_WAIT_TIMER: &str = "03";
+    const LISTEN: &str = "0A";
+    pod.netns
+        .run_in(|| {
+            let mut tables = String::new();
+            for file in ["tcp", "tcp6"] {
+                tables += &std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
+            }
+            Ok(tables.lines().any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                fields
+                    .get(1)
+                    .and_then(|local| local.rsplit(':').next())
+                    .is_some_and(|port| port == PORT)
+                    && fields.get(3).is_some_and(|state| *state != LISTEN)
+                    && fields
+                        .get(5)
+                        .and_then(|timer| timer.split(':').next())
+                        .is_some_and(|timer| timer != TIME_WAIT_TIMER)
+            }))
+        })
+        .expect("the pod's sockets")
+}
+
 /// The app's socket reports the address it dialled for as long as it lives, as under Istio's
-/// NAT: also after the proxy closed its end and the connection's flow went (a short
-/// connection whose app asks late). IPv4 and IPv6.
+/// NAT: also after the proxy closed its end for good (a short connection whose app asks late).
+/// IPv4 and IPv6.
 #[test]
 fn the_app_sees_its_dialled_peer_after_the_proxy_closed() {
     require_root();
@@ -597,10 +626,11 @@ fn the_app_sees_its_dialled_peer_after_the_proxy_closed() {
             pod.at(&node, APP_UID, APP_UID),
             &format!("tcp:{target}"),
             || {
-                // The stand-in closed its end first; the flow goes when that end is closed
-                // for good: wait for it, boundedly.
+                // The stand-in closed its end first: wait, boundedly, until it is closed for
+                // good (no full socket left: a time-wait one at most), where an entry kept for
+                // the proxy's end would be gone.
                 for _ in 0..1000 {
-                    if entries::<FlowKey>(&dir, maps::FLOWS) == 0 {
+                    if !proxy_end_open(&pod) {
                         return;
                     }
                     thread::sleep(Duration::from_millis(10));

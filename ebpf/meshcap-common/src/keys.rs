@@ -249,7 +249,7 @@ pub struct Dialing {
 /// cookie).
 pub const DIALING_SLOTS: u32 = 1 << 16;
 
-/// Values of [`OrigDst::state`] in [`crate::maps::FLOWS`] (elsewhere always [`PENDING`]).
+/// Bits of [`OrigDst::state`] in [`crate::maps::FLOWS`] (elsewhere always [`PENDING`]).
 ///
 /// [`PENDING`]: flow_state::PENDING
 pub mod flow_state {
@@ -260,6 +260,10 @@ pub mod flow_state {
     /// it answers from the entry. Another accepting end established under the same key means
     /// the entry is stale (its connection is gone), and it is removed.
     pub const ACCEPTED: u8 = 1;
+    /// The connecting end is a socket in the pod (an app's redirected connection, not an
+    /// inbound one TC handed over): the entry lives until that socket closes, and answers its
+    /// `getpeername(2)` meanwhile, also after the proxy's end went.
+    pub const CLIENT_HERE: u8 = 1 << 1;
 }
 
 /// Key of [`crate::maps::FLOWS`]: one TCP connection inside one network namespace, named by its

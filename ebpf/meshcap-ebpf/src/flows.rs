@@ -2,12 +2,16 @@
 //!
 //! connect (or the TC program, inbound) knows what was dialled; the proxy asks on another
 //! socket. connect keeps it in the slot of the client socket's cookie in `MESHCAP_DIALING`
-//! ([`crate::tables::dial`]); when the client end is established, `sockops` moves it under the connection's netns-qualified 4-tuple in
-//! [`FLOWS`] ([`flow_state::PENDING`]); when the accepted end is established (right after, on
-//! loopback), `sockops` marks it [`flow_state::ACCEPTED`]; `cgroup/getsockopt` on the accepted
-//! socket looks it up by that socket's own netns and 4-tuple and answers `SO_ORIGINAL_DST`
-//! from an accepted entry, as often as asked; the entry goes when the accepted socket closes
-//! (sockops asks for state callbacks on that socket only). Nothing is allocated per connection.
+//! ([`crate::tables::dial`]); when the client end is established, `sockops` moves it under the
+//! connection's netns-qualified 4-tuple in [`FLOWS`] ([`flow_state::CLIENT_HERE`]); when the
+//! accepted end is established (right after, on loopback), `sockops` marks it
+//! [`flow_state::ACCEPTED`]; `cgroup/getsockopt` on the accepted socket looks it up by that
+//! socket's own netns and 4-tuple and answers `SO_ORIGINAL_DST` from an accepted entry, as
+//! often as asked. The entry goes when the socket whose close ends its use closes (sockops
+//! asks for state callbacks on that socket only): the app's, for a connection it dialled (its
+//! `getpeername(2)` answers from the entry as long as it is open, also after the proxy closed
+//! its end); the proxy's, for an inbound connection TC handed over. Nothing is allocated per
+//! connection.
 //! A stale entry (one the LRU kept after a close the program missed) never answers for another
 //! connection: a new captured connection overwrites it; an accepted end established on an
 //! already accepted entry removes it; an uncaptured connection to one of the proxy's ports
@@ -210,13 +214,20 @@ fn client_established(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
         let _ = FLOWS.remove(key);
         return;
     };
-    if FLOWS.insert(key, orig, 0).is_err() {
+    let entry = OrigDst {
+        state: flow_state::CLIENT_HERE,
+        ..orig
+    };
+    if FLOWS.insert(key, entry, 0).is_err() {
         // Not expected (LRU): the proxy will not learn this connection's original destination.
         aya_log_ebpf::warn!(
             ctx,
             "captured connection not recorded (flow map): SO_ORIGINAL_DST will fail"
         );
+        return;
     }
+    // The entry goes when this socket closes (`closed`).
+    let _ = ctx.set_cb_flags(STATE_CB_FLAG);
 }
 
 /// The original destination an earlier build's connect kept under socket `cookie` (before
@@ -244,20 +255,27 @@ fn accepted(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     };
     // SAFETY: `entry` points to the map's value; only this connection's handshake writes it.
     unsafe {
-        if (*entry).state == flow_state::PENDING {
-            (*entry).state = flow_state::ACCEPTED;
-            // The entry goes when this socket closes (`closed`): state callbacks for this
-            // socket only. Without them it stays until reused or evicted.
-            let _ = ctx.set_cb_flags(STATE_CB_FLAG);
+        let state = (*entry).state;
+        if state & flow_state::ACCEPTED == 0 {
+            (*entry).state = state | flow_state::ACCEPTED;
+            if state & flow_state::CLIENT_HERE == 0 {
+                // Inbound: the entry goes when this socket closes (`closed`). Without state
+                // callbacks it stays until reused or evicted.
+                let _ = ctx.set_cb_flags(STATE_CB_FLAG);
+            }
             return;
         }
     }
     let _ = FLOWS.remove(key);
 }
 
-/// A captured connection's accepted end is closed: its entry goes, so that the table holds
-/// only open connections and the LRU never has to evict (eviction frees in batches, a
-/// latency spike for the connect that triggers it).
+/// The socket whose close ends a captured connection's entry is closed: the app's connecting
+/// end, or the proxy's accepted end of an inbound connection (and, during an upgrade, the
+/// proxy's end of any connection an earlier build saw accepted). The entry goes, so that the
+/// table holds only open connections and the LRU never has to evict (eviction frees in
+/// batches, a latency spike for the connect that triggers it). Which end this is is not
+/// known here (an accepted inbound socket's local port is the one dialled, its peer's any),
+/// so both keys go; the one that is not this connection's names none.
 #[inline(always)]
 fn closed(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     let Some((family, local, remote)) = ends(ops, ctx.family()) else {
@@ -265,6 +283,7 @@ fn closed(ctx: &SockOpsContext, ops: *mut bpf_sock_ops) {
     };
     // SAFETY: the helper takes the program's own context.
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let _ = FLOWS.remove(flow(netns, family, local, remote));
     let _ = FLOWS.remove(flow(netns, family, remote, local));
 }
 
@@ -293,7 +312,7 @@ pub fn meshcap_getsockopt(ctx: SockoptContext) -> i32 {
     let Some(entry) = (unsafe { FLOWS.get(flow(netns, family, remote, local)) }) else {
         return 1;
     };
-    if entry.state != flow_state::ACCEPTED {
+    if entry.state & flow_state::ACCEPTED == 0 {
         return 1;
     }
     let orig = *entry;

@@ -1,14 +1,15 @@
 //! Outbound capture at the socket layer: the destination is rewritten before any packet
-//! exists (no NAT, no conntrack), and the original is remembered in the socket's storage
-//! (`MESHCAP_DIALED`, for as long as the socket lives) and, a TCP socket's, in the slot of its
-//! cookie in `MESHCAP_DIALING` too (sockops carries it on to the proxy's end).
+//! exists (no NAT, no conntrack), and the original is remembered: a TCP socket's in the slot
+//! of its cookie in `MESHCAP_DIALING` (sockops carries it on to the connection's flow, which
+//! lives as long as the socket: [`crate::flows`]), a UDP socket's in its storage
+//! (`MESHCAP_DIALED`, for as long as the socket lives).
 //!
 //! What the socket reports stays what Istio's NAT shows: a redirected socket that the app did
 //! not bind is bound to the pod's own address (`MESHCAP_POD_ADDRS`; `bpf_bind` with port 0
 //! allocates no port, connect does), so `getsockname(2)` is the pod's address and the proxy
 //! sees the pod's address as its peer; `getpeername(2)` answers the dialled address
-//! (`cgroup/getpeername4|6`, from the socket's storage; for a TCP socket an earlier build
-//! redirected, from its connection's `MESHCAP_FLOWS` entry); a DNS reply's source is the
+//! (`cgroup/getpeername4|6`, from the connection's `MESHCAP_FLOWS` entry or the socket's
+//! storage); a DNS reply's source is the
 //! server the app asked (`recvmsg`). Destinations on loopback keep the loopback source, as
 //! routing gives it under NAT.
 use core::ptr::{read_volatile, write_volatile};
@@ -234,11 +235,12 @@ fn capture(ctx: &SockAddrContext, family: Family, only: Option<Proto>) {
     if proto == Proto::Tcp {
         // SAFETY: the helper takes the program's own context.
         dial(unsafe { bpf_get_socket_cookie(sa.cast()) }, orig);
+    } else {
+        // A UDP socket's own copy: what getpeername and recvmsg answer, for as long as it
+        // lives (a TCP socket's connection keeps its flow that long: `crate::flows`).
+        // SAFETY: context read, then the context's socket.
+        unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) };
     }
-    // The socket's own copy: getpeername's answer (recvmsg's too, for UDP) for as long as the
-    // socket lives, also after the proxy closed its end and its flow went.
-    // SAFETY: context read, then the context's socket.
-    unsafe { sk_put(&DIALED, (*sa).__bindgen_anon_1.sk, orig) };
     set_user_addr(sa, family, matches!(dst, Addr::V4(_)), port);
 }
 
@@ -378,11 +380,10 @@ fn source_from_pod(
 }
 
 /// getpeername on a socket meshcap redirected to one of the proxy's loopback ports: the
-/// address the app dialled, from its storage, which lives as long as the socket (the
-/// connection's flow goes when the proxy's end closes, often before the app asks); a TCP
-/// socket without one (redirected by an earlier build, during an upgrade) from its
-/// connection's flow. Only such a socket has either (the flow is keyed by the netns), so no
-/// pod is looked up. The peer is looked at first: every `accept(2)` that asks for the peer's
+/// address the app dialled, for a TCP socket from its connection's flow, which lives as long
+/// as the socket (`crate::flows`), or from the socket's storage (a UDP socket's; a TCP
+/// socket's that an earlier build redirected, during an upgrade). Only such a socket has
+/// either (the flow is keyed by the netns), so no pod is looked up. The peer is looked at first: every `accept(2)` that asks for the peer's
 /// address runs this program too (the proxy's, whose peer is the app), and only a socket
 /// connected to the proxy's loopback ports goes on to a map.
 #[inline(always)]
@@ -409,7 +410,7 @@ fn show_dialled(ctx: &SockAddrContext, family: Family) {
     };
     let orig = match protocol {
         // SAFETY: the context's socket.
-        IPPROTO_TCP => unsafe { sk_get(&DIALED, sk) }.or_else(|| flow(sa, sk)),
+        IPPROTO_TCP => flow(sa, sk).or_else(|| unsafe { sk_get(&DIALED, sk) }),
         // SAFETY: the context's socket.
         IPPROTO_UDP => unsafe { sk_get(&DIALED, sk) },
         _ => None,

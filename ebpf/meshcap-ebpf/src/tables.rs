@@ -47,10 +47,11 @@ pub static IFACES: HashMap<IfaceKey, u32> = HashMap::with_max_entries(MAX_PODS *
 #[map(name = "MESHCAP_POD_ADDRS")]
 pub static POD_ADDRS: HashMap<u64, PodAddrs> = HashMap::with_max_entries(MAX_PODS, 0);
 
-/// The original destination of a socket meshcap redirected, on that socket: written at
-/// connect (TCP, UDP) or sendmsg (UDP), read by getpeername and recvmsg (DNS replies) for as
-/// long as the socket lives, whenever the proxy closes its end. Socket storage: freed with
-/// the socket.
+/// The original destination of a UDP socket meshcap redirected, on that socket: written at
+/// connect or sendmsg, read by getpeername and recvmsg (DNS replies) for as long as the socket
+/// lives. Socket storage: freed with the socket. (TCP sockets an earlier build redirected have
+/// it too; this build keeps a TCP socket's in its connection's flow, at a fraction of the cost
+/// of creating the storage on every connect.)
 #[btf_map(name = "MESHCAP_DIALED")]
 pub static DIALED: SkStorage<OrigDst> = SkStorage::new();
 
