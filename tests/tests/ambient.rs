@@ -73,8 +73,15 @@ fn ambient_agent(backend: Backend, node: &Node, pods: &ManifestDir, socket: &Pat
     ambient_agent_capturing(backend, node, pods, socket, false)
 }
 
-/// [`ambient_agent`]; `in_kernel`: with `ambient.inKernel` (an eBPF `backend` then captures
-/// the pods for ztunnel).
+/// `ambient.inKernel` as a test asks for it: left to its default (`auto`: an eBPF `backend`
+/// then captures the pods for ztunnel in the kernel, an iptables one with Istio's in-pod rules)
+/// when `in_kernel`, else `false`.
+fn in_kernel_setting(in_kernel: bool) -> Option<(&'static str, &'static str)> {
+    (!in_kernel).then_some(("MESHCAP_AMBIENT_IN_KERNEL", "false"))
+}
+
+/// [`ambient_agent`]; `in_kernel`: with `ambient.inKernel` at its default
+/// ([`in_kernel_setting`]).
 fn ambient_agent_capturing(
     backend: Backend,
     node: &Node,
@@ -103,21 +110,13 @@ fn ambient_agent_with(
         pods.0.to_str().expect("utf-8"),
     ];
     args.extend_from_slice(more);
-    Agent::start_in(
-        backend,
-        &args,
-        &[
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            (
-                "MESHCAP_AMBIENT_IN_KERNEL",
-                if in_kernel { "true" } else { "false" },
-            ),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket),
-            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
-        ],
-        Some(node.cgroup.path()),
-    )
-    .expect("agent")
+    let mut env = vec![
+        ("MESHCAP_AMBIENT_ENABLED", "true"),
+        ("MESHCAP_ZTUNNEL_SOCKET", socket),
+        ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
+    ];
+    env.extend(in_kernel_setting(in_kernel));
+    Agent::start_in(backend, &args, &env, Some(node.cgroup.path())).expect("agent")
 }
 
 /// An agent with ambient mode on, its pods from `api` (as node `node-1`), ztunnel's socket in
@@ -131,7 +130,7 @@ fn kube_ambient_agent(
     kube_ambient_agent_capturing(backend, node, api, sockets, false)
 }
 
-/// [`kube_ambient_agent`]; `in_kernel`: with `ambient.inKernel`.
+/// [`kube_ambient_agent`]; `in_kernel`: as [`in_kernel_setting`] says.
 fn kube_ambient_agent_capturing(
     backend: Backend,
     node: &Node,
@@ -142,20 +141,18 @@ fn kube_ambient_agent_capturing(
     let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
     let node_netns = node.netns.path();
+    let mut env = vec![
+        ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+        ("MESHCAP_AMBIENT_ENABLED", "true"),
+        ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+        ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
+        ("MESHCAP_STARTUP_TAINT", ""),
+    ];
+    env.extend(in_kernel_setting(in_kernel));
     Agent::start_in(
         backend,
         &["--pods", "kube", "--node-name", "node-1"],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            (
-                "MESHCAP_AMBIENT_IN_KERNEL",
-                if in_kernel { "true" } else { "false" },
-            ),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
-            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
-            ("MESHCAP_STARTUP_TAINT", ""),
-        ],
+        &env,
         Some(node.cgroup.path()),
     )
     .expect("agent")
@@ -179,7 +176,7 @@ impl Scene {
         Self::capturing(backend, false)
     }
 
-    /// The scene with `ambient.inKernel` on the eBPF backend.
+    /// The scene with `ambient.inKernel` at its default on the eBPF backend.
     fn in_kernel() -> Self {
         Self::capturing(Backend::Ebpf, true)
     }
@@ -484,8 +481,8 @@ fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
 
 /// The backend a test of `ambient.inKernel` runs on, and whether the pods are then captured in
 /// the kernel: the eBPF backend where it runs (before Linux 6.5 ztunnel's `SO_REUSEPORT`
-/// listeners are reached through the pod's socket lookup program); elsewhere the setting gives
-/// way to Istio's rules, and that is what the test checks.
+/// listeners are reached through the pod's socket lookup program); elsewhere the setting's
+/// default (`auto`) gives way to Istio's rules, and that is what the test checks.
 fn in_kernel_here() -> (Backend, bool) {
     if meshcap_tests::ebpf_runs_here() {
         (Backend::Ebpf, true)
@@ -991,7 +988,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
 
 /// `ambient.reconcileIptablesOnStartup` with `ambient.inKernel`: a starting agent gives an
 /// enrolled pod its capture again where it was changed behind its back (here the reply route
-/// and the classifier on `lo`), and leaves it as it is with the setting off. (Where the setting
+/// and the classifier on `lo`), and leaves it as it is with the setting off. (Where `auto`
 /// gives way ([`in_kernel_here`]), the rules are reconciled.)
 #[test]
 fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
@@ -1065,11 +1062,12 @@ fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
-/// `ambient.inKernel` switched off, then on again, across restarts with a pod enrolled: each
-/// starting agent moves the pod's capture to its own way (Istio's in-pod rules, then the kernel
-/// programs), the pod captured as Istio does throughout and ztunnel sent it in each snapshot;
-/// nothing of the other way is left. Where the eBPF backend cannot run, the setting gives way
-/// on both starts and the pod keeps Istio's rules.
+/// `ambient.inKernel` switched off, then left to its default again, across restarts with a pod
+/// enrolled: each starting agent moves the pod's capture to its own way (Istio's in-pod rules,
+/// then the kernel programs), the pod captured as Istio does throughout and ztunnel sent it in
+/// each snapshot; nothing of the other way is left. The second start is an upgrade from a build
+/// whose default was off (set or not) to one whose default is `auto`. Where the eBPF backend
+/// cannot run, `auto` gives way and the pod keeps Istio's rules.
 #[test]
 fn switching_in_kernel_capture_moves_enrolled_pods() {
     require_root();
@@ -1114,17 +1112,21 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
         Some("false"),
     );
     for (setting, way, what) in [
-        ("false", (true, false), "Istio's in-pod rules"),
-        ("true", kernel_way, "the kernel again"),
+        (Some("false"), (true, false), "Istio's in-pod rules"),
+        (
+            None,
+            kernel_way,
+            "the default's way (the kernel where it runs) again",
+        ),
     ] {
-        agent.set_env("MESHCAP_AMBIENT_IN_KERNEL", Some(setting));
+        agent.set_env("MESHCAP_AMBIENT_IN_KERNEL", setting);
         agent.restart().expect("restart");
         assert_eq!(zt.wait_line().expect("ztunnel"), added);
         assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
         assert_eq!(
             ways(&agent),
             way,
-            "inKernel {setting}: captured by {what} alone\n{}",
+            "inKernel {setting:?}: captured by {what} alone\n{}",
             agent.log()
         );
         captured_as_istio_does(&node, &pod, &other);
@@ -1135,6 +1137,49 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
         Vec::<String>::new(),
         "nothing pinned after DEL"
     );
+}
+
+/// `ambient.inKernel: true` where the eBPF backend does not serve the node (here: the backend
+/// forced to iptables, as on a kernel the probe refuses) is refused as `--backend ebpf` on such
+/// a kernel is: the agent does not start, saying why and what to set instead, and has put
+/// nothing on the node (no probe rule), so no pod is captured half or let through uncaptured.
+#[test]
+fn in_kernel_required_where_the_ebpf_backend_does_not_serve_is_refused() {
+    require_root();
+    let node = Node::new().expect("node");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    let socket = sockets.socket();
+    let refused = Agent::start_in(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_AMBIENT_IN_KERNEL", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            (
+                "MESHCAP_NODE_NETNS",
+                node.netns.path().to_str().expect("utf-8"),
+            ),
+        ],
+        Some(node.cgroup.path()),
+    )
+    .err()
+    .expect("the agent must not start")
+    .to_string();
+    assert!(
+        refused.contains(
+            "meshcap.ambient.inKernel=true, but the eBPF backend does not serve this node \
+             (forced by --backend iptables)"
+        ) && refused.contains("set it to auto"),
+        "{refused}"
+    );
+    assert_eq!(probe_jumps(&node), 0, "nothing put on the node");
+    assert!(!socket.exists(), "no ztunnel socket");
 }
 
 /// Restarts `agent` with `ambient.reconcileIptablesOnStartup` as `reconcile` says; ztunnel is
