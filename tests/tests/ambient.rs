@@ -10,6 +10,7 @@
 //! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
 //! ztunnel the ADD fails whole.
 use std::{
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::atomic::Ordering,
 };
@@ -25,7 +26,7 @@ use meshcap_tests::{
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
-    kubelet::{Sandbox, cni, config},
+    kubelet::{Sandbox, cni, config, config_ips},
     require_root, start_server, unique_name,
     world::{Node, Pod},
 };
@@ -1137,6 +1138,161 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
         Vec::<String>::new(),
         "nothing pinned after DEL"
     );
+}
+
+/// Two ambient pods on one node, what the real ztunnel showed matters (docs/ambient.md), over
+/// Istio's in-pod rules.
+#[test]
+fn two_ambient_pods_talk_over_hbone_and_dns_is_proxied() {
+    require_root();
+    hbone_and_dns(Backend::Iptables, false);
+}
+
+/// The same in the kernel ([`in_kernel_here`]).
+#[test]
+fn two_ambient_pods_in_the_kernel_talk_over_hbone_and_dns_is_proxied() {
+    require_root();
+    let (backend, in_kernel) = in_kernel_here();
+    hbone_and_dns(backend, in_kernel);
+}
+
+/// Pods `web` and `db`, both ambient and dual-stack, on a forwarding node, captured in the
+/// kernel when `in_kernel` (else by Istio's rules), with one stand-in ztunnel that reaches
+/// `db`'s addresses over HBONE (its `--mesh`). Over IPv4 and IPv6: `web`'s app dials `db`'s
+/// app; ztunnel's outbound listener in `web` takes it with its original destination and dials
+/// `db`'s address on 15008 from `web`'s namespace (its own marked connection, not captured);
+/// `db`'s 15008 listener takes it (not 15006) from `web`'s address, and ztunnel connects to
+/// `db`'s app from `web`'s address, the app's replies coming back to it. DNS over UDP
+/// (connected or not) and TCP is answered by ztunnel's DNS proxy on 15053, at the loopback
+/// address of the query's family, and seems to come from the resolver.
+fn hbone_and_dns(backend: Backend, in_kernel: bool) {
+    let mut node = Node::new().expect("node");
+    node.forward().expect("forwarding");
+    node.forward_ipv6().expect("forwarding IPv6");
+    let (web, db) = (
+        node.add_pod(true).expect("pod web"),
+        node.add_pod(true).expect("pod db"),
+    );
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    for name in ["web", "db"] {
+        write_manifest(&pods.0, &ambient_pod(name));
+    }
+    let agent = ambient_agent_capturing(backend, &node, &pods, &sockets.socket(), in_kernel);
+    let mesh: Vec<String> = db.ips(true).iter().map(ToString::to_string).collect();
+    let mesh_args: Vec<&str> = mesh.iter().flat_map(|ip| ["--mesh", ip.as_str()]).collect();
+    let mut zt = ztunnel_with(&node, &sockets.socket(), &[], &mesh_args);
+    let _app = start_server(
+        app(&node, &db),
+        "app",
+        &["tcp:0.0.0.0:8080", "tcp:[::]:8080"],
+    )
+    .expect("db's app");
+    let mut sandboxes = Vec::new();
+    for (pod, name) in [(&web, "web"), (&db, "db")] {
+        let sandbox = Sandbox::new("shop", name, &pod.netns);
+        let conf = config_ips("1.0.0", &agent.socket, &pod.ips(true));
+        let add = cni("ADD", &sandbox, &conf).expect("ADD");
+        assert!(add.success, "ADD {name} failed: {add:?}\n{}", agent.log());
+        assert_eq!(
+            zt.wait_line().expect("ztunnel"),
+            format!("add uid-{name} {} shop/{name}", inode(&pod.netns))
+        );
+        let rules = leftovers(&pod.netns)
+            .expect("the pod's netns")
+            .iter()
+            .any(|l| l.contains("ISTIO"));
+        assert_eq!(
+            rules, !in_kernel,
+            "{name}: Istio's rules unless in the kernel"
+        );
+        sandboxes.push((sandbox, conf));
+    }
+
+    for (from, to) in [
+        (IpAddr::from(web.v4()), IpAddr::from(db.v4())),
+        (IpAddr::from(web.v6()), IpAddr::from(db.v6())),
+    ] {
+        let target = SocketAddr::new(to, 8080);
+        let seen = dial(app(&node, &web), &format!("tcp:{target}"), None)
+            .expect("dial")
+            .unwrap_or_else(|| panic!("db's app answers {target}\n{}", agent.log()));
+        assert_eq!(
+            (seen.server.as_str(), seen.listener, canonical(seen.local)),
+            ("app", 8080, target),
+            "db's app is reached at its own address"
+        );
+        assert_eq!(
+            seen.peer.ip().to_canonical(),
+            from,
+            "db's app sees web's address (ztunnel's connection from the client's)"
+        );
+        assert_eq!(
+            seen.app_peer,
+            Some(target),
+            "web's app sees what it dialled"
+        );
+        let [out, hbone] = seen.via.as_slice() else {
+            panic!("not carried by ztunnel's outbound and HBONE listeners: {seen:?}");
+        };
+        assert_eq!(
+            (out.server.as_str(), out.listener, out.original_dst),
+            ("ztunnel", 15001, Some(target)),
+            "ztunnel's outbound listener in web takes it with its original destination"
+        );
+        assert_eq!(
+            (
+                hbone.server.as_str(),
+                hbone.listener,
+                canonical(hbone.local),
+                hbone.peer.ip().to_canonical()
+            ),
+            ("ztunnel", 15008, SocketAddr::new(to, 15008), from),
+            "db's HBONE listener takes ztunnel's connection from web's address"
+        );
+    }
+
+    for resolver in [
+        SocketAddr::new(web.peer_v4().into(), 53),
+        SocketAddr::new(web.peer_v6().into(), 53),
+    ] {
+        for proto in ["udp", "udpc", "tcp"] {
+            let answer = dial(app(&node, &web), &format!("{proto}:{resolver}"), None)
+                .expect("dial")
+                .unwrap_or_else(|| panic!("{proto} DNS to {resolver} is answered"));
+            assert_eq!(
+                (answer.server.as_str(), answer.listener),
+                ("ztunnel", 15053),
+                "{proto} DNS to {resolver} reaches ztunnel's DNS proxy"
+            );
+            assert!(
+                answer.local.ip().is_loopback() && answer.local.is_ipv6() == resolver.is_ipv6(),
+                "{proto} DNS to {resolver}: at {} (loopback, the query's family)",
+                answer.local
+            );
+            assert_eq!(
+                answer.app_peer,
+                Some(resolver),
+                "{proto} DNS: the answer seems to come from the resolver"
+            );
+        }
+    }
+
+    for ((sandbox, conf), name) in sandboxes.iter().zip(["web", "db"]) {
+        let del = cni("DEL", sandbox, conf).expect("DEL");
+        assert!(del.success, "DEL {name} failed: {del:?}");
+        assert_eq!(zt.wait_line().expect("ztunnel"), format!("del uid-{name}"));
+    }
+    for pod in [&web, &db] {
+        assert_eq!(
+            leftovers(&pod.netns).expect("leftovers"),
+            Vec::<String>::new()
+        );
+    }
+}
+
+/// `addr` with an IPv4-mapped address as the IPv4 one.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }
 
 /// `ambient.inKernel: true` where the eBPF backend does not serve the node (here: the backend
