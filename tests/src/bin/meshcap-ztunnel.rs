@@ -2,21 +2,23 @@
 //! does (istio/ztunnel `src/inpod/`), and serves each pod it is handed inside the pod's own
 //! network namespace, with ztunnel's in-pod listeners (a `meshcap-standin` named `ztunnel`,
 //! every socket marked 0x539 as ztunnel marks its own, and bound with `SO_REUSEPORT` as
-//! ztunnel's are, so that two ztunnels serve a pod during an update): TCP 15001 (outbound), 15006 (inbound
-//! plaintext) and 15008 (HBONE) on every address, DNS on 127.0.0.1:15053 and [::1]:15053 (UDP
-//! and TCP). Outbound connections to an address given with `--mesh IP` (a workload of the mesh,
-//! as ztunnel's configuration names them) go over HBONE: from the pod, marked, to IP:15008,
-//! whose listener (the far pod's, served by this stand-in too) carries them to the app from the
-//! client's address; mTLS and HTTP/2 are left out (`meshcap-standin`'s `+hbone`).
+//! ztunnel's are, so that two ztunnels serve a pod during an update): TCP 15001 (outbound),
+//! 15006 (inbound plaintext) and 15008 (HBONE) on every address, DNS on 127.0.0.1:15053 and
+//! [::1]:15053 (UDP and TCP). Outbound connections to an address given with `--mesh IP` (a
+//! workload of the mesh, as ztunnel's configuration names them) go over HBONE: from the pod,
+//! marked, to IP:15008, whose listener (the far pod's, served by this stand-in too) carries
+//! them to the app from the client's address; mTLS and HTTP/2 are left out
+//! (`meshcap-standin`'s `+hbone`).
 //!
-//! `meshcap-ztunnel --socket PATH [--refuse UID]... [--mesh IP]... [--acks-only]` says hello (version 1), then prints one
-//! line per message and acks it: `add UID NETNS-INODE NAMESPACE/NAME` once the pod's listeners
-//! are up, `keep UID`, `del UID` once they are gone, `snapshot_sent` (after dropping the pods
-//! the snapshot did not name, as ztunnel does), and `refused UID` for a pod it was told to
-//! refuse (or one handed without a network namespace). As ztunnel does, it outlives the agent:
-//! when the agent closes the socket (a restart) it connects again, keeps serving its pods, and
-//! drops those the new snapshot does not name. Its listeners die with it. With `--acks-only`
-//! it opens no listener (the benchmark runs its own proxy in the pod) and only acks.
+//! `meshcap-ztunnel --socket PATH [--refuse UID]... [--mesh IP]... [--acks-only]` says hello
+//! (version 1), then prints one line per message and acks it: `add UID NETNS-INODE
+//! NAMESPACE/NAME` once the pod's listeners are up, `keep UID`, `del UID` once they are gone,
+//! `snapshot_sent` (after dropping the pods the snapshot did not name, as ztunnel does), and
+//! `refused UID` for a pod it was told to refuse (or one handed without a network namespace).
+//! As ztunnel does, it outlives the agent: when the agent closes the socket (a restart) it
+//! connects again, keeps serving its pods, and drops those the new snapshot does not name. Its
+//! listeners die with it. With `--acks-only` it opens no listener (the benchmark runs its own
+//! proxy in the pod) and only acks.
 use std::{
     collections::{HashMap, HashSet},
     io::{BufRead as _, BufReader, IoSliceMut, Write as _},
