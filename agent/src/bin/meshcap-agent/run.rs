@@ -186,9 +186,10 @@ pub(crate) fn netns_dir() -> PathBuf {
 /// serves the node (`kernel_serves`; `backend_reason` says why it does or not). `auto` (the
 /// default) captures in the kernel wherever it can and gives way to Istio's in-pod rules
 /// elsewhere; `true` where it cannot is refused, naming why, as `--backend ebpf` is on a kernel
-/// that cannot run it: the agent does not start, so no pod starts uncaptured (the plugin's
-/// decider holds enrolled pods). (ztunnel's listeners have `SO_REUSEPORT`: before Linux 6.5
-/// its inbound goes through the pods' socket lookup program, as a sidecar's does, docs/ebpf.md.)
+/// that cannot run it: the agent does not start (its startup taint stays on a new node; an
+/// earlier agent's plugin holds enrolled pods), so no pod starts uncaptured. (ztunnel's
+/// listeners have `SO_REUSEPORT`: before Linux 6.5 its inbound goes through the pods' socket
+/// lookup program, as a sidecar's does, docs/ebpf.md.)
 pub(crate) fn in_kernel_ambient(kernel_serves: bool, backend_reason: &str) -> anyhow::Result<bool> {
     let lookup = |name: &str| std::env::var(name).ok();
     let key = settings::AMBIENT_IN_KERNEL.key;
