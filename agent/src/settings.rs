@@ -6,8 +6,8 @@
 mod read;
 
 pub use read::{
-    LogLevels, SettingsError, bool_setting, enablement_selectors, install_config, log_levels,
-    not_supported, parse_bool, parse_list,
+    InKernel, LogLevels, SettingsError, bool_setting, enablement_selectors, in_kernel,
+    install_config, log_levels, not_supported, parse_bool, parse_list,
 };
 
 use crate::{paths, taint};
@@ -177,12 +177,13 @@ pub const AMBIENT_IPV6: Setting = Setting {
     default: "true",
 };
 
-/// `meshcap.ambient.inKernel` (meshcap's own): ambient pods are captured by the kernel programs
-/// (the eBPF backend, when it serves the node) instead of Istio's in-pod rules.
+/// `meshcap.ambient.inKernel` (meshcap's own): whether ambient pods are captured by the kernel
+/// programs instead of Istio's in-pod rules ([`InKernel`]): `auto` (unset or empty too) where
+/// the eBPF backend serves the node, `true` required there, `false` never.
 pub const AMBIENT_IN_KERNEL: Setting = Setting {
     key: "meshcap.ambient.inKernel",
     env: "MESHCAP_AMBIENT_IN_KERNEL",
-    default: "false",
+    default: "auto",
 };
 
 /// `ambient.reconcileIptablesOnStartup`: a starting agent rewrites the in-pod rules of pods

@@ -219,6 +219,10 @@ fn matrix() -> Vec<Config> {
             "ambient in the kernel",
             &["profile=ambient", "meshcap.ambient.inKernel=true"],
         ),
+        Config::new(
+            "ambient by Istio's in-pod rules",
+            &["ambient.enabled=true", "meshcap.ambient.inKernel=false"],
+        ),
         Config::new("repair off", &["repair.enabled=false"]),
         Config::new(
             "repair deletePods",

@@ -631,6 +631,11 @@ pub struct Report {
     /// `meshcap-dial` adds it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub app_peer: Option<SocketAddr>,
+    /// The proxies' reports of the connections that carried this one to the server, the
+    /// app's side first (the stand-in ztunnel's HBONE: the outbound listener's, then the
+    /// far pod's 15008 listener's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub via: Vec<Report>,
 }
 
 /// Paths of the harness's helper binaries, built with this crate into the same target

@@ -159,6 +159,17 @@ impl Node {
         })
     }
 
+    /// Has the node forward IPv6 between its pods too (`net.ipv6.conf.all.forwarding`).
+    ///
+    /// # Errors
+    /// When the sysctl cannot be written.
+    pub fn forward_ipv6(&self) -> anyhow::Result<()> {
+        self.netns.run_in(|| {
+            std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1")
+                .context("net.ipv6.conf.all.forwarding in the node's netns")
+        })
+    }
+
     /// A client on the node (outside every pod).
     #[must_use]
     pub fn client(&self) -> Placement<'_> {

@@ -10,6 +10,7 @@
 //! ztunnel restart keep the pod served; DEL tells ztunnel and leaves nothing behind; with no
 //! ztunnel the ADD fails whole.
 use std::{
+    net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     sync::atomic::Ordering,
 };
@@ -25,7 +26,7 @@ use meshcap_tests::{
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_failure, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
-    kubelet::{Sandbox, cni, config},
+    kubelet::{Sandbox, cni, config, config_ips},
     require_root, start_server, unique_name,
     world::{Node, Pod},
 };
@@ -73,8 +74,15 @@ fn ambient_agent(backend: Backend, node: &Node, pods: &ManifestDir, socket: &Pat
     ambient_agent_capturing(backend, node, pods, socket, false)
 }
 
-/// [`ambient_agent`]; `in_kernel`: with `ambient.inKernel` (an eBPF `backend` then captures
-/// the pods for ztunnel).
+/// `ambient.inKernel` as a test asks for it: left to its default (`auto`: an eBPF `backend`
+/// then captures the pods for ztunnel in the kernel, an iptables one with Istio's in-pod rules)
+/// when `in_kernel`, else `false`.
+fn in_kernel_setting(in_kernel: bool) -> Option<(&'static str, &'static str)> {
+    (!in_kernel).then_some(("MESHCAP_AMBIENT_IN_KERNEL", "false"))
+}
+
+/// [`ambient_agent`]; `in_kernel`: with `ambient.inKernel` at its default
+/// ([`in_kernel_setting`]).
 fn ambient_agent_capturing(
     backend: Backend,
     node: &Node,
@@ -103,21 +111,13 @@ fn ambient_agent_with(
         pods.0.to_str().expect("utf-8"),
     ];
     args.extend_from_slice(more);
-    Agent::start_in(
-        backend,
-        &args,
-        &[
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            (
-                "MESHCAP_AMBIENT_IN_KERNEL",
-                if in_kernel { "true" } else { "false" },
-            ),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket),
-            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
-        ],
-        Some(node.cgroup.path()),
-    )
-    .expect("agent")
+    let mut env = vec![
+        ("MESHCAP_AMBIENT_ENABLED", "true"),
+        ("MESHCAP_ZTUNNEL_SOCKET", socket),
+        ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
+    ];
+    env.extend(in_kernel_setting(in_kernel));
+    Agent::start_in(backend, &args, &env, Some(node.cgroup.path())).expect("agent")
 }
 
 /// An agent with ambient mode on, its pods from `api` (as node `node-1`), ztunnel's socket in
@@ -131,7 +131,7 @@ fn kube_ambient_agent(
     kube_ambient_agent_capturing(backend, node, api, sockets, false)
 }
 
-/// [`kube_ambient_agent`]; `in_kernel`: with `ambient.inKernel`.
+/// [`kube_ambient_agent`]; `in_kernel`: as [`in_kernel_setting`] says.
 fn kube_ambient_agent_capturing(
     backend: Backend,
     node: &Node,
@@ -142,20 +142,18 @@ fn kube_ambient_agent_capturing(
     let kubeconfig = api.kubeconfig(&sockets.0);
     let socket = sockets.socket();
     let node_netns = node.netns.path();
+    let mut env = vec![
+        ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+        ("MESHCAP_AMBIENT_ENABLED", "true"),
+        ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+        ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
+        ("MESHCAP_STARTUP_TAINT", ""),
+    ];
+    env.extend(in_kernel_setting(in_kernel));
     Agent::start_in(
         backend,
         &["--pods", "kube", "--node-name", "node-1"],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
-            ("MESHCAP_AMBIENT_ENABLED", "true"),
-            (
-                "MESHCAP_AMBIENT_IN_KERNEL",
-                if in_kernel { "true" } else { "false" },
-            ),
-            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
-            ("MESHCAP_NODE_NETNS", node_netns.to_str().expect("utf-8")),
-            ("MESHCAP_STARTUP_TAINT", ""),
-        ],
+        &env,
         Some(node.cgroup.path()),
     )
     .expect("agent")
@@ -179,7 +177,7 @@ impl Scene {
         Self::capturing(backend, false)
     }
 
-    /// The scene with `ambient.inKernel` on the eBPF backend.
+    /// The scene with `ambient.inKernel` at its default on the eBPF backend.
     fn in_kernel() -> Self {
         Self::capturing(Backend::Ebpf, true)
     }
@@ -542,8 +540,8 @@ fn an_ambient_pod_is_captured_in_the_kernel_for_ztunnel_and_released() {
 
 /// The backend a test of `ambient.inKernel` runs on, and whether the pods are then captured in
 /// the kernel: the eBPF backend where it runs (before Linux 6.5 ztunnel's `SO_REUSEPORT`
-/// listeners are reached through the pod's socket lookup program); elsewhere the setting gives
-/// way to Istio's rules, and that is what the test checks.
+/// listeners are reached through the pod's socket lookup program); elsewhere the setting's
+/// default (`auto`) gives way to Istio's rules, and that is what the test checks.
 fn in_kernel_here() -> (Backend, bool) {
     if meshcap_tests::ebpf_runs_here() {
         (Backend::Ebpf, true)
@@ -1040,7 +1038,7 @@ fn a_starting_agent_makes_enrolled_pods_rules_its_own(backend: Backend) {
 
 /// `ambient.reconcileIptablesOnStartup` with `ambient.inKernel`: a starting agent gives an
 /// enrolled pod its capture again where it was changed behind its back (here the reply route
-/// and the classifier on `lo`), and leaves it as it is with the setting off. (Where the setting
+/// and the classifier on `lo`), and leaves it as it is with the setting off. (Where `auto`
 /// gives way ([`in_kernel_here`]), the rules are reconciled.)
 #[test]
 fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
@@ -1114,11 +1112,12 @@ fn a_starting_agent_makes_enrolled_pods_capture_in_the_kernel_its_own() {
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
-/// `ambient.inKernel` switched off, then on again, across restarts with a pod enrolled: each
-/// starting agent moves the pod's capture to its own way (Istio's in-pod rules, then the kernel
-/// programs), the pod captured as Istio does throughout and ztunnel sent it in each snapshot;
-/// nothing of the other way is left. Where the eBPF backend cannot run, the setting gives way
-/// on both starts and the pod keeps Istio's rules.
+/// `ambient.inKernel` switched off, then left to its default again, across restarts with a pod
+/// enrolled: each starting agent moves the pod's capture to its own way (Istio's in-pod rules,
+/// then the kernel programs), the pod captured as Istio does throughout and ztunnel sent it in
+/// each snapshot; nothing of the other way is left. The second start is an upgrade from a build
+/// whose default was off (set or not) to one whose default is `auto`. Where the eBPF backend
+/// cannot run, `auto` gives way and the pod keeps Istio's rules.
 #[test]
 fn switching_in_kernel_capture_moves_enrolled_pods() {
     require_root();
@@ -1163,17 +1162,21 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
         Some("false"),
     );
     for (setting, way, what) in [
-        ("false", (true, false), "Istio's in-pod rules"),
-        ("true", kernel_way, "the kernel again"),
+        (Some("false"), (true, false), "Istio's in-pod rules"),
+        (
+            None,
+            kernel_way,
+            "the default's way (the kernel where it runs) again",
+        ),
     ] {
-        agent.set_env("MESHCAP_AMBIENT_IN_KERNEL", Some(setting));
+        agent.set_env("MESHCAP_AMBIENT_IN_KERNEL", setting);
         agent.restart().expect("restart");
         assert_eq!(zt.wait_line().expect("ztunnel"), added);
         assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
         assert_eq!(
             ways(&agent),
             way,
-            "inKernel {setting}: captured by {what} alone\n{}",
+            "inKernel {setting:?}: captured by {what} alone\n{}",
             agent.log()
         );
         captured_as_istio_does(&node, &pod, &other);
@@ -1184,6 +1187,204 @@ fn switching_in_kernel_capture_moves_enrolled_pods() {
         Vec::<String>::new(),
         "nothing pinned after DEL"
     );
+}
+
+/// Two ambient pods on one node, what the real ztunnel showed matters (docs/ambient.md), over
+/// Istio's in-pod rules.
+#[test]
+fn two_ambient_pods_talk_over_hbone_and_dns_is_proxied() {
+    require_root();
+    hbone_and_dns(Backend::Iptables, false);
+}
+
+/// The same in the kernel ([`in_kernel_here`]).
+#[test]
+fn two_ambient_pods_in_the_kernel_talk_over_hbone_and_dns_is_proxied() {
+    require_root();
+    let (backend, in_kernel) = in_kernel_here();
+    hbone_and_dns(backend, in_kernel);
+}
+
+/// Pods `web` and `db`, both ambient and dual-stack, on a forwarding node, captured in the
+/// kernel when `in_kernel` (else by Istio's rules), with one stand-in ztunnel that reaches
+/// `db`'s addresses over HBONE (its `--mesh`). Over IPv4 and IPv6: `web`'s app dials `db`'s
+/// app; ztunnel's outbound listener in `web` takes it with its original destination and dials
+/// `db`'s address on 15008 from `web`'s namespace (its own marked connection, not captured);
+/// `db`'s 15008 listener takes it (not 15006) from `web`'s address, and ztunnel connects to
+/// `db`'s app from `web`'s address, the app's replies coming back to it. DNS over UDP
+/// (connected or not) and TCP is answered by ztunnel's DNS proxy on 15053, at the loopback
+/// address of the query's family, and seems to come from the resolver.
+fn hbone_and_dns(backend: Backend, in_kernel: bool) {
+    let mut node = Node::new().expect("node");
+    node.forward().expect("forwarding");
+    node.forward_ipv6().expect("forwarding IPv6");
+    let (web, db) = (
+        node.add_pod(true).expect("pod web"),
+        node.add_pod(true).expect("pod db"),
+    );
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    for name in ["web", "db"] {
+        write_manifest(&pods.0, &ambient_pod(name));
+    }
+    let agent = ambient_agent_capturing(backend, &node, &pods, &sockets.socket(), in_kernel);
+    let mesh: Vec<String> = db.ips(true).iter().map(ToString::to_string).collect();
+    let mesh_args: Vec<&str> = mesh.iter().flat_map(|ip| ["--mesh", ip.as_str()]).collect();
+    let mut zt = ztunnel_with(&node, &sockets.socket(), &[], &mesh_args);
+    let _app = start_server(
+        app(&node, &db),
+        "app",
+        &["tcp:0.0.0.0:8080", "tcp:[::]:8080"],
+    )
+    .expect("db's app");
+    let mut sandboxes = Vec::new();
+    for (pod, name) in [(&web, "web"), (&db, "db")] {
+        let sandbox = Sandbox::new("shop", name, &pod.netns);
+        let conf = config_ips("1.0.0", &agent.socket, &pod.ips(true));
+        let add = cni("ADD", &sandbox, &conf).expect("ADD");
+        assert!(add.success, "ADD {name} failed: {add:?}\n{}", agent.log());
+        assert_eq!(
+            zt.wait_line().expect("ztunnel"),
+            format!("add uid-{name} {} shop/{name}", inode(&pod.netns))
+        );
+        let rules = leftovers(&pod.netns)
+            .expect("the pod's netns")
+            .iter()
+            .any(|l| l.contains("ISTIO"));
+        assert_eq!(
+            rules, !in_kernel,
+            "{name}: Istio's rules unless in the kernel"
+        );
+        sandboxes.push((sandbox, conf));
+    }
+
+    for (from, to) in [
+        (IpAddr::from(web.v4()), IpAddr::from(db.v4())),
+        (IpAddr::from(web.v6()), IpAddr::from(db.v6())),
+    ] {
+        let target = SocketAddr::new(to, 8080);
+        let seen = dial(app(&node, &web), &format!("tcp:{target}"), None)
+            .expect("dial")
+            .unwrap_or_else(|| panic!("db's app answers {target}\n{}", agent.log()));
+        assert_eq!(
+            (seen.server.as_str(), seen.listener, canonical(seen.local)),
+            ("app", 8080, target),
+            "db's app is reached at its own address"
+        );
+        assert_eq!(
+            seen.peer.ip().to_canonical(),
+            from,
+            "db's app sees web's address (ztunnel's connection from the client's)"
+        );
+        assert_eq!(
+            seen.app_peer,
+            Some(target),
+            "web's app sees what it dialled"
+        );
+        let [out, hbone] = seen.via.as_slice() else {
+            panic!("not carried by ztunnel's outbound and HBONE listeners: {seen:?}");
+        };
+        assert_eq!(
+            (out.server.as_str(), out.listener, out.original_dst),
+            ("ztunnel", 15001, Some(target)),
+            "ztunnel's outbound listener in web takes it with its original destination"
+        );
+        assert_eq!(
+            (
+                hbone.server.as_str(),
+                hbone.listener,
+                canonical(hbone.local),
+                hbone.peer.ip().to_canonical()
+            ),
+            ("ztunnel", 15008, SocketAddr::new(to, 15008), from),
+            "db's HBONE listener takes ztunnel's connection from web's address"
+        );
+    }
+
+    for resolver in [
+        SocketAddr::new(web.peer_v4().into(), 53),
+        SocketAddr::new(web.peer_v6().into(), 53),
+    ] {
+        for proto in ["udp", "udpc", "tcp"] {
+            let answer = dial(app(&node, &web), &format!("{proto}:{resolver}"), None)
+                .expect("dial")
+                .unwrap_or_else(|| panic!("{proto} DNS to {resolver} is answered"));
+            assert_eq!(
+                (answer.server.as_str(), answer.listener),
+                ("ztunnel", 15053),
+                "{proto} DNS to {resolver} reaches ztunnel's DNS proxy"
+            );
+            assert!(
+                answer.local.ip().is_loopback() && answer.local.is_ipv6() == resolver.is_ipv6(),
+                "{proto} DNS to {resolver}: at {} (loopback, the query's family)",
+                answer.local
+            );
+            assert_eq!(
+                answer.app_peer,
+                Some(resolver),
+                "{proto} DNS: the answer seems to come from the resolver"
+            );
+        }
+    }
+
+    for ((sandbox, conf), name) in sandboxes.iter().zip(["web", "db"]) {
+        let del = cni("DEL", sandbox, conf).expect("DEL");
+        assert!(del.success, "DEL {name} failed: {del:?}");
+        assert_eq!(zt.wait_line().expect("ztunnel"), format!("del uid-{name}"));
+    }
+    for pod in [&web, &db] {
+        assert_eq!(
+            leftovers(&pod.netns).expect("leftovers"),
+            Vec::<String>::new()
+        );
+    }
+}
+
+/// `addr` with an IPv4-mapped address as the IPv4 one.
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
+}
+
+/// `ambient.inKernel: true` where the eBPF backend does not serve the node (here: the backend
+/// forced to iptables, as on a kernel the probe refuses) is refused as `--backend ebpf` on such
+/// a kernel is: the agent does not start, saying why and what to set instead, and has put
+/// nothing on the node (no probe rule), so no pod is captured half or let through uncaptured.
+#[test]
+fn in_kernel_required_where_the_ebpf_backend_does_not_serve_is_refused() {
+    require_root();
+    let node = Node::new().expect("node");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    let socket = sockets.socket();
+    let refused = Agent::start_in(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            ("MESHCAP_AMBIENT_IN_KERNEL", "true"),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            (
+                "MESHCAP_NODE_NETNS",
+                node.netns.path().to_str().expect("utf-8"),
+            ),
+        ],
+        Some(node.cgroup.path()),
+    )
+    .err()
+    .expect("the agent must not start")
+    .to_string();
+    assert!(
+        refused.contains(
+            "meshcap.ambient.inKernel=true, but the eBPF backend does not serve this node \
+             (forced by --backend iptables)"
+        ) && refused.contains("set it to auto"),
+        "{refused}"
+    );
+    assert_eq!(probe_jumps(&node), 0, "nothing put on the node");
+    assert!(!socket.exists(), "no ztunnel socket");
 }
 
 /// Restarts `agent` with `ambient.reconcileIptablesOnStartup` as `reconcile` says; ztunnel is

@@ -2,9 +2,10 @@
 //! enablement selectors as the chart writes them, the log levels with their scopes), the
 //! settings meshcap does not support yet, and the install configuration they make.
 use super::{
-    AMBIENT_ENABLED, AMBIENT_ENABLEMENT_SELECTORS, CHAINED, CNI_BIN_DIR, CNI_CONF_DIR,
-    CNI_CONF_FILE_NAME, CNI_CONF_GROUP_READ_ENV, EXCLUDE_NAMESPACES, ISTIO_OWNED_CNI_CONFIG,
-    ISTIO_OWNED_CNI_CONFIG_FILE_NAME, LOG_LEVEL, NOT_SUPPORTED, POD_NAMESPACE_ENV, Setting,
+    AMBIENT_ENABLED, AMBIENT_ENABLEMENT_SELECTORS, AMBIENT_IN_KERNEL, CHAINED, CNI_BIN_DIR,
+    CNI_CONF_DIR, CNI_CONF_FILE_NAME, CNI_CONF_GROUP_READ_ENV, EXCLUDE_NAMESPACES,
+    ISTIO_OWNED_CNI_CONFIG, ISTIO_OWNED_CNI_CONFIG_FILE_NAME, LOG_LEVEL, NOT_SUPPORTED,
+    POD_NAMESPACE_ENV, Setting,
 };
 use crate::install;
 
@@ -41,6 +42,14 @@ pub enum SettingsError {
         /// Its value.
         value: String,
     },
+    /// A setting that takes `auto` or a boolean is neither.
+    #[error("{env}: {value:?} is not auto, true or false")]
+    NotAutoOrBool {
+        /// The variable.
+        env: &'static str,
+        /// Its value.
+        value: String,
+    },
     /// A YAML setting is not YAML of the expected shape.
     #[error("{env}: {value:?} is not YAML of the expected shape: {reason}")]
     NotYaml {
@@ -66,6 +75,39 @@ pub fn bool_setting(
         env: setting.env,
         value,
     })
+}
+
+/// `meshcap.ambient.inKernel`: how ambient pods are to be captured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InKernel {
+    /// By the kernel programs where the eBPF backend serves the node (the kernel probe passed,
+    /// or `--backend ebpf`), else by Istio's in-pod rules: the default.
+    Auto,
+    /// By the kernel programs; an agent whose node the eBPF backend does not serve refuses to
+    /// start, as `--backend ebpf` does on a kernel that cannot run it.
+    Required,
+    /// By Istio's in-pod rules.
+    Off,
+}
+
+/// `meshcap.ambient.inKernel` through `lookup`: `auto`, unset or empty for [`InKernel::Auto`],
+/// else a Go boolean.
+///
+/// # Errors
+/// When it is none of these: names the variable and the value.
+pub fn in_kernel(lookup: &impl Fn(&str) -> Option<String>) -> Result<InKernel, SettingsError> {
+    let value = lookup(AMBIENT_IN_KERNEL.env).unwrap_or_else(|| AMBIENT_IN_KERNEL.default.into());
+    match value.as_str() {
+        "" | "auto" => Ok(InKernel::Auto),
+        other => match parse_bool(other) {
+            Some(true) => Ok(InKernel::Required),
+            Some(false) => Ok(InKernel::Off),
+            None => Err(SettingsError::NotAutoOrBool {
+                env: AMBIENT_IN_KERNEL.env,
+                value,
+            }),
+        },
+    }
 }
 
 /// `ambient.enablementSelectors` as a JSON value: the YAML list Istio's chart renders (or
@@ -215,6 +257,33 @@ mod tests {
             config,
             install::InstallConfig::new(PLUGIN_SOURCE.into()),
             "the ConfigMap's defaults and the install module's must agree"
+        );
+    }
+
+    #[test]
+    fn in_kernel_is_auto_unless_a_boolean_says_otherwise() {
+        let with = |value: Option<&str>| {
+            let value = value.map(str::to_owned);
+            in_kernel(&move |name: &str| {
+                assert_eq!(name, "MESHCAP_AMBIENT_IN_KERNEL");
+                value.clone()
+            })
+        };
+        for (value, expected) in [
+            (None, InKernel::Auto),
+            (Some(""), InKernel::Auto),
+            (Some("auto"), InKernel::Auto),
+            (Some("true"), InKernel::Required),
+            (Some("T"), InKernel::Required),
+            (Some("false"), InKernel::Off),
+            (Some("0"), InKernel::Off),
+        ] {
+            assert_eq!(with(value).expect("a value"), expected, "{value:?}");
+        }
+        let error = with(Some("yes")).expect_err("not a value").to_string();
+        assert_eq!(
+            error,
+            r#"MESHCAP_AMBIENT_IN_KERNEL: "yes" is not auto, true or false"#
         );
     }
 

@@ -13,12 +13,22 @@
 //! A TCP listener written `tcp:ADDR:PORT+hold` keeps each connection open (one thread per
 //! connection) and answers every line the client sends with that line, a space and a fresh
 //! report (its `original_dst` asked again), until the client closes: a long-lived connection
-//! whose capture can be checked at any time.
+//! whose capture can be checked at any time. With `--hbone IP` (repeatable), a connection to
+//! such a `+hold` listener whose original destination is at IP is carried over HBONE's port
+//! instead, as ztunnel carries one to a workload of the mesh: to `IP:15008`, from this
+//! namespace, with the listener's mark; the answer is the far app's report with both proxies'
+//! reports in its `via`.
+//!
+//! A TCP listener written `tcp:ADDR:PORT+hbone` is ztunnel's HBONE listener, mTLS and HTTP/2
+//! left out: it answers its report line; when the client then sends `CONNECT ADDR:PORT`, it
+//! connects there from the client's own address (transparent, with the listener's mark, as
+//! ztunnel's inbound does) and relays the app's answer line.
 use std::{
-    io::Write as _,
+    io::{BufRead as _, BufReader, Write as _},
     mem::MaybeUninit,
-    net::{SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, SocketAddrV4, SocketAddrV6, TcpListener, TcpStream, UdpSocket},
     os::fd::{AsRawFd as _, RawFd},
+    sync::Arc,
     thread,
 };
 
@@ -33,11 +43,18 @@ fn main() -> anyhow::Result<()> {
     let mut listens = Vec::new();
     let mut mark = None;
     let mut reuse_port = false;
+    let mut hbone = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--name" => name = args.next().context("--name needs a value")?,
             "--listen" => listens.push(args.next().context("--listen needs a value")?),
+            "--hbone" => hbone.push(
+                args.next()
+                    .context("--hbone needs an address")?
+                    .parse::<IpAddr>()
+                    .context("--hbone needs an address")?,
+            ),
             "--mark" => mark = Some(parse_mark(&args.next().context("--mark needs a value")?)?),
             "--reuseport" => reuse_port = true,
             other => bail!("unknown argument {other}"),
@@ -56,6 +73,8 @@ fn main() -> anyhow::Result<()> {
             (addr, Mode::Transparent)
         } else if let Some(addr) = addr.strip_suffix("+hold") {
             (addr, Mode::Hold)
+        } else if let Some(addr) = addr.strip_suffix("+hbone") {
+            (addr, Mode::Hbone)
         } else {
             (addr, Mode::Answer)
         };
@@ -67,7 +86,13 @@ fn main() -> anyhow::Result<()> {
             "tcp" => {
                 let options = Options { mark, reuse_port };
                 let listener = bind_tcp(addr, mode == Mode::Transparent, dual_stack, options)?;
-                handles.push(thread::spawn(move || serve_tcp(&name, &listener, mode)));
+                let serving = Serving {
+                    name,
+                    mode,
+                    mark,
+                    hbone: Arc::new(hbone.clone()),
+                };
+                handles.push(thread::spawn(move || serve_tcp(&serving, &listener)));
             }
             "udp" => {
                 let socket = bind_udp(addr, Options { mark, reuse_port })?;
@@ -167,27 +192,126 @@ enum Mode {
     Answer,
     /// Relay to the original destination from the client's address (TPROXY inbound).
     Transparent,
-    /// A report line, then an echo and a fresh report for every line, until the client closes.
+    /// A report line, then an echo and a fresh report for every line, until the client closes;
+    /// over HBONE for a destination of `--hbone`.
     Hold,
+    /// A report line, then a `CONNECT` carried to the app: ztunnel's HBONE listener.
+    Hbone,
 }
 
-fn serve_tcp(name: &str, listener: &TcpListener, mode: Mode) {
+/// What a TCP listener serves with.
+struct Serving {
+    name: String,
+    mode: Mode,
+    /// The listener's mark, given to its own connections too.
+    mark: Option<u32>,
+    /// The destinations reached over HBONE.
+    hbone: Arc<Vec<IpAddr>>,
+}
+
+/// HBONE's port.
+const HBONE_PORT: u16 = 15008;
+
+fn serve_tcp(serving: &Serving, listener: &TcpListener) {
     let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
     for stream in listener.incoming().flatten() {
-        let _ = match mode {
+        let name = serving.name.clone();
+        let (mark, hbone) = (serving.mark, serving.hbone.clone());
+        let _ = match serving.mode {
             Mode::Transparent => relay_transparent(stream),
-            Mode::Answer => answer_tcp(name, port, stream),
+            Mode::Answer => answer_tcp(&name, port, stream),
             Mode::Hold => {
-                let name = name.to_owned();
-                thread::spawn(move || hold_tcp(&name, port, stream));
+                thread::spawn(move || {
+                    let to = report(&name, port, &stream)?
+                        .original_dst
+                        .filter(|dst| hbone.contains(&dst.ip().to_canonical()));
+                    match to {
+                        Some(dst) => hbone_out(&name, port, stream, dst, mark),
+                        None => hold_tcp(&name, port, stream),
+                    }
+                });
+                Ok(())
+            }
+            Mode::Hbone => {
+                thread::spawn(move || hbone_in(&name, port, stream, mark));
                 Ok(())
             }
         };
     }
 }
 
+/// ztunnel's outbound to a workload of the mesh: the app's connection (`app`, to `dst`) carried
+/// to `dst`'s HBONE port, marked `mark`; the far app's answer, with this listener's report and
+/// the HBONE listener's in its `via`, is the app's.
+fn hbone_out(
+    name: &str,
+    listener: u16,
+    mut app: TcpStream,
+    dst: SocketAddr,
+    mark: Option<u32>,
+) -> anyhow::Result<()> {
+    use nix::sys::socket::{SockFlag, SockType, SockaddrStorage, connect, setsockopt, socket};
+    let own = report(name, listener, &app)?;
+    let dst = SocketAddr::new(dst.ip().to_canonical(), dst.port());
+    let fd = socket(family(dst), SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    if let Some(mark) = mark {
+        setsockopt(&fd, nix::sys::socket::sockopt::Mark, &mark)?;
+    }
+    let hbone = SocketAddr::new(dst.ip(), HBONE_PORT);
+    connect(fd.as_raw_fd(), &SockaddrStorage::from(hbone))
+        .with_context(|| format!("connecting to {hbone}"))?;
+    let mut tunnel = BufReader::new(TcpStream::from(fd));
+    let far: Report = serde_json::from_str(&read_line(&mut tunnel)?)?;
+    writeln!(tunnel.get_mut(), "CONNECT {dst}")?;
+    let mut answer: Report = serde_json::from_str(&read_line(&mut tunnel)?)?;
+    answer.via = vec![own, far];
+    writeln!(app, "{}", serde_json::to_string(&answer)?)?;
+    Ok(())
+}
+
+/// ztunnel's HBONE listener: its report, then, on `CONNECT ADDR:PORT`, a connection to the app
+/// at ADDR:PORT from the client's own address (transparent, marked `mark`), whose answer line
+/// is relayed.
+fn hbone_in(
+    name: &str,
+    listener: u16,
+    mut client: TcpStream,
+    mark: Option<u32>,
+) -> anyhow::Result<()> {
+    writeln!(
+        client,
+        "{}",
+        serde_json::to_string(&report(name, listener, &client)?)?
+    )?;
+    let mut request = BufReader::new(client.try_clone()?);
+    let line = read_line(&mut request)?;
+    let target: SocketAddr = line
+        .strip_prefix("CONNECT ")
+        .with_context(|| format!("not a CONNECT: {line:?}"))?
+        .parse()?;
+    let from = client.peer_addr()?.ip().to_canonical();
+    let mut app = BufReader::new(connect_transparent(from, target, mark.unwrap_or_default())?);
+    let answer = read_line(&mut app)?;
+    writeln!(client, "{answer}")?;
+    Ok(())
+}
+
+/// One line, without its end; an error at the end of the stream.
+fn read_line(reader: &mut impl std::io::BufRead) -> anyhow::Result<String> {
+    let mut line = String::new();
+    anyhow::ensure!(reader.read_line(&mut line)? > 0, "closed without a line");
+    Ok(line.trim_end().to_owned())
+}
+
+fn family(addr: SocketAddr) -> nix::sys::socket::AddressFamily {
+    if addr.is_ipv4() {
+        nix::sys::socket::AddressFamily::Inet
+    } else {
+        nix::sys::socket::AddressFamily::Inet6
+    }
+}
+
 fn hold_tcp(name: &str, listener: u16, stream: TcpStream) -> anyhow::Result<()> {
-    use std::io::{BufRead as _, BufReader};
     let mut writer = stream.try_clone()?;
     writeln!(
         writer,
@@ -215,6 +339,7 @@ fn report(name: &str, listener: u16, stream: &TcpStream) -> anyhow::Result<Repor
         original_dst: original_dst(stream.as_raw_fd(), local.ip().to_canonical().is_ipv6()),
         app_local: None,
         app_peer: None,
+        via: Vec::new(),
     })
 }
 
@@ -222,28 +347,30 @@ fn report(name: &str, listener: u16, stream: &TcpStream) -> anyhow::Result<Repor
 /// socket's local address) from the client's own address (`IP_TRANSPARENT`, mark 1337, as
 /// Envoy's `original_src` filter does) and relay the upstream's answer line to the client.
 fn relay_transparent(mut client: TcpStream) -> anyhow::Result<()> {
-    use std::io::{BufRead as _, BufReader};
-
-    use nix::sys::socket::{
-        AddressFamily, SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket,
-        sockopt,
-    };
     let dst = client.local_addr()?;
-    let src = SocketAddr::new(client.peer_addr()?.ip(), 0);
-    let family = if dst.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    set_transparent(&fd, dst.is_ipv6())?;
-    setsockopt(&fd, sockopt::Mark, &1337)?;
-    bind(fd.as_raw_fd(), &SockaddrStorage::from(src)).context("transparent bind")?;
-    connect(fd.as_raw_fd(), &SockaddrStorage::from(dst)).context("transparent connect")?;
+    let upstream = connect_transparent(client.peer_addr()?.ip(), dst, 1337)?;
     let mut line = String::new();
-    BufReader::new(TcpStream::from(fd)).read_line(&mut line)?;
+    BufReader::new(upstream).read_line(&mut line)?;
     client.write_all(line.as_bytes())?;
     Ok(())
+}
+
+/// A connection to `dst` from `src` (any port), which need not be an address of this
+/// namespace (`IP_TRANSPARENT`), marked `mark`.
+fn connect_transparent(src: IpAddr, dst: SocketAddr, mark: u32) -> anyhow::Result<TcpStream> {
+    use nix::sys::socket::{
+        SockFlag, SockType, SockaddrStorage, bind, connect, setsockopt, socket, sockopt,
+    };
+    let fd = socket(family(dst), SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+    set_transparent(&fd, dst.is_ipv6())?;
+    setsockopt(&fd, sockopt::Mark, &mark)?;
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrStorage::from(SocketAddr::new(src, 0)),
+    )
+    .context("transparent bind")?;
+    connect(fd.as_raw_fd(), &SockaddrStorage::from(dst)).context("transparent connect")?;
+    Ok(TcpStream::from(fd))
 }
 
 /// `IP_TRANSPARENT` / `IPV6_TRANSPARENT` (needs `CAP_NET_ADMIN`, which the harness keeps).
@@ -293,6 +420,7 @@ fn serve_udp(name: &str, socket: &UdpSocket) {
             original_dst: None,
             app_local: None,
             app_peer: None,
+            via: Vec::new(),
         };
         if let Ok(line) = serde_json::to_string(&report) {
             let _ = socket.send_to(line.as_bytes(), peer);

@@ -2,17 +2,23 @@
 //! does (istio/ztunnel `src/inpod/`), and serves each pod it is handed inside the pod's own
 //! network namespace, with ztunnel's in-pod listeners (a `meshcap-standin` named `ztunnel`,
 //! every socket marked 0x539 as ztunnel marks its own, and bound with `SO_REUSEPORT` as
-//! ztunnel's are, so that two ztunnels serve a pod during an update): TCP 15001 (outbound), 15006 (inbound
-//! plaintext) and 15008 (HBONE) on every address, DNS on 127.0.0.1:15053 (UDP and TCP).
+//! ztunnel's are, so that two ztunnels serve a pod during an update): TCP 15001 (outbound),
+//! 15006 (inbound plaintext) and 15008 (HBONE) on every address, DNS on 127.0.0.1:15053 and
+//! [::1]:15053 (UDP and TCP). Outbound connections to an address given with `--mesh IP` (a
+//! workload of the mesh, as ztunnel's configuration names them) go over HBONE: from the pod,
+//! marked, to IP:15008, whose listener (the far pod's, served by this stand-in too) carries
+//! them to the app from the client's address; mTLS and HTTP/2 are left out
+//! (`meshcap-standin`'s `+hbone`).
 //!
-//! `meshcap-ztunnel --socket PATH [--refuse UID]... [--acks-only]` says hello (version 1), then prints one
-//! line per message and acks it: `add UID NETNS-INODE NAMESPACE/NAME` once the pod's listeners
-//! are up, `keep UID`, `del UID` once they are gone, `snapshot_sent` (after dropping the pods
-//! the snapshot did not name, as ztunnel does), and `refused UID` for a pod it was told to
-//! refuse (or one handed without a network namespace). As ztunnel does, it outlives the agent:
-//! when the agent closes the socket (a restart) it connects again, keeps serving its pods, and
-//! drops those the new snapshot does not name. Its listeners die with it. With `--acks-only`
-//! it opens no listener (the benchmark runs its own proxy in the pod) and only acks.
+//! `meshcap-ztunnel --socket PATH [--refuse UID]... [--mesh IP]... [--acks-only]` says hello
+//! (version 1), then prints one line per message and acks it: `add UID NETNS-INODE
+//! NAMESPACE/NAME` once the pod's listeners are up, `keep UID`, `del UID` once they are gone,
+//! `snapshot_sent` (after dropping the pods the snapshot did not name, as ztunnel does), and
+//! `refused UID` for a pod it was told to refuse (or one handed without a network namespace).
+//! As ztunnel does, it outlives the agent: when the agent closes the socket (a restart) it
+//! connects again, keeps serving its pods, and drops those the new snapshot does not name. Its
+//! listeners die with it. With `--acks-only` it opens no listener (the benchmark runs its own
+//! proxy in the pod) and only acks.
 use std::{
     collections::{HashMap, HashSet},
     io::{BufRead as _, BufReader, IoSliceMut, Write as _},
@@ -35,15 +41,18 @@ use nix::sys::socket::{
 use prost::Message as _;
 
 /// ztunnel's in-pod listeners, as it opens them (`src/proxy`, `src/dns`): dual-stack on `[::]`,
-/// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost. The
-/// outbound one holds each connection open (`+hold`), as ztunnel does a proxied one, so that a
-/// test can keep a captured connection across what happens to the pod.
-const LISTENERS: [&str; 5] = [
+/// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost, both
+/// families (istio/ztunnel 62d8265 `src/config.rs`: `Address::Localhost` with IPv6 on localhost).
+/// The outbound one holds each connection open (`+hold`), as ztunnel does a proxied one, so
+/// that a test can keep a captured connection across what happens to the pod.
+const LISTENERS: [&str; 7] = [
     "tcp:[::]:15001+hold+dualstack",
     "tcp:[::]:15006+dualstack",
-    "tcp:[::]:15008+dualstack",
+    "tcp:[::]:15008+hbone+dualstack",
     "udp:127.0.0.1:15053",
     "tcp:127.0.0.1:15053",
+    "udp:[::1]:15053",
+    "tcp:[::1]:15053",
 ];
 
 /// A pod being served: its listeners' process, killed on drop.
@@ -61,6 +70,7 @@ fn main() -> anyhow::Result<()> {
     let mut socket_path = None;
     let mut refuse = HashSet::new();
     let mut listen = true;
+    let mut mesh = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -68,6 +78,7 @@ fn main() -> anyhow::Result<()> {
             "--refuse" => {
                 refuse.insert(args.next().context("--refuse needs a uid")?);
             }
+            "--mesh" => mesh.push(args.next().context("--mesh needs an address")?),
             "--acks-only" => listen = false,
             other => bail!("unknown argument {other}"),
         }
@@ -76,7 +87,12 @@ fn main() -> anyhow::Result<()> {
     let mut served: HashMap<String, Served> = HashMap::new();
     loop {
         let fd = connect_when_listening(&path)?;
-        serve_connection(&fd, &refuse, listen, &mut served)?;
+        let serving = Serving {
+            refuse: &refuse,
+            listen,
+            mesh: &mesh,
+        };
+        serve_connection(&fd, &serving, &mut served)?;
     }
 }
 
@@ -99,12 +115,18 @@ fn connect_when_listening(path: &str) -> anyhow::Result<OwnedFd> {
     }
 }
 
+/// How pods are served: the uids refused, whether listeners are opened, the mesh's addresses.
+struct Serving<'a> {
+    refuse: &'a HashSet<String>,
+    listen: bool,
+    mesh: &'a [String],
+}
+
 /// One connection: hello, then every request acked, until the agent closes it or goes (a
 /// killed agent resets the connection: ztunnel reconnects then too).
 fn serve_connection(
     fd: &OwnedFd,
-    refuse: &HashSet<String>,
-    listen: bool,
+    serving: &Serving<'_>,
     served: &mut HashMap<String, Served>,
 ) -> anyhow::Result<()> {
     let hello = ZdsHello {
@@ -127,11 +149,11 @@ fn serve_connection(
             Payload::Add(add) => {
                 let workload = add.workload_info.unwrap_or_default();
                 let pod = format!("{}/{}", workload.namespace, workload.name);
-                match (netns, refuse.contains(&add.uid)) {
+                match (netns, serving.refuse.contains(&add.uid)) {
                     (Some(netns), false) => {
                         let inode = netns_inode(&netns)?;
-                        if listen && !served.contains_key(&add.uid) {
-                            served.insert(add.uid.clone(), serve(&netns)?);
+                        if serving.listen && !served.contains_key(&add.uid) {
+                            served.insert(add.uid.clone(), serve(&netns, serving.mesh)?);
                         }
                         say(&format!("add {} {inode} {pod}", add.uid));
                     }
@@ -222,13 +244,15 @@ fn netns_inode(netns: &OwnedFd) -> anyhow::Result<u64> {
     Ok(nix::sys::stat::fstat(netns)?.st_ino)
 }
 
-/// Starts ztunnel's listeners inside `netns` and waits until they are up.
-fn serve(netns: &OwnedFd) -> anyhow::Result<Served> {
+/// Starts ztunnel's listeners inside `netns` and waits until they are up; outbound connections
+/// to `mesh` go over HBONE.
+fn serve(netns: &OwnedFd, mesh: &[String]) -> anyhow::Result<Served> {
     let standin = std::env::current_exe()?.with_file_name("meshcap-standin");
     let mut command = Command::new(&standin);
     command
         .args(["--name", "ztunnel", "--mark", "0x539", "--reuseport"])
         .args(LISTENERS.iter().flat_map(|l| ["--listen", l]))
+        .args(mesh.iter().flat_map(|ip| ["--hbone", ip.as_str()]))
         .stdin(Stdio::null())
         .stdout(Stdio::piped());
     let raw = netns.as_raw_fd();

@@ -81,6 +81,11 @@ pub const CROSS_TESTS: &[(&str, &str)] = &[
         "a sidecar pod's and an ambient pod's programs side by side on one node",
     ),
     (
+        "ambient::two_ambient_pods_in_the_kernel",
+        "HBONE between two ambient pods, DNS over UDP and TCP and IPv6 through the stand-in \
+         ztunnel, captured in the kernel",
+    ),
+    (
         "connect4::",
         "every embedded program through the verifier; connect4 on a cgroup",
     ),

@@ -4,7 +4,7 @@
 //! [`crate::wiring`]'s.
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use anyhow::Context as _;
+use anyhow::{Context as _, bail};
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
     backend::{BackendChoice, ebpf, iptables::FlavourChoice},
@@ -14,9 +14,10 @@ use meshcap_agent::{
         NodeSettings, SelectConfig,
         ambient::{AmbientConfig, EnablementSelector},
     },
-    settings, ztunnel,
+    settings::{self, InKernel},
+    ztunnel,
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum PodSourceKind {
@@ -181,23 +182,35 @@ pub(crate) fn netns_dir() -> PathBuf {
     )
 }
 
-/// Whether `ambient.inKernel` asks for ambient pods to be captured by the eBPF backend
-/// (`kernel_serves`: whether it serves the node); where it does not, the setting gives way
-/// (said here) and they get Istio's in-pod rules. (ztunnel's listeners have
-/// `SO_REUSEPORT`: before Linux 6.5 its inbound goes through the pods' socket lookup program,
-/// as a sidecar's does, docs/ebpf.md.)
-pub(crate) fn in_kernel_ambient(kernel_serves: bool) -> anyhow::Result<bool> {
+/// Whether ambient pods are captured by the eBPF backend: as `ambient.inKernel` says, where it
+/// serves the node (`kernel_serves`; `backend_reason` says why it does or not). `auto` (the
+/// default) captures in the kernel wherever it can and gives way to Istio's in-pod rules
+/// elsewhere; `true` where it cannot is refused, naming why, as `--backend ebpf` is on a kernel
+/// that cannot run it: the agent does not start (its startup taint stays on a new node; an
+/// earlier agent's plugin holds enrolled pods), so no pod starts uncaptured. (ztunnel's
+/// listeners have `SO_REUSEPORT`: before Linux 6.5 its inbound goes through the pods' socket
+/// lookup program, as a sidecar's does, docs/ebpf.md.)
+pub(crate) fn in_kernel_ambient(kernel_serves: bool, backend_reason: &str) -> anyhow::Result<bool> {
     let lookup = |name: &str| std::env::var(name).ok();
-    if !settings::bool_setting(&lookup, settings::AMBIENT_IN_KERNEL)? {
-        return Ok(false);
+    let key = settings::AMBIENT_IN_KERNEL.key;
+    match settings::in_kernel(&lookup)? {
+        InKernel::Off => Ok(false),
+        InKernel::Auto if kernel_serves => Ok(true),
+        InKernel::Auto => {
+            info!(
+                setting = key,
+                backend = backend_reason,
+                "auto: the eBPF backend does not serve this node, so ambient pods get Istio's in-pod rules"
+            );
+            Ok(false)
+        }
+        InKernel::Required if kernel_serves => Ok(true),
+        InKernel::Required => bail!(
+            "{key}=true, but the eBPF backend does not serve this node ({backend_reason}): \
+             ambient pods cannot be captured in the kernel here; set it to auto (in the kernel \
+             where the eBPF backend serves the node, else Istio's in-pod rules) or false"
+        ),
     }
-    if !kernel_serves {
-        warn!(
-            setting = settings::AMBIENT_IN_KERNEL.key,
-            "the eBPF backend does not serve this node: ambient pods get Istio's in-pod rules"
-        );
-    }
-    Ok(true)
 }
 
 /// Where this agent keeps what it owns, every path resolved.

@@ -259,7 +259,7 @@ async fn open_node(
                 args.node_netns.clone(),
             );
             let api = kube_node.map(|(client, _)| client.clone());
-            let in_kernel = in_kernel_ambient(ebpf.is_some())?;
+            let in_kernel = in_kernel_ambient(ebpf.is_some(), &reason)?;
             let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
                 let (now, earlier) = ambient_ways(ebpf, in_kernel, &state_dir, flavour)?;
                 let places = AmbientPlaces {
