@@ -152,7 +152,8 @@ pub struct PolicyArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     ambient_ipv6: bool,
     /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
-    /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
+    /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6);
+    /// `nftables`: the `nft -f` transaction of `global.nativeNftables`.
     #[arg(long, value_enum, default_value_t)]
     format: PolicyFormat,
 }
@@ -209,6 +210,20 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
                 }
             };
             print_restore(&rules.v4, rules.v6.as_deref());
+        }
+        PolicyFormat::Nftables => {
+            if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
+                println!("# not enrolled in ambient mode: {reason}");
+            }
+            let transaction = match decision {
+                policy::Decision::Ambient { policy, .. } => policy.render_nftables(),
+                policy::Decision::Sidecar { policy, .. } => policy.render_nftables(),
+                policy::Decision::Skip { reason, .. } => {
+                    println!("# not captured: {reason}");
+                    return Ok(());
+                }
+            };
+            print!("{transaction}");
         }
     }
     Ok(())
