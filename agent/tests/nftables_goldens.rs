@@ -150,7 +150,10 @@ fn servers(v4: &[&str], v6: &[&str]) -> DnsRedirect {
 }
 
 /// Each case of Istio's `getCommonTestCases`, in its order, as its `config` function sets it.
-#[expect(clippy::too_many_lines, reason = "one entry per Istio test case, in its order")]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one entry per Istio test case, in its order"
+)]
 fn sidecar_cases() -> Vec<(&'static str, Case)> {
     let case = |name, set: &dyn Fn(&mut Case)| {
         let mut case = Case::istio_test_config();

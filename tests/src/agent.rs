@@ -98,6 +98,8 @@ pub enum Backend {
     Ebpf,
     /// `--backend iptables`.
     Iptables,
+    /// `--backend nftables` (Istio's native nftables rules).
+    Nftables,
 }
 
 impl Backend {
@@ -107,6 +109,7 @@ impl Backend {
         match self {
             Self::Ebpf => "ebpf",
             Self::Iptables => "iptables",
+            Self::Nftables => "nftables",
         }
     }
 }
@@ -127,6 +130,33 @@ macro_rules! test_on_both_backends {
             #[test]
             fn iptables() {
                 super::$name($crate::agent::Backend::Iptables);
+            }
+        }
+    )+};
+}
+
+/// As [`test_on_both_backends`], with a third test, `nftables`, on Istio's native nftables
+/// rules: for the scenarios whose subject is how a rules backend applies, removes and
+/// recovers a capture.
+#[macro_export]
+macro_rules! test_on_every_backend {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn ebpf() {
+                if $crate::ebpf_runs_here() {
+                    super::$name($crate::agent::Backend::Ebpf);
+                }
+            }
+
+            #[test]
+            fn iptables() {
+                super::$name($crate::agent::Backend::Iptables);
+            }
+
+            #[test]
+            fn nftables() {
+                super::$name($crate::agent::Backend::Nftables);
             }
         }
     )+};
@@ -213,7 +243,7 @@ impl Agent {
                 args.push(bpffs.display().to_string());
                 (cgroup, Some(root), Some(bpffs))
             }
-            Backend::Iptables => (None, None, None),
+            Backend::Iptables | Backend::Nftables => (None, None, None),
         };
         let exe = bin_dir.join("meshcap-agent");
         let child = spawn(&exe, &dir, &args, &socket, &http, env)?;

@@ -26,12 +26,15 @@ use meshcap_tests::{
 use serde_json::{Value, json};
 
 meshcap_tests::test_on_both_backends!(
-    dir_source_pod_is_captured_and_released,
     kube_source_pod_is_captured_and_released,
     api_unreachable_fails_add_closed,
     bad_input_gets_clear_errors_and_the_agent_keeps_serving,
-    a_hundred_pods_in_parallel_leave_nothing_behind,
     a_capture_whose_netns_went_without_a_del_is_dropped,
+);
+
+meshcap_tests::test_on_every_backend!(
+    dir_source_pod_is_captured_and_released,
+    a_hundred_pods_in_parallel_leave_nothing_behind,
     a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does,
 );
 
@@ -515,6 +518,16 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
                 let rules = leftovers(netns).expect("rules");
                 assert!(
                     rules.iter().any(|l| l.contains("ISTIO_OUTPUT")),
+                    "{}: {rules:?}",
+                    netns.name()
+                );
+            }
+        }
+        Backend::Nftables => {
+            for (netns, _) in &pods {
+                let rules = leftovers(netns).expect("rules");
+                assert!(
+                    rules.contains(&"nft: table inet istio-proxy-nat".to_owned()),
                     "{}: {rules:?}",
                     netns.name()
                 );
