@@ -455,6 +455,15 @@ impl Agent {
         exe.clone_into(&mut self.exe);
     }
 
+    /// Makes the next [`Self::restart`] run `backend` (an operator changing the node's backend
+    /// or `global.nativeNftables`).
+    pub fn set_backend(&mut self, backend: Backend) {
+        if let Some(at) = self.args.iter().position(|a| a == "--backend") {
+            self.args[at + 1] = backend.name().to_owned();
+        }
+        self.backend = backend;
+    }
+
     /// Sets (`Some`) or removes (`None`) an environment variable for the next
     /// [`Self::restart`].
     pub fn set_env(&mut self, key: &str, value: Option<&str>) {

@@ -1054,3 +1054,57 @@ fn a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does(backend: Backe
         Vec::<String>::new()
     );
 }
+
+/// A node moved between the rules backends (`global.nativeNftables` turned on, then off
+/// again): the pod captured before keeps its rules as they are, CHECK passes on them and the
+/// verifier leaves them alone, until its DEL releases them; the next pod gets the backend
+/// chosen now. Istio 1.29's migration keeps a running pod's iptables rules the same way.
+#[test]
+fn a_node_moved_between_rules_backends_keeps_each_pod_as_it_was_until_it_goes() {
+    require_root();
+    for (before, after, table) in [
+        (Backend::Iptables, Backend::Nftables, "ISTIO_OUTPUT"),
+        (Backend::Nftables, Backend::Iptables, "istio-proxy-nat"),
+    ] {
+        let mut scene = meshcap_tests::one_pod::OnePod::new(before, None);
+        let _servers = scene.wired.servers();
+        let add = scene.cni("ADD");
+        assert!(add.success, "ADD on {before:?}: {add:?}");
+        let earlier = leftovers(&scene.wired.pod).expect("rules");
+        assert!(
+            earlier.iter().any(|l| l.contains(table)),
+            "{before:?}: {earlier:?}"
+        );
+        scene.agent.set_backend(after);
+        scene.agent.restart().expect("restart");
+        scene.assert_captured(&format!("{before:?} pod after the move to {after:?}"));
+        assert_eq!(
+            leftovers(&scene.wired.pod).expect("rules"),
+            earlier,
+            "{before:?} → {after:?}: the pod's rules are kept as they were"
+        );
+        let status = scene.agent.status().expect("status");
+        assert!(
+            status
+                .warnings
+                .iter()
+                .any(|w| w.contains("keep the") && w.contains(before.name())),
+            "{:?}",
+            status.warnings
+        );
+        let del = scene.cni("DEL");
+        assert!(del.success, "DEL: {del:?}");
+        scene.assert_released(&format!("{before:?} pod after its DEL"));
+        let add = scene.cni("ADD");
+        assert!(add.success, "ADD on {after:?}: {add:?}");
+        scene.assert_captured(&format!("a new pod on {after:?}"));
+        let now = leftovers(&scene.wired.pod).expect("rules");
+        assert!(
+            !now.iter().any(|l| l.contains(table)),
+            "{after:?}: a new pod gets only the backend chosen now: {now:?}"
+        );
+        let del = scene.cni("DEL");
+        assert!(del.success, "DEL: {del:?}");
+        scene.assert_released(&format!("a new pod on {after:?} after its DEL"));
+    }
+}

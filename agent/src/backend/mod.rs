@@ -22,6 +22,7 @@ use crate::{
 
 mod drift;
 pub mod ebpf;
+pub mod handover;
 pub mod iptables;
 pub mod nftables;
 pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};

@@ -14,6 +14,7 @@ use meshcap_agent::{
     backend::{
         BackendChoice, BackendError, CaptureBackend, Router,
         ebpf::{EbpfBackend, EbpfConfig},
+        handover::Handover,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
         nftables::{NftablesBackend, NftablesConfig},
     },
@@ -311,17 +312,57 @@ struct RulesPath {
 }
 
 impl RulesPath {
+    /// The iptables backend, in front of the pods an earlier agent captured with nftables.
     fn iptables(&self) -> Result<Shared, BackendError> {
-        Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+        let now = Arc::new(IptablesBackend::new(&IptablesConfig {
             state_dir: self.state_dir.clone(),
             flavour: self.flavour,
-        })?))
+        })?);
+        self.with_earlier(now, "nftables", || self.open_nftables())
     }
 
+    /// The nftables backend, in front of the pods an earlier agent captured with iptables.
     fn nftables(&self) -> Result<Shared, BackendError> {
+        let now = self.open_nftables()?;
+        self.with_earlier(now, "iptables", || {
+            Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+                state_dir: self.state_dir.clone(),
+                flavour: self.flavour,
+            })?))
+        })
+    }
+
+    fn open_nftables(&self) -> Result<Shared, BackendError> {
         Ok(Arc::new(NftablesBackend::new(&NftablesConfig {
             state_dir: self.state_dir.clone(),
         })?))
+    }
+
+    /// `now`, or, when the other rules backend's records (`<state dir>/<records>/`) name pods
+    /// an earlier agent captured with it, `now` in front of it: those pods keep their rules
+    /// until they go (nothing is created to find out).
+    fn with_earlier(
+        &self,
+        now: Shared,
+        records: &str,
+        open: impl FnOnce() -> Result<Shared, BackendError>,
+    ) -> Result<Shared, BackendError> {
+        let recorded = std::fs::read_dir(self.state_dir.join(records)).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().contains(".json"))
+        });
+        if !recorded {
+            return Ok(now);
+        }
+        let earlier = open()?;
+        info!(
+            now = now.name(),
+            earlier = earlier.name(),
+            pods = earlier.captured_count()?,
+            "pods captured by the earlier rules backend keep their rules until they go"
+        );
+        Ok(Arc::new(Handover::new(now, earlier)))
     }
 
     /// The rules backend the settings choose.
