@@ -440,7 +440,8 @@ fn run_policy_command(args: &[&str], manifest: &std::path::Path) -> String {
 }
 
 /// The operator's dry run: `meshcap-agent policy --format nftables` prints the transaction
-/// the pod gets, for a sidecar pod and for an ambient one (Istio's golden).
+/// the pod gets, for a sidecar pod and for an ambient one (Istio's golden), and with
+/// `--kubelet-uid` the node's (Istio's `hostprobe` golden).
 #[test]
 fn the_policy_command_prints_the_transaction() {
     let pods = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/testdata/pods");
@@ -476,4 +477,10 @@ fn the_policy_command_prints_the_transaction() {
     ];
     let printed = run_policy_command(&args, &manifest);
     assert_eq!(printed, golden("ambient", "virtual_interfaces"));
+    // With kubelet's uid, the node's transaction follows (Istio's test gives 1000).
+    let args = [&args[..], &["--kubelet-uid", "1000"]].concat();
+    let printed = run_policy_command(&args, &manifest);
+    let want =
+        golden("ambient", "virtual_interfaces") + "# node\n" + &golden("ambient", "hostprobe");
+    assert_eq!(printed, want);
 }

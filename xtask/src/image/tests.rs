@@ -511,7 +511,9 @@ fn the_archive_is_a_multi_arch_oci_image_that_runs_the_daemonsets_command() {
     ] {
         assert!(in_arm64_image(rootfs, &[], &[restore, "--version"], "").contains("iptables"));
     }
-    assert!(in_arm64_image(rootfs, &[], &["nft", "--version"], "").contains("v1.0.6"));
+    // (`nft` opens a netlink socket before anything else, even for `--version`: the arm64
+    // one runs in the arm64 guest of `cargo xtask integration`, whose userland is this one,
+    // through the nftables scenario table.)
     // The extensions the backend's rules name load (their options are in the help).
     let help = in_arm64_image(
         rootfs,

@@ -156,6 +156,11 @@ pub struct PolicyArgs {
     /// `nftables`: the `nft -f` transaction of `global.nativeNftables`.
     #[arg(long, value_enum, default_value_t)]
     format: PolicyFormat,
+    /// With `--ambient` and `--format nftables`: also the node's own transaction, the rule
+    /// SNAT-ing kubelet's probes of ambient pods (Istio's, matching the socket's owner: this
+    /// uid, kubelet's), after a `# node` line.
+    #[arg(long, value_name = "UID")]
+    kubelet_uid: Option<u32>,
 }
 
 fn label(text: &str) -> Result<(String, String), String> {
@@ -224,6 +229,13 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
                 }
             };
             print!("{transaction}");
+            if let (Some(ambient), Some(uid)) = (&node.ambient, args.kubelet_uid) {
+                println!("# node");
+                print!(
+                    "{}",
+                    ambient.host_probe_snat.render_nftables(ambient.ipv6, uid)
+                );
+            }
         }
     }
     Ok(())
