@@ -98,7 +98,8 @@ pub enum Backend {
     Ebpf,
     /// `--backend iptables`.
     Iptables,
-    /// `--backend nftables` (Istio's native nftables rules).
+    /// `--backend nftables` with `global.nativeNftables` (Istio's native nftables rules, for
+    /// ambient pods' in-pod rules too).
     Nftables,
 }
 
@@ -226,6 +227,12 @@ impl Agent {
         let http = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
         args.extend(["--backend".into(), backend.name().into()]);
+        // Istio's nftables everywhere the rules path is used: ambient pods' in-pod rules too.
+        let mut env = env.to_vec();
+        if backend == Backend::Nftables {
+            env.push(("MESHCAP_NATIVE_NFTABLES", "true"));
+        }
+        let env = env.as_slice();
         let (cgroup, cgroup_root, bpffs_dir) = match backend {
             Backend::Ebpf => {
                 let (cgroup, root) = match cgroup_root {
