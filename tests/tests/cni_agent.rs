@@ -1060,7 +1060,7 @@ fn a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does(backend: Backe
 /// verifier leaves them alone, until its DEL releases them; the next pod gets the backend
 /// chosen now. Istio 1.29's migration keeps a running pod's iptables rules the same way.
 #[test]
-fn a_node_moved_between_rules_backends_keeps_each_pod_as_it_was_until_it_goes() {
+fn a_node_moved_between_iptables_and_nftables_keeps_each_pod_as_it_was_until_it_goes() {
     require_root();
     for (before, after, table) in [
         (Backend::Iptables, Backend::Nftables, "ISTIO_OUTPUT"),

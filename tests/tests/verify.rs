@@ -162,6 +162,12 @@ fn sidecar_tampers(backend: Backend) -> Vec<Tamper> {
                     );
                 },
             ),
+            ("a chain added to Istio's table", "rules", |_, wired| {
+                in_netns(
+                    wired.pod.name(),
+                    &["nft", "add", "chain", "inet", "istio-proxy-nat", "foreign"],
+                );
+            }),
         ],
         Backend::Ebpf => vec![
             ("the TC filter deleted", "tc_filter", |_, wired| {

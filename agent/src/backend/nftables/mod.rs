@@ -4,8 +4,11 @@
 //!
 //! - **Atomic**: each ADD, update, repair and DEL is one `nft -f -` transaction, which the
 //!   kernel applies whole or not at all. Istio's transaction adds, flushes and refills its
-//!   tables; an update also deletes, in the same transaction, the tables of the earlier rules
-//!   the new ones do not write (a TPROXY pod's mangle table when it turns REDIRECT).
+//!   tables; meshcap's first deletes, in the same transaction, every table the pod's rules
+//!   (and any earlier rules of its record) write, so that the tables are exactly what Istio
+//!   writes into a fresh netns whatever was there: no chain of an earlier policy left empty, no
+//!   chain added behind meshcap's back kept, no earlier table (a TPROXY pod's mangle table when
+//!   it turns REDIRECT).
 //! - **Records**: what was applied is recorded ahead per pod ([`records`], in
 //!   `<state dir>/nftables/`), so that a DEL, an ADD or a restarted agent knows which tables the
 //!   netns may hold. DEL deletes every table a record names with `add table` then `delete
@@ -14,7 +17,7 @@
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
 //!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
 //!   verifier compare the tables' listing now with it. A repair runs the pod's transaction
-//!   again: the tables refilled atomically, never less in place than before.
+//!   again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
 mod nft;
@@ -181,12 +184,10 @@ impl NftablesBackend {
         self.records.save(&intent)?;
         let applied = self.in_netns(pod, |nft, visit| {
             let new_tables = rules.tables();
-            let stale = intent
-                .replacing
-                .iter()
-                .flat_map(NftablesRules::tables)
-                .filter(|table| !new_tables.contains(table));
-            nft.apply(&(deletion(stale) + &rules.transaction))?;
+            nft.apply(
+                &(deletion(intent.rule_sets().flat_map(NftablesRules::tables))
+                    + &rules.transaction),
+            )?;
             let old_routes: Vec<&PolicyRoutes> = if intent.replacing.is_empty() {
                 vec![&NO_ROUTES]
             } else {
@@ -196,8 +197,7 @@ impl NftablesBackend {
                 // Back to what was there: the earlier rules whole, or none.
                 let back = match &previous {
                     Some(prev) if prev.replacing.is_empty() => {
-                        let old = prev.rules.tables();
-                        deletion(new_tables.into_iter().filter(|t| !old.contains(t)))
+                        deletion(new_tables.into_iter().chain(prev.rules.tables()))
                             + &prev.rules.transaction
                     }
                     _ => deletion(new_tables),
@@ -474,8 +474,9 @@ impl CaptureBackend for NftablesBackend {
                     .installed
                     .push("every table as applied (nft lists them unchanged)".to_owned()),
                 Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
-                    // The tables refilled in one transaction: nothing less at any instant.
-                    nft.apply(&rules.transaction).map_err(|e| e.to_string())?;
+                    // The tables replaced in one transaction: nothing less at any instant.
+                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
+                        .map_err(|e| e.to_string())?;
                     let now = listing(nft, rules).map_err(|e| e.to_string())?;
                     difference(&record.listing, &now).map_or(Ok(()), Err)
                 })),
