@@ -502,3 +502,50 @@ impl CaptureBackend for NftablesBackend {
         Ok(check)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deletion_names_each_table_once_and_succeeds_whether_it_exists_or_not() {
+        assert_eq!(
+            deletion(["istio-proxy-nat", "istio-proxy-mangle", "istio-proxy-nat"]),
+            "add table inet istio-proxy-nat\ndelete table inet istio-proxy-nat\n\
+             add table inet istio-proxy-mangle\ndelete table inet istio-proxy-mangle\n"
+        );
+        assert_eq!(deletion([]), "");
+    }
+
+    #[test]
+    fn the_tables_of_a_transaction_are_those_it_adds_in_order() {
+        let rules = NftablesRules {
+            transaction: "add table inet istio-proxy-nat\nflush table inet istio-proxy-nat\n\
+                          add rule inet istio-proxy-nat output counter jump istio-output\n\
+                          add table inet istio-proxy-raw\n"
+                .to_owned(),
+            routes: PolicyRoutes::default(),
+        };
+        assert_eq!(rules.tables(), ["istio-proxy-nat", "istio-proxy-raw"]);
+    }
+
+    #[test]
+    fn a_difference_names_the_first_line_that_changed() {
+        let applied = "table inet t {\n\tchain output {\n\t\tcounter jump istio-output\n\t}\n}\n";
+        assert_eq!(difference(applied, applied), None);
+        let flushed = "table inet t {\n\tchain output {\n\t}\n}\n";
+        assert_eq!(
+            difference(applied, flushed).as_deref(),
+            Some("`}` where `counter jump istio-output` was applied")
+        );
+        let more = format!("{applied}table inet u {{\n}}\n");
+        assert_eq!(
+            difference(applied, &more).as_deref(),
+            Some("`table inet u {` was added")
+        );
+        assert_eq!(
+            difference(&more, applied).as_deref(),
+            Some("`table inet u {` is missing")
+        );
+    }
+}
