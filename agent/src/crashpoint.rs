@@ -17,7 +17,7 @@ pub const ENV: &str = "MESHCAP_CRASH_AT";
 pub const PAUSE_ENV: &str = "MESHCAP_PAUSE_AT";
 
 /// Every point, for the tests to iterate over.
-pub const POINTS: [&str; 16] = [
+pub const POINTS: [&str; 19] = [
     EBPF_ADD_PINNED,
     EBPF_ADD_QDISC,
     EBPF_ADD_FILTER,
@@ -29,6 +29,9 @@ pub const POINTS: [&str; 16] = [
     IPTABLES_ADD_APPLIED,
     IPTABLES_ADD_RECORD_WRITTEN,
     IPTABLES_REMOVE_REMOVED,
+    NFTABLES_ADD_APPLIED,
+    NFTABLES_ADD_RECORD_WRITTEN,
+    NFTABLES_REMOVE_REMOVED,
     AMBIENT_ADD_RECORDED,
     AMBIENT_ADD_HANDED,
     AMBIENT_ADD_PROBED,
@@ -65,6 +68,12 @@ pub const IPTABLES_ADD_APPLIED: &str = "iptables-add-applied";
 pub const IPTABLES_ADD_RECORD_WRITTEN: &str = "iptables-add-record-written";
 /// iptables DEL: the rules removed, the record not yet.
 pub const IPTABLES_REMOVE_REMOVED: &str = "iptables-remove-removed";
+/// nftables ADD: the transaction run, its final record not written.
+pub const NFTABLES_ADD_APPLIED: &str = "nftables-add-applied";
+/// nftables ADD: a record written to its temporary file, not renamed into place.
+pub const NFTABLES_ADD_RECORD_WRITTEN: &str = "nftables-add-record-written";
+/// nftables DEL: the tables deleted, the record not yet.
+pub const NFTABLES_REMOVE_REMOVED: &str = "nftables-remove-removed";
 /// Ambient ADD: what ztunnel is to be told written, no in-pod rule applied.
 pub const AMBIENT_ADD_RECORDED: &str = "ambient-add-recorded";
 /// Ambient ADD: ztunnel acked the pod, its addresses not in the probe set.

@@ -221,8 +221,9 @@ pub const ISTIO_OWNED_CNI_CONFIG_FILE_NAME: Setting = Setting {
     default: "",
 };
 
-/// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27). Not in meshcap yet
-/// (its iptables backend picks legacy or nft iptables per pod, as Istio's iptables mode does).
+/// `global.nativeNftables`: Istio's rules as native nftables (Istio 1.27 sidecar, 1.28
+/// ambient) wherever the rules path captures pods (the kernel programs still capture where they
+/// run, unless the backend is pinned).
 pub const NATIVE_NFTABLES: Setting = Setting {
     key: "global.nativeNftables",
     env: "MESHCAP_NATIVE_NFTABLES",
@@ -238,17 +239,10 @@ pub const AMBIENT_DETECTION_RETRY: Setting = Setting {
 };
 
 /// Istio settings meshcap accepts but does not act on yet, and what it does instead.
-pub const NOT_SUPPORTED: [(Setting, &str); 2] = [
-    (
-        NATIVE_NFTABLES,
-        "the iptables backend writes Istio's iptables rules (legacy or nft iptables, chosen per \
-         pod as Istio does); the eBPF backend needs neither",
-    ),
-    (
-        AMBIENT_DETECTION_RETRY,
-        "the plugin asks the agent, which looks a pod up again while the pod source lags",
-    ),
-];
+pub const NOT_SUPPORTED: [(Setting, &str); 1] = [(
+    AMBIENT_DETECTION_RETRY,
+    "the plugin asks the agent, which looks a pod up again while the pod source lags",
+)];
 
 /// Every ConfigMap setting, in the ConfigMap's order.
 pub const ALL: [Setting; 28] = [

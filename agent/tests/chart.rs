@@ -787,10 +787,12 @@ fn an_istio_values_file_is_taken_as_it_is() {
     // Istio's features meshcap lacks: reported, and passed on for the agent to log.
     let notes = config.notes();
     assert!(
-        notes.contains("global.nativeNftables: true"),
+        notes.contains("ambient.enableAmbientDetectionRetry: true"),
         "NOTES name it:\n{notes}"
     );
     assert!(!notes.contains("istioOwnedCNIConfig"), "{notes}");
+    // global.nativeNftables reaches the agent, which acts on it.
+    assert!(!notes.contains("nativeNftables"), "{notes}");
     assert_eq!(data["global.nativeNftables"], "true");
     let lookup = |name: &str| {
         settings::ALL
@@ -803,7 +805,7 @@ fn an_istio_values_file_is_taken_as_it_is() {
         .into_iter()
         .map(|(key, _)| key)
         .collect();
-    assert_eq!(reported, ["global.nativeNftables"]);
+    assert_eq!(reported, ["ambient.enableAmbientDetectionRetry"]);
     let named = Config::new(
         "owned file named",
         &[

@@ -98,6 +98,9 @@ pub enum Backend {
     Ebpf,
     /// `--backend iptables`.
     Iptables,
+    /// `--backend nftables` with `global.nativeNftables` (Istio's native nftables rules, for
+    /// ambient pods' in-pod rules too).
+    Nftables,
 }
 
 impl Backend {
@@ -107,6 +110,7 @@ impl Backend {
         match self {
             Self::Ebpf => "ebpf",
             Self::Iptables => "iptables",
+            Self::Nftables => "nftables",
         }
     }
 }
@@ -127,6 +131,33 @@ macro_rules! test_on_both_backends {
             #[test]
             fn iptables() {
                 super::$name($crate::agent::Backend::Iptables);
+            }
+        }
+    )+};
+}
+
+/// As [`test_on_both_backends`], with a third test, `nftables`, on Istio's native nftables
+/// rules: for the scenarios whose subject is how a rules backend applies, removes and
+/// recovers a capture.
+#[macro_export]
+macro_rules! test_on_every_backend {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn ebpf() {
+                if $crate::ebpf_runs_here() {
+                    super::$name($crate::agent::Backend::Ebpf);
+                }
+            }
+
+            #[test]
+            fn iptables() {
+                super::$name($crate::agent::Backend::Iptables);
+            }
+
+            #[test]
+            fn nftables() {
+                super::$name($crate::agent::Backend::Nftables);
             }
         }
     )+};
@@ -196,6 +227,12 @@ impl Agent {
         let http = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
         args.extend(["--backend".into(), backend.name().into()]);
+        // Istio's nftables everywhere the rules path is used: ambient pods' in-pod rules too.
+        let mut env = env.to_vec();
+        if backend == Backend::Nftables {
+            env.push(("MESHCAP_NATIVE_NFTABLES", "true"));
+        }
+        let env = env.as_slice();
         let (cgroup, cgroup_root, bpffs_dir) = match backend {
             Backend::Ebpf => {
                 let (cgroup, root) = match cgroup_root {
@@ -213,7 +250,7 @@ impl Agent {
                 args.push(bpffs.display().to_string());
                 (cgroup, Some(root), Some(bpffs))
             }
-            Backend::Iptables => (None, None, None),
+            Backend::Iptables | Backend::Nftables => (None, None, None),
         };
         let exe = bin_dir.join("meshcap-agent");
         let child = spawn(&exe, &dir, &args, &socket, &http, env)?;
@@ -423,6 +460,15 @@ impl Agent {
     /// upgrade or a rollback does).
     pub fn set_exe(&mut self, exe: &Path) {
         exe.clone_into(&mut self.exe);
+    }
+
+    /// Makes the next [`Self::restart`] run `backend` (an operator changing the node's backend
+    /// or `global.nativeNftables`).
+    pub fn set_backend(&mut self, backend: Backend) {
+        if let Some(at) = self.args.iter().position(|a| a == "--backend") {
+            self.args[at + 1] = backend.name().to_owned();
+        }
+        self.backend = backend;
     }
 
     /// Sets (`Some`) or removes (`None`) an environment variable for the next

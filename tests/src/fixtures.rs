@@ -15,7 +15,8 @@ use serde_json::{Value, json};
 use crate::{Netns, unique_name};
 
 /// The iptables state of a netns that mentions Istio (chains or jumps), from both
-/// implementations, its ip rules for tables 133 (TPROXY) and 100 (ambient mode), its clsact
+/// implementations, its nftables tables named `istio-*` (the native nftables backend's), its
+/// ip rules for tables 133 (TPROXY) and 100 (ambient mode), its clsact
 /// qdiscs and a `net.ipv4.tcp_fwmark_accept` other than 0: empty when nothing is left.
 ///
 /// # Errors
@@ -34,6 +35,16 @@ pub fn leftovers(netns: &Netns) -> anyhow::Result<Vec<String>> {
                 .map(|l| format!("{save}: {l}")),
         );
     }
+    let tables = crate::run(
+        "ip",
+        &["netns", "exec", netns.name(), "nft", "list", "tables"],
+    )?;
+    out.extend(
+        tables
+            .lines()
+            .filter(|l| l.contains("istio-"))
+            .map(|l| format!("nft: {l}")),
+    );
     let rules = netns.ip(&["rule", "show"])?;
     out.extend(
         rules

@@ -88,14 +88,16 @@ impl OnePod {
     pub fn held(&self) -> Vec<String> {
         let mut out = self.agent.ebpf_leftovers().expect("eBPF state");
         out.extend(leftovers(&self.wired.pod).expect("netns state"));
-        let records = self.agent.state_dir().join("iptables");
-        out.extend(
-            std::fs::read_dir(&records)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| format!("record {}", e.path().display())),
-        );
+        for backend in ["iptables", "nftables"] {
+            let records = self.agent.state_dir().join(backend);
+            out.extend(
+                std::fs::read_dir(&records)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .map(|e| format!("record {}", e.path().display())),
+            );
+        }
         out
     }
 

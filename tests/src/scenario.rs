@@ -12,6 +12,7 @@ use meshcap_agent::{
         CaptureBackend as _,
         ebpf::{EbpfBackend, EbpfConfig, Handoff, TcAttach},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+        nftables::{NftablesBackend, NftablesConfig},
     },
     pod::PodRef,
     policy::{
@@ -184,6 +185,44 @@ impl Drop for IptablesUnderTest {
 }
 
 impl Backend for IptablesUnderTest {
+    fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
+        Ok(self.backend.add(pod, &policy.clone().into())?)
+    }
+
+    fn remove(&self, pod: &PodRef) -> anyhow::Result<()> {
+        Ok(self.backend.remove(pod)?)
+    }
+}
+
+/// The native nftables backend ([`NftablesBackend`]) with a state directory of its own.
+pub struct NftablesUnderTest {
+    backend: NftablesBackend,
+    state_dir: PathBuf,
+}
+
+impl NftablesUnderTest {
+    /// Opens the backend with a unique state directory under `/run`.
+    ///
+    /// # Errors
+    /// When the directory cannot be made or `nft` does not run.
+    pub fn new() -> anyhow::Result<Self> {
+        let state_dir = PathBuf::from("/run").join(unique_name("meshcap-test-nftables"));
+        let backend = NftablesBackend::new(&NftablesConfig {
+            state_dir: state_dir.clone(),
+        })?;
+        Ok(Self { backend, state_dir })
+    }
+}
+
+impl Drop for NftablesUnderTest {
+    fn drop(&mut self) {
+        if let Err(err) = std::fs::remove_dir_all(&self.state_dir) {
+            eprintln!("cleanup: {}: {err}", self.state_dir.display());
+        }
+    }
+}
+
+impl Backend for NftablesUnderTest {
     fn add(&self, pod: &PodRef, policy: &RedirectPolicy) -> anyhow::Result<()> {
         Ok(self.backend.add(pod, &policy.clone().into())?)
     }

@@ -32,13 +32,16 @@ use meshcap_tests::{
 };
 use serde_json::{Value, json};
 
-meshcap_tests::test_on_both_backends!(
+meshcap_tests::test_on_every_backend!(
     an_ambient_pod_is_captured_for_ztunnel_and_released,
+    a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way,
+);
+
+meshcap_tests::test_on_both_backends!(
     without_ztunnel_an_ambient_add_fails_whole,
     with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
     running_pods_join_and_leave_as_their_labels_change,
     a_starting_agent_makes_enrolled_pods_rules_its_own,
-    a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way,
     an_enrolled_pod_whose_netns_went_without_a_del_is_dropped,
 );
 
@@ -589,11 +592,19 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
         "the pod's address is in the probe set"
     );
     captured_as_istio_does(&node, &pod, &other);
-    let rules = leftovers(&pod.netns)
-        .expect("the pod's netns")
-        .into_iter()
-        .filter(|l| l.contains("ISTIO"))
+    // Istio's iptables chains, or with global.nativeNftables its nftables tables.
+    let held = leftovers(&pod.netns).expect("the pod's netns");
+    let rules = held
+        .iter()
+        .filter(|l| l.contains("ISTIO") || l.starts_with("nft: "))
         .count();
+    if agent.backend() == Backend::Nftables {
+        assert!(
+            held.contains(&"nft: table inet istio-ambient-nat".to_owned())
+                && !held.iter().any(|l| l.contains("ISTIO")),
+            "Istio's in-pod nftables rules, no iptables: {held:?}"
+        );
+    }
     if in_kernel {
         assert_eq!(rules, 0, "no in-pod rule: the kernel captures");
     } else {

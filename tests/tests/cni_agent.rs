@@ -26,12 +26,15 @@ use meshcap_tests::{
 use serde_json::{Value, json};
 
 meshcap_tests::test_on_both_backends!(
-    dir_source_pod_is_captured_and_released,
     kube_source_pod_is_captured_and_released,
     api_unreachable_fails_add_closed,
     bad_input_gets_clear_errors_and_the_agent_keeps_serving,
-    a_hundred_pods_in_parallel_leave_nothing_behind,
     a_capture_whose_netns_went_without_a_del_is_dropped,
+);
+
+meshcap_tests::test_on_every_backend!(
+    dir_source_pod_is_captured_and_released,
+    a_hundred_pods_in_parallel_leave_nothing_behind,
     a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does,
 );
 
@@ -515,6 +518,16 @@ fn a_hundred_pods_in_parallel_leave_nothing_behind(backend: Backend) {
                 let rules = leftovers(netns).expect("rules");
                 assert!(
                     rules.iter().any(|l| l.contains("ISTIO_OUTPUT")),
+                    "{}: {rules:?}",
+                    netns.name()
+                );
+            }
+        }
+        Backend::Nftables => {
+            for (netns, _) in &pods {
+                let rules = leftovers(netns).expect("rules");
+                assert!(
+                    rules.contains(&"nft: table inet istio-proxy-nat".to_owned()),
                     "{}: {rules:?}",
                     netns.name()
                 );
@@ -1040,4 +1053,58 @@ fn a_pod_in_a_user_namespace_of_its_own_is_captured_as_istio_does(backend: Backe
         agent.ebpf_leftovers().expect("eBPF state"),
         Vec::<String>::new()
     );
+}
+
+/// A node moved between the rules backends (`global.nativeNftables` turned on, then off
+/// again): the pod captured before keeps its rules as they are, CHECK passes on them and the
+/// verifier leaves them alone, until its DEL releases them; the next pod gets the backend
+/// chosen now. Istio 1.29's migration keeps a running pod's iptables rules the same way.
+#[test]
+fn a_node_moved_between_iptables_and_nftables_keeps_each_pod_as_it_was_until_it_goes() {
+    require_root();
+    for (before, after, table) in [
+        (Backend::Iptables, Backend::Nftables, "ISTIO_OUTPUT"),
+        (Backend::Nftables, Backend::Iptables, "istio-proxy-nat"),
+    ] {
+        let mut scene = meshcap_tests::one_pod::OnePod::new(before, None);
+        let _servers = scene.wired.servers();
+        let add = scene.cni("ADD");
+        assert!(add.success, "ADD on {before:?}: {add:?}");
+        let earlier = leftovers(&scene.wired.pod).expect("rules");
+        assert!(
+            earlier.iter().any(|l| l.contains(table)),
+            "{before:?}: {earlier:?}"
+        );
+        scene.agent.set_backend(after);
+        scene.agent.restart().expect("restart");
+        scene.assert_captured(&format!("{before:?} pod after the move to {after:?}"));
+        assert_eq!(
+            leftovers(&scene.wired.pod).expect("rules"),
+            earlier,
+            "{before:?} → {after:?}: the pod's rules are kept as they were"
+        );
+        let status = scene.agent.status().expect("status");
+        assert!(
+            status
+                .warnings
+                .iter()
+                .any(|w| w.contains("keep the") && w.contains(before.name())),
+            "{:?}",
+            status.warnings
+        );
+        let del = scene.cni("DEL");
+        assert!(del.success, "DEL: {del:?}");
+        scene.assert_released(&format!("{before:?} pod after its DEL"));
+        let add = scene.cni("ADD");
+        assert!(add.success, "ADD on {after:?}: {add:?}");
+        scene.assert_captured(&format!("a new pod on {after:?}"));
+        let now = leftovers(&scene.wired.pod).expect("rules");
+        assert!(
+            !now.iter().any(|l| l.contains(table)),
+            "{after:?}: a new pod gets only the backend chosen now: {now:?}"
+        );
+        let del = scene.cni("DEL");
+        assert!(del.success, "DEL: {del:?}");
+        scene.assert_released(&format!("a new pod on {after:?} after its DEL"));
+    }
 }

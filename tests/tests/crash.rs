@@ -1,6 +1,6 @@
 //! Crash consistency: the agent killed between any two steps of an ADD, a DEL or an update
 //! (at the named points of `meshcap_agent::crashpoint`, where the test build's agent kills
-//! itself with SIGKILL), on both backends. After each kill:
+//! itself with SIGKILL), on every backend. After each kill:
 //!
 //! - the plugin's ADD fails with code 11, try again later (kubelet retries), and its DEL
 //!   succeeds, wherever the conversation broke;
@@ -16,7 +16,7 @@ use meshcap_tests::{
     require_root,
 };
 
-meshcap_tests::test_on_both_backends!(
+meshcap_tests::test_on_every_backend!(
     an_interrupted_add_leaves_a_pod_that_add_captures_and_del_releases,
     an_interrupted_del_leaves_a_pod_the_next_del_releases,
 );
@@ -45,6 +45,13 @@ fn points(backend: Backend) -> (&'static [&'static str], &'static [&'static str]
             ],
             &[crashpoint::IPTABLES_REMOVE_REMOVED],
         ),
+        Backend::Nftables => (
+            &[
+                crashpoint::NFTABLES_ADD_APPLIED,
+                crashpoint::NFTABLES_ADD_RECORD_WRITTEN,
+            ],
+            &[crashpoint::NFTABLES_REMOVE_REMOVED],
+        ),
     }
 }
 
@@ -52,7 +59,7 @@ fn points(backend: Backend) -> (&'static [&'static str], &'static [&'static str]
 /// tests/tests/ambient.rs).
 #[test]
 fn every_crash_point_is_exercised() {
-    let mut exercised: Vec<&str> = [Backend::Ebpf, Backend::Iptables]
+    let mut exercised: Vec<&str> = [Backend::Ebpf, Backend::Iptables, Backend::Nftables]
         .into_iter()
         .flat_map(|backend| {
             let (add, del) = points(backend);
@@ -95,8 +102,14 @@ fn an_interrupted_add_leaves_a_pod_that_add_captures_and_del_releases(backend: B
                 "{point}: the lists written before the pod entry are swept at start"
             );
         }
-        if point == crashpoint::IPTABLES_ADD_RECORD_WRITTEN {
-            let tmp: Vec<_> = std::fs::read_dir(scene.agent.state_dir().join("iptables"))
+        if let Some(dir) = [
+            (crashpoint::IPTABLES_ADD_RECORD_WRITTEN, "iptables"),
+            (crashpoint::NFTABLES_ADD_RECORD_WRITTEN, "nftables"),
+        ]
+        .iter()
+        .find_map(|(at, dir)| (point == *at).then_some(dir))
+        {
+            let tmp: Vec<_> = std::fs::read_dir(scene.agent.state_dir().join(dir))
                 .expect("records")
                 .flatten()
                 .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))

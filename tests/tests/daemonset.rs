@@ -5,7 +5,7 @@
 //! ConfigMap's keys resolved (optional ones left out when missing) and the downward API's fields,
 //! its hostPath mounts with their propagation, its capabilities, seccomp and AppArmor profiles,
 //! in a host-network sandbox. It must become ready on its readiness probe, log the Istio setting
-//! it does not support (`global.nativeNftables`), install the plugin into containerd's CNI
+//! it does not support (`ambient.enableAmbientDetectionRetry`), install the plugin into containerd's CNI
 //! directories, and capture a pod sandbox created afterwards.
 //!
 //! The node is the test's: containerd runs in a network namespace and a mount namespace of its
@@ -495,7 +495,7 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
         // The in-test API server serves no Node objects.
         "meshcap.startupTaint=".to_owned(),
         // An Istio feature meshcap lacks: accepted, and the agent says so.
-        "global.nativeNftables=true".to_owned(),
+        "ambient.enableAmbientDetectionRetry=true".to_owned(),
     ];
     let mut args = vec!["--namespace", "istio-system", "--kube-version", "1.35.0"];
     for set in &sets {
@@ -619,8 +619,9 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     }
     let log = agent_log();
     assert!(
-        log.contains("not supported by meshcap yet") && log.contains("global.nativeNftables"),
-        "the agent reports global.nativeNftables:\n{log}"
+        log.contains("not supported by meshcap yet")
+            && log.contains("ambient.enableAmbientDetectionRetry"),
+        "the agent reports ambient.enableAmbientDetectionRetry:\n{log}"
     );
     // The plugin installed into containerd's directories, chained last.
     assert!(ctd.bin_dir.join("meshcap-cni").exists(), "{}", agent_log());

@@ -1,6 +1,7 @@
 //! The scenario table (every row of the redirect semantics in docs/development.md, Istio's
-//! validation probe, hairpin, loopback, dual stack, DNS, TPROXY) against both backends on the
-//! real kernel, directly and through the agent and the real plugin binary.
+//! validation probe, hairpin, loopback, dual stack, DNS, TPROXY) against every backend (eBPF,
+//! Istio's iptables rules and its native nftables ones) on the real kernel, directly and
+//! through the agent and the real plugin binary.
 use std::net::IpAddr;
 
 use meshcap_agent::{
@@ -13,8 +14,8 @@ use meshcap_tests::{
     plugin::{PluginUnderTest, ensure_exact, pod_manifest},
     require_root,
     scenario::{
-        Backend, Case, EbpfUnderTest, Expect::*, IptablesUnderTest, To::*, Who::*, case, cidrs,
-        default_policy, run_case, run_table, tcx_where_supported,
+        Backend, Case, EbpfUnderTest, Expect::*, IptablesUnderTest, NftablesUnderTest, To::*,
+        Who::*, case, cidrs, default_policy, run_case, run_table, tcx_where_supported,
     },
     world::Node,
 };
@@ -583,6 +584,16 @@ fn iptables_backend_makes_istios_decisions() {
     run_table(&backend, &mut node, &table());
 }
 
+/// The same table, unchanged, through Istio's native nftables rules (`global.nativeNftables`):
+/// a pod captured with nftables behaves as with iptables in every row.
+#[test]
+fn nftables_backend_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = NftablesUnderTest::new().expect("nftables backend");
+    run_table(&backend, &mut node, &table());
+}
+
 /// The table through the product path on the eBPF backend: a running agent with a
 /// manifest directory as its pod source, each row's policy written as the pod's annotations,
 /// proxy environment and security context, and the real `meshcap-cni` ADD and DEL.
@@ -610,6 +621,15 @@ fn iptables_agent_through_the_plugin_makes_istios_decisions() {
     require_root();
     let mut node = Node::new().expect("node netns");
     let backend = PluginUnderTest::new(AgentBackend::Iptables, node.cgroup.path()).expect("agent");
+    run_table(&backend, &mut node, &table());
+}
+
+/// The same table through the product path on Istio's native nftables rules.
+#[test]
+fn nftables_agent_through_the_plugin_makes_istios_decisions() {
+    require_root();
+    let mut node = Node::new().expect("node netns");
+    let backend = PluginUnderTest::new(AgentBackend::Nftables, node.cgroup.path()).expect("agent");
     run_table(&backend, &mut node, &table());
 }
 

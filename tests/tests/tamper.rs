@@ -2,7 +2,7 @@
 //! netns, or by someone on the node): CHECK answers a mismatch (code 106), DEL removes what
 //! is there and succeeds (the CNI spec: DEL succeeds when what it would remove is already
 //! gone; a failing DEL keeps the pod Terminating), and an ADD restores the whole capture. One
-//! case per kind of removal, on both backends.
+//! case per kind of removal, on every backend.
 use aya::maps::{HashMap, Map, MapData};
 use meshcap_agent::{backend::ebpf::Pins, podnet};
 use meshcap_common::{PodConfig, maps};
@@ -53,6 +53,20 @@ fn tampers(backend: Backend) -> Vec<Tamper> {
                 );
             }),
         ],
+        Backend::Nftables => vec![
+            ("the nat table flushed", |pod| {
+                in_pod(pod, &["nft", "flush", "table", "inet", "istio-proxy-nat"]);
+            }),
+            ("the nat table deleted", |pod| {
+                in_pod(pod, &["nft", "delete", "table", "inet", "istio-proxy-nat"]);
+            }),
+            ("the jump from the output hook flushed", |pod| {
+                in_pod(
+                    pod,
+                    &["nft", "flush", "chain", "inet", "istio-proxy-nat", "output"],
+                );
+            }),
+        ],
         Backend::Ebpf => vec![
             ("the TC filter deleted", |pod| {
                 in_pod(
@@ -80,7 +94,7 @@ fn tampers(backend: Backend) -> Vec<Tamper> {
     }
 }
 
-meshcap_tests::test_on_both_backends!(a_capture_changed_behind_meshcaps_back);
+meshcap_tests::test_on_every_backend!(a_capture_changed_behind_meshcaps_back);
 
 fn a_capture_changed_behind_meshcaps_back(backend: Backend) {
     require_root();

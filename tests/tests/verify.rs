@@ -43,10 +43,9 @@ use meshcap_tests::{
 };
 use serde_json::json;
 
-meshcap_tests::test_on_both_backends!(
-    drift_of_a_sidecar_capture_is_put_back,
-    with_verification_off_nothing_is_touched,
-);
+meshcap_tests::test_on_every_backend!(drift_of_a_sidecar_capture_is_put_back);
+
+meshcap_tests::test_on_both_backends!(with_verification_off_nothing_is_touched);
 
 /// The tests' verification interval, in seconds.
 const EVERY: (&str, &str) = ("MESHCAP_VERIFY_INTERVAL_SECONDS", "1");
@@ -143,6 +142,30 @@ fn sidecar_tampers(backend: Backend) -> Vec<Tamper> {
                         "-j",
                         "ISTIO_OUTPUT",
                     ],
+                );
+            }),
+        ],
+        Backend::Nftables => vec![
+            ("the nat table flushed", "rules", |_, wired| {
+                in_netns(
+                    wired.pod.name(),
+                    &["nft", "flush", "table", "inet", "istio-proxy-nat"],
+                );
+            }),
+            (
+                "the jump from the output hook flushed",
+                "rules",
+                |_, wired| {
+                    in_netns(
+                        wired.pod.name(),
+                        &["nft", "flush", "chain", "inet", "istio-proxy-nat", "output"],
+                    );
+                },
+            ),
+            ("a chain added to Istio's table", "rules", |_, wired| {
+                in_netns(
+                    wired.pod.name(),
+                    &["nft", "add", "chain", "inet", "istio-proxy-nat", "foreign"],
                 );
             }),
         ],

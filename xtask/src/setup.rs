@@ -13,6 +13,9 @@ const PACKAGES: &[&str] = &[
     // The iptables fallback and the tests' network plumbing.
     "iptables",
     "iproute2",
+    // The native nftables backend (Istio's `global.nativeNftables`) runs `nft`; Debian 12's
+    // 1.0.6, no newer than what a node's own tools read back (istio/istio#58492).
+    "nftables",
     // `cargo xtask integration` boots Debian's kernels in QEMU (x86_64 and aarch64 guests);
     // objcopy strips the test binaries for its initramfs.
     "qemu-system-x86",

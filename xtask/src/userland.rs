@@ -1,5 +1,5 @@
 //! The userland meshcap needs beside its own binaries, for one architecture: the tools the
-//! agent and the test harness run (`ip`, `tc`, the iptables family, legacy and nft), the files
+//! agent and the test harness run (`ip`, `tc`, the iptables family, legacy and nft, and `nft`), the files
 //! they read, the iptables extensions they load and every shared library all of these (and any
 //! extra executables) link, with the loader. Taken from Debian 12's packages of that
 //! architecture ([`crate::apt`]: downloaded, checked, unpacked, never run here), so an arm64
@@ -42,6 +42,13 @@ const PACKAGES: &[&str] = &[
     "libnftnl11",
     "libnetfilter-conntrack3",
     "libnfnetlink0",
+    // `nft`, for the native nftables backend (`global.nativeNftables`), and its libraries.
+    "nftables",
+    "libnftables1",
+    "libedit2",
+    "libtinfo6",
+    "libgmp10",
+    "libjansson4",
     // /etc/protocols and /etc/services.
     "netbase",
     // The CA bundle rustls (kube-rs) insists on loading, even for the tests' plain-HTTP API
@@ -75,6 +82,7 @@ const TOOLS: &[(&str, &str)] = &[
     ("ip6tables-nft", "ip6tables-nft"),
     ("ip6tables-nft-save", "ip6tables-nft-save"),
     ("ip6tables-nft-restore", "ip6tables-nft-restore"),
+    ("nft", "nft"),
 ];
 
 /// Where the packages keep their programs.

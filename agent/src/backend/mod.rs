@@ -1,5 +1,6 @@
 //! Capture backends: translations of a pod's policy into kernel state for one pod —
-//! [`ebpf`], the kernel programs (primary), and [`iptables`], Istio's rules (fallback) — behind
+//! [`ebpf`], the kernel programs (primary), and [`iptables`] or [`nftables`], Istio's rules
+//! (the rules path: fallback, or pinned) — behind
 //! one interface for both data plane modes, [`CaptureBackend`]: the policy is the variant
 //! ([`PodPolicy`]). [`Router`] sends each mode to the backend chosen at start to serve it: the
 //! node's backend for sidecar pods; for ambient pods the same kernel programs, or Istio's
@@ -21,7 +22,9 @@ use crate::{
 
 mod drift;
 pub mod ebpf;
+pub mod handover;
 pub mod iptables;
+pub mod nftables;
 pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};
 
 /// What a backend is asked to capture a pod as: the mode is the variant.
@@ -178,7 +181,7 @@ pub enum BackendError {
 
 /// A way of capturing a pod's traffic. Implementations are shared between threads.
 pub trait CaptureBackend: Send + Sync {
-    /// The backend's name: `ebpf` or `iptables`.
+    /// The backend's name: `ebpf`, `iptables` or `nftables`.
     fn name(&self) -> &'static str;
 
     /// Captures the pod as the policy says. Idempotent; when the pod is already captured with
@@ -383,6 +386,8 @@ pub enum BackendChoice {
     Ebpf,
     /// Istio's iptables rules.
     Iptables,
+    /// Istio's native nftables rules (`global.nativeNftables`).
+    Nftables,
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 //! - [`RedirectPolicy::decide`] is the policy's own per-packet decision, written from the
 //!   semantics;
 //! - [`RedirectPolicy::render`] writes Istio's exact iptables rules ([`IptablesRules`]), and
-//!   [`RuleEvaluator`] parses and walks rendered rules: an oracle independent of the model, to
+//!   [`nftables`] writes Istio's exact native nftables rules (`global.nativeNftables`) for the
+//!   same policies; [`RuleEvaluator`] parses and walks rendered rules: an oracle independent of the model, to
 //!   check the eBPF decision and [`RedirectPolicy::decide`] against;
 //! - [`PolicyRoutes`]: the policy routes and `lo` addresses a capture needs besides rules;
 //! - [`ambient`]: ambient mode's enrollment ([`ambient::enroll`]) and its in-pod policy, whose
@@ -26,6 +27,7 @@ mod eval;
 mod iptables;
 pub mod manifest;
 mod model;
+pub mod nftables;
 mod packet;
 mod per_packet;
 mod routes;

@@ -450,6 +450,44 @@ fn the_archive_is_a_multi_arch_oci_image_that_runs_the_daemonsets_command() {
             );
         }
     }
+    // The image's `nft` (the native nftables backend's) applies a transaction of Istio's
+    // expressions, and the host's own `nft` reads it back (istio/istio#58492: a bundled `nft`
+    // newer than the host's wrote what the host's could not read).
+    let transaction = "add table inet meshcap-image\n\
+                       add chain inet meshcap-image output { type nat hook output priority -100 ; }\n\
+                       add rule inet meshcap-image output oifname lo meta l4proto tcp \
+                       ip daddr != 127.0.0.1/32 tcp dport != { 53, 15008 } skuid 1337 counter \
+                       redirect to :15006\n\
+                       add rule inet meshcap-image output ct mark and 0xfff == 0x111 counter \
+                       meta mark set ct mark\n";
+    in_image(
+        rootfs,
+        Some(&netns.0),
+        &[],
+        &["nft", "-f", "-"],
+        transaction,
+    );
+    let host = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &netns.0,
+            "nft",
+            "list",
+            "table",
+            "inet",
+            "meshcap-image",
+        ])
+        .output()
+        .expect("running the host's nft");
+    let listed = String::from_utf8_lossy(&host.stdout);
+    assert!(
+        host.status.success()
+            && listed.contains("meta skuid 1337")
+            && listed.contains("redirect to :15006"),
+        "the host's nft reads the image's table: {listed}{}",
+        String::from_utf8_lossy(&host.stderr)
+    );
 
     // arm64 runs, emulated: the same programs start from the arm64 tree with its own loader,
     // libraries and extensions. (qemu-user passes no netfilter socket options or netlink
@@ -473,6 +511,9 @@ fn the_archive_is_a_multi_arch_oci_image_that_runs_the_daemonsets_command() {
     ] {
         assert!(in_arm64_image(rootfs, &[], &[restore, "--version"], "").contains("iptables"));
     }
+    // (`nft` opens a netlink socket before anything else, even for `--version`: the arm64
+    // one runs in the arm64 guest of `cargo xtask integration`, whose userland is this one,
+    // through the nftables scenario table.)
     // The extensions the backend's rules name load (their options are in the help).
     let help = in_arm64_image(
         rootfs,

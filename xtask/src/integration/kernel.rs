@@ -48,6 +48,8 @@ const WANTED_MODULES: &[&str] = &[
     "xt_tcpudp",
     "nf_tproxy_ipv4",
     "nf_tproxy_ipv6",
+    // Istio's native nftables rules (`tproxy ip to`): the rest are nf_tables' own or above.
+    "nft_tproxy",
     // Ambient mode's probe SNAT on the node: the probe set and the rule matching it.
     "ip_set",
     "ip_set_hash_ip",

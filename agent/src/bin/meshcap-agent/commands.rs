@@ -152,9 +152,15 @@ pub struct PolicyArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     ambient_ipv6: bool,
     /// `json`: the decision and the policy; `iptables`: iptables-restore input (then the
-    /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6).
+    /// ip6tables-restore input after a `# ip6tables-restore` line when the pod has IPv6);
+    /// `nftables`: the `nft -f` transaction of `global.nativeNftables`.
     #[arg(long, value_enum, default_value_t)]
     format: PolicyFormat,
+    /// With `--ambient` and `--format nftables`: also the node's own transaction, the rule
+    /// SNAT-ing kubelet's probes of ambient pods (Istio's, matching the socket's owner: this
+    /// uid, kubelet's), after a `# node` line.
+    #[arg(long, value_name = "UID")]
+    kubelet_uid: Option<u32>,
 }
 
 fn label(text: &str) -> Result<(String, String), String> {
@@ -209,6 +215,27 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
                 }
             };
             print_restore(&rules.v4, rules.v6.as_deref());
+        }
+        PolicyFormat::Nftables => {
+            if let Some(policy::ambient::Enrollment::NotEnrolled { reason }) = enrollment {
+                println!("# not enrolled in ambient mode: {reason}");
+            }
+            let transaction = match decision {
+                policy::Decision::Ambient { policy, .. } => policy.render_nftables(),
+                policy::Decision::Sidecar { policy, .. } => policy.render_nftables(),
+                policy::Decision::Skip { reason, .. } => {
+                    println!("# not captured: {reason}");
+                    return Ok(());
+                }
+            };
+            print!("{transaction}");
+            if let (Some(ambient), Some(uid)) = (&node.ambient, args.kubelet_uid) {
+                println!("# node");
+                print!(
+                    "{}",
+                    ambient.host_probe_snat.render_nftables(ambient.ipv6, uid)
+                );
+            }
         }
     }
     Ok(())

@@ -79,7 +79,8 @@ enum Command {
     /// when the pod cannot be looked up.
     Decide(commands::DecideArgs),
     /// Show what meshcap (and Istio's CNI plugin) would do with a pod: the decision and the
-    /// redirect policy, or the exact iptables rules.
+    /// redirect policy, or the exact iptables or nftables rules (a dry run, as
+    /// `istio-iptables --dry-run`).
     Policy(commands::PolicyArgs),
 }
 
@@ -88,6 +89,7 @@ pub enum PolicyFormat {
     #[default]
     Json,
     Iptables,
+    Nftables,
 }
 
 fn main() -> ExitCode {

@@ -213,6 +213,13 @@ pub(crate) fn in_kernel_ambient(kernel_serves: bool, backend_reason: &str) -> an
     }
 }
 
+/// Whether `global.nativeNftables` asks for Istio's rules as native nftables wherever the
+/// rules path captures pods.
+pub(crate) fn native_nftables() -> anyhow::Result<bool> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    Ok(settings::bool_setting(&lookup, settings::NATIVE_NFTABLES)?)
+}
+
 /// Where this agent keeps what it owns, every path resolved.
 pub(crate) struct Paths {
     pub(crate) socket: PathBuf,

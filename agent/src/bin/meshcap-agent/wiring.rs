@@ -4,11 +4,7 @@
 //! endpoint, installs the plugin and keeps it chained, starts the controllers and the checks
 //! of its standing in the cluster ([`crate::standing`]), serves until SIGTERM, and uninstalls
 //! when meshcap is being deleted ([`crate::lifecycle`]).
-use std::{
-    path::{Path, PathBuf},
-    sync::Arc,
-    time::Duration,
-};
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::Context as _;
 use meshcap_agent::{
@@ -18,7 +14,9 @@ use meshcap_agent::{
     backend::{
         BackendChoice, BackendError, CaptureBackend, Router,
         ebpf::{EbpfBackend, EbpfConfig},
+        handover::Handover,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+        nftables::{NftablesBackend, NftablesConfig},
     },
     enrollment::LiveEnrollment,
     events::EventSink,
@@ -35,8 +33,8 @@ use tracing::{info, warn};
 use crate::{
     lifecycle::{self, ShutdownSignal},
     run::{
-        Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, netns_dir,
-        warn_not_supported,
+        Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, native_nftables,
+        netns_dir, warn_not_supported,
     },
     standing::{self, Features, Holds},
 };
@@ -226,9 +224,10 @@ async fn open_node(
     paths: &Paths,
     kube_node: Option<&KubeNode>,
 ) -> anyhow::Result<Node> {
-    let iptables = IptablesConfig {
+    let rules = RulesPath {
         state_dir: paths.state_dir.clone(),
         flavour: args.iptables_flavour,
+        nftables: native_nftables()?,
     };
     let ebpf = EbpfConfig {
         cgroup_root: paths.cgroup_root.clone(),
@@ -237,8 +236,10 @@ async fn open_node(
         handoff: args.handoff.unwrap_or_default(),
     };
     let choice = args.backend;
-    let (Chosen { backend, ebpf }, reason, probe) =
-        tokio::task::spawn_blocking(move || open_backend(choice, iptables, ebpf)).await??;
+    let (Chosen { backend, ebpf }, reason, probe) = {
+        let rules = rules.clone();
+        tokio::task::spawn_blocking(move || open_backend(choice, &rules, ebpf)).await??
+    };
     info!(backend = backend.name(), %reason, cgroup_root = %paths.cgroup_root.display(), bpffs_dir = %paths.bpffs_dir.display(), "backend chosen");
     let reconciling = backend.clone();
     let gone = tokio::task::spawn_blocking(move || reconciling.prune_gone())
@@ -261,7 +262,11 @@ async fn open_node(
             let api = kube_node.map(|(client, _)| client.clone());
             let in_kernel = in_kernel_ambient(ebpf.is_some(), &reason)?;
             let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
-                let (now, earlier) = ambient_ways(ebpf, in_kernel, &state_dir, flavour)?;
+                let in_pod = RulesPath {
+                    state_dir: state_dir.join("ambient"),
+                    ..rules
+                };
+                let (now, earlier) = ambient_ways(ebpf, in_kernel, &in_pod)?;
                 let places = AmbientPlaces {
                     state_dir: &state_dir,
                     socket: &socket,
@@ -294,18 +299,92 @@ struct Chosen {
     ebpf: Option<Arc<EbpfBackend>>,
 }
 
-/// The backend `choice` picks (for `auto`, what the kernel probe says), why, and the probe's
-/// findings.
+/// Istio's rules, where the kernel programs do not capture: its iptables rules, or with
+/// `global.nativeNftables` its nftables ones, as Istio's node agent chooses.
+#[derive(Clone)]
+struct RulesPath {
+    /// Where the backend keeps its records.
+    state_dir: PathBuf,
+    /// Which iptables.
+    flavour: FlavourChoice,
+    /// `global.nativeNftables`.
+    nftables: bool,
+}
+
+impl RulesPath {
+    /// The iptables backend, in front of the pods an earlier agent captured with nftables.
+    fn iptables(&self) -> Result<Shared, BackendError> {
+        let now = Arc::new(IptablesBackend::new(&IptablesConfig {
+            state_dir: self.state_dir.clone(),
+            flavour: self.flavour,
+        })?);
+        self.with_earlier(now, "nftables", || self.open_nftables())
+    }
+
+    /// The nftables backend, in front of the pods an earlier agent captured with iptables.
+    fn nftables(&self) -> Result<Shared, BackendError> {
+        let now = self.open_nftables()?;
+        self.with_earlier(now, "iptables", || {
+            Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+                state_dir: self.state_dir.clone(),
+                flavour: self.flavour,
+            })?))
+        })
+    }
+
+    fn open_nftables(&self) -> Result<Shared, BackendError> {
+        Ok(Arc::new(NftablesBackend::new(&NftablesConfig {
+            state_dir: self.state_dir.clone(),
+        })?))
+    }
+
+    /// `now`, or, when the other rules backend's records (`<state dir>/<records>/`) name pods
+    /// an earlier agent captured with it, `now` in front of it: those pods keep their rules
+    /// until they go (nothing is created to find out).
+    fn with_earlier(
+        &self,
+        now: Shared,
+        records: &str,
+        open: impl FnOnce() -> Result<Shared, BackendError>,
+    ) -> Result<Shared, BackendError> {
+        let recorded = std::fs::read_dir(self.state_dir.join(records)).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().contains(".json"))
+        });
+        if !recorded {
+            return Ok(now);
+        }
+        let earlier = open()?;
+        info!(
+            now = now.name(),
+            earlier = earlier.name(),
+            pods = earlier.captured_count()?,
+            "pods captured by the earlier rules backend keep their rules until they go"
+        );
+        Ok(Arc::new(Handover::new(now, earlier)))
+    }
+
+    /// The rules backend the settings choose.
+    fn open(&self) -> Result<Shared, BackendError> {
+        if self.nftables {
+            self.nftables()
+        } else {
+            self.iptables()
+        }
+    }
+}
+
+/// The backend `choice` picks (for `auto`, what the kernel probe says, then the rules path),
+/// why, and the probe's findings.
 fn open_backend(
     choice: BackendChoice,
-    iptables: IptablesConfig,
+    rules: &RulesPath,
     ebpf: EbpfConfig,
 ) -> anyhow::Result<(Chosen, String, Option<ProbeReport>)> {
-    let iptables = || -> anyhow::Result<Chosen> {
-        Ok(Chosen {
-            backend: Arc::new(IptablesBackend::new(&iptables)?),
-            ebpf: None,
-        })
+    let chosen = |backend: Shared| Chosen {
+        backend,
+        ebpf: None,
     };
     let open_ebpf = |ebpf| -> anyhow::Result<Chosen> {
         let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
@@ -319,7 +398,16 @@ fn open_backend(
         })
     };
     match choice {
-        BackendChoice::Iptables => Ok((iptables()?, "forced by --backend iptables".into(), None)),
+        BackendChoice::Iptables => Ok((
+            chosen(rules.iptables()?),
+            "forced by --backend iptables".into(),
+            None,
+        )),
+        BackendChoice::Nftables => Ok((
+            chosen(rules.nftables()?),
+            "forced by --backend nftables".into(),
+            None,
+        )),
         BackendChoice::Ebpf => Ok((open_ebpf(ebpf)?, "forced by --backend ebpf".into(), None)),
         BackendChoice::Auto => {
             let report = probe::run();
@@ -331,8 +419,9 @@ fn open_backend(
                 "auto: the kernel cannot run the eBPF backend ({})",
                 report.failures()
             );
-            warn!(%reason, "using the iptables backend");
-            Ok((iptables()?, reason, Some(report)))
+            let backend = rules.open()?;
+            warn!(%reason, backend = backend.name(), "using Istio's rules");
+            Ok((chosen(backend), reason, Some(report)))
         }
     }
 }
@@ -340,19 +429,14 @@ fn open_backend(
 /// What captures ambient pods now, and what an earlier agent may have captured them with (the
 /// other way, `ambient.inKernel` switched since): the kernel programs where `in_kernel` asks
 /// for them and `kernel`, the eBPF backend, serves the node, else Istio's in-pod rules through
-/// the iptables machinery, in `state_dir/ambient`.
+/// the rules path's machinery (iptables, or nftables with `global.nativeNftables`), in its
+/// state directory (`<state dir>/ambient`).
 fn ambient_ways(
     kernel: Option<Arc<EbpfBackend>>,
     in_kernel: bool,
-    state_dir: &Path,
-    flavour: FlavourChoice,
+    in_pod: &RulesPath,
 ) -> Result<(Shared, Option<Shared>), BackendError> {
-    let in_pod_rules = || -> Result<Shared, BackendError> {
-        Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
-            state_dir: state_dir.join("ambient"),
-            flavour,
-        })?))
-    };
+    let in_pod_rules = || in_pod.open();
     Ok(match kernel {
         Some(ebpf) if in_kernel => (ebpf, Some(in_pod_rules()?)),
         Some(ebpf) => (in_pod_rules()?, Some(ebpf)),

@@ -27,10 +27,17 @@ impl InpodPolicy {
         IptablesRules {
             v4: restore_text(&b.v4),
             v6: self.ipv6.then(|| restore_text(&b.v6)),
-            routes: PolicyRoutes {
-                mark_route: Some(MarkRoute::ambient(self.ipv6)),
-                loopback_addresses: Vec::new(),
-            },
+            routes: self.routes(),
+        }
+    }
+
+    /// What Istio's in-pod rules need besides themselves, whichever writes them: the mark
+    /// route.
+    #[must_use]
+    pub fn routes(&self) -> PolicyRoutes {
+        PolicyRoutes {
+            mark_route: Some(MarkRoute::ambient(self.ipv6)),
+            loopback_addresses: Vec::new(),
         }
     }
 

@@ -47,6 +47,17 @@ impl RedirectPolicy {
     pub fn render(&self) -> IptablesRules {
         let mut builder = Builder::new(self.ipv6);
         self.build(&mut builder);
+        IptablesRules {
+            v4: restore_text(&builder.v4),
+            v6: self.ipv6.then(|| restore_text(&builder.v6)),
+            routes: self.routes(),
+        }
+    }
+
+    /// What Istio's rules for this policy need besides themselves, whichever writes them
+    /// (iptables or nftables).
+    #[must_use]
+    pub fn routes(&self) -> PolicyRoutes {
         let mut routes = if self.ipv6 {
             PolicyRoutes::passthrough6()
         } else {
@@ -55,11 +66,7 @@ impl RedirectPolicy {
         if self.mode == InterceptionMode::Tproxy && !self.include_inbound_ports.is_none() {
             routes.mark_route = Some(MarkRoute::tproxy(self.ipv6));
         }
-        IptablesRules {
-            v4: restore_text(&builder.v4),
-            v6: self.ipv6.then(|| restore_text(&builder.v6)),
-            routes,
-        }
+        routes
     }
 
     fn build(&self, b: &mut Builder) {

@@ -1,0 +1,551 @@
+//! Istio's native nftables rules (`global.nativeNftables`): the transaction the policy module
+//! renders ([`crate::policy::nftables`]), run whole with `nft -f -` in the pod's network
+//! namespace, a sidecar's or ambient mode's in-pod one.
+//!
+//! - **Atomic**: each ADD, update, repair and DEL is one `nft -f -` transaction, which the
+//!   kernel applies whole or not at all. Istio's transaction adds, flushes and refills its
+//!   tables; meshcap's first deletes, in the same transaction, every table the pod's rules
+//!   (and any earlier rules of its record) write, so that the tables are exactly what Istio
+//!   writes into a fresh netns whatever was there: no chain of an earlier policy left empty, no
+//!   chain added behind meshcap's back kept, no earlier table (a TPROXY pod's mangle table when
+//!   it turns REDIRECT).
+//! - **Records**: what was applied is recorded ahead per pod ([`records`], in
+//!   `<state dir>/nftables/`), so that a DEL, an ADD or a restarted agent knows which tables the
+//!   netns may hold. DEL deletes every table a record names with `add table` then `delete
+//!   table` in one transaction: a table already gone is no error, so DEL completes whatever is
+//!   missing.
+//! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
+//!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
+//!   verifier compare the tables' listing now with it. A repair runs the pod's transaction
+//!   again: the tables replaced atomically, never less in place than before.
+//! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
+//!   ([`crate::podnet::route`]).
+mod nft;
+mod records;
+
+use std::path::PathBuf;
+
+use nft::Nft;
+use records::{Applied, Records};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info, warn};
+
+use super::{BackendError, CaptureBackend, CapturedPod, DriftKind, PodCheck, PodPolicy, Verify};
+use crate::{
+    crashpoint,
+    pod::PodRef,
+    podnet::{self, Visit},
+    policy::{DataplaneMode, InterceptionMode, PolicyRoutes},
+};
+
+/// A pod's capture as the nftables backend applies it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NftablesRules {
+    /// Istio's `nft -f` transaction.
+    pub transaction: String,
+    /// What the rules need besides themselves, set up over netlink.
+    pub routes: PolicyRoutes,
+}
+
+impl NftablesRules {
+    /// The `inet` tables the transaction writes, in its order.
+    fn tables(&self) -> Vec<&str> {
+        self.transaction
+            .lines()
+            .filter_map(|line| line.strip_prefix("add table inet "))
+            .collect()
+    }
+}
+
+/// One transaction deleting `tables`, whether or not each exists (`add` first makes it exist).
+fn deletion<'a>(tables: impl IntoIterator<Item = &'a str>) -> String {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut out = String::new();
+    for table in tables {
+        if !seen.contains(&table) {
+            seen.push(table);
+            out.push_str(&format!(
+                "add table inet {table}\ndelete table inet {table}\n"
+            ));
+        }
+    }
+    out
+}
+
+/// Backend configuration.
+#[derive(Clone, Debug)]
+pub struct NftablesConfig {
+    /// Where the records of applied rules live (`<state_dir>/nftables/`).
+    pub state_dir: PathBuf,
+}
+
+/// The native nftables backend.
+#[derive(Debug)]
+pub struct NftablesBackend {
+    records: Records,
+}
+
+impl NftablesBackend {
+    /// Opens the backend and adopts the records of a previous run.
+    ///
+    /// # Errors
+    /// [`BackendError::Unavailable`] without a working `nft`; when the state directory cannot
+    /// be created or read.
+    pub fn new(config: &NftablesConfig) -> Result<Self, BackendError> {
+        let version = std::process::Command::new(nft::NFT)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+            .ok_or_else(|| {
+                BackendError::Unavailable(format!(
+                    "native nftables is on, but `{} --version` does not run",
+                    nft::NFT
+                ))
+            })?;
+        let records = Records::open(config.state_dir.join("nftables"))?;
+        info!(adopted = records.count(), %version, "nftables backend ready");
+        Ok(Self { records })
+    }
+
+    /// The rules a policy renders, its interception mode, and whether they are ambient
+    /// mode's.
+    fn rules(policy: &PodPolicy) -> (NftablesRules, InterceptionMode, bool) {
+        match policy {
+            PodPolicy::Sidecar(policy) => (
+                NftablesRules {
+                    transaction: policy.render_nftables(),
+                    routes: policy.routes(),
+                },
+                policy.mode,
+                false,
+            ),
+            PodPolicy::Ambient(ambient) => (
+                NftablesRules {
+                    transaction: ambient.policy.render_nftables(),
+                    routes: ambient.policy.routes(),
+                },
+                InterceptionMode::Redirect,
+                true,
+            ),
+        }
+    }
+
+    fn in_netns<T: Send>(
+        &self,
+        pod: &PodRef,
+        f: impl FnOnce(&Nft, &mut Visit) -> Result<T, BackendError> + Send,
+    ) -> Result<T, BackendError> {
+        let nft = Nft {
+            who: pod.to_string(),
+        };
+        podnet::run_in(&pod.netns, |visit| f(&nft, visit)).map_err(|source| {
+            BackendError::PodNet {
+                pod: pod.to_string(),
+                source,
+            }
+        })?
+    }
+
+    /// Applies `rules` to the pod's netns, recorded ahead so that a DEL, an ADD or a
+    /// restarted agent removes whatever of them is there.
+    fn apply(
+        &self,
+        pod: &PodRef,
+        rules: &NftablesRules,
+        mode: InterceptionMode,
+        ambient: bool,
+    ) -> Result<(), BackendError> {
+        let previous = self.records.get(&pod.container_id);
+        if let Some(prev) = &previous
+            && prev.rules == *rules
+            && prev.replacing.is_empty()
+            && self.check_recorded(pod, rules).is_ok()
+        {
+            debug!("already captured with these rules");
+            return Ok(());
+        }
+        let intent = Applied {
+            pod: pod.clone(),
+            rules: rules.clone(),
+            replacing: previous
+                .iter()
+                .flat_map(Applied::rule_sets)
+                .filter(|set| *set != rules)
+                .cloned()
+                .collect(),
+            listing: String::new(),
+            mode,
+            ambient,
+        };
+        // Written ahead: from here on the netns may hold the old tables or the new ones, and
+        // the record names both.
+        self.records.save(&intent)?;
+        let applied = self.in_netns(pod, |nft, visit| {
+            let new_tables = rules.tables();
+            nft.apply(
+                &(deletion(intent.rule_sets().flat_map(NftablesRules::tables))
+                    + &rules.transaction),
+            )?;
+            let old_routes: Vec<&PolicyRoutes> = if intent.replacing.is_empty() {
+                vec![&NO_ROUTES]
+            } else {
+                intent.replacing.iter().map(|set| &set.routes).collect()
+            };
+            if let Err(source) = update_routes(visit, &old_routes, &rules.routes) {
+                // Back to what was there: the earlier rules whole, or none.
+                let back = match &previous {
+                    Some(prev) if prev.replacing.is_empty() => {
+                        deletion(new_tables.into_iter().chain(prev.rules.tables()))
+                            + &prev.rules.transaction
+                    }
+                    _ => deletion(new_tables),
+                };
+                if let Err(err) = nft.apply(&back) {
+                    warn!(error = %err, "rolling back the nftables transaction");
+                }
+                return Err(BackendError::PodNet {
+                    pod: pod.to_string(),
+                    source,
+                });
+            }
+            listing(nft, rules)
+        });
+        let listing = match applied {
+            Ok(listing) => listing,
+            Err(err) => {
+                // Nothing of this call stays: the record goes back to what it was.
+                match &previous {
+                    Some(prev) => self.records.save(prev)?,
+                    None => self.records.forget(&pod.container_id),
+                }
+                return Err(err);
+            }
+        };
+        crashpoint::here(crashpoint::NFTABLES_ADD_APPLIED);
+        self.records.save(&Applied {
+            replacing: Vec::new(),
+            listing,
+            ..intent
+        })?;
+        info!(%mode, ambient, "nftables rules applied");
+        Ok(())
+    }
+
+    /// Whether the pod's netns holds `rules` as recorded.
+    fn check_recorded(&self, pod: &PodRef, rules: &NftablesRules) -> Result<(), BackendError> {
+        let not_captured = |missing: String| BackendError::NotCaptured {
+            pod: pod.to_string(),
+            missing,
+        };
+        let Some((_, record)) = self.records.recorded(pod) else {
+            return Err(not_captured(
+                "meshcap never applied rules to this container".into(),
+            ));
+        };
+        if !record.replacing.is_empty() {
+            return Err(not_captured(
+                "an earlier ADD or update did not finish (ADD again)".into(),
+            ));
+        }
+        if record.rules != *rules {
+            return Err(not_captured(
+                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
+            ));
+        }
+        let missing = self.in_netns(&record.pod, |nft, visit| {
+            if let Some(difference) = difference(&record.listing, &listing(nft, rules)?) {
+                return Ok(Some(difference));
+            }
+            missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {
+                pod: pod.to_string(),
+                source,
+            })
+        })?;
+        missing.map_or(Ok(()), |missing| Err(not_captured(missing)))
+    }
+}
+
+static NO_ROUTES: PolicyRoutes = PolicyRoutes {
+    mark_route: None,
+    loopback_addresses: Vec::new(),
+};
+
+/// Each of `old` swapped for `new` (the routes of each rule set the netns may hold).
+fn update_routes(
+    visit: &mut Visit,
+    old: &[&PolicyRoutes],
+    new: &PolicyRoutes,
+) -> Result<(), podnet::PodNetError> {
+    for old in old {
+        if old.is_empty() && new.is_empty() {
+            continue;
+        }
+        podnet::route::update(visit.netlink()?, old, new)?;
+    }
+    Ok(())
+}
+
+fn missing_route(
+    visit: &mut Visit,
+    routes: &PolicyRoutes,
+) -> Result<Option<String>, podnet::PodNetError> {
+    if routes.mark_route.is_none() {
+        return Ok(None);
+    }
+    podnet::route::missing(visit.netlink()?, routes)
+}
+
+/// The listing of `rules`' tables now, a missing one named as such.
+fn listing(nft: &Nft, rules: &NftablesRules) -> Result<String, BackendError> {
+    let mut out = String::new();
+    for table in rules.tables() {
+        match nft.list(table)? {
+            Some(text) => out.push_str(&text),
+            None => out.push_str(&format!("# table inet {table} is missing\n")),
+        }
+    }
+    Ok(out)
+}
+
+/// How `now` differs from `recorded`, in words (`None`: it does not).
+fn difference(recorded: &str, now: &str) -> Option<String> {
+    if recorded == now {
+        return None;
+    }
+    let (mut was, mut is) = (recorded.lines(), now.lines());
+    loop {
+        match (was.next(), is.next()) {
+            (Some(a), Some(b)) if a == b => {}
+            (Some(a), Some(b)) => {
+                return Some(format!("`{}` where `{}` was applied", b.trim(), a.trim()));
+            }
+            (Some(a), None) => return Some(format!("`{}` is missing", a.trim())),
+            (None, Some(b)) => return Some(format!("`{}` was added", b.trim())),
+            (None, None) => return Some("the tables differ".to_owned()),
+        }
+    }
+}
+
+impl CaptureBackend for NftablesBackend {
+    fn name(&self) -> &'static str {
+        "nftables"
+    }
+
+    #[tracing::instrument(name = "nftables_add", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        let (rules, mode, ambient) = Self::rules(policy);
+        self.apply(pod, &rules, mode, ambient)
+    }
+
+    #[tracing::instrument(name = "nftables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.check_recorded(pod, &Self::rules(policy).0)
+    }
+
+    #[tracing::instrument(name = "nftables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
+        let Some((recorded_id, record)) = self.records.recorded(pod) else {
+            debug!("nothing applied for this container");
+            return Ok(());
+        };
+        let target = if pod.netns.as_os_str().is_empty() {
+            &record.pod
+        } else {
+            pod
+        };
+        if !target.netns.exists() {
+            debug!(netns = %target.netns.display(), "netns gone: its tables went with it");
+            self.records.forget(&recorded_id);
+            return Ok(());
+        }
+        self.in_netns(target, |nft, visit| {
+            nft.apply(&deletion(
+                record.rule_sets().flat_map(NftablesRules::tables),
+            ))?;
+            for set in record.rule_sets() {
+                update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
+                    BackendError::PodNet {
+                        pod: target.to_string(),
+                        source,
+                    }
+                })?;
+            }
+            Ok(())
+        })?;
+        crashpoint::here(crashpoint::NFTABLES_REMOVE_REMOVED);
+        self.records.forget(&recorded_id);
+        info!("nftables rules removed");
+        Ok(())
+    }
+
+    fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
+        let mut out: Vec<CapturedPod> = self
+            .records
+            .of_mode(mode)
+            .into_iter()
+            .map(|record| CapturedPod {
+                summary: format!(
+                    "{} via nft ({})",
+                    if record.ambient {
+                        "ambient (ztunnel)".to_owned()
+                    } else {
+                        record.mode.to_string()
+                    },
+                    record.rules.tables().join(", ")
+                ),
+                pod: record.pod,
+                backend: self.name().to_owned(),
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
+        Ok(out)
+    }
+
+    fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
+        let gone = self.gone(DataplaneMode::Sidecar)?;
+        let gone: Vec<PodRef> = gone
+            .into_iter()
+            .chain(self.gone(DataplaneMode::Ambient)?)
+            .collect();
+        for pod in &gone {
+            // The tables lived in the netns and went with it: only the record is left.
+            self.records.forget(&pod.container_id);
+            info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
+        }
+        Ok(gone)
+    }
+
+    fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
+        Ok(self
+            .records
+            .of_mode(mode)
+            .into_iter()
+            .filter(|record| !record.pod.netns.exists())
+            .map(|record| record.pod)
+            .collect())
+    }
+
+    fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
+        let Some((id, record)) = self.records.recorded(pod) else {
+            return Ok(false);
+        };
+        if record.pod.netns.exists() {
+            return Ok(false);
+        }
+        self.records.forget(&id);
+        info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
+        Ok(true)
+    }
+
+    fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
+        let Some((_, record)) = self.records.recorded(pod) else {
+            return Ok(PodCheck::default());
+        };
+        let mut check = PodCheck::default();
+        check.installed.push(format!(
+            "{} rules via nft: tables {}",
+            if record.ambient {
+                "ambient (ztunnel) in-pod".to_owned()
+            } else {
+                format!("{} mode", record.mode)
+            },
+            record.rules.tables().join(", ")
+        ));
+        if !record.replacing.is_empty() {
+            check
+                .installed
+                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
+            return Ok(check);
+        }
+        if !record.pod.netns.exists() {
+            check.installed.push(format!(
+                "netns {} is gone (its record is dropped within --gone-check-seconds)",
+                record.pod.netns.display()
+            ));
+            return Ok(check);
+        }
+        let rules = &record.rules;
+        let found = self.in_netns(&record.pod, |nft, visit| {
+            let mut found = PodCheck::default();
+            match difference(&record.listing, &listing(nft, rules)?) {
+                None => found
+                    .installed
+                    .push("every table as applied (nft lists them unchanged)".to_owned()),
+                Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
+                    // The tables replaced in one transaction: nothing less at any instant.
+                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
+                        .map_err(|e| e.to_string())?;
+                    let now = listing(nft, rules).map_err(|e| e.to_string())?;
+                    difference(&record.listing, &now).map_or(Ok(()), Err)
+                })),
+            }
+            let route =
+                missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {
+                    pod: record.pod.to_string(),
+                    source,
+                })?;
+            if let Some(route) = route {
+                found.drift.push(verify.handle(
+                    DriftKind::Route,
+                    format!("{route} is missing"),
+                    || {
+                        update_routes(visit, &[&NO_ROUTES], &rules.routes)
+                            .map_err(|e| e.to_string())
+                    },
+                ));
+            }
+            Ok(found)
+        })?;
+        check.extend(found);
+        Ok(check)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deletion_names_each_table_once_and_succeeds_whether_it_exists_or_not() {
+        assert_eq!(
+            deletion(["istio-proxy-nat", "istio-proxy-mangle", "istio-proxy-nat"]),
+            "add table inet istio-proxy-nat\ndelete table inet istio-proxy-nat\n\
+             add table inet istio-proxy-mangle\ndelete table inet istio-proxy-mangle\n"
+        );
+        assert_eq!(deletion([]), "");
+    }
+
+    #[test]
+    fn the_tables_of_a_transaction_are_those_it_adds_in_order() {
+        let rules = NftablesRules {
+            transaction: "add table inet istio-proxy-nat\nflush table inet istio-proxy-nat\n\
+                          add rule inet istio-proxy-nat output counter jump istio-output\n\
+                          add table inet istio-proxy-raw\n"
+                .to_owned(),
+            routes: PolicyRoutes::default(),
+        };
+        assert_eq!(rules.tables(), ["istio-proxy-nat", "istio-proxy-raw"]);
+    }
+
+    #[test]
+    fn a_difference_names_the_first_line_that_changed() {
+        let applied = "table inet t {\n\tchain output {\n\t\tcounter jump istio-output\n\t}\n}\n";
+        assert_eq!(difference(applied, applied), None);
+        let flushed = "table inet t {\n\tchain output {\n\t}\n}\n";
+        assert_eq!(
+            difference(applied, flushed).as_deref(),
+            Some("`}` where `counter jump istio-output` was applied")
+        );
+        let more = format!("{applied}table inet u {{\n}}\n");
+        assert_eq!(
+            difference(applied, &more).as_deref(),
+            Some("`table inet u {` was added")
+        );
+        assert_eq!(
+            difference(&more, applied).as_deref(),
+            Some("`table inet u {` is missing")
+        );
+    }
+}
