@@ -47,6 +47,9 @@ pub(crate) enum Mode {
     Direct,
     /// Istio's rule set, applied with iptables-restore in the pod netns.
     Iptables,
+    /// Istio's native nftables rules (`global.nativeNftables`), one `nft -f` transaction in
+    /// the pod netns.
+    Nftables,
     /// meshcap's programs, with an entry for the pod.
     Ebpf,
     /// Ambient mode, Istio's in-pod rules (the proxy stands in for ztunnel).
@@ -68,6 +71,7 @@ impl Mode {
             Self::NoProxy => "no proxy",
             Self::Direct => "no capture",
             Self::Iptables => "iptables",
+            Self::Nftables => "nftables",
             Self::Ebpf => "eBPF",
             Self::AmbientIptables => "ambient iptables",
             Self::AmbientEbpf => "ambient eBPF",
@@ -97,6 +101,8 @@ pub(crate) struct Node {
     /// With ambient mode: a stand-in ztunnel per agent, acking every pod.
     _ztunnels: Vec<Proc>,
     pub(crate) iptables: Agent,
+    /// `meshcap-agent run --backend nftables` (sidecar data path only).
+    nftables: Option<Agent>,
     /// `meshcap-agent run --backend ebpf`, or why it could not run.
     pub(crate) ebpf: Result<Agent, String>,
     /// The A/B baseline's eBPF agent (attached to `base_root`), or why it could not run.
@@ -119,6 +125,14 @@ impl Node {
         let iptables = Agent::start(Backend::Iptables, plain.path())
             .context("starting meshcap-agent --backend iptables")?;
         let ebpf = Agent::start(Backend::Ebpf, root.path()).map_err(|e| format!("{e:#}"));
+        let nftables = if baseline.is_none() {
+            Some(
+                Agent::start(Backend::Nftables, plain.path())
+                    .context("starting meshcap-agent --backend nftables")?,
+            )
+        } else {
+            None
+        };
         let baseline = baseline.map(|b| {
             let agent = Agent::start_from(&b.bin, Backend::Ebpf, base_root.path())
                 .map_err(|e| format!("{e:#}"));
@@ -127,6 +141,7 @@ impl Node {
         Ok(Self {
             _ztunnels: Vec::new(),
             iptables,
+            nftables,
             ebpf,
             baseline,
             handoff: None,
@@ -238,6 +253,7 @@ impl Node {
         Ok(Self {
             _ztunnels: ztunnels,
             iptables,
+            nftables: None,
             ebpf,
             baseline,
             handoff: None,
@@ -249,8 +265,9 @@ impl Node {
         })
     }
 
-    /// The modes this node can measure: no capture, Istio's rules and the kernel; with an
-    /// A/B baseline, no capture, the baseline's kernel capture and this build's.
+    /// The modes this node can measure: no capture, Istio's rules (sidecar pods: with nftables
+    /// too) and the kernel; with an A/B baseline, no capture, the baseline's kernel capture and
+    /// this build's.
     pub(crate) fn modes(&self) -> Vec<Mode> {
         let ambient = self.ambient.is_some();
         let (rules, kernel, base) = if ambient {
@@ -263,6 +280,9 @@ impl Node {
             (Mode::Iptables, Mode::Ebpf, Mode::EbpfBaseline)
         };
         let mut modes = vec![Mode::Direct];
+        if self.nftables.is_some() && !ambient {
+            modes.push(Mode::Nftables);
+        }
         match &self.baseline {
             None => modes.push(rules),
             Some((_, Ok(_))) => modes.push(base),
@@ -283,7 +303,11 @@ impl Node {
                 .as_ref()
                 .and_then(|(_, agent)| agent.as_ref().ok()),
             Mode::EbpfHandoff => self.handoff.as_ref().and_then(|agent| agent.as_ref().ok()),
-            Mode::NoProxy | Mode::Direct | Mode::Iptables | Mode::AmbientIptables => None,
+            Mode::NoProxy
+            | Mode::Direct
+            | Mode::Iptables
+            | Mode::Nftables
+            | Mode::AmbientIptables => None,
         }
     }
 
@@ -333,6 +357,11 @@ impl Node {
         match mode {
             Mode::NoProxy | Mode::Direct => Ok(0.0),
             Mode::Iptables => self.iptables.add(netns, netns.name(), excludes),
+            Mode::Nftables => self
+                .nftables
+                .as_ref()
+                .context("no nftables agent")?
+                .add(netns, netns.name(), excludes),
             Mode::Ebpf | Mode::EbpfBaseline | Mode::EbpfHandoff => {
                 ebpf()?.add(netns, netns.name(), excludes)
             }
@@ -459,9 +488,11 @@ impl Pod {
             Mode::Ebpf | Mode::AmbientEbpf => node.root.path(),
             Mode::EbpfBaseline | Mode::AmbientEbpfBaseline => node.base_root.path(),
             Mode::EbpfHandoff => node.handoff_root.path(),
-            Mode::NoProxy | Mode::Direct | Mode::Iptables | Mode::AmbientIptables => {
-                node.plain.path()
-            }
+            Mode::NoProxy
+            | Mode::Direct
+            | Mode::Iptables
+            | Mode::Nftables
+            | Mode::AmbientIptables => node.plain.path(),
         };
         let cgroup = TestCgroup::new_under(parent, "mcb-pod")?;
         let cpu = cpu.to_string();
@@ -516,6 +547,7 @@ impl Pod {
             Mode::NoProxy => UPSTREAM,
             Mode::Direct => PROXY_DIRECT,
             Mode::Iptables
+            | Mode::Nftables
             | Mode::Ebpf
             | Mode::AmbientIptables
             | Mode::AmbientEbpf

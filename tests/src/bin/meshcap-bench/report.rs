@@ -77,6 +77,10 @@ fn data_table(modes: &[Mode], results: &[Vec<Measured>]) -> Table {
     if modes.len() > 2 {
         ratios.push((modes.len() - 1, modes.len() - 2));
     }
+    let at = |mode| modes.iter().position(|m| *m == mode);
+    if let (Some(nftables), Some(iptables)) = (at(Mode::Nftables), at(Mode::Iptables)) {
+        ratios.push((nftables, iptables));
+    }
     data_table_with(modes, results, ratios)
 }
 
@@ -163,6 +167,11 @@ pub(crate) fn data_path(
              meshcap-cni: the {} rules (`-A` lines, nat table) of Istio's `basic` golden for a \
              default injected pod, applied with iptables-restore in the pod netns.\n",
             rules.lines().filter(|l| l.starts_with("-A")).count(),
+        );
+        out.push_str(
+            "\nnftables: `meshcap-agent run --backend nftables`, the same pod: Istio's native \
+             nftables rules for it (`global.nativeNftables`), one `nft -f` transaction in the \
+             pod netns.\n",
         );
     }
     let _ = writeln!(out, "\n{}", node.ebpf_description());
