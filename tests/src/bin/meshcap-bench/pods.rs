@@ -357,11 +357,11 @@ impl Node {
         match mode {
             Mode::NoProxy | Mode::Direct => Ok(0.0),
             Mode::Iptables => self.iptables.add(netns, netns.name(), excludes),
-            Mode::Nftables => self
-                .nftables
-                .as_ref()
-                .context("no nftables agent")?
-                .add(netns, netns.name(), excludes),
+            Mode::Nftables => self.nftables.as_ref().context("no nftables agent")?.add(
+                netns,
+                netns.name(),
+                excludes,
+            ),
             Mode::Ebpf | Mode::EbpfBaseline | Mode::EbpfHandoff => {
                 ebpf()?.add(netns, netns.name(), excludes)
             }
