@@ -2,6 +2,7 @@
 //! the daemon (its settings [`run`], what is made of them [`wiring`], what keeps its life in
 //! order [`lifecycle`], its standing in the cluster [`standing`]); the others inspect or clean
 //! up a node ([`commands`]).
+mod choice;
 mod commands;
 mod explain;
 mod lifecycle;

@@ -1,0 +1,171 @@
+//! Which backend captures: `--backend` as given, or for `auto` the kernel probe's answer and
+//! else Istio's rules (iptables, or nftables with `global.nativeNftables`, each in front of the
+//! pods an earlier agent captured with the other); and what captures ambient pods.
+use std::{path::PathBuf, sync::Arc};
+
+use anyhow::Context as _;
+use meshcap_agent::{
+    backend::{
+        BackendChoice, BackendError,
+        ebpf::{EbpfBackend, EbpfConfig},
+        handover::Handover,
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+        nftables::{NftablesBackend, NftablesConfig},
+    },
+    probe::{self, ProbeReport},
+};
+use tracing::{info, warn};
+
+use crate::wiring::Shared;
+
+/// The backend chosen, and the eBPF backend itself when it is that one (ambient mode can
+/// capture its pods with it).
+pub(crate) struct Chosen {
+    pub(crate) backend: Shared,
+    pub(crate) ebpf: Option<Arc<EbpfBackend>>,
+}
+
+/// Istio's rules, where the kernel programs do not capture: its iptables rules, or with
+/// `global.nativeNftables` its nftables ones, as Istio's node agent chooses.
+#[derive(Clone)]
+pub(crate) struct RulesPath {
+    /// Where the backend keeps its records.
+    pub(crate) state_dir: PathBuf,
+    /// Which iptables.
+    pub(crate) flavour: FlavourChoice,
+    /// `global.nativeNftables`.
+    pub(crate) nftables: bool,
+}
+
+impl RulesPath {
+    /// The iptables backend, in front of the pods an earlier agent captured with nftables.
+    fn iptables(&self) -> Result<Shared, BackendError> {
+        let now = Arc::new(IptablesBackend::new(&IptablesConfig {
+            state_dir: self.state_dir.clone(),
+            flavour: self.flavour,
+        })?);
+        self.with_earlier(now, "nftables", || self.open_nftables())
+    }
+
+    /// The nftables backend, in front of the pods an earlier agent captured with iptables.
+    fn nftables(&self) -> Result<Shared, BackendError> {
+        let now = self.open_nftables()?;
+        self.with_earlier(now, "iptables", || {
+            Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
+                state_dir: self.state_dir.clone(),
+                flavour: self.flavour,
+            })?))
+        })
+    }
+
+    fn open_nftables(&self) -> Result<Shared, BackendError> {
+        Ok(Arc::new(NftablesBackend::new(&NftablesConfig {
+            state_dir: self.state_dir.clone(),
+        })?))
+    }
+
+    /// `now`, or, when the other rules backend's records (`<state dir>/<records>/`) name pods
+    /// an earlier agent captured with it, `now` in front of it: those pods keep their rules
+    /// until they go (nothing is created to find out).
+    fn with_earlier(
+        &self,
+        now: Shared,
+        records: &str,
+        open: impl FnOnce() -> Result<Shared, BackendError>,
+    ) -> Result<Shared, BackendError> {
+        let recorded = std::fs::read_dir(self.state_dir.join(records)).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().contains(".json"))
+        });
+        if !recorded {
+            return Ok(now);
+        }
+        let earlier = open()?;
+        info!(
+            now = now.name(),
+            earlier = earlier.name(),
+            pods = earlier.captured_count()?,
+            "pods captured by the earlier rules backend keep their rules until they go"
+        );
+        Ok(Arc::new(Handover::new(now, earlier)))
+    }
+
+    /// The rules backend the settings choose.
+    fn open(&self) -> Result<Shared, BackendError> {
+        if self.nftables {
+            self.nftables()
+        } else {
+            self.iptables()
+        }
+    }
+}
+
+/// The backend `choice` picks (for `auto`, what the kernel probe says, then the rules path),
+/// why, and the probe's findings.
+pub(crate) fn open_backend(
+    choice: BackendChoice,
+    rules: &RulesPath,
+    ebpf: EbpfConfig,
+) -> anyhow::Result<(Chosen, String, Option<ProbeReport>)> {
+    let chosen = |backend: Shared| Chosen {
+        backend,
+        ebpf: None,
+    };
+    let open_ebpf = |ebpf| -> anyhow::Result<Chosen> {
+        let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
+        if !backend.forward_kernel_logs()? {
+            warn!("the programs' own log records will not reach this log");
+        }
+        let backend = Arc::new(backend);
+        Ok(Chosen {
+            backend: backend.clone(),
+            ebpf: Some(backend),
+        })
+    };
+    match choice {
+        BackendChoice::Iptables => Ok((
+            chosen(rules.iptables()?),
+            "forced by --backend iptables".into(),
+            None,
+        )),
+        BackendChoice::Nftables => Ok((
+            chosen(rules.nftables()?),
+            "forced by --backend nftables".into(),
+            None,
+        )),
+        BackendChoice::Ebpf => Ok((open_ebpf(ebpf)?, "forced by --backend ebpf".into(), None)),
+        BackendChoice::Auto => {
+            let report = probe::run();
+            if report.ok() {
+                let reason = "auto: the kernel passed every probe".to_owned();
+                return Ok((open_ebpf(ebpf)?, reason, Some(report)));
+            }
+            let reason = format!(
+                "auto: the kernel cannot run the eBPF backend ({})",
+                report.failures()
+            );
+            let backend = rules.open()?;
+            warn!(%reason, backend = backend.name(), "using Istio's rules");
+            Ok((chosen(backend), reason, Some(report)))
+        }
+    }
+}
+
+/// What captures ambient pods now, and what an earlier agent may have captured them with (the
+/// other way, `ambient.inKernel` switched since): the kernel programs where `in_kernel` asks
+/// for them and `kernel`, the eBPF backend, serves the node, else Istio's in-pod rules through
+/// the rules path's machinery (iptables, or nftables with `global.nativeNftables`), in its
+/// state directory (`<state dir>/ambient`).
+pub(crate) fn ambient_ways(
+    kernel: Option<Arc<EbpfBackend>>,
+    in_kernel: bool,
+    in_pod: &RulesPath,
+) -> Result<(Shared, Option<Shared>), BackendError> {
+    let in_pod_rules = || in_pod.open();
+    Ok(match kernel {
+        Some(ebpf) if in_kernel => (ebpf, Some(in_pod_rules()?)),
+        Some(ebpf) => (in_pod_rules()?, Some(ebpf)),
+        None => (in_pod_rules()?, None),
+    })
+}
