@@ -17,7 +17,7 @@ use meshcap_tests::{
     APP_UID, Held, Netns, PROXY_UID, Placement,
     agent::{Agent, Backend, tcx_env},
     apiserver::ApiServer,
-    dial,
+    dial, dial_failure,
     fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config, run_plugin_raw},
     require_root, unique_name,
@@ -914,8 +914,8 @@ fn a_second_agent_waits_for_the_first_to_exit() {
 }
 
 /// aya-log: a record written by a kernel program reaches the agent's own log. The pod is
-/// captured but its proxy is not listening, so TC drops an inbound SYN (fail closed) and says
-/// so.
+/// captured but its proxy is not listening, so TC refuses an inbound SYN (the reset Istio's
+/// `REDIRECT` would give) and says so.
 #[test]
 fn kernel_log_records_reach_the_agents_log() {
     require_root();
@@ -937,12 +937,12 @@ fn kernel_log_records_reach_the_agents_log() {
         uid: 0,
         gid: 0,
     };
-    let answer = dial(from_upstream, "tcp:10.0.0.2:8080", None).expect("dial");
-    assert_eq!(answer, None, "no proxy listens: the SYN is dropped");
+    let failed = dial_failure(from_upstream, "tcp:10.0.0.2:8080").expect("dial");
+    assert_eq!(failed, "ConnectionRefused", "no proxy listens: refused");
     eventually("the kernel's record reaches the agent's log", || {
         agent
             .log()
-            .contains("inbound TCP to port 8080 dropped: no proxy listener on port 15006")
+            .contains("inbound TCP to port 8080 refused: no proxy listener on port 15006")
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
     assert!(cni("DEL", &sandbox, &conf).expect("DEL").success);

@@ -306,7 +306,7 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
                         && refuses(&pod, iface)
                         && let Some(action) = reset(ctx, &syn, ifindex)
                     {
-                        aya_log_ebpf::info!(
+                        aya_log_ebpf::warn!(
                             ctx,
                             "inbound TCP to port {} refused: no proxy listener on port {}",
                             p.dport,
