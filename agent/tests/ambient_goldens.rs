@@ -5,47 +5,12 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use k8s_openapi::api::core::v1::Pod;
-use meshcap_agent::policy::ambient::{self, AmbientConfig, Enrollment, HostProbeSnat};
+use meshcap_agent::policy::ambient::{self, Enrollment, HostProbeSnat};
 
-/// Pod annotations, as (name, value) pairs.
-type Annotations = &'static [(&'static str, &'static str)];
+#[path = "support/inpod_cases.rs"]
+mod inpod_cases;
 
-/// (golden, `ambient.dnsCapture`, pod annotations).
-const CASES: [(&str, bool, Annotations); 6] = [
-    ("default", true, &[]),
-    (
-        "ingress",
-        false,
-        &[("ambient.istio.io/bypass-inbound-capture", "true")],
-    ),
-    (
-        "virtual_interfaces",
-        false,
-        &[("istio.io/reroute-virtual-interfaces", "fake1s0f0,fake1s0f1")],
-    ),
-    (
-        "ingress_and_virtual_interfaces",
-        false,
-        &[
-            ("ambient.istio.io/bypass-inbound-capture", "true"),
-            ("istio.io/reroute-virtual-interfaces", "fake1s0f0,fake1s0f1"),
-        ],
-    ),
-    (
-        "dns_pod_enabled_and_off_globally",
-        false,
-        &[("ambient.istio.io/dns-capture", "true")],
-    ),
-    (
-        "dns_pod_disabled_and_on_globally",
-        true,
-        &[("ambient.istio.io/dns-capture", "false")],
-    ),
-];
-
-/// Istio's test configuration's IPv6 probe address.
-const PROBE_V6: &str = "e9ac:1e77:90ca:399f:4d6d:ece2:2f9b:3164";
+use inpod_cases::{CASES, config, pod};
 
 fn golden_path(name: &str, ipv6: bool) -> PathBuf {
     let suffix = if ipv6 { "_ipv6" } else { "" };
@@ -68,33 +33,6 @@ fn golden(name: &str, ipv6: bool) -> Vec<String> {
         path.display()
     );
     lines[first..].to_vec()
-}
-
-fn pod(annotations: &[(&str, &str)]) -> Pod {
-    let annotations: serde_json::Map<String, serde_json::Value> = annotations
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v)))
-        .collect();
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "app",
-            "namespace": "default",
-            "labels": {"istio.io/dataplane-mode": "ambient"},
-            "annotations": annotations,
-        },
-        "spec": {"containers": [{"name": "app", "image": "app"}]},
-    }))
-    .unwrap()
-}
-
-fn config(dns: bool, ipv6: bool) -> AmbientConfig {
-    let mut config = AmbientConfig::default();
-    config.dns_capture = dns;
-    config.ipv6 = ipv6;
-    config.host_probe_snat.v6 = PROBE_V6.parse().unwrap();
-    config
 }
 
 fn lines(text: &str) -> Vec<String> {

@@ -8,12 +8,16 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use k8s_openapi::api::core::v1::Pod;
 use meshcap_agent::policy::{
     CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
-    ambient::{self, AmbientConfig, Enrollment, HostProbeSnat},
+    ambient::{self, Enrollment, HostProbeSnat},
     nftables::sidecar::{DnsRedirect, OwnerGroups, SidecarCapture},
 };
+
+#[path = "support/inpod_cases.rs"]
+mod inpod_cases;
+
+use inpod_cases::{CASES, PROBE_V6, config, pod};
 
 fn golden_path(kind: &str, name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -322,70 +326,6 @@ fn a_policy_renders_as_the_cni_plugin_configures_istio_nftables() {
     );
 }
 
-/// Istio's ambient test configuration's IPv6 probe address.
-const PROBE_V6: &str = "e9ac:1e77:90ca:399f:4d6d:ece2:2f9b:3164";
-
-/// (golden, `ambient.dnsCapture`, pod annotations): `GetCommonInPodTestCases`.
-type Annotations = &'static [(&'static str, &'static str)];
-const IN_POD_CASES: [(&str, bool, Annotations); 6] = [
-    ("default", true, &[]),
-    (
-        "ingress",
-        false,
-        &[("ambient.istio.io/bypass-inbound-capture", "true")],
-    ),
-    (
-        "virtual_interfaces",
-        false,
-        &[("istio.io/reroute-virtual-interfaces", "fake1s0f0,fake1s0f1")],
-    ),
-    (
-        "ingress_and_virtual_interfaces",
-        false,
-        &[
-            ("ambient.istio.io/bypass-inbound-capture", "true"),
-            ("istio.io/reroute-virtual-interfaces", "fake1s0f0,fake1s0f1"),
-        ],
-    ),
-    (
-        "dns_pod_enabled_and_off_globally",
-        false,
-        &[("ambient.istio.io/dns-capture", "true")],
-    ),
-    (
-        "dns_pod_disabled_and_on_globally",
-        true,
-        &[("ambient.istio.io/dns-capture", "false")],
-    ),
-];
-
-fn ambient_pod(annotations: &[(&str, &str)]) -> Pod {
-    let annotations: serde_json::Map<String, serde_json::Value> = annotations
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), serde_json::Value::from(*v)))
-        .collect();
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "app",
-            "namespace": "default",
-            "labels": {"istio.io/dataplane-mode": "ambient"},
-            "annotations": annotations,
-        },
-        "spec": {"containers": [{"name": "app", "image": "app"}]},
-    }))
-    .unwrap()
-}
-
-fn ambient_config(dns: bool, ipv6: bool) -> AmbientConfig {
-    let mut config = AmbientConfig::default();
-    config.dns_capture = dns;
-    config.ipv6 = ipv6;
-    config.host_probe_snat.v6 = PROBE_V6.parse().unwrap();
-    config
-}
-
 fn suffixed(name: &str, ipv6: bool) -> String {
     if ipv6 {
         format!("{name}_ipv6")
@@ -397,10 +337,10 @@ fn suffixed(name: &str, ipv6: bool) -> String {
 #[test]
 fn every_in_pod_golden_is_rendered_exactly() {
     let mut covered = vec![suffixed("hostprobe", false), suffixed("hostprobe", true)];
-    for (name, dns, annotations) in IN_POD_CASES {
+    for (name, dns, annotations) in CASES {
         for ipv6 in [false, true] {
-            let config = ambient_config(dns, ipv6);
-            let pod = ambient_pod(annotations);
+            let config = config(dns, ipv6);
+            let pod = pod(annotations);
             let enrollment = ambient::enroll(&pod, &BTreeMap::new(), &[], &config).unwrap();
             let Enrollment::Enrolled { policy, ignored } = enrollment else {
                 panic!("{name}: not enrolled: {enrollment:?}");
@@ -467,7 +407,7 @@ fn the_policy_command_prints_the_transaction() {
     let annotations = [("istio.io/reroute-virtual-interfaces", "fake1s0f0,fake1s0f1")];
     std::fs::write(
         &manifest,
-        serde_json::to_vec(&ambient_pod(&annotations)).unwrap(),
+        serde_json::to_vec(&inpod_cases::pod(&annotations)).unwrap(),
     )
     .unwrap();
     let args = [
