@@ -326,6 +326,37 @@ fn a_policy_renders_as_the_cni_plugin_configures_istio_nftables() {
     );
 }
 
+/// What meshcap applies is Istio's transaction, golden for golden, plus one drop rule per
+/// family in `istio-tproxy` where Istio's `tproxy` rules are (TPROXY mode, inbound captured):
+/// nothing else, in no other case.
+#[test]
+fn meshcap_adds_only_the_drop_after_istios_tproxy_rules() {
+    let mut tproxy_cases = 0;
+    for (name, case) in sidecar_cases() {
+        let policy = &case.policy;
+        let added = policy.render_nftables_applied();
+        let added = added
+            .strip_prefix(&policy.render_nftables())
+            .unwrap_or_else(|| panic!("{name}: Istio's transaction is not applied first"));
+        let closes =
+            policy.mode == InterceptionMode::Tproxy && !policy.include_inbound_ports.is_none();
+        let mut expected = String::new();
+        if closes {
+            tproxy_cases += 1;
+            expected.push_str(
+                "add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp ip daddr != 127.0.0.1/32 counter drop\n",
+            );
+            if policy.ipv6 {
+                expected.push_str(
+                    "add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp ip6 daddr != ::1/128 counter drop\n",
+                );
+            }
+        }
+        assert_eq!(added, expected, "{name}");
+    }
+    assert!(tproxy_cases >= 3, "the TPROXY goldens: {tproxy_cases}");
+}
+
 fn suffixed(name: &str, ipv6: bool) -> String {
     if ipv6 {
         format!("{name}_ipv6")
@@ -396,7 +427,15 @@ fn the_policy_command_prints_the_transaction() {
         panic!("not captured: {selection:?}");
     };
     let printed = run_policy_command(&[], &manifest);
-    assert_eq!(printed, policy.render_nftables());
+    assert_eq!(printed, policy.render_nftables_applied());
+    // A TPROXY pod: Istio's transaction, then meshcap's rule dropping what `tproxy` leaves.
+    assert_eq!(
+        printed.strip_prefix(&policy.render_nftables()),
+        Some(
+            "add rule inet istio-proxy-mangle istio-tproxy meta l4proto tcp ip daddr != 127.0.0.1/32 counter drop\n"
+        ),
+        "{printed}"
+    );
     assert!(
         printed.contains("skuid 1000670000 counter meta mark set 1338"),
         "{printed}"

@@ -585,32 +585,15 @@ fn iptables_backend_makes_istios_decisions() {
 }
 
 /// The same table, unchanged, through Istio's native nftables rules (`global.nativeNftables`):
-/// a pod captured with nftables behaves as with iptables in every row.
+/// a pod captured with nftables behaves as with iptables in every row, the `TPROXY` rows with
+/// no proxy listening too (meshcap's one rule after Istio's `tproxy` rules:
+/// `agent/src/policy/nftables/sidecar/unclaimed.rs`).
 #[test]
 fn nftables_backend_makes_istios_decisions() {
     require_root();
     let mut node = Node::new().expect("node netns");
     let backend = NftablesUnderTest::new().expect("nftables backend");
-    run_table(&backend, &mut node, &nftables_table());
-}
-
-/// The table as Istio's native nftables rules answer it: the same, except where no proxy
-/// listens in `TPROXY` mode. There iptables' `TPROXY` target drops the SYN (`xt_TPROXY.c`,
-/// `tproxy_tg4`: `NF_DROP`), while nft's `tproxy` statement finding no transparent socket only
-/// fails to match (`nft_tproxy.c`: `NFT_BREAK`): Istio's `istio-tproxy` rule falls through and
-/// the SYN reaches the app on the port dialled. meshcap's nftables backend writes Istio's
-/// rules exactly, so it answers as they do; the difference is Istio's (docs/install.md).
-fn nftables_table() -> Vec<Case> {
-    table()
-        .into_iter()
-        .map(|c| match c.expect {
-            Unanswered => Case {
-                expect: Server("app"),
-                ..c
-            },
-            _ => c,
-        })
-        .collect()
+    run_table(&backend, &mut node, &table());
 }
 
 /// The table through the product path on the eBPF backend: a running agent with a
@@ -649,7 +632,7 @@ fn nftables_agent_through_the_plugin_makes_istios_decisions() {
     require_root();
     let mut node = Node::new().expect("node netns");
     let backend = PluginUnderTest::new(AgentBackend::Nftables, node.cgroup.path()).expect("agent");
-    run_table(&backend, &mut node, &nftables_table());
+    run_table(&backend, &mut node, &table());
 }
 
 /// Every row's policy, written as a pod manifest, is read back by the agent's selection as

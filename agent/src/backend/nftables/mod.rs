@@ -83,7 +83,7 @@ impl NftablesBackend {
         match policy {
             PodPolicy::Sidecar(policy) => (
                 NftablesRules {
-                    transaction: policy.render_nftables(),
+                    transaction: policy.render_nftables_applied(),
                     routes: policy.routes(),
                 },
                 policy.mode,

@@ -222,7 +222,7 @@ pub fn show_policy(args: &PolicyArgs) -> anyhow::Result<()> {
             }
             let transaction = match decision {
                 policy::Decision::Ambient { policy, .. } => policy.render_nftables(),
-                policy::Decision::Sidecar { policy, .. } => policy.render_nftables(),
+                policy::Decision::Sidecar { policy, .. } => policy.render_nftables_applied(),
                 policy::Decision::Skip { reason, .. } => {
                     println!("# not captured: {reason}");
                     return Ok(());

@@ -3,6 +3,7 @@
 //! tables, as `istio-nftables` writes for the CNI plugin (`cni/pkg/plugin/sidecar_nftables_linux.go`).
 
 mod config;
+mod unclaimed;
 
 pub use config::{DnsRedirect, OwnerGroups, SidecarCapture};
 
@@ -67,7 +68,8 @@ pub(super) const TABLES: [TableSpec; 3] = [
 ];
 
 impl RedirectPolicy {
-    /// Istio's nftables rules for this policy, as `nft -f` input.
+    /// Istio's nftables rules for this policy, as `nft -f` input: exactly what Istio writes
+    /// (the goldens); meshcap applies [`Self::render_nftables_applied`].
     #[must_use]
     pub fn render_nftables(&self) -> String {
         SidecarCapture::from(self).render()
