@@ -41,7 +41,9 @@ use crate::{
     hub::{CaptureError, Hub},
     pod::{InPlace, PodRef, Sandbox},
     podnet::{self, find::FindError},
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, PodName},
+    policy::{
+        self, DataplaneMode, Decision, DecisionError, NodeSettings, PodName, ambient::ambient_keys,
+    },
 };
 
 /// The controller.
@@ -77,6 +79,9 @@ enum LiveError {
     /// It is out, but its annotation stays.
     #[error("taken out of ambient mode, but: {0}")]
     Annotation(#[from] AmbientError),
+    /// It was never enrolled here, and its stale annotation stays.
+    #[error("not in ambient mode on this node, but: {0}")]
+    Stale(#[source] AmbientError),
 }
 
 /// One change from either watch (boxed: a pod's is kilobytes).
@@ -90,6 +95,11 @@ enum Change {
 enum Action {
     Enroll,
     Unenroll(PodRef),
+    /// Not enrolled here and not to be, but annotated as enrolled: an enrollment cut off
+    /// (the agent stopped between the annotation and its record) whose pod then left ambient
+    /// mode while the agent was away. Istio removes the annotation of a pod annotated as
+    /// enrolled that should not be (`informers.go`, `reconcilePod`: `RemovePodFromMesh`).
+    Unannotate,
     Nothing,
 }
 
@@ -225,6 +235,14 @@ impl LiveEnrollment {
             Action::Nothing => return,
             Action::Enroll => self.enroll(pod, &uid).await,
             Action::Unenroll(target) => self.unenroll(target).await,
+            Action::Unannotate => self
+                .ambient
+                .annotate_unenrolled(&name)
+                .await
+                .map(|()| {
+                    "annotated as in ambient mode, which it is not: annotation removed".to_owned()
+                })
+                .map_err(LiveError::Stale),
         };
         match done {
             Ok(note) => info!(pod = %name, "{note}"),
@@ -257,7 +275,7 @@ impl LiveEnrollment {
             .del(target.clone())
             .await
             .map_err(LiveError::Release)?;
-        self.ambient.annotate_unenrolled(&target).await?;
+        self.ambient.annotate_unenrolled(&target.pod_name()).await?;
         Ok("its labels no longer enroll it: out of ambient mode, ztunnel told".to_owned())
     }
 }
@@ -284,11 +302,18 @@ fn decide(
         // Annotations that do not parse: an ADD would fail, a running pod stays as it is.
         Err(_) => return Action::Nothing,
     };
+    let annotated = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ambient_keys::REDIRECTION))
+        .is_some_and(|value| value == "enabled");
     match enrolled {
         Some(target) if !should => Action::Unenroll(target),
         None if should && !deleting && phase == Some("Running") && !ips.is_empty() => {
             Action::Enroll
         }
+        None if !should && annotated && !terminated && !deleting => Action::Unannotate,
         _ => Action::Nothing,
     }
 }
@@ -400,6 +425,40 @@ mod tests {
                 "{phase}"
             );
         }
+    }
+
+    /// A pod annotated as enrolled that is not enrolled here and should not be loses the
+    /// annotation; one that should be is enrolled (which annotates it again); an enrolled one
+    /// leaves as before; a finished or deleting one is left alone.
+    #[test]
+    fn a_stale_enrollment_annotation_is_removed() {
+        let annotated = |labels: &[(&str, &str)], phase: &str| {
+            let mut pod = pod(labels, phase, Some("10.0.0.2"));
+            pod.metadata.annotations =
+                Some([(ambient_keys::REDIRECTION.to_owned(), "enabled".to_owned())].into());
+            pod
+        };
+        let left = annotated(&[], "Running");
+        assert_eq!(action(&left, &[], None), Action::Unannotate);
+        assert_eq!(
+            action(&left, &[], enrolled()),
+            Action::Unenroll(enrolled().expect("enrolled"))
+        );
+        assert_eq!(
+            action(&annotated(&[AMBIENT], "Running"), &[], None),
+            Action::Enroll
+        );
+        assert_eq!(
+            action(&annotated(&[], "Succeeded"), &[], None),
+            Action::Nothing
+        );
+        let mut deleting = annotated(&[], "Running");
+        deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH));
+        assert_eq!(action(&deleting, &[], None), Action::Nothing);
+        let mut other = annotated(&[], "Running");
+        other.metadata.annotations =
+            Some([(ambient_keys::REDIRECTION.to_owned(), "disabled".to_owned())].into());
+        assert_eq!(action(&other, &[], None), Action::Nothing);
     }
 
     #[test]

@@ -51,7 +51,7 @@ use crate::{
     pod::PodRef,
     podnet,
     policy::{
-        DataplaneMode,
+        DataplaneMode, PodName,
         ambient::{AmbientConfig, ambient_keys},
     },
     ztunnel::{ZdsError, ZtunnelServer},
@@ -310,7 +310,7 @@ impl Ambient {
     ///
     /// # Errors
     /// When the API server refuses or cannot be reached.
-    pub async fn annotate_enrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
+    pub async fn annotate_enrolled(&self, pod: &PodName) -> Result<(), AmbientError> {
         self.annotate(pod, serde_json::json!("enabled")).await
     }
 
@@ -324,17 +324,18 @@ impl Ambient {
     }
 
     /// Removes `ambient.istio.io/redirection` from a pod taken out of ambient mode while it
-    /// runs (Istio's `AnnotateUnenrollPod`); nothing without an API server.
+    /// runs, or never enrolled on this node (Istio's `AnnotateUnenrollPod`); nothing without
+    /// an API server.
     ///
     /// # Errors
     /// When the API server refuses or cannot be reached.
-    pub async fn annotate_unenrolled(&self, pod: &PodRef) -> Result<(), AmbientError> {
+    pub async fn annotate_unenrolled(&self, pod: &PodName) -> Result<(), AmbientError> {
         self.annotate(pod, serde_json::Value::Null).await
     }
 
     /// Sets `ambient.istio.io/redirection` to `value` (null removes it) with a merge patch of
     /// `pods/status`.
-    async fn annotate(&self, pod: &PodRef, value: serde_json::Value) -> Result<(), AmbientError> {
+    async fn annotate(&self, pod: &PodName, value: serde_json::Value) -> Result<(), AmbientError> {
         let Some(client) = &self.api else {
             return Ok(());
         };

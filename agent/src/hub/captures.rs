@@ -103,7 +103,7 @@ impl Captures {
         let policy = PodPolicy::Ambient(Box::new(capture));
         self.routed(pod, move |router, pod| router.add(pod, &policy))
             .await??;
-        if let Err(err) = ambient.annotate_enrolled(pod).await {
+        if let Err(err) = ambient.annotate_enrolled(&pod.pod_name()).await {
             let undone = self
                 .routed(pod, |router, pod| {
                     router
