@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
-    backend::{BackendError, DriftKind, PodCheck, Verify},
+    backend::{BackendError, DriftKind, PodCheck, Verify, records::Record as _},
     pod::PodRef,
     podnet::{self, nftgen},
     policy::{IptablesRules, PolicyRoutes},
@@ -45,24 +45,10 @@ impl IptablesBackend {
         pod: &PodRef,
         verify: Verify,
     ) -> Result<PodCheck, BackendError> {
-        let Some((id, record)) = self.records.recorded(pod) else {
-            return Ok(PodCheck::default());
+        let (mut check, id, record) = match self.records.to_verify(pod, describe) {
+            Ok(found) => found,
+            Err(check) => return Ok(check),
         };
-        let mut check = PodCheck::default();
-        check.installed.push(describe(&record));
-        if !record.replacing.is_empty() {
-            check
-                .installed
-                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
-            return Ok(check);
-        }
-        if !record.pod.netns.exists() {
-            check.installed.push(format!(
-                "netns {} is gone (its record is dropped within --gone-check-seconds)",
-                record.pod.netns.display()
-            ));
-            return Ok(check);
-        }
         let baseline = self.baseline(&id);
         let (found, now) = self.in_netns(&record.pod, |ctx| {
             ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
@@ -101,11 +87,7 @@ fn describe(record: &Applied) -> String {
     let v6 = record.rules.v6.as_deref().map(count);
     format!(
         "{} rules via {}: {} IPv4{}",
-        if record.ambient {
-            "ambient (ztunnel) in-pod".to_owned()
-        } else {
-            format!("{} mode", record.mode)
-        },
+        record.whose(),
         record.flavour.binary(false, ""),
         count(&record.rules.v4),
         v6.map_or_else(String::new, |n| format!(", {n} IPv6"))

@@ -9,9 +9,9 @@
 //!   writes into a fresh netns whatever was there: no chain of an earlier policy left empty, no
 //!   chain added behind meshcap's back kept, no earlier table (a TPROXY pod's mangle table when
 //!   it turns REDIRECT).
-//! - **Records**: what was applied is recorded ahead per pod ([`records`], in
-//!   `<state dir>/nftables/`), so that a DEL, an ADD or a restarted agent knows which tables the
-//!   netns may hold. DEL deletes every table a record names with `add table` then `delete
+//! - **Records**: what was applied is recorded ahead per pod ([`records`], kept by the rules
+//!   backends' [`Records`] in `<state dir>/nftables/`), so that a DEL, an ADD or a restarted
+//!   agent knows which tables the netns may hold. DEL (its course: [`Records::release`]) deletes every table a record names with `add table` then `delete
 //!   table` in one transaction: a table already gone is no error, so DEL completes whatever is
 //!   missing.
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
@@ -27,12 +27,16 @@ mod tables;
 use std::path::PathBuf;
 
 use nft::Nft;
-use records::{Applied, Records};
+use records::Applied;
 pub use tables::NftablesRules;
 use tables::{deletion, difference, listing};
 use tracing::{debug, info, warn};
 
-use super::{BackendError, CaptureBackend, CapturedPod, DriftKind, PodCheck, PodPolicy, Verify};
+use super::{
+    BackendError, CaptureBackend, CapturedPod, DriftKind, PodCheck, PodPolicy, Verify,
+    records::{Record as _, Records},
+    rules_backend::not_captured,
+};
 use crate::{
     crashpoint,
     pod::PodRef,
@@ -50,7 +54,7 @@ pub struct NftablesConfig {
 /// The native nftables backend.
 #[derive(Debug)]
 pub struct NftablesBackend {
-    records: Records,
+    records: Records<Applied>,
 }
 
 impl NftablesBackend {
@@ -72,7 +76,7 @@ impl NftablesBackend {
                     nft::NFT
                 ))
             })?;
-        let records = Records::open(config.state_dir.join("nftables"))?;
+        let records = Records::open(&config.state_dir)?;
         info!(adopted = records.count(), %version, "nftables backend ready");
         Ok(Self { records })
     }
@@ -203,25 +207,7 @@ impl NftablesBackend {
 
     /// Whether the pod's netns holds `rules` as recorded.
     fn check_recorded(&self, pod: &PodRef, rules: &NftablesRules) -> Result<(), BackendError> {
-        let not_captured = |missing: String| BackendError::NotCaptured {
-            pod: pod.to_string(),
-            missing,
-        };
-        let Some((_, record)) = self.records.recorded(pod) else {
-            return Err(not_captured(
-                "meshcap never applied rules to this container".into(),
-            ));
-        };
-        if !record.replacing.is_empty() {
-            return Err(not_captured(
-                "an earlier ADD or update did not finish (ADD again)".into(),
-            ));
-        }
-        if record.rules != *rules {
-            return Err(not_captured(
-                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
-            ));
-        }
+        let record = self.records.applied_whole(pod, rules)?;
         let missing = self.in_netns(&record.pod, |nft, visit| {
             if let Some(difference) = difference(&record.listing, &listing(nft, rules)?) {
                 return Ok(Some(difference));
@@ -231,7 +217,7 @@ impl NftablesBackend {
                 source,
             })
         })?;
-        missing.map_or(Ok(()), |missing| Err(not_captured(missing)))
+        missing.map_or(Ok(()), |missing| Err(not_captured(pod, missing)))
     }
 }
 
@@ -283,126 +269,52 @@ impl CaptureBackend for NftablesBackend {
 
     #[tracing::instrument(name = "nftables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some((recorded_id, record)) = self.records.recorded(pod) else {
-            debug!("nothing applied for this container");
-            return Ok(());
-        };
-        let target = if pod.netns.as_os_str().is_empty() {
-            &record.pod
-        } else {
-            pod
-        };
-        if !target.netns.exists() {
-            debug!(netns = %target.netns.display(), "netns gone: its tables went with it");
-            self.records.forget(&recorded_id);
-            return Ok(());
-        }
-        self.in_netns(target, |nft, visit| {
-            nft.apply(&deletion(
-                record.rule_sets().flat_map(NftablesRules::tables),
-            ))?;
-            for set in record.rule_sets() {
-                update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
-                    BackendError::PodNet {
-                        pod: target.to_string(),
-                        source,
-                    }
-                })?;
-            }
-            Ok(())
-        })?;
-        crashpoint::here(crashpoint::NFTABLES_REMOVE_REMOVED);
-        self.records.forget(&recorded_id);
-        info!("nftables rules removed");
-        Ok(())
+        self.records.release(pod, |target, record| {
+            self.in_netns(target, |nft, visit| {
+                nft.apply(&deletion(
+                    record.rule_sets().flat_map(NftablesRules::tables),
+                ))?;
+                for set in record.rule_sets() {
+                    update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
+                        BackendError::PodNet {
+                            pod: target.to_string(),
+                            source,
+                        }
+                    })?;
+                }
+                Ok(())
+            })
+        })
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
-        let mut out: Vec<CapturedPod> = self
-            .records
-            .of_mode(mode)
-            .into_iter()
-            .map(|record| CapturedPod {
-                summary: format!(
-                    "{} via nft ({})",
-                    if record.ambient {
-                        "ambient (ztunnel)".to_owned()
-                    } else {
-                        record.mode.to_string()
-                    },
-                    record.rules.tables().join(", ")
-                ),
-                pod: record.pod,
-                backend: self.name().to_owned(),
-            })
-            .collect();
-        out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
-        Ok(out)
+        Ok(self.records.list(mode))
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone = self.gone(DataplaneMode::Sidecar)?;
-        let gone: Vec<PodRef> = gone
-            .into_iter()
-            .chain(self.gone(DataplaneMode::Ambient)?)
-            .collect();
-        for pod in &gone {
-            // The tables lived in the netns and went with it: only the record is left.
-            self.records.forget(&pod.container_id);
-            info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
-        }
-        Ok(gone)
+        Ok(self.records.prune_gone())
     }
 
     fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self
-            .records
-            .of_mode(mode)
-            .into_iter()
-            .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod)
-            .collect())
+        Ok(self.records.gone(mode))
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some((id, record)) = self.records.recorded(pod) else {
-            return Ok(false);
-        };
-        if record.pod.netns.exists() {
-            return Ok(false);
-        }
-        self.records.forget(&id);
-        info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
-        Ok(true)
+        Ok(self.records.drop_if_gone(pod))
     }
 
     fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
-        let Some((_, record)) = self.records.recorded(pod) else {
-            return Ok(PodCheck::default());
+        let describe = |record: &Applied| {
+            format!(
+                "{} rules via nft: tables {}",
+                record.whose(),
+                record.rules.tables().join(", ")
+            )
         };
-        let mut check = PodCheck::default();
-        check.installed.push(format!(
-            "{} rules via nft: tables {}",
-            if record.ambient {
-                "ambient (ztunnel) in-pod".to_owned()
-            } else {
-                format!("{} mode", record.mode)
-            },
-            record.rules.tables().join(", ")
-        ));
-        if !record.replacing.is_empty() {
-            check
-                .installed
-                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
-            return Ok(check);
-        }
-        if !record.pod.netns.exists() {
-            check.installed.push(format!(
-                "netns {} is gone (its record is dropped within --gone-check-seconds)",
-                record.pod.netns.display()
-            ));
-            return Ok(check);
-        }
+        let (mut check, _, record) = match self.records.to_verify(pod, describe) {
+            Ok(found) => found,
+            Err(check) => return Ok(check),
+        };
         let rules = &record.rules;
         let found = self.in_netns(&record.pod, |nft, visit| {
             let mut found = PodCheck::default();
