@@ -16,13 +16,14 @@
 //!   missing.
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
 //!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
-//!   verifier compare the tables' listing now with it. A repair runs the pod's transaction
+//!   verifier ([`verify`]) compare the tables' listing now with it. A repair runs the pod's transaction
 //!   again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
 mod nft;
 mod records;
 mod tables;
+mod verify;
 
 use std::path::PathBuf;
 
@@ -33,7 +34,7 @@ use tables::{deletion, difference, listing};
 use tracing::{debug, info, warn};
 
 use super::{
-    BackendError, CaptureBackend, CapturedPod, DriftKind, PodCheck, PodPolicy, Verify,
+    BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
     records::{Record as _, Records},
     rules_backend::not_captured,
 };
@@ -304,50 +305,6 @@ impl CaptureBackend for NftablesBackend {
     }
 
     fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
-        let describe = |record: &Applied| {
-            format!(
-                "{} rules via nft: tables {}",
-                record.whose(),
-                record.rules.tables().join(", ")
-            )
-        };
-        let (mut check, _, record) = match self.records.to_verify(pod, describe) {
-            Ok(found) => found,
-            Err(check) => return Ok(check),
-        };
-        let rules = &record.rules;
-        let found = self.in_netns(&record.pod, |nft, visit| {
-            let mut found = PodCheck::default();
-            match difference(&record.listing, &listing(nft, rules)?) {
-                None => found
-                    .installed
-                    .push("every table as applied (nft lists them unchanged)".to_owned()),
-                Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
-                    // The tables replaced in one transaction: nothing less at any instant.
-                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
-                        .map_err(|e| e.to_string())?;
-                    let now = listing(nft, rules).map_err(|e| e.to_string())?;
-                    difference(&record.listing, &now).map_or(Ok(()), Err)
-                })),
-            }
-            let route =
-                missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {
-                    pod: record.pod.to_string(),
-                    source,
-                })?;
-            if let Some(route) = route {
-                found.drift.push(verify.handle(
-                    DriftKind::Route,
-                    format!("{route} is missing"),
-                    || {
-                        update_routes(visit, &[&NO_ROUTES], &rules.routes)
-                            .map_err(|e| e.to_string())
-                    },
-                ));
-            }
-            Ok(found)
-        })?;
-        check.extend(found);
-        Ok(check)
+        self.verify_pod(pod, verify)
     }
 }
