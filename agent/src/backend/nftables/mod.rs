@@ -16,8 +16,8 @@
 //!   missing.
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
 //!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
-//!   verifier ([`verify`]) compare the tables' listing now with it. A repair runs the pod's transaction
-//!   again: the tables replaced atomically, never less in place than before.
+//!   verifier ([`verify`]) compare the tables' listing now with it. A repair runs the pod's
+//!   transaction again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
 mod nft;
