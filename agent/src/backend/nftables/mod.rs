@@ -11,9 +11,9 @@
 //!   it turns REDIRECT).
 //! - **Records**: what was applied is recorded ahead per pod ([`records`], kept by the rules
 //!   backends' [`Records`] in `<state dir>/nftables/`), so that a DEL, an ADD or a restarted
-//!   agent knows which tables the netns may hold. DEL (its course: [`Records::release`]) deletes every table a record names with `add table` then `delete
-//!   table` in one transaction: a table already gone is no error, so DEL completes whatever is
-//!   missing.
+//!   agent knows which tables the netns may hold. DEL (its course: [`Records::release`])
+//!   deletes every table a record names with `add table` then `delete table` in one
+//!   transaction: a table already gone is no error, so DEL completes whatever is missing.
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
 //!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
 //!   verifier ([`verify`]) compare the tables' listing now with it. A repair runs the pod's
