@@ -7,7 +7,7 @@
 //! - **CHECK** and an idempotent ADD ([`Records::applied_whole`]): the record must say that the
 //!   policy's rules, and nothing else, were applied to the end before the netns is looked at.
 //! - **The verifier** ([`Records::to_verify`]): what the record says, and whether the netns is
-//!   there to compare it with.
+//!   there to compare it with; in the netns, the rules' policy route ([`route_drift`]).
 //! - **Gone pods and the status list**: read off the records alone.
 //!
 //! What each backend does inside the netns (iptables' swaps, nftables' transactions) is its
@@ -15,10 +15,15 @@
 use tracing::{debug, info};
 
 use super::{
-    BackendError, CapturedPod, PodCheck,
+    BackendError, CapturedPod, Drift, DriftKind, PodCheck, Verify,
     records::{Record, Records},
 };
-use crate::{crashpoint, pod::PodRef, policy::DataplaneMode};
+use crate::{
+    crashpoint,
+    pod::PodRef,
+    podnet::{Visit, route},
+    policy::{DataplaneMode, PolicyRoutes},
+};
 
 /// CHECK's error: `pod` is not captured as its policy says, `missing` saying how.
 pub(super) fn not_captured(pod: &PodRef, missing: String) -> BackendError {
@@ -26,6 +31,34 @@ pub(super) fn not_captured(pod: &PodRef, missing: String) -> BackendError {
         pod: pod.to_string(),
         missing,
     }
+}
+
+/// The verifier's look at the policy route `routes` need (TPROXY's, ambient mode's) in the
+/// visited netns of `pod` (its name): a drift when it is missing, put back as `verify` says.
+pub(super) fn route_drift(
+    visit: &mut Visit,
+    pod: &str,
+    routes: &PolicyRoutes,
+    verify: Verify,
+) -> Result<Option<Drift>, BackendError> {
+    if routes.mark_route.is_none() {
+        return Ok(None);
+    }
+    let missing = visit
+        .netlink()
+        .and_then(|netlink| route::missing(netlink, routes))
+        .map_err(|source| BackendError::PodNet {
+            pod: pod.to_owned(),
+            source,
+        })?;
+    Ok(missing.map(|missing| {
+        verify.handle(DriftKind::Route, format!("{missing} is missing"), || {
+            visit
+                .netlink()
+                .and_then(|netlink| route::update(netlink, &PolicyRoutes::default(), routes))
+                .map_err(|e| e.to_string())
+        })
+    }))
 }
 
 impl<R: Record> Records<R> {

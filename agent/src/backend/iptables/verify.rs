@@ -14,10 +14,12 @@ use std::collections::HashMap;
 
 use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
-    backend::{BackendError, DriftKind, PodCheck, Verify, records::Record as _},
+    backend::{
+        BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
+    },
     pod::PodRef,
-    podnet::{self, nftgen},
-    policy::{IptablesRules, PolicyRoutes},
+    podnet::nftgen,
+    policy::IptablesRules,
 };
 
 /// A pod's tables as they were when its rules were last found whole.
@@ -142,28 +144,12 @@ impl Ctx<'_> {
                     .map_err(|e| e.to_string())
             }));
         }
-        if rules.routes.mark_route.is_some() {
-            let pod = self.xt.who.clone();
-            let route = self
-                .visit
-                .netlink()
-                .and_then(|netlink| podnet::route::missing(netlink, &rules.routes))
-                .map_err(|source| BackendError::PodNet { pod, source })?;
-            if let Some(route) = route {
-                check.drift.push(verify.handle(
-                    DriftKind::Route,
-                    format!("{route} is missing"),
-                    || {
-                        self.visit
-                            .netlink()
-                            .and_then(|n| {
-                                podnet::route::update(n, &PolicyRoutes::default(), &rules.routes)
-                            })
-                            .map_err(|e| e.to_string())
-                    },
-                ));
-            }
-        }
+        check.drift.extend(route_drift(
+            self.visit,
+            &self.xt.who,
+            &rules.routes,
+            verify,
+        )?);
         if check
             .drift
             .iter()

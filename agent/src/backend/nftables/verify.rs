@@ -5,12 +5,11 @@
 //! counters left out) against the listing recorded right after they were applied. Tables that
 //! differ are replaced in one transaction (the pod's own, after deleting them), so that no
 //! instant sees less of the capture than before the repair; a missing policy route is added.
-use super::{
-    Applied, NO_ROUTES, NftablesBackend, deletion, difference, listing, missing_route,
-    update_routes,
-};
+use super::{Applied, NftablesBackend, deletion, difference, listing};
 use crate::{
-    backend::{BackendError, DriftKind, PodCheck, Verify, records::Record as _},
+    backend::{
+        BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
+    },
     pod::PodRef,
 };
 
@@ -48,21 +47,12 @@ impl NftablesBackend {
                     difference(&record.listing, &now).map_or(Ok(()), Err)
                 })),
             }
-            let route =
-                missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {
-                    pod: record.pod.to_string(),
-                    source,
-                })?;
-            if let Some(route) = route {
-                found.drift.push(verify.handle(
-                    DriftKind::Route,
-                    format!("{route} is missing"),
-                    || {
-                        update_routes(visit, &[&NO_ROUTES], &rules.routes)
-                            .map_err(|e| e.to_string())
-                    },
-                ));
-            }
+            found.drift.extend(route_drift(
+                visit,
+                &record.pod.to_string(),
+                &rules.routes,
+                verify,
+            )?);
             Ok(found)
         })?;
         check.extend(found);
