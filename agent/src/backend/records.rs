@@ -7,7 +7,9 @@
 //! ones.
 //!
 //! One store serves both backends; what differs, the record itself, is the backend's
-//! ([`Record`]: `iptables/records.rs`, `nftables/records.rs`).
+//! ([`Record`]: `iptables/records.rs`, `nftables/records.rs`). The steps both backends take
+//! over their records (DEL's course, CHECK's and the verifier's first look, gone pods) are
+//! [`super::rules_backend`]'s.
 use std::{
     collections::HashMap,
     fs,
