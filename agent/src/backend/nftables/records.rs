@@ -61,7 +61,7 @@ impl Record for Applied {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::records::Records;
+    use crate::{backend::records::Records, policy::DataplaneMode};
 
     /// A record as the agent has written it since the nftables backend recorded the tables'
     /// listing (main `cee8836`), byte for byte: an ambient pod's in-pod tables.
@@ -98,5 +98,34 @@ mod tests {
             std::fs::read_to_string(records.join("c0ffee.json")).unwrap(),
             TODAY
         );
+    }
+
+    #[test]
+    fn a_pod_is_found_by_its_netns_and_forgotten_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let records = dir.path().join("nftables");
+        std::fs::create_dir_all(&records).unwrap();
+        std::fs::write(records.join("c0ffee.json"), TODAY).unwrap();
+        // Not a record: left alone, and not adopted.
+        std::fs::write(records.join("junk.json"), "{").unwrap();
+
+        let store = Records::<Applied>::open(dir.path()).unwrap();
+        assert_eq!(store.count(), 1);
+        assert_eq!(store.of_mode(DataplaneMode::Ambient).len(), 1);
+        assert!(store.of_mode(DataplaneMode::Sidecar).is_empty());
+        let in_place = PodRef {
+            container_id: "meshcap-in-place".to_owned(),
+            ..store.get("c0ffee").unwrap().pod
+        };
+        let (id, _) = store.recorded(&in_place).unwrap();
+        assert_eq!(id, "c0ffee");
+
+        // An update's temporary file goes with the record.
+        std::fs::write(records.join("c0ffee.json.tmp"), TODAY).unwrap();
+        store.forget(&id);
+        assert_eq!(store.count(), 0);
+        assert!(!records.join("c0ffee.json").exists());
+        assert!(!records.join("c0ffee.json.tmp").exists());
+        assert!(records.join("junk.json").exists());
     }
 }
