@@ -25,6 +25,8 @@ pub mod ebpf;
 pub mod handover;
 pub mod iptables;
 pub mod nftables;
+mod records;
+mod rules_backend;
 pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};
 
 /// What a backend is asked to capture a pod as: the mode is the variant.

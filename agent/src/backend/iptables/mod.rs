@@ -11,8 +11,9 @@
 //!   less machinery: `XTABLES_LOCKFILE` (iptables ≥ 1.8.3) points each netns at its own lock
 //!   file, and `-w` waits for it. Two operations on one pod are already serialized by the
 //!   agent, so the lock only guards against foreign writers in that netns. nft takes no lock.
-//! - **Idempotence and updates**: what was applied is recorded per pod (`records`: in memory
-//!   and in `<state dir>/iptables/<container id>.json`, so a restarted agent still knows). A repeated
+//! - **Idempotence and updates**: what was applied is recorded per pod (the rules backends'
+//!   [`Records`], in memory and in `<state dir>/iptables/<container id>.json`, so a restarted
+//!   agent still knows; DEL's course is theirs too, [`Records::release`]). A repeated
 //!   ADD with the same rules is a no-op after a check; a different policy is swapped in one
 //!   `iptables-restore` transaction per table (inverse of the old rules, then the new ones).
 //!   A failure part-way rolls back what this call applied.
@@ -36,16 +37,20 @@ use std::{
 
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
-use records::{Applied, Records};
+use records::Applied;
 use tracing::{debug, info, warn};
 use xtables::Xtables;
 
-use super::{BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify};
+use super::{
+    BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
+    records::{Record as _, Records},
+    rules_backend::not_captured,
+};
 use crate::{
     crashpoint,
     pod::PodRef,
     podnet,
-    policy::{DataplaneMode, Family, InterceptionMode, IptablesRules, PolicyRoutes},
+    policy::{DataplaneMode, InterceptionMode, IptablesRules, PolicyRoutes},
 };
 
 /// Backend configuration.
@@ -69,7 +74,7 @@ fn nothing() -> IptablesRules {
 /// The iptables backend.
 #[derive(Debug)]
 pub struct IptablesBackend {
-    records: Records,
+    records: Records<Applied>,
     locks: PathBuf,
     flavour: FlavourChoice,
     /// The verifier's view of each pod's tables when its rules were last found whole.
@@ -87,7 +92,7 @@ impl IptablesBackend {
             path: locks.clone(),
             reason: e.to_string(),
         })?;
-        let records = Records::open(config.state_dir.join("iptables"))?;
+        let records = Records::open(&config.state_dir)?;
         info!(adopted = records.count(), flavour = ?config.flavour, "iptables backend ready");
         Ok(Self {
             records,
@@ -159,7 +164,6 @@ impl IptablesBackend {
                 ambient,
             };
             self.records.save(&intent)?;
-            self.records.insert(intent.clone());
             let old = previous
                 .as_ref()
                 .filter(|p| p.replacing.is_empty())
@@ -183,34 +187,15 @@ impl IptablesBackend {
         };
         self.records.save(&record)?;
         info!(flavour = ?record.flavour, %mode, ambient, "iptables rules applied");
-        self.records.insert(record);
         Ok(())
     }
 
     /// Whether the pod's netns holds `rules` as recorded.
     fn verify(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        let not_captured = |missing: String| BackendError::NotCaptured {
-            pod: pod.to_string(),
-            missing,
-        };
-        let Some((_, record)) = self.records.recorded(pod) else {
-            return Err(not_captured(
-                "meshcap never applied rules to this container".into(),
-            ));
-        };
-        if !record.replacing.is_empty() {
-            return Err(not_captured(
-                "an earlier ADD or update did not finish (ADD again)".into(),
-            ));
-        }
-        if record.rules != *rules {
-            return Err(not_captured(
-                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
-            ));
-        }
+        let record = self.records.applied_whole(pod, rules)?;
         match self.in_netns(pod, |ctx| ctx.first_missing(record.flavour, rules))? {
             None => Ok(()),
-            Some(missing) => Err(not_captured(missing)),
+            Some(missing) => Err(not_captured(pod, missing)),
         }
     }
 
@@ -252,18 +237,7 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone: Vec<PodRef> = [DataplaneMode::Sidecar, DataplaneMode::Ambient]
-            .into_iter()
-            .flat_map(|mode| self.records.of_mode(mode))
-            .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod)
-            .collect();
-        for pod in &gone {
-            // The rules lived in the netns and went with it: only the record is left.
-            self.records.forget(&pod.container_id);
-            info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
-        }
-        Ok(gone)
+        Ok(self.records.prune_gone())
     }
 
     fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
@@ -271,68 +245,37 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self
-            .records
-            .of_mode(mode)
-            .into_iter()
-            .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod)
-            .collect())
+        Ok(self.records.gone(mode))
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some((id, record)) = self.records.recorded(pod) else {
-            return Ok(false);
-        };
-        if record.pod.netns.exists() {
-            return Ok(false);
-        }
-        // The rules lived in the netns and went with it: only the record is left.
-        self.records.forget(&id);
-        info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
-        Ok(true)
+        Ok(self.records.drop_if_gone(pod))
     }
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some((recorded_id, record)) = self.records.recorded(pod) else {
-            debug!("nothing applied for this container");
-            return Ok(());
-        };
-        let target = if pod.netns.as_os_str().is_empty() {
-            record.pod.clone()
-        } else {
-            pod.clone()
-        };
-        if !target.netns.exists() {
-            debug!(netns = %target.netns.display(), "netns gone: its rules went with it");
-            self.records.forget(&recorded_id);
-            return Ok(());
-        }
-        self.in_netns(&target, |ctx| {
-            let removed = if record.replacing.is_empty() {
-                ctx.swap(record.flavour, Some(&record.rules), &nothing())
-            } else {
-                Err(ctx.xt.failed(
-                    "an earlier ADD".into(),
-                    "did not finish: the netns may hold more than one rule set",
-                ))
-            };
-            if let Err(err) = removed {
-                // Part of the capture is already gone (removed behind meshcap's back, or by an
-                // interrupted call), or more than one rule set may be there: remove what is
-                // left of each, whatever it is.
-                warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
-                for set in record.rule_sets() {
-                    ctx.scrub(record.flavour, set)?;
+        self.records.release(pod, |target, record| {
+            self.in_netns(target, |ctx| {
+                let removed = if record.replacing.is_empty() {
+                    ctx.swap(record.flavour, Some(&record.rules), &nothing())
+                } else {
+                    Err(ctx.xt.failed(
+                        "an earlier ADD".into(),
+                        "did not finish: the netns may hold more than one rule set",
+                    ))
+                };
+                if let Err(err) = removed {
+                    // Part of the capture is already gone (removed behind meshcap's back, or by
+                    // an interrupted call), or more than one rule set may be there: remove what
+                    // is left of each, whatever it is.
+                    warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
+                    for set in record.rule_sets() {
+                        ctx.scrub(record.flavour, set)?;
+                    }
                 }
-            }
-            Ok(())
-        })?;
-        crashpoint::here(crashpoint::IPTABLES_REMOVE_REMOVED);
-        self.records.forget(&recorded_id);
-        info!("iptables rules removed");
-        Ok(())
+                Ok(())
+            })
+        })
     }
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]
@@ -341,30 +284,6 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
-        let mut out: Vec<CapturedPod> = self
-            .records
-            .of_mode(mode)
-            .iter()
-            .map(|a| CapturedPod {
-                pod: a.pod.clone(),
-                backend: self.name().to_owned(),
-                summary: format!(
-                    "{} via {}{}",
-                    if a.ambient {
-                        "ambient (ztunnel)".to_owned()
-                    } else {
-                        a.mode.to_string()
-                    },
-                    a.flavour.binary(false, ""),
-                    if a.rules.family(Family::V6).is_some() {
-                        ", IPv4+IPv6"
-                    } else {
-                        ""
-                    }
-                ),
-            })
-            .collect();
-        out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
-        Ok(out)
+        Ok(self.records.list(mode))
     }
 }

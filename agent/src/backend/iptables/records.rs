@@ -1,18 +1,15 @@
-//! What was applied to each pod, recorded ahead of the rules in memory and in
-//! `<state dir>/iptables/<container id>.json`, so that a DEL, an ADD or a restarted agent knows
-//! what the pod's netns may hold. A record is written to a temporary file and renamed into
-//! place; a starting agent adopts complete records of interrupted ADDs and drops partial ones.
-use std::{collections::HashMap, fs, path::PathBuf, sync::Mutex};
-
+//! The iptables backend's record of a pod ([`Applied`]), kept by the rules backends' record
+//! store ([`crate::backend::records`]) in `<state dir>/iptables/<container id>.json`: the rules,
+//! the rule sets an unfinished ADD or update may have left besides them, and the iptables they
+//! were written with.
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
 
 use super::Flavour;
 use crate::{
-    backend::BackendError,
+    backend::records::Record,
     crashpoint,
-    pod::{PodRef, record_file_name},
-    policy::{DataplaneMode, InterceptionMode, IptablesRules},
+    pod::PodRef,
+    policy::{Family, InterceptionMode, IptablesRules},
 };
 
 /// What was applied to a pod: the record, written before the rules are applied.
@@ -32,153 +29,88 @@ pub(super) struct Applied {
     pub(super) ambient: bool,
 }
 
-impl Applied {
-    /// Every rule set the netns may hold.
-    pub(super) fn rule_sets(&self) -> impl Iterator<Item = &IptablesRules> {
-        std::iter::once(&self.rules).chain(&self.replacing)
+impl Record for Applied {
+    const BACKEND: &'static str = "iptables";
+    const RECORD_WRITTEN: &'static str = crashpoint::IPTABLES_ADD_RECORD_WRITTEN;
+    const REMOVED: &'static str = crashpoint::IPTABLES_REMOVE_REMOVED;
+    type Rules = IptablesRules;
+
+    fn pod(&self) -> &PodRef {
+        &self.pod
+    }
+
+    fn rules(&self) -> &IptablesRules {
+        &self.rules
+    }
+
+    fn replacing(&self) -> &[IptablesRules] {
+        &self.replacing
+    }
+
+    fn mode(&self) -> InterceptionMode {
+        self.mode
+    }
+
+    fn ambient(&self) -> bool {
+        self.ambient
+    }
+
+    fn via(&self) -> String {
+        format!(
+            "{}{}",
+            self.flavour.binary(false, ""),
+            if self.rules.family(Family::V6).is_some() {
+                ", IPv4+IPv6"
+            } else {
+                ""
+            }
+        )
     }
 }
 
-/// The records, by container.
-#[derive(Debug)]
-pub(super) struct Records {
-    dir: PathBuf,
-    applied: Mutex<HashMap<String, Applied>>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::records::Records;
 
-impl Records {
-    /// Opens the records under `dir` and adopts what a previous run left.
-    pub(super) fn open(dir: PathBuf) -> Result<Self, BackendError> {
-        let failed = |path: &PathBuf, e: &std::io::Error| BackendError::State {
-            path: path.clone(),
-            reason: e.to_string(),
-        };
-        fs::create_dir_all(&dir).map_err(|e| failed(&dir, &e))?;
-        let mut applied = HashMap::new();
-        let entries = fs::read_dir(&dir).map_err(|e| failed(&dir, &e))?;
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let parsed = || {
-                fs::read(&path)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()))
-            };
-            if name.ends_with(".json.tmp") {
-                // An ADD stopped between writing its record and renaming it into place: its
-                // rules were applied (the record is written after them), so a complete record
-                // is adopted; a partial one says nothing and goes.
-                match parsed() {
-                    Ok(record) => {
-                        let target = path.with_extension("");
-                        if fs::rename(&path, &target).is_ok() {
-                            info!(path = %target.display(), "adopted the record of an interrupted ADD");
-                            applied.insert(record.pod.container_id.clone(), record);
-                            continue;
-                        }
-                    }
-                    Err(reason) => {
-                        info!(path = %path.display(), %reason, "dropping the partial record of an interrupted ADD");
-                    }
-                }
-                let _ = fs::remove_file(&path);
-                continue;
-            }
-            match parsed() {
-                Ok(record) => {
-                    applied.insert(record.pod.container_id.clone(), record);
-                }
-                Err(reason) => {
-                    warn!(path = %path.display(), %reason, "ignoring unreadable iptables record")
-                }
-            }
-        }
-        Ok(Self {
-            dir,
-            applied: Mutex::new(applied),
-        })
+    /// A record as the agent has written it since ambient mode's in-pod rules were recorded
+    /// (main `cee8836`), byte for byte: a TPROXY pod in the middle of an update.
+    const TODAY: &str = r#"{"pod":{"namespace":"default","name":"web","container_id":"c0ffee","netns":"/run/netns/web"},"flavour":"nft","rules":{"v4":"* nat\n-N ISTIO_INBOUND\nCOMMIT\n","v6":null,"routes":{"mark_route":{"mark":1337,"mask":null,"priority":null,"table":133,"families":["v4"]},"loopback_addresses":[]}},"replacing":[{"v4":"* nat\nCOMMIT\n","v6":"* nat\nCOMMIT\n","routes":{"mark_route":null,"loopback_addresses":["::6/128"]}}],"mode":"TPROXY","ambient":false}"#;
+
+    #[test]
+    fn a_record_in_todays_format_is_adopted_and_written_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let records = dir.path().join("iptables");
+        std::fs::create_dir_all(&records).unwrap();
+        // One complete, one interrupted between writing and renaming.
+        std::fs::write(records.join("c0ffee.json"), TODAY).unwrap();
+        let tmp = TODAY.replace("c0ffee", "beef");
+        std::fs::write(records.join("beef.json.tmp"), &tmp).unwrap();
+
+        let store = Records::<Applied>::open(dir.path()).unwrap();
+        assert_eq!(store.count(), 2);
+        let applied = store.get("c0ffee").unwrap();
+        assert_eq!(applied.pod.name, "web");
+        assert_eq!(applied.flavour, Flavour::Nft);
+        assert_eq!(applied.mode, InterceptionMode::Tproxy);
+        assert_eq!(applied.rule_sets().count(), 2);
+        assert_eq!(
+            std::fs::read_to_string(records.join("beef.json")).unwrap(),
+            tmp
+        );
+        assert!(!records.join("beef.json.tmp").exists());
+
+        store.save(&applied).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(records.join("c0ffee.json")).unwrap(),
+            TODAY
+        );
     }
 
-    /// How many pods are recorded.
-    pub(super) fn count(&self) -> usize {
-        self.lock().len()
-    }
-
-    fn path(&self, container_id: &str) -> PathBuf {
-        self.dir.join(record_file_name(container_id))
-    }
-
-    /// Writes `record` (to a temporary file, renamed into place).
-    pub(super) fn save(&self, record: &Applied) -> Result<(), BackendError> {
-        let path = self.path(&record.pod.container_id);
-        let tmp = path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            fs::write(
-                &tmp,
-                serde_json::to_vec(record).map_err(std::io::Error::other)?,
-            )?;
-            crashpoint::here(crashpoint::IPTABLES_ADD_RECORD_WRITTEN);
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| BackendError::State {
-            path,
-            reason: e.to_string(),
-        })
-    }
-
-    /// Keeps `record` in memory (after [`Self::save`]).
-    pub(super) fn insert(&self, record: Applied) {
-        self.lock().insert(record.pod.container_id.clone(), record);
-    }
-
-    /// Removes the record of `container_id`, on disk and in memory.
-    pub(super) fn forget(&self, container_id: &str) {
-        let path = self.path(container_id);
-        for path in [path.with_extension("json.tmp"), path] {
-            if let Err(e) = fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                warn!(path = %path.display(), error = %e, "removing iptables record");
-            }
-        }
-        self.lock().remove(container_id);
-    }
-
-    /// The record of `container_id`.
-    pub(super) fn get(&self, container_id: &str) -> Option<Applied> {
-        self.lock().get(container_id).cloned()
-    }
-
-    /// What was applied for `pod`, and the id it is recorded under: by the container, else by
-    /// the netns (a pod captured in place is recorded under an id of meshcap's, not the
-    /// runtime's sandbox id).
-    pub(super) fn recorded(&self, pod: &PodRef) -> Option<(String, Applied)> {
-        let applied = self.lock();
-        applied
-            .get(&pod.container_id)
-            .map(|r| (pod.container_id.clone(), r.clone()))
-            .or_else(|| {
-                applied
-                    .iter()
-                    .find(|(_, r)| r.pod.in_netns(&pod.netns))
-                    .map(|(id, r)| (id.clone(), r.clone()))
-            })
-    }
-
-    /// The records of `mode`'s pods.
-    pub(super) fn of_mode(&self, mode: DataplaneMode) -> Vec<Applied> {
-        let ambient = mode == DataplaneMode::Ambient;
-        self.lock()
-            .values()
-            .filter(|record| record.ambient == ambient)
-            .cloned()
-            .collect()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
-        // A panic while holding the map leaves it consistent (single inserts and removes).
-        self.applied
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    #[test]
+    fn a_record_from_before_ambient_mode_reads_as_a_sidecars() {
+        let old = TODAY.replace(r#","ambient":false"#, "");
+        let applied: Applied = serde_json::from_str(&old).unwrap();
+        assert!(!applied.ambient);
     }
 }

@@ -14,10 +14,12 @@ use std::collections::HashMap;
 
 use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
-    backend::{BackendError, DriftKind, PodCheck, Verify},
+    backend::{
+        BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
+    },
     pod::PodRef,
-    podnet::{self, nftgen},
-    policy::{IptablesRules, PolicyRoutes},
+    podnet::nftgen,
+    policy::IptablesRules,
 };
 
 /// A pod's tables as they were when its rules were last found whole.
@@ -45,24 +47,10 @@ impl IptablesBackend {
         pod: &PodRef,
         verify: Verify,
     ) -> Result<PodCheck, BackendError> {
-        let Some((id, record)) = self.records.recorded(pod) else {
-            return Ok(PodCheck::default());
+        let (mut check, id, record) = match self.records.to_verify(pod, describe) {
+            Ok(found) => found,
+            Err(check) => return Ok(check),
         };
-        let mut check = PodCheck::default();
-        check.installed.push(describe(&record));
-        if !record.replacing.is_empty() {
-            check
-                .installed
-                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
-            return Ok(check);
-        }
-        if !record.pod.netns.exists() {
-            check.installed.push(format!(
-                "netns {} is gone (its record is dropped within --gone-check-seconds)",
-                record.pod.netns.display()
-            ));
-            return Ok(check);
-        }
         let baseline = self.baseline(&id);
         let (found, now) = self.in_netns(&record.pod, |ctx| {
             ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
@@ -101,11 +89,7 @@ fn describe(record: &Applied) -> String {
     let v6 = record.rules.v6.as_deref().map(count);
     format!(
         "{} rules via {}: {} IPv4{}",
-        if record.ambient {
-            "ambient (ztunnel) in-pod".to_owned()
-        } else {
-            format!("{} mode", record.mode)
-        },
+        record.whose(),
         record.flavour.binary(false, ""),
         count(&record.rules.v4),
         v6.map_or_else(String::new, |n| format!(", {n} IPv6"))
@@ -160,28 +144,12 @@ impl Ctx<'_> {
                     .map_err(|e| e.to_string())
             }));
         }
-        if rules.routes.mark_route.is_some() {
-            let pod = self.xt.who.clone();
-            let route = self
-                .visit
-                .netlink()
-                .and_then(|netlink| podnet::route::missing(netlink, &rules.routes))
-                .map_err(|source| BackendError::PodNet { pod, source })?;
-            if let Some(route) = route {
-                check.drift.push(verify.handle(
-                    DriftKind::Route,
-                    format!("{route} is missing"),
-                    || {
-                        self.visit
-                            .netlink()
-                            .and_then(|n| {
-                                podnet::route::update(n, &PolicyRoutes::default(), &rules.routes)
-                            })
-                            .map_err(|e| e.to_string())
-                    },
-                ));
-            }
-        }
+        check.drift.extend(route_drift(
+            self.visit,
+            &self.xt.who,
+            &rules.routes,
+            verify,
+        )?);
         if check
             .drift
             .iter()

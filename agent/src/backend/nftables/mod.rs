@@ -9,30 +9,35 @@
 //!   writes into a fresh netns whatever was there: no chain of an earlier policy left empty, no
 //!   chain added behind meshcap's back kept, no earlier table (a TPROXY pod's mangle table when
 //!   it turns REDIRECT).
-//! - **Records**: what was applied is recorded ahead per pod ([`records`], in
-//!   `<state dir>/nftables/`), so that a DEL, an ADD or a restarted agent knows which tables the
-//!   netns may hold. DEL deletes every table a record names with `add table` then `delete
-//!   table` in one transaction: a table already gone is no error, so DEL completes whatever is
-//!   missing.
+//! - **Records**: what was applied is recorded ahead per pod ([`records`], kept by the rules
+//!   backends' [`Records`] in `<state dir>/nftables/`), so that a DEL, an ADD or a restarted
+//!   agent knows which tables the netns may hold. DEL (its course: [`Records::release`])
+//!   deletes every table a record names with `add table` then `delete table` in one
+//!   transaction: a table already gone is no error, so DEL completes whatever is missing.
 //! - **CHECK and drift**: right after applying, the tables are listed as the kernel holds them
 //!   (`nft -s list table`, counters left out) and the listing is recorded; CHECK and the
-//!   verifier compare the tables' listing now with it. A repair runs the pod's transaction
-//!   again: the tables replaced atomically, never less in place than before.
+//!   verifier ([`verify`]) compare the tables' listing now with it. A repair runs the pod's
+//!   transaction again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
 mod nft;
 mod records;
 mod tables;
+mod verify;
 
 use std::path::PathBuf;
 
 use nft::Nft;
-use records::{Applied, Records};
+use records::Applied;
 pub use tables::NftablesRules;
 use tables::{deletion, difference, listing};
 use tracing::{debug, info, warn};
 
-use super::{BackendError, CaptureBackend, CapturedPod, DriftKind, PodCheck, PodPolicy, Verify};
+use super::{
+    BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
+    records::{Record as _, Records},
+    rules_backend::not_captured,
+};
 use crate::{
     crashpoint,
     pod::PodRef,
@@ -50,7 +55,7 @@ pub struct NftablesConfig {
 /// The native nftables backend.
 #[derive(Debug)]
 pub struct NftablesBackend {
-    records: Records,
+    records: Records<Applied>,
 }
 
 impl NftablesBackend {
@@ -72,7 +77,7 @@ impl NftablesBackend {
                     nft::NFT
                 ))
             })?;
-        let records = Records::open(config.state_dir.join("nftables"))?;
+        let records = Records::open(&config.state_dir)?;
         info!(adopted = records.count(), %version, "nftables backend ready");
         Ok(Self { records })
     }
@@ -203,25 +208,7 @@ impl NftablesBackend {
 
     /// Whether the pod's netns holds `rules` as recorded.
     fn check_recorded(&self, pod: &PodRef, rules: &NftablesRules) -> Result<(), BackendError> {
-        let not_captured = |missing: String| BackendError::NotCaptured {
-            pod: pod.to_string(),
-            missing,
-        };
-        let Some((_, record)) = self.records.recorded(pod) else {
-            return Err(not_captured(
-                "meshcap never applied rules to this container".into(),
-            ));
-        };
-        if !record.replacing.is_empty() {
-            return Err(not_captured(
-                "an earlier ADD or update did not finish (ADD again)".into(),
-            ));
-        }
-        if record.rules != *rules {
-            return Err(not_captured(
-                "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
-            ));
-        }
+        let record = self.records.applied_whole(pod, rules)?;
         let missing = self.in_netns(&record.pod, |nft, visit| {
             if let Some(difference) = difference(&record.listing, &listing(nft, rules)?) {
                 return Ok(Some(difference));
@@ -231,7 +218,7 @@ impl NftablesBackend {
                 source,
             })
         })?;
-        missing.map_or(Ok(()), |missing| Err(not_captured(missing)))
+        missing.map_or(Ok(()), |missing| Err(not_captured(pod, missing)))
     }
 }
 
@@ -283,159 +270,41 @@ impl CaptureBackend for NftablesBackend {
 
     #[tracing::instrument(name = "nftables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let Some((recorded_id, record)) = self.records.recorded(pod) else {
-            debug!("nothing applied for this container");
-            return Ok(());
-        };
-        let target = if pod.netns.as_os_str().is_empty() {
-            &record.pod
-        } else {
-            pod
-        };
-        if !target.netns.exists() {
-            debug!(netns = %target.netns.display(), "netns gone: its tables went with it");
-            self.records.forget(&recorded_id);
-            return Ok(());
-        }
-        self.in_netns(target, |nft, visit| {
-            nft.apply(&deletion(
-                record.rule_sets().flat_map(NftablesRules::tables),
-            ))?;
-            for set in record.rule_sets() {
-                update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
-                    BackendError::PodNet {
-                        pod: target.to_string(),
-                        source,
-                    }
-                })?;
-            }
-            Ok(())
-        })?;
-        crashpoint::here(crashpoint::NFTABLES_REMOVE_REMOVED);
-        self.records.forget(&recorded_id);
-        info!("nftables rules removed");
-        Ok(())
+        self.records.release(pod, |target, record| {
+            self.in_netns(target, |nft, visit| {
+                nft.apply(&deletion(
+                    record.rule_sets().flat_map(NftablesRules::tables),
+                ))?;
+                for set in record.rule_sets() {
+                    update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
+                        BackendError::PodNet {
+                            pod: target.to_string(),
+                            source,
+                        }
+                    })?;
+                }
+                Ok(())
+            })
+        })
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
-        let mut out: Vec<CapturedPod> = self
-            .records
-            .of_mode(mode)
-            .into_iter()
-            .map(|record| CapturedPod {
-                summary: format!(
-                    "{} via nft ({})",
-                    if record.ambient {
-                        "ambient (ztunnel)".to_owned()
-                    } else {
-                        record.mode.to_string()
-                    },
-                    record.rules.tables().join(", ")
-                ),
-                pod: record.pod,
-                backend: self.name().to_owned(),
-            })
-            .collect();
-        out.sort_by(|a, b| (&a.pod.namespace, &a.pod.name).cmp(&(&b.pod.namespace, &b.pod.name)));
-        Ok(out)
+        Ok(self.records.list(mode))
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
-        let gone = self.gone(DataplaneMode::Sidecar)?;
-        let gone: Vec<PodRef> = gone
-            .into_iter()
-            .chain(self.gone(DataplaneMode::Ambient)?)
-            .collect();
-        for pod in &gone {
-            // The tables lived in the netns and went with it: only the record is left.
-            self.records.forget(&pod.container_id);
-            info!(pod = %pod, container = %pod.container_id, netns = %pod.netns.display(), "netns gone: record dropped");
-        }
-        Ok(gone)
+        Ok(self.records.prune_gone())
     }
 
     fn gone(&self, mode: DataplaneMode) -> Result<Vec<PodRef>, BackendError> {
-        Ok(self
-            .records
-            .of_mode(mode)
-            .into_iter()
-            .filter(|record| !record.pod.netns.exists())
-            .map(|record| record.pod)
-            .collect())
+        Ok(self.records.gone(mode))
     }
 
     fn drop_if_gone(&self, pod: &PodRef) -> Result<bool, BackendError> {
-        let Some((id, record)) = self.records.recorded(pod) else {
-            return Ok(false);
-        };
-        if record.pod.netns.exists() {
-            return Ok(false);
-        }
-        self.records.forget(&id);
-        info!(pod = %record.pod, container = %id, netns = %record.pod.netns.display(), "netns gone without a DEL this agent saw: record dropped");
-        Ok(true)
+        Ok(self.records.drop_if_gone(pod))
     }
 
     fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
-        let Some((_, record)) = self.records.recorded(pod) else {
-            return Ok(PodCheck::default());
-        };
-        let mut check = PodCheck::default();
-        check.installed.push(format!(
-            "{} rules via nft: tables {}",
-            if record.ambient {
-                "ambient (ztunnel) in-pod".to_owned()
-            } else {
-                format!("{} mode", record.mode)
-            },
-            record.rules.tables().join(", ")
-        ));
-        if !record.replacing.is_empty() {
-            check
-                .installed
-                .push("an ADD or update did not finish: the next ADD completes it".to_owned());
-            return Ok(check);
-        }
-        if !record.pod.netns.exists() {
-            check.installed.push(format!(
-                "netns {} is gone (its record is dropped within --gone-check-seconds)",
-                record.pod.netns.display()
-            ));
-            return Ok(check);
-        }
-        let rules = &record.rules;
-        let found = self.in_netns(&record.pod, |nft, visit| {
-            let mut found = PodCheck::default();
-            match difference(&record.listing, &listing(nft, rules)?) {
-                None => found
-                    .installed
-                    .push("every table as applied (nft lists them unchanged)".to_owned()),
-                Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
-                    // The tables replaced in one transaction: nothing less at any instant.
-                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
-                        .map_err(|e| e.to_string())?;
-                    let now = listing(nft, rules).map_err(|e| e.to_string())?;
-                    difference(&record.listing, &now).map_or(Ok(()), Err)
-                })),
-            }
-            let route =
-                missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {
-                    pod: record.pod.to_string(),
-                    source,
-                })?;
-            if let Some(route) = route {
-                found.drift.push(verify.handle(
-                    DriftKind::Route,
-                    format!("{route} is missing"),
-                    || {
-                        update_routes(visit, &[&NO_ROUTES], &rules.routes)
-                            .map_err(|e| e.to_string())
-                    },
-                ));
-            }
-            Ok(found)
-        })?;
-        check.extend(found);
-        Ok(check)
+        self.verify_pod(pod, verify)
     }
 }

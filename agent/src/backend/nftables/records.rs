@@ -1,20 +1,12 @@
-//! What was applied to each pod, recorded ahead of the transaction in memory and in
-//! `<state dir>/nftables/<container id>.json`, so that a DEL, an ADD or a restarted agent knows
-//! which tables the pod's netns may hold. A record is written to a temporary file and renamed
-//! into place; a starting agent adopts complete records of interrupted ADDs and drops partial
-//! ones (as the iptables backend's records).
-use std::{collections::HashMap, fs, path::PathBuf, sync::Mutex};
-
+//! The nftables backend's record of a pod ([`Applied`]), kept by the rules backends' record
+//! store ([`crate::backend::records`]) in `<state dir>/nftables/<container id>.json`: the
+//! transaction and routes, the rule sets whose tables an unfinished ADD or update may have left
+//! besides them, and the tables' listing once applied (what CHECK and the verifier compare
+//! with).
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
 
 use super::NftablesRules;
-use crate::{
-    backend::BackendError,
-    crashpoint,
-    pod::{PodRef, record_file_name},
-    policy::{DataplaneMode, InterceptionMode},
-};
+use crate::{backend::records::Record, crashpoint, pod::PodRef, policy::InterceptionMode};
 
 /// What was applied to a pod: the record, written before the transaction runs.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -35,141 +27,105 @@ pub(super) struct Applied {
     pub(super) ambient: bool,
 }
 
-impl Applied {
-    /// Every rule set the netns may hold.
-    pub(super) fn rule_sets(&self) -> impl Iterator<Item = &NftablesRules> {
-        std::iter::once(&self.rules).chain(&self.replacing)
+impl Record for Applied {
+    const BACKEND: &'static str = "nftables";
+    const RECORD_WRITTEN: &'static str = crashpoint::NFTABLES_ADD_RECORD_WRITTEN;
+    const REMOVED: &'static str = crashpoint::NFTABLES_REMOVE_REMOVED;
+    type Rules = NftablesRules;
+
+    fn pod(&self) -> &PodRef {
+        &self.pod
+    }
+
+    fn rules(&self) -> &NftablesRules {
+        &self.rules
+    }
+
+    fn replacing(&self) -> &[NftablesRules] {
+        &self.replacing
+    }
+
+    fn mode(&self) -> InterceptionMode {
+        self.mode
+    }
+
+    fn ambient(&self) -> bool {
+        self.ambient
+    }
+
+    fn via(&self) -> String {
+        format!("nft ({})", self.rules.tables().join(", "))
     }
 }
 
-/// The records, by container.
-#[derive(Debug)]
-pub(super) struct Records {
-    dir: PathBuf,
-    applied: Mutex<HashMap<String, Applied>>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{backend::records::Records, policy::DataplaneMode};
 
-impl Records {
-    /// Opens the records under `dir` and adopts what a previous run left.
-    pub(super) fn open(dir: PathBuf) -> Result<Self, BackendError> {
-        let failed = |path: &PathBuf, e: &std::io::Error| BackendError::State {
-            path: path.clone(),
-            reason: e.to_string(),
+    /// A record as the agent has written it since the nftables backend recorded the tables'
+    /// listing (main `cee8836`), byte for byte: an ambient pod's in-pod tables.
+    const TODAY: &str = r#"{"pod":{"namespace":"default","name":"web","container_id":"c0ffee","netns":"/run/netns/web"},"rules":{"transaction":"add table inet istio-ambient-nat\nflush table inet istio-ambient-nat\n","routes":{"mark_route":{"mark":273,"mask":4095,"priority":32764,"table":100,"families":["v4","v6"]},"loopback_addresses":["::6/128"]}},"replacing":[],"listing":"table inet istio-ambient-nat {\n}\n","mode":"REDIRECT","ambient":true}"#;
+
+    #[test]
+    fn a_record_in_todays_format_is_adopted_and_written_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let records = dir.path().join("nftables");
+        std::fs::create_dir_all(&records).unwrap();
+        // One complete, one interrupted between writing and renaming, one cut short.
+        std::fs::write(records.join("c0ffee.json"), TODAY).unwrap();
+        let tmp = TODAY.replace("c0ffee", "beef");
+        std::fs::write(records.join("beef.json.tmp"), &tmp).unwrap();
+        std::fs::write(records.join("cafe.json.tmp"), &TODAY[..40]).unwrap();
+
+        let store = Records::<Applied>::open(dir.path()).unwrap();
+        assert_eq!(store.count(), 2);
+        let applied = store.get("c0ffee").unwrap();
+        assert!(applied.ambient);
+        assert_eq!(applied.rules.tables(), ["istio-ambient-nat"]);
+        assert_eq!(applied.listing, "table inet istio-ambient-nat {\n}\n");
+        assert_eq!(applied.via(), "nft (istio-ambient-nat)");
+        assert_eq!(
+            std::fs::read_to_string(records.join("beef.json")).unwrap(),
+            tmp
+        );
+        assert!(!records.join("beef.json.tmp").exists());
+        assert!(!records.join("cafe.json.tmp").exists());
+        assert!(store.get("cafe").is_none());
+
+        store.save(&applied).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(records.join("c0ffee.json")).unwrap(),
+            TODAY
+        );
+    }
+
+    #[test]
+    fn a_pod_is_found_by_its_netns_and_forgotten_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let records = dir.path().join("nftables");
+        std::fs::create_dir_all(&records).unwrap();
+        std::fs::write(records.join("c0ffee.json"), TODAY).unwrap();
+        // Not a record: left alone, and not adopted.
+        std::fs::write(records.join("junk.json"), "{").unwrap();
+
+        let store = Records::<Applied>::open(dir.path()).unwrap();
+        assert_eq!(store.count(), 1);
+        assert_eq!(store.of_mode(DataplaneMode::Ambient).len(), 1);
+        assert!(store.of_mode(DataplaneMode::Sidecar).is_empty());
+        let in_place = PodRef {
+            container_id: "meshcap-in-place".to_owned(),
+            ..store.get("c0ffee").unwrap().pod
         };
-        fs::create_dir_all(&dir).map_err(|e| failed(&dir, &e))?;
-        let mut applied = HashMap::new();
-        for entry in fs::read_dir(&dir).map_err(|e| failed(&dir, &e))?.flatten() {
-            let path = entry.path();
-            let parsed = fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<Applied>(&b).map_err(|e| e.to_string()));
-            if entry.file_name().to_string_lossy().ends_with(".json.tmp") {
-                // Written ahead of an ADD that stopped before renaming it: a complete record
-                // names what the netns may hold, so it is adopted; a partial one goes (its
-                // transaction never ran: the record is written first).
-                let target = path.with_extension("");
-                match parsed {
-                    Ok(record) if fs::rename(&path, &target).is_ok() => {
-                        info!(path = %target.display(), "adopted the record of an interrupted ADD");
-                        applied.insert(record.pod.container_id.clone(), record);
-                    }
-                    _ => {
-                        info!(path = %path.display(), "dropping the partial record of an interrupted ADD");
-                        let _ = fs::remove_file(&path);
-                    }
-                }
-                continue;
-            }
-            match parsed {
-                Ok(record) => {
-                    applied.insert(record.pod.container_id.clone(), record);
-                }
-                Err(reason) => {
-                    warn!(path = %path.display(), %reason, "ignoring unreadable nftables record");
-                }
-            }
-        }
-        Ok(Self {
-            dir,
-            applied: Mutex::new(applied),
-        })
-    }
+        let (id, _) = store.recorded(&in_place).unwrap();
+        assert_eq!(id, "c0ffee");
 
-    pub(super) fn count(&self) -> usize {
-        self.lock().len()
-    }
-
-    fn path(&self, container_id: &str) -> PathBuf {
-        self.dir.join(record_file_name(container_id))
-    }
-
-    /// Writes `record` (to a temporary file, renamed into place) and keeps it in memory.
-    pub(super) fn save(&self, record: &Applied) -> Result<(), BackendError> {
-        let path = self.path(&record.pod.container_id);
-        let tmp = path.with_extension("json.tmp");
-        let write = || -> std::io::Result<()> {
-            fs::write(
-                &tmp,
-                serde_json::to_vec(record).map_err(std::io::Error::other)?,
-            )?;
-            crashpoint::here(crashpoint::NFTABLES_ADD_RECORD_WRITTEN);
-            fs::rename(&tmp, &path)
-        };
-        write().map_err(|e| BackendError::State {
-            path,
-            reason: e.to_string(),
-        })?;
-        self.lock()
-            .insert(record.pod.container_id.clone(), record.clone());
-        Ok(())
-    }
-
-    /// Removes the record of `container_id`, on disk and in memory.
-    pub(super) fn forget(&self, container_id: &str) {
-        let path = self.path(container_id);
-        for path in [path.with_extension("json.tmp"), path] {
-            if let Err(e) = fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                warn!(path = %path.display(), error = %e, "removing nftables record");
-            }
-        }
-        self.lock().remove(container_id);
-    }
-
-    pub(super) fn get(&self, container_id: &str) -> Option<Applied> {
-        self.lock().get(container_id).cloned()
-    }
-
-    /// What was applied for `pod`, and the id it is recorded under: by the container, else by
-    /// the netns (a pod captured in place is recorded under an id of meshcap's).
-    pub(super) fn recorded(&self, pod: &PodRef) -> Option<(String, Applied)> {
-        let applied = self.lock();
-        applied
-            .get(&pod.container_id)
-            .map(|r| (pod.container_id.clone(), r.clone()))
-            .or_else(|| {
-                applied
-                    .iter()
-                    .find(|(_, r)| r.pod.in_netns(&pod.netns))
-                    .map(|(id, r)| (id.clone(), r.clone()))
-            })
-    }
-
-    /// The records of `mode`'s pods.
-    pub(super) fn of_mode(&self, mode: DataplaneMode) -> Vec<Applied> {
-        let ambient = mode == DataplaneMode::Ambient;
-        self.lock()
-            .values()
-            .filter(|record| record.ambient == ambient)
-            .cloned()
-            .collect()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Applied>> {
-        // A panic while holding the map leaves it consistent (single inserts and removes).
-        self.applied
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        // An update's temporary file goes with the record.
+        std::fs::write(records.join("c0ffee.json.tmp"), TODAY).unwrap();
+        store.forget(&id);
+        assert_eq!(store.count(), 0);
+        assert!(!records.join("c0ffee.json").exists());
+        assert!(!records.join("c0ffee.json.tmp").exists());
+        assert!(records.join("junk.json").exists());
     }
 }

@@ -1,0 +1,61 @@
+//! A pod's tables compared with its record, for the verifier (and `explain`), in one visit to
+//! its netns, and put back in place.
+//!
+//! The comparison is CHECK's: the tables as the kernel lists them now (`nft -s list table`,
+//! counters left out) against the listing recorded right after they were applied. Tables that
+//! differ are replaced in one transaction (the pod's own, after deleting them), so that no
+//! instant sees less of the capture than before the repair; a missing policy route is added.
+use super::{Applied, NftablesBackend, deletion, difference, listing};
+use crate::{
+    backend::{
+        BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
+    },
+    pod::PodRef,
+};
+
+impl NftablesBackend {
+    /// Compares `pod`'s tables (and route) with its record; with [`Verify::Repair`] puts back
+    /// what differs.
+    pub(super) fn verify_pod(
+        &self,
+        pod: &PodRef,
+        verify: Verify,
+    ) -> Result<PodCheck, BackendError> {
+        let describe = |record: &Applied| {
+            format!(
+                "{} rules via nft: tables {}",
+                record.whose(),
+                record.rules.tables().join(", ")
+            )
+        };
+        let (mut check, _, record) = match self.records.to_verify(pod, describe) {
+            Ok(found) => found,
+            Err(check) => return Ok(check),
+        };
+        let rules = &record.rules;
+        let found = self.in_netns(&record.pod, |nft, visit| {
+            let mut found = PodCheck::default();
+            match difference(&record.listing, &listing(nft, rules)?) {
+                None => found
+                    .installed
+                    .push("every table as applied (nft lists them unchanged)".to_owned()),
+                Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
+                    // The tables replaced in one transaction: nothing less at any instant.
+                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
+                        .map_err(|e| e.to_string())?;
+                    let now = listing(nft, rules).map_err(|e| e.to_string())?;
+                    difference(&record.listing, &now).map_or(Ok(()), Err)
+                })),
+            }
+            found.drift.extend(route_drift(
+                visit,
+                &record.pod.to_string(),
+                &rules.routes,
+                verify,
+            )?);
+            Ok(found)
+        })?;
+        check.extend(found);
+        Ok(check)
+    }
+}
