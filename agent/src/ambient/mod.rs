@@ -24,6 +24,7 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
+mod kubelet;
 mod probes;
 mod records;
 mod start;
@@ -38,7 +39,8 @@ use std::{
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
-pub use probes::{HostProbes, remove_from_node};
+pub use kubelet::KubeletNotFound;
+pub use probes::{HostProbes, ProbeWay, remove_from_node};
 use records::{Records, Workload};
 use tracing::{info, warn};
 
@@ -90,6 +92,9 @@ pub enum AmbientError {
         /// Why.
         reason: String,
     },
+    /// Kubelet, whose uid the node's nftables probe rule matches, was not found.
+    #[error(transparent)]
+    Kubelet(#[from] KubeletNotFound),
     /// The agent's own state could not be written.
     #[error("{path}: {reason}")]
     State {
@@ -132,8 +137,10 @@ pub struct AmbientPlaces<'a> {
     /// The node's network namespace, where kubelet's probes are SNAT-ed (`None`: the agent's
     /// own).
     pub node_netns: Option<PathBuf>,
-    /// Which iptables the node's probe rule is written with.
+    /// Which iptables the node's probe rule is written with (in the IP set form).
     pub flavour: FlavourChoice,
+    /// The form of the node's probe sets and rule.
+    pub probes: ProbeWay,
 }
 
 impl Ambient {
@@ -162,6 +169,7 @@ impl Ambient {
         }
         let probes = HostProbes::open(
             places.node_netns,
+            places.probes,
             places.flavour,
             config.host_probe_snat,
             config.ipv6,
@@ -178,6 +186,7 @@ impl Ambient {
             })
             .collect();
         probes.sync(&enrolled)?;
+        probes.retire_other()?;
         let socket = places.socket;
         if let Some(parent) = socket.parent() {
             fs::create_dir_all(parent).map_err(|e| records::state(parent, &e))?;
