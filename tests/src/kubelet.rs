@@ -221,11 +221,12 @@ pub fn cni_with(
 /// app's): kubelet's probes are sent as it, which the node's nftables probe rule matches.
 pub const KUBELET_UID: u32 = 64_321;
 
-/// A real process named `kubelet` (`sleep` run through a link of that name: the kernel names a
-/// process after the path it was executed by; "kubelet" in its command line) running as
-/// [`KUBELET_UID`], for the agent to find kubelet's uid as it finds
-/// it on a node. Its proc directory holds only it (a link to its `/proc` entry), so that each
-/// test's agent finds its own kubelet while other tests run theirs. Killed and removed on drop.
+/// A real process named `kubelet` (the harness's `meshcap-standin`, which the VM guests carry
+/// too, run through a link of that name: the kernel names a process after the path it was
+/// executed by; "kubelet" in its command line) running as [`KUBELET_UID`], for the agent to
+/// find kubelet's uid as it finds it on a node. Its proc directory holds only it (a link to its
+/// `/proc` entry), so that each test's agent finds its own kubelet while other tests run
+/// theirs. Killed and removed on drop.
 pub struct KubeletProcess {
     child: std::process::Child,
     dir: PathBuf,
@@ -242,9 +243,12 @@ impl KubeletProcess {
         let exe = dir.join("kubelet");
         // A link, not a copy: a copy's write descriptor, inherited by a fork of another test's
         // thread until its exec, would make this exec fail with ETXTBSY.
-        std::os::unix::fs::symlink("/bin/sleep", &exe).context("linking sleep as kubelet")?;
+        std::os::unix::fs::symlink(crate::bin::standin(), &exe)
+            .context("linking meshcap-standin as kubelet")?;
+        // A listener on the loopback's ephemeral port keeps it running until killed.
         let child = Command::new(&exe)
-            .arg("infinity")
+            .args(["--name", "kubelet", "--listen", "tcp:127.0.0.1:0"])
+            .stdout(Stdio::null())
             .uid(KUBELET_UID)
             .gid(KUBELET_UID)
             .stdin(Stdio::null())
