@@ -265,6 +265,12 @@ impl KubeletProcess {
     pub fn proc(&self) -> PathBuf {
         self.dir.join("proc")
     }
+
+    /// Its process id.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for KubeletProcess {

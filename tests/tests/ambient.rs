@@ -29,7 +29,7 @@ use meshcap_tests::{
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_failure, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
-    kubelet::{KUBELET_UID, Sandbox, cni, config, config_ips},
+    kubelet::{KUBELET_UID, KubeletProcess, Sandbox, cni, config, config_ips},
     require_root, start_server, unique_name,
     world::{Node, Pod},
 };
@@ -1765,6 +1765,53 @@ fn switching_native_nftables_moves_the_probe_rule_without_a_failed_probe() {
         );
     }
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// With `global.nativeNftables`, kubelet's uid is read from the host's processes before the
+/// node's probe rule is written; while no kubelet is there (a node still starting) the agent
+/// looks again every 2 s, as Istio's node agent retries its host rules, saying what it
+/// searched, and starts once kubelet shows up, its rule matching kubelet's uid.
+#[test]
+fn with_native_nftables_the_agent_waits_for_kubelet() {
+    require_root();
+    let node = Node::new().expect("node");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    let kubelet = KubeletProcess::start().expect("kubelet");
+    let empty = sockets.0.join("proc");
+    std::fs::create_dir(&empty).expect("an empty proc directory");
+    let appears = {
+        let (empty, pid) = (empty.clone(), kubelet.pid().to_string());
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            std::os::unix::fs::symlink(Path::new("/proc").join(&pid), empty.join(&pid))
+                .expect("kubelet appears");
+        })
+    };
+    let host_proc = ["--host-proc", empty.to_str().expect("utf-8")];
+    let agent = ambient_agent_with(
+        Backend::Nftables,
+        &node,
+        &pods,
+        &sockets.socket(),
+        false,
+        &host_proc,
+    );
+    appears.join().expect("kubelet appeared");
+    let log = agent.log();
+    assert!(
+        log.contains("kubelet not found yet")
+            && log.contains(&format!(
+                "no kubelet among 0 processes in {}",
+                empty.display()
+            ))
+            && log.contains("`kubelite`"),
+        "{log}"
+    );
+    assert_eq!(
+        probe_jumps(&node, Backend::Nftables),
+        1,
+        "the rule matches kubelet's uid"
+    );
 }
 
 /// A ztunnel that connects while a pod leaves, after the connected ones were told it is gone
