@@ -74,8 +74,10 @@ trait ProbeSets: Send + Sync {
 /// The node's probe sets and rule.
 pub struct HostProbes {
     netns: Option<PathBuf>,
-    /// Which iptables the ipset form's rule is written with (also to take it off the node).
+    /// Which iptables the ipset form's rule is written with, and where it SNATs to (also to
+    /// take it off the node).
     flavour: FlavourChoice,
+    snat: HostProbeSnat,
     nftables: bool,
     sets: Box<dyn ProbeSets>,
 }
@@ -121,6 +123,7 @@ impl HostProbes {
         let probes = Self {
             netns,
             flavour,
+            snat,
             nftables: matches!(way, ProbeWay::Nftables { .. }),
             sets,
         };
@@ -205,7 +208,7 @@ impl HostProbes {
             return Ok(());
         }
         if self.nftables {
-            ipset::remove_from_node(netns, self.flavour, HostProbeSnat::default())?;
+            ipset::remove_from_node(netns, self.flavour, self.snat)?;
         } else {
             nft::remove_from_node(netns)?;
         }
