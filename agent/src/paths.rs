@@ -20,6 +20,10 @@ pub const AGENT_SOCKET: &str = "/var/run/meshcap/agent.sock";
 /// The host's bpffs, where programs, maps and links are pinned so they outlive the agent.
 pub const BPFFS: &str = "/sys/fs/bpf";
 
+/// The host's `/proc`, where ambient mode with `global.nativeNftables` finds kubelet's uid
+/// (the DaemonSet mounts it read-only there, as Istio's does).
+pub const HOST_PROC: &str = "/host/proc";
+
 /// The host's cgroup v2 root, mounted here in the container. Inside a container
 /// `/sys/fs/cgroup` is the container's own cgroup namespace, whose root is the pod's cgroup,
 /// not the node's; the programs must attach to the node's root, so the host's hierarchy is

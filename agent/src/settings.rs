@@ -287,6 +287,10 @@ pub const NODE_NAME_ENV: &str = "MESHCAP_NODE_NAME";
 /// own, the node's in the host-network DaemonSet).
 pub const NODE_NETNS_ENV: &str = "MESHCAP_NODE_NETNS";
 
+/// The host's `/proc`, where ambient mode with `global.nativeNftables` finds kubelet's uid
+/// ([`crate::paths::HOST_PROC`] by default, where the DaemonSet mounts it).
+pub const HOST_PROC_ENV: &str = "MESHCAP_HOST_PROC";
+
 /// The agent's own namespace (the downward API's `metadata.namespace`).
 pub const POD_NAMESPACE_ENV: &str = "MESHCAP_POD_NAMESPACE";
 

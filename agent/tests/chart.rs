@@ -1014,3 +1014,34 @@ fn the_plain_manifests_are_the_charts_rendering() {
         }
     }
 }
+
+/// The host's `/proc` is mounted read-only at `/host/proc` (the agent's `MESHCAP_HOST_PROC`
+/// default, where ambient mode with `global.nativeNftables` finds kubelet's uid) exactly when
+/// ambient mode is on, as Istio's chart mounts it for its node agent.
+#[test]
+fn the_hosts_proc_is_mounted_for_ambient_mode_only() {
+    let mounted = |objects: &[Value]| {
+        let mounts = container(objects)["volumeMounts"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let mount = mounts
+            .iter()
+            .find(|m| m["mountPath"] == meshcap_agent::paths::HOST_PROC)?;
+        assert_eq!(mount["readOnly"], true, "{mount}");
+        let volume = pod_spec(objects)["volumes"]
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .expect("the mount's volume")
+            .clone();
+        Some(volume["hostPath"].clone())
+    };
+    for config in matrix() {
+        let objects = config.render("1.35.0");
+        let ambient = config_map(&objects)[settings::AMBIENT_ENABLED.key] == "true";
+        let expected = ambient.then(|| json!({"path": "/proc", "type": "Directory"}));
+        assert_eq!(mounted(&objects), expected, "{}", config.name);
+    }
+}

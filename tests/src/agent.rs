@@ -27,7 +27,7 @@ pub fn tcx_env() -> (&'static str, &'static str) {
     }
 }
 
-use crate::{TestCgroup, scenario::EbpfUnderTest, unique_name};
+use crate::{TestCgroup, kubelet::KubeletProcess, scenario::EbpfUnderTest, unique_name};
 
 /// Builds `meshcap-agent` and `meshcap-cni` once per test process (cargo does not build
 /// another package's binaries for this crate's tests) and returns the directory holding them.
@@ -178,6 +178,8 @@ pub struct Agent {
     cgroup: Option<Arc<TestCgroup>>,
     cgroup_root: Option<PathBuf>,
     bpffs_dir: Option<PathBuf>,
+    /// The stand-in kubelet an ambient agent finds (its proc directory in the environment).
+    kubelet: Option<Arc<KubeletProcess>>,
     /// The plugin socket.
     pub socket: PathBuf,
     /// The health/metrics endpoint.
@@ -232,6 +234,19 @@ impl Agent {
         if backend == Backend::Nftables {
             env.push(("MESHCAP_NATIVE_NFTABLES", "true"));
         }
+        // An ambient agent finds kubelet among the host's processes (with
+        // `global.nativeNftables`; any agent, so that a restart flipping it finds it too).
+        let ambient = env
+            .iter()
+            .any(|(k, v)| *k == "MESHCAP_AMBIENT_ENABLED" && v.eq_ignore_ascii_case("true"));
+        let kubelet = (ambient && !env.iter().any(|(k, _)| *k == "MESHCAP_HOST_PROC"))
+            .then(KubeletProcess::start)
+            .transpose()?
+            .map(Arc::new);
+        let host_proc = kubelet.as_ref().map(|k| k.proc().display().to_string());
+        if let Some(host_proc) = &host_proc {
+            env.push(("MESHCAP_HOST_PROC", host_proc));
+        }
         let env = env.as_slice();
         let (cgroup, cgroup_root, bpffs_dir) = match backend {
             Backend::Ebpf => {
@@ -267,6 +282,7 @@ impl Agent {
             cgroup,
             cgroup_root,
             bpffs_dir,
+            kubelet,
             socket,
             http,
         };
@@ -298,6 +314,7 @@ impl Agent {
             cgroup: self.cgroup.clone(),
             cgroup_root: self.cgroup_root.clone(),
             bpffs_dir: self.bpffs_dir.clone(),
+            kubelet: self.kubelet.clone(),
             socket,
             http,
         })
@@ -468,6 +485,10 @@ impl Agent {
         if let Some(at) = self.args.iter().position(|a| a == "--backend") {
             self.args[at + 1] = backend.name().to_owned();
         }
+        self.set_env(
+            "MESHCAP_NATIVE_NFTABLES",
+            (backend == Backend::Nftables).then_some("true"),
+        );
         self.backend = backend;
     }
 

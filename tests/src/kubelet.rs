@@ -216,3 +216,67 @@ pub fn cni_with(
     ];
     run_plugin_at(plugin, &env, conf.to_string().as_bytes(), 0)
 }
+
+/// The uid a test's stand-in kubelet process runs as (not root, not the proxy's nor the
+/// app's): kubelet's probes are sent as it, which the node's nftables probe rule matches.
+pub const KUBELET_UID: u32 = 64_321;
+
+/// A real process named `kubelet` (the harness's `meshcap-standin`, which the VM guests carry
+/// too, run through a link of that name: the kernel names a process after the path it was
+/// executed by; "kubelet" in its command line) running as [`KUBELET_UID`], for the agent to
+/// find kubelet's uid as it finds it on a node. Its proc directory holds only it (a link to its
+/// `/proc` entry), so that each test's agent finds its own kubelet while other tests run
+/// theirs. Killed and removed on drop.
+pub struct KubeletProcess {
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl KubeletProcess {
+    /// Starts it.
+    ///
+    /// # Errors
+    /// When `sleep` cannot be copied or started.
+    pub fn start() -> anyhow::Result<Self> {
+        let dir = std::env::temp_dir().join(unique_name("meshcap-kubelet"));
+        std::fs::create_dir_all(dir.join("proc"))?;
+        let exe = dir.join("kubelet");
+        // A link, not a copy: a copy's write descriptor, inherited by a fork of another test's
+        // thread until its exec, would make this exec fail with ETXTBSY.
+        std::os::unix::fs::symlink(crate::bin::standin(), &exe)
+            .context("linking meshcap-standin as kubelet")?;
+        // A listener on the loopback's ephemeral port keeps it running until killed.
+        let child = Command::new(&exe)
+            .args(["--name", "kubelet", "--listen", "tcp:127.0.0.1:0"])
+            .stdout(Stdio::null())
+            .uid(KUBELET_UID)
+            .gid(KUBELET_UID)
+            .stdin(Stdio::null())
+            .spawn()
+            .context("starting the stand-in kubelet")?;
+        let pid = child.id().to_string();
+        let this = Self { child, dir };
+        std::os::unix::fs::symlink(Path::new("/proc").join(&pid), this.proc().join(&pid))?;
+        Ok(this)
+    }
+
+    /// The proc directory the agent searches (`MESHCAP_HOST_PROC`).
+    #[must_use]
+    pub fn proc(&self) -> PathBuf {
+        self.dir.join("proc")
+    }
+
+    /// Its process id.
+    #[must_use]
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for KubeletProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -180,6 +180,17 @@ impl Node {
             gid: 0,
         }
     }
+
+    /// Kubelet on the node: a client outside every pod, as [`crate::kubelet::KUBELET_UID`]
+    /// (the uid of the stand-in kubelet an ambient agent finds).
+    #[must_use]
+    pub fn kubelet(&self) -> Placement<'_> {
+        Placement {
+            uid: crate::kubelet::KUBELET_UID,
+            gid: crate::kubelet::KUBELET_UID,
+            ..self.client()
+        }
+    }
 }
 
 impl Pod {

@@ -17,8 +17,11 @@ use std::{
 
 use meshcap_agent::{
     crashpoint,
-    ipset::{Entry, IpSets},
-    policy::hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+    ipset::{self, Entry, IpSets},
+    policy::{
+        hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+        nftables::hostprobe::NODE_TABLE,
+    },
 };
 use meshcap_tests::{
     APP_UID, Netns, PROXY_UID, Placement, Proc, Report,
@@ -26,7 +29,7 @@ use meshcap_tests::{
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_failure, dial_with,
     fixtures::{self, ManifestDir, eventually, leftovers, sidecar_pod, unique_ip, write_manifest},
-    kubelet::{Sandbox, cni, config, config_ips},
+    kubelet::{KUBELET_UID, KubeletProcess, Sandbox, cni, config, config_ips},
     require_root, start_server, unique_name,
     world::{Node, Pod},
 };
@@ -35,14 +38,16 @@ use serde_json::{Value, json};
 meshcap_tests::test_on_every_backend!(
     an_ambient_pod_is_captured_for_ztunnel_and_released,
     a_sidecar_pod_and_an_ambient_pod_are_each_captured_their_own_way,
-);
-
-meshcap_tests::test_on_both_backends!(
     without_ztunnel_an_ambient_add_fails_whole,
-    with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
     running_pods_join_and_leave_as_their_labels_change,
     a_starting_agent_makes_enrolled_pods_rules_its_own,
     an_enrolled_pod_whose_netns_went_without_a_del_is_dropped,
+);
+
+// The pod's annotation and its namespace's label are the API's, the same whichever rules
+// capture the pod: not run a third time on nftables.
+meshcap_tests::test_on_both_backends!(
+    with_the_api_the_namespace_label_enrolls_and_the_pod_is_annotated,
 );
 
 /// Where kubelet's probes come from, as the pod sees them (Istio's SNAT on the node).
@@ -327,13 +332,27 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
         ("ztunnel", 15008),
         "HBONE is reached at the pod's address"
     );
-    let probe = dial(node.client(), &format!("tcp:{me}:8080"), None)
+    let probe = dial(node.kubelet(), &format!("tcp:{me}:8080"), None)
         .expect("dial")
         .expect("an answer");
     assert_eq!(
         (probe.server.as_str(), probe.peer.ip().to_string()),
         ("app", PROBE_SOURCE.to_owned()),
         "kubelet's probe (a node socket's connection) is SNAT-ed on the node and reaches the app uncaptured"
+    );
+}
+
+/// Istio's nftables probe rule matches kubelet's uid (`meta skuid`), stricter than iptables'
+/// `--socket-exists` (any local socket): another of the node's processes (root here) reaching
+/// the enrolled pod is not SNAT-ed, and goes to ztunnel's inbound listener as any inbound
+/// connection.
+fn not_kubelet_is_not_snated(node: &Node, pod: &Pod) {
+    let me = pod.v4();
+    let from_root = answer(dial(node.client(), &format!("tcp:{me}:8080"), None).expect("dial"));
+    assert_eq!(
+        from_root,
+        ("ztunnel".into(), 15006, Some(format!("{me}:8080"))),
+        "a connection from another uid than kubelet's is not SNAT-ed by the nftables rule"
     );
 }
 
@@ -395,27 +414,86 @@ fn ztunnel_listening(pod: &Pod) -> bool {
         .expect("the pod's sockets")
 }
 
-/// The node's probe set: (address, comment) of every entry, IPv4 then IPv6.
-fn probe_set(node: &Node) -> Vec<(String, String)> {
+/// The node's probe set: (address, comment) of every entry, IPv4 then IPv6 (none where a set
+/// is not there), from the form
+/// the agent on `backend` writes them in: the IP sets, or with `global.nativeNftables` the nft
+/// sets of table `inet istio-ambient-nat`.
+fn probe_set(node: &Node, backend: Backend) -> Vec<(String, String)> {
+    if backend == Backend::Nftables {
+        return [PROBE_SET_V4, PROBE_SET_V6]
+            .iter()
+            .flat_map(|set| nft_elements(node, set))
+            .collect();
+    }
     node.netns
         .run_in(|| {
             let mut sets = IpSets::open()?;
             let mut out = Vec::new();
             for set in [PROBE_SET_V4, PROBE_SET_V6] {
-                out.extend(
-                    sets.list(set)?
-                        .into_iter()
-                        .map(|e| (e.ip.to_string(), e.comment)),
-                );
+                let listed = match sets.list(set) {
+                    Err(err) if ipset::is_missing(&err) => Vec::new(),
+                    listed => listed?,
+                };
+                out.extend(listed.into_iter().map(|e| (e.ip.to_string(), e.comment)));
             }
             Ok(out)
         })
         .expect("the node's probe sets")
 }
 
+/// The elements of the node's nft probe set `set` as (address, comment); none when the set is
+/// not there.
+fn nft_elements(node: &Node, set: &str) -> Vec<(String, String)> {
+    let Ok(out) = meshcap_tests::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            node.netns.name(),
+            "nft",
+            "-j",
+            "list",
+            "set",
+            "inet",
+            NODE_TABLE,
+            set,
+        ],
+    ) else {
+        return Vec::new();
+    };
+    let json: Value = serde_json::from_str(&out).expect("nft's JSON");
+    json["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o["set"]["elem"].as_array())
+        .flatten()
+        .map(|e| {
+            (
+                e["elem"]["val"].as_str().expect("an address").to_owned(),
+                e["elem"]["comment"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
 /// Puts `ip` in the node's probe set `set` for a pod that is gone (uid `uid-gone`), as an
-/// earlier agent could have left it.
-fn left_in_probe_set(node: &Node, set: &str, ip: &str) {
+/// earlier agent could have left it, in the form the agent on `backend` writes.
+fn left_in_probe_set(node: &Node, backend: Backend, set: &str, ip: &str) {
+    if backend == Backend::Nftables {
+        meshcap_tests::run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                node.netns.name(),
+                "nft",
+                &format!("add element inet {NODE_TABLE} {set} {{ {ip} comment \"uid-gone\" }}"),
+            ],
+        )
+        .expect("a probe address left behind");
+        return;
+    }
     node.netns
         .run_in(|| {
             let left = Entry {
@@ -440,9 +518,29 @@ fn forget_addresses(agent: &Agent) {
     }
 }
 
-/// How many jumps to the probe chain the node's `nat POSTROUTING` holds (in whichever iptables
-/// holds rules there).
-fn probe_jumps(node: &Node) -> usize {
+/// How many node rules SNAT kubelet's probes, in the form the agent on `backend` writes:
+/// jumps to the probe chain in the node's `nat POSTROUTING` (in whichever iptables holds rules
+/// there), or with `global.nativeNftables` rules of table `inet istio-ambient-nat` matching
+/// kubelet's uid and the IPv4 probe set.
+fn probe_jumps(node: &Node, backend: Backend) -> usize {
+    if backend == Backend::Nftables {
+        let rule = format!("skuid {KUBELET_UID} ip daddr @{PROBE_SET_V4} counter snat");
+        return meshcap_tests::run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                node.netns.name(),
+                "nft",
+                "-s",
+                "list",
+                "table",
+                "inet",
+                NODE_TABLE,
+            ],
+        )
+        .map_or(0, |out| out.lines().filter(|l| l.contains(&rule)).count());
+    }
     ["iptables-legacy-save", "iptables-nft-save"]
         .iter()
         .filter_map(|save| {
@@ -489,7 +587,11 @@ fn an_enrolled_pod_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
         zt.wait_line().expect("ztunnel"),
         format!("add uid-web {} shop/web", inode(&pod.netns))
     );
-    assert_eq!(probe_set(&node).len(), 1, "enrolled: in the probe set");
+    assert_eq!(
+        probe_set(&node, agent.backend()).len(),
+        1,
+        "enrolled: in the probe set"
+    );
     let enrolled = agent.status().expect("status").pods;
     assert!(
         enrolled[0].captured.summary.contains(if in_kernel {
@@ -509,7 +611,7 @@ fn an_enrolled_pod_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
     );
     eventually("the gone pod's enrollment is dropped whole", || {
         let pins = agent.ebpf_leftovers().unwrap_or_default();
-        probe_set(&node).is_empty()
+        probe_set(&node, agent.backend()).is_empty()
             && agent.status().is_ok_and(|s| s.pods.is_empty())
             && pins.is_empty()
             && ["workloads", "iptables"].iter().all(|dir| {
@@ -520,7 +622,7 @@ fn an_enrolled_pod_whose_netns_went_without_a_del_is_dropped(backend: Backend) {
     .unwrap_or_else(|e| {
         panic!(
             "{e}: probe set {:?}, pins {:?}\n{}",
-            probe_set(&node),
+            probe_set(&node, agent.backend()),
             agent.ebpf_leftovers(),
             agent.log()
         )
@@ -574,9 +676,13 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
         "peer",
         "before ADD nothing is captured"
     );
-    assert_eq!(probe_jumps(&node), 1, "the node's probe rule is in place");
     assert_eq!(
-        probe_set(&node),
+        probe_jumps(&node, agent.backend()),
+        1,
+        "the node's probe rule is in place"
+    );
+    assert_eq!(
+        probe_set(&node, agent.backend()),
         Vec::new(),
         "no pod enrolled, no probe address"
     );
@@ -587,11 +693,14 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     let enrolled = vec![(pod.v4().to_string(), "uid-web".to_owned())];
     assert_eq!(
-        probe_set(&node),
+        probe_set(&node, agent.backend()),
         enrolled,
         "the pod's address is in the probe set"
     );
     captured_as_istio_does(&node, &pod, &other);
+    if agent.backend() == Backend::Nftables {
+        not_kubelet_is_not_snated(&node, &pod);
+    }
     // Istio's iptables chains, or with global.nativeNftables its nftables tables.
     let held = leftovers(&pod.netns).expect("the pod's netns");
     let rules = held
@@ -627,11 +736,11 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     // pod's record is made one of a build before addresses were kept: the new agent finds
     // them in the pod's netns, and the DEL below still takes them all out.
     forget_addresses(&agent);
-    left_in_probe_set(&node, PROBE_SET_V4, "10.77.99.2");
+    left_in_probe_set(&node, agent.backend(), PROBE_SET_V4, "10.77.99.2");
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
-    let mut synced = probe_set(&node);
+    let mut synced = probe_set(&node, agent.backend());
     synced.sort();
     assert_eq!(
         synced,
@@ -639,15 +748,19 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
         "a starting agent syncs the probe set: the stale address gone, the pod's (read from its \
          netns, both interfaces', for a record without them) in"
     );
-    assert_eq!(probe_jumps(&node), 1, "a restart leaves one probe rule");
+    assert_eq!(
+        probe_jumps(&node, agent.backend()),
+        1,
+        "a restart leaves one probe rule"
+    );
     // An IPv6 probe address an agent with `ambient.ipv6` left (its pod gone since) goes when
     // the agent starts with the setting off; the IPv4 set keeps the pod's.
-    left_in_probe_set(&node, PROBE_SET_V6, "fd00:77::2");
+    left_in_probe_set(&node, agent.backend(), PROBE_SET_V6, "fd00:77::2");
     agent.set_env("MESHCAP_AMBIENT_IPV6", Some("false"));
     agent.restart().expect("restart");
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
-    let mut synced_v4 = probe_set(&node);
+    let mut synced_v4 = probe_set(&node, agent.backend());
     synced_v4.sort();
     assert_eq!(
         synced_v4,
@@ -666,8 +779,12 @@ fn captured_and_released(scene: Scene, in_kernel: bool) {
     captured_as_istio_does(&node, &pod, &other);
 
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
-    assert_eq!(probe_set(&node), Vec::new(), "DEL takes the address out");
-    let probe = dial(node.client(), &format!("tcp:{}:8080", pod.v4()), None)
+    assert_eq!(
+        probe_set(&node, agent.backend()),
+        Vec::new(),
+        "DEL takes the address out"
+    );
+    let probe = dial(node.kubelet(), &format!("tcp:{}:8080", pod.v4()), None)
         .expect("dial")
         .expect("an answer");
     assert_eq!(
@@ -912,7 +1029,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         "enrolled while it runs: captured"
     );
     assert_eq!(
-        probe_set(&node),
+        probe_set(&node, agent.backend()),
         [(ip.to_string(), "uid-web".to_owned())],
         "its address (from its status) is in the node's probe set"
     );
@@ -930,7 +1047,11 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
         "peer",
         "out of ambient mode: released"
     );
-    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
+    assert_eq!(
+        probe_set(&node, agent.backend()),
+        Vec::new(),
+        "and out of the probe set"
+    );
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()
@@ -980,7 +1101,11 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     eventually("the annotation is removed", || annotation().is_null())
         .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
     assert_eq!(outbound(&node, &pod), "peer", "excluded: released");
-    assert_eq!(probe_set(&node), Vec::new(), "and out of the probe set");
+    assert_eq!(
+        probe_set(&node, agent.backend()),
+        Vec::new(),
+        "and out of the probe set"
+    );
     assert_eq!(
         leftovers(&pod.netns).expect("leftovers"),
         Vec::<String>::new()
@@ -1394,7 +1519,11 @@ fn in_kernel_required_where_the_ebpf_backend_does_not_serve_is_refused() {
         ) && refused.contains("set it to auto"),
         "{refused}"
     );
-    assert_eq!(probe_jumps(&node), 0, "nothing put on the node");
+    assert_eq!(
+        probe_jumps(&node, Backend::Iptables),
+        0,
+        "nothing put on the node"
+    );
     assert!(!socket.exists(), "no ztunnel socket");
 }
 
@@ -1426,27 +1555,29 @@ fn rules_reconciled(scene: Scene) {
     assert_eq!(zt.wait_line().expect("ztunnel"), added);
     assert_eq!(outbound(&node, &pod), "ztunnel");
 
-    // The rules drift: whichever iptables holds them loses the outbound redirect.
+    // The rules drift: whichever iptables holds them loses the outbound redirect (with
+    // `global.nativeNftables`, Istio's `istio-output` chain of its nftables NAT table).
     let held = leftovers(&pod.netns).expect("rules");
     let iptables = if held.iter().any(|l| l.starts_with("iptables-legacy-save")) {
         "iptables-legacy"
     } else {
         "iptables-nft"
     };
-    meshcap_tests::run(
-        "ip",
+    let flush: &[&str] = if agent.backend() == Backend::Nftables {
         &[
-            "netns",
-            "exec",
-            pod.netns.name(),
-            iptables,
-            "-t",
-            "nat",
-            "-F",
-            "ISTIO_OUTPUT",
-        ],
-    )
-    .expect("flush");
+            "nft",
+            "flush",
+            "chain",
+            "inet",
+            "istio-ambient-nat",
+            "istio-output",
+        ]
+    } else {
+        &[iptables, "-t", "nat", "-F", "ISTIO_OUTPUT"]
+    };
+    let mut args = vec!["netns", "exec", pod.netns.name()];
+    args.extend_from_slice(flush);
+    meshcap_tests::run("ip", &args).expect("flush");
     assert_eq!(
         outbound(&node, &pod),
         "peer",
@@ -1472,20 +1603,31 @@ fn rules_reconciled(scene: Scene) {
 
 /// The node's side of ambient mode outlives the agent (probes keep passing across a restart or
 /// an upgrade) and goes with an uninstall: `meshcap-agent uninstall` takes the probe rule and
-/// both probe sets out of the node's netns, and a second run finds nothing and succeeds.
+/// both probe sets out of the node's netns (in either form: the nftables table whole with
+/// `global.nativeNftables`), and a second run finds nothing and succeeds.
 #[test]
 fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
+    uninstalled(Backend::Iptables);
+}
+
+/// The same with `global.nativeNftables`: the nftables table goes whole, with its sets.
+#[test]
+fn uninstalling_with_native_nftables_takes_the_probe_table_off_the_node() {
+    uninstalled(Backend::Nftables);
+}
+
+fn uninstalled(backend: Backend) {
     require_root();
     let node = Node::new().expect("node");
     let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
-    let mut agent = ambient_agent(Backend::Iptables, &node, &pods, &sockets.socket());
-    assert_eq!(probe_jumps(&node), 1);
-    assert_eq!(probe_set(&node), Vec::new());
+    let mut agent = ambient_agent(backend, &node, &pods, &sockets.socket());
+    assert_eq!(probe_jumps(&node, backend), 1, "{backend:?}");
+    assert_eq!(probe_set(&node, backend), Vec::new(), "{backend:?}");
     agent.terminate().expect("stop the agent");
     assert_eq!(
-        probe_jumps(&node),
+        probe_jumps(&node, backend),
         1,
-        "the probe rule stays when the agent stops"
+        "{backend:?}: the probe rule stays when the agent stops"
     );
 
     let scratch = SocketDir::new();
@@ -1501,8 +1643,14 @@ fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
                 .env("MESHCAP_NODE_NETNS", node.netns.path())
                 .output()
                 .expect("meshcap-agent uninstall");
-        assert!(out.status.success(), "{round}: {out:?}");
-        assert_eq!(probe_jumps(&node), 0, "{round}: the probe rule is gone");
+        assert!(out.status.success(), "{backend:?} {round}: {out:?}");
+        for form in [Backend::Iptables, Backend::Nftables] {
+            assert_eq!(
+                probe_jumps(&node, form),
+                0,
+                "{backend:?} {round}: the probe rule is gone"
+            );
+        }
         let sets = node.netns.run_in(|| {
             let mut sets = IpSets::open()?;
             Ok([PROBE_SET_V4, PROBE_SET_V6].map(|set| sets.list(set).is_ok()))
@@ -1510,9 +1658,160 @@ fn uninstalling_takes_the_probe_rule_and_sets_off_the_node() {
         assert_eq!(
             sets.expect("listing"),
             [false, false],
-            "{round}: the sets are gone"
+            "{backend:?} {round}: the IP sets are gone"
+        );
+        assert!(
+            meshcap_tests::run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    node.netns.name(),
+                    "nft",
+                    "list",
+                    "table",
+                    "inet",
+                    NODE_TABLE
+                ],
+            )
+            .is_err(),
+            "{backend:?} {round}: the nftables table is gone, with its sets"
         );
     }
+}
+
+/// A node whose agent restarts with `global.nativeNftables` flipped (on, then off again)
+/// moves its probe sets and rule to the other form with every enrolled pod in it before the
+/// old form goes: kubelet's probes, sent all along, are SNAT-ed throughout, and the old form
+/// is off the node once the new agent serves.
+#[test]
+fn switching_native_nftables_moves_the_probe_rule_without_a_failed_probe() {
+    require_root();
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::new(Backend::Iptables);
+    node.forward().expect("forwarding");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+    let enrolled = vec![(pod.v4().to_string(), "uid-web".to_owned())];
+    let target = format!("tcp:{}:8080", pod.v4());
+    for (from, to) in [
+        (Backend::Iptables, Backend::Nftables),
+        (Backend::Nftables, Backend::Iptables),
+    ] {
+        agent.set_backend(to);
+        let probing = std::sync::atomic::AtomicBool::new(true);
+        let probes = std::thread::scope(|s| {
+            let prober = s.spawn(|| {
+                let mut sources = Vec::new();
+                while probing.load(Ordering::Relaxed) {
+                    let probe = dial(node.kubelet(), &target, None).expect("dial");
+                    sources.push(probe.map(|p| (p.server, p.peer.ip().to_string())));
+                }
+                sources
+            });
+            let restarted = agent.restart();
+            assert_eq!(zt.wait_line().expect("ztunnel"), added);
+            assert_eq!(zt.wait_line().expect("ztunnel"), "snapshot_sent");
+            probing.store(false, Ordering::Relaxed);
+            restarted.expect("restart");
+            prober.join().expect("the prober")
+        });
+        assert!(!probes.is_empty(), "{from:?} → {to:?}: no probe was sent");
+        let failed: Vec<_> = probes
+            .iter()
+            .filter(|p| p.as_ref() != Some(&("app".to_owned(), PROBE_SOURCE.to_owned())))
+            .collect();
+        assert!(
+            failed.is_empty(),
+            "{from:?} → {to:?}: of {} probes, these were not SNAT-ed to the app: {failed:?}\n{}",
+            probes.len(),
+            agent.log()
+        );
+        assert_eq!(
+            probe_set(&node, to),
+            enrolled,
+            "{from:?} → {to:?}: the new form holds the pod"
+        );
+        assert_eq!(
+            probe_jumps(&node, to),
+            1,
+            "{from:?} → {to:?}: the new form's rule"
+        );
+        assert_eq!(
+            probe_jumps(&node, from),
+            0,
+            "{from:?} → {to:?}: the old form's rule is gone"
+        );
+        assert_eq!(
+            probe_set(&node, from),
+            Vec::new(),
+            "{from:?} → {to:?}: the old form's sets are gone"
+        );
+        assert!(
+            agent.log().contains("global.nativeNftables changed"),
+            "{from:?} → {to:?}: {}",
+            agent.log()
+        );
+    }
+    deleted(&sandbox, &conf, &mut zt, &node, &pod);
+}
+
+/// With `global.nativeNftables`, kubelet's uid is read from the host's processes before the
+/// node's probe rule is written; while no kubelet is there (a node still starting) the agent
+/// looks again every 2 s, as Istio's node agent retries its host rules, saying what it
+/// searched, and starts once kubelet shows up, its rule matching kubelet's uid.
+#[test]
+fn with_native_nftables_the_agent_waits_for_kubelet() {
+    require_root();
+    let node = Node::new().expect("node");
+    let (pods, sockets) = (ManifestDir::new(), SocketDir::new());
+    let kubelet = KubeletProcess::start().expect("kubelet");
+    let empty = sockets.0.join("proc");
+    std::fs::create_dir(&empty).expect("an empty proc directory");
+    let appears = {
+        let (empty, pid) = (empty.clone(), kubelet.pid().to_string());
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_secs(3));
+            std::os::unix::fs::symlink(Path::new("/proc").join(&pid), empty.join(&pid))
+                .expect("kubelet appears");
+        })
+    };
+    let host_proc = ["--host-proc", empty.to_str().expect("utf-8")];
+    let agent = ambient_agent_with(
+        Backend::Nftables,
+        &node,
+        &pods,
+        &sockets.socket(),
+        false,
+        &host_proc,
+    );
+    appears.join().expect("kubelet appeared");
+    let log = agent.log();
+    assert!(
+        log.contains("kubelet not found yet")
+            && log.contains(&format!(
+                "no kubelet among 0 processes in {}",
+                empty.display()
+            ))
+            && log.contains("`kubelite`"),
+        "{log}"
+    );
+    assert_eq!(
+        probe_jumps(&node, Backend::Nftables),
+        1,
+        "the rule matches kubelet's uid"
+    );
 }
 
 /// A ztunnel that connects while a pod leaves, after the connected ones were told it is gone
@@ -1564,17 +1863,38 @@ fn a_ztunnel_connecting_while_a_pod_leaves_is_not_handed_it() {
 /// containerd sends when it removes the sandbox) finishes it.
 #[test]
 fn an_interrupted_enrollment_or_removal_ends_whole() {
+    interrupted_on(Backend::Iptables);
+}
+
+/// The same with `global.nativeNftables`, at the nftables backend's own points (the eBPF
+/// backend's in-pod rules are the iptables machinery's, tested above; its kernel points are
+/// the next test's).
+#[test]
+fn an_interrupted_enrollment_or_removal_with_native_nftables_ends_whole() {
+    interrupted_on(Backend::Nftables);
+}
+
+/// [`interrupted`] at ambient mode's points and those of `backend`'s rules.
+fn interrupted_on(backend: Backend) {
     require_root();
+    let (applied, removed) = match backend {
+        Backend::Nftables => (
+            crashpoint::NFTABLES_ADD_APPLIED,
+            crashpoint::NFTABLES_REMOVE_REMOVED,
+        ),
+        Backend::Iptables | Backend::Ebpf => (
+            crashpoint::IPTABLES_ADD_APPLIED,
+            crashpoint::IPTABLES_REMOVE_REMOVED,
+        ),
+    };
     let adds = [
         crashpoint::AMBIENT_ADD[0],
-        crashpoint::IPTABLES_ADD_APPLIED,
+        applied,
         crashpoint::AMBIENT_ADD[1],
         crashpoint::AMBIENT_ADD[2],
     ];
-    let removes = crashpoint::AMBIENT_REMOVE
-        .into_iter()
-        .chain([crashpoint::IPTABLES_REMOVE_REMOVED]);
-    interrupted(Scene::new(Backend::Iptables), &adds, removes);
+    let removes = crashpoint::AMBIENT_REMOVE.into_iter().chain([removed]);
+    interrupted(Scene::new(backend), &adds, removes);
 }
 
 /// The same in the kernel, at the eBPF backend's own points (ambient mode's are the same
@@ -1633,7 +1953,7 @@ fn interrupted(scene: Scene, adds: &[&str], removes: impl IntoIterator<Item = &'
         } else {
             let add = run("ADD");
             assert!(add.success, "{point}: ADD: {add:?}\n{}", agent.log());
-            enrolled_whole(&node, &pod, &run, point);
+            enrolled_whole(&node, agent.backend(), &pod, &run, point);
             let del = run("DEL");
             assert!(
                 del.success,
@@ -1652,7 +1972,7 @@ fn interrupted(scene: Scene, adds: &[&str], removes: impl IntoIterator<Item = &'
         let add = run("ADD");
         assert!(add.success, "{point}: ADD after the restart: {add:?}");
         until(&mut zt, "add uid-web");
-        enrolled_whole(&node, &pod, &run, point);
+        enrolled_whole(&node, agent.backend(), &pod, &run, point);
         let del = run("DEL");
         assert!(del.success, "{point}: the last DEL: {del:?}");
         released_whole(&node, &pod, &agent, point);
@@ -1667,13 +1987,14 @@ fn until(zt: &mut Proc, prefix: &str) {
 /// Enrolled whole: captured for ztunnel, the address in the probe set, CHECK passes.
 fn enrolled_whole(
     node: &Node,
+    backend: Backend,
     pod: &Pod,
     run: &dyn Fn(&str) -> meshcap_tests::kubelet::CniOutput,
     point: &str,
 ) {
     assert_eq!(outbound(node, pod), "ztunnel", "{point}: captured");
     assert_eq!(
-        probe_set(node),
+        probe_set(node, backend),
         [(pod.v4().to_string(), "uid-web".to_owned())],
         "{point}: in the probe set"
     );
@@ -1690,9 +2011,13 @@ fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
         Vec::<String>::new(),
         "{point}: nothing left in the pod"
     );
-    assert_eq!(probe_set(node), Vec::new(), "{point}: no probe address");
+    assert_eq!(
+        probe_set(node, agent.backend()),
+        Vec::new(),
+        "{point}: no probe address"
+    );
     let ambient = agent.state_dir().join("ambient");
-    let records: Vec<_> = ["workloads", "iptables"]
+    let records: Vec<_> = ["workloads", "iptables", "nftables"]
         .iter()
         .flat_map(|dir| {
             std::fs::read_dir(ambient.join(dir))

@@ -27,7 +27,7 @@ use meshcap_agent::{
     },
     ipset::IpSets,
     podnet,
-    policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4},
+    policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4, nftables::hostprobe::NODE_TABLE},
 };
 use meshcap_common::{PodConfig, maps, programs};
 use meshcap_tests::{
@@ -362,6 +362,13 @@ fn drift_of_an_ambient_capture_is_put_back() {
     ambient(Backend::Iptables, false);
 }
 
+/// Ambient mode with `global.nativeNftables`: Istio's in-pod nftables rules, and the node's
+/// probe sets and rule in table `inet istio-ambient-nat`.
+#[test]
+fn drift_of_an_ambient_capture_with_native_nftables_is_put_back() {
+    ambient(Backend::Nftables, false);
+}
+
 /// Ambient mode in the kernel (`ambient.inKernel`), where the eBPF backend runs.
 #[test]
 fn drift_of_an_ambient_capture_in_the_kernel_is_put_back() {
@@ -396,8 +403,21 @@ fn outbound(node: &Node, pod: &Pod) -> String {
 /// and how.
 type AmbientTamper<'a> = (&'static str, &'static str, Box<dyn Fn() + 'a>);
 
-/// Takes the pod's addresses out of the node's probe set.
-fn empty_probe_set(node: &Node) {
+/// `nft ARGS` in the node's netns.
+fn node_nft(node: &Node, args: &[&str]) -> anyhow::Result<String> {
+    let mut all = vec!["netns", "exec", node.netns.name(), "nft"];
+    all.extend_from_slice(args);
+    run("ip", &all)
+}
+
+/// Takes the pod's addresses out of the node's probe set (the nft one on `backend`
+/// nftables).
+fn empty_probe_set(node: &Node, backend: Backend) {
+    if backend == Backend::Nftables {
+        node_nft(node, &["flush", "set", "inet", NODE_TABLE, PROBE_SET_V4])
+            .expect("emptying the probe set");
+        return;
+    }
     node.netns
         .run_in(|| {
             let mut sets = IpSets::open()?;
@@ -410,7 +430,24 @@ fn empty_probe_set(node: &Node) {
 }
 
 /// The addresses in the node's IPv4 probe set (none when it is not there).
-fn probe_addresses(node: &Node) -> Vec<String> {
+fn probe_addresses(node: &Node, backend: Backend) -> Vec<String> {
+    if backend == Backend::Nftables {
+        let Ok(out) = node_nft(
+            node,
+            &["-j", "list", "set", "inet", NODE_TABLE, PROBE_SET_V4],
+        ) else {
+            return Vec::new();
+        };
+        let json: serde_json::Value = serde_json::from_str(&out).expect("nft's JSON");
+        return json["nftables"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|o| o["set"]["elem"].as_array())
+            .flatten()
+            .filter_map(|e| e["elem"]["val"].as_str().map(str::to_owned))
+            .collect();
+    }
     node.netns
         .run_in(|| {
             let Ok(entries) = IpSets::open()?.list(PROBE_SET_V4) else {
@@ -421,8 +458,15 @@ fn probe_addresses(node: &Node) -> Vec<String> {
         .expect("listing the probe set")
 }
 
-/// The jumps to the probe rule's chain in the node's nat table, either iptables.
-fn probe_jumps(node: &Node) -> usize {
+/// The node's probe rules: jumps to the probe rule's chain in the node's nat table, either
+/// iptables; on `backend` nftables, the rules of table `inet istio-ambient-nat` SNAT-ing to
+/// the IPv4 probe set.
+fn probe_jumps(node: &Node, backend: Backend) -> usize {
+    if backend == Backend::Nftables {
+        let rule = format!("ip daddr @{PROBE_SET_V4} counter snat");
+        return node_nft(node, &["-s", "list", "table", "inet", NODE_TABLE])
+            .map_or(0, |out| out.lines().filter(|l| l.contains(&rule)).count());
+    }
     ["iptables-legacy-save", "iptables-nft-save"]
         .iter()
         .filter_map(|save| {
@@ -506,16 +550,21 @@ fn ambient(backend: Backend, in_kernel: bool) {
         ));
     } else {
         let netns = pod.netns.name().to_owned();
+        let flush: &'static [&'static str] = if backend == Backend::Nftables {
+            &["nft", "flush", "table", "inet", NODE_TABLE]
+        } else {
+            &["iptables-nft", "-t", "nat", "-F"]
+        };
         tampers.push((
             "the in-pod nat table flushed",
             "rules",
-            Box::new(move || in_netns(&netns, &["iptables-nft", "-t", "nat", "-F"])),
+            Box::new(move || in_netns(&netns, flush)),
         ));
     }
     tampers.push((
         "the node's probe set emptied",
         "probe_set",
-        Box::new(|| empty_probe_set(&node)),
+        Box::new(|| empty_probe_set(&node, backend)),
     ));
     for (what, kind, tamper) in &tampers {
         let before = drift(&agent, kind, "repaired");
@@ -537,18 +586,23 @@ fn ambient(backend: Backend, in_kernel: bool) {
     }
     // The node's probe rule removed, its sets left (a firewall reload, a flush of the nat
     // table): the sets no rule matches are found by their references, and the rule put back.
+    // With nftables, Istio's own `DeleteHostRules`: the node table flushed, its sets kept.
     let before = drift(&agent, "probe_set", "repaired");
-    iptables::node::remove(
-        Some(&node.netns.path()),
-        FlavourChoice::Auto,
-        &HostProbeSnat::default().render(true),
-    )
-    .expect("removing the probe rule");
+    if backend == Backend::Nftables {
+        node_nft(&node, &["flush", "table", "inet", NODE_TABLE]).expect("flushing the table");
+    } else {
+        iptables::node::remove(
+            Some(&node.netns.path()),
+            FlavourChoice::Auto,
+            &HostProbeSnat::default().render(true),
+        )
+        .expect("removing the probe rule");
+    }
     wait_for("the probe rule put back", &agent, || {
-        drift(&agent, "probe_set", "repaired") > before && probe_jumps(&node) == 1
+        drift(&agent, "probe_set", "repaired") > before && probe_jumps(&node, backend) == 1
     });
     assert!(
-        probe_addresses(&node).contains(&pod.v4().to_string()),
+        probe_addresses(&node, backend).contains(&pod.v4().to_string()),
         "the sets kept the pod's address"
     );
 
@@ -564,9 +618,9 @@ fn ambient(backend: Backend, in_kernel: bool) {
     .expect("removing the probe sets and their rule");
     wait_for("the probe sets and their rule put back", &agent, || {
         drift(&agent, "probe_set", "repaired") > before
-            && probe_addresses(&node).contains(&pod.v4().to_string())
+            && probe_addresses(&node, backend).contains(&pod.v4().to_string())
     });
-    assert_eq!(probe_jumps(&node), 1, "one probe rule again");
+    assert_eq!(probe_jumps(&node, backend), 1, "one probe rule again");
     assert!(
         held.exchange("the probe sets removed").is_ok(),
         "the held connection survived"

@@ -24,6 +24,8 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
+mod error;
+mod kubelet;
 mod probes;
 mod records;
 mod start;
@@ -36,9 +38,11 @@ use std::{
     sync::Arc,
 };
 
+pub use error::AmbientError;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
-pub use probes::{HostProbes, remove_from_node};
+pub use kubelet::KubeletNotFound;
+pub use probes::{HostProbes, ProbeWay, remove_from_node};
 use records::{Records, Workload};
 use tracing::{info, warn};
 
@@ -54,62 +58,8 @@ use crate::{
         DataplaneMode, PodName,
         ambient::{AmbientConfig, ambient_keys},
     },
-    ztunnel::{ZdsError, ZtunnelServer},
+    ztunnel::ZtunnelServer,
 };
-
-/// What went wrong enrolling or removing an ambient pod.
-#[derive(Debug, thiserror::Error)]
-pub enum AmbientError {
-    /// The in-pod capture could not be applied, checked or removed.
-    #[error(transparent)]
-    Rules(#[from] BackendError),
-    /// ztunnel did not take the pod (its capture was removed again).
-    #[error("pod {pod}: ztunnel did not take the pod: {source}")]
-    Ztunnel {
-        /// The pod.
-        pod: String,
-        /// What ztunnel (or its socket) said.
-        source: ZdsError,
-    },
-    /// The pod's `ambient.istio.io/redirection` annotation could not be written (its
-    /// enrollment was undone).
-    #[error("pod {pod}: annotating it {annotation}=enabled: {reason}")]
-    Annotation {
-        /// The pod.
-        pod: String,
-        /// The annotation.
-        annotation: &'static str,
-        /// Why.
-        reason: String,
-    },
-    /// The node's probe set could not be read or written.
-    #[error("kubelet's probe set on the node: {what}: {reason}")]
-    ProbeSet {
-        /// What was being done.
-        what: String,
-        /// Why.
-        reason: String,
-    },
-    /// The agent's own state could not be written.
-    #[error("{path}: {reason}")]
-    State {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-}
-
-/// Through the backend interface, ambient mode's own failures keep their words; a failure of
-/// the capture under it is the backend's.
-impl From<AmbientError> for BackendError {
-    fn from(err: AmbientError) -> Self {
-        match err {
-            AmbientError::Rules(err) => err,
-            other => Self::Ambient(Box::new(other)),
-        }
-    }
-}
 
 /// Ambient mode: the settings, ztunnel, the probe sets and the workload records, around the
 /// backend that captures enrolled pods.
@@ -132,8 +82,10 @@ pub struct AmbientPlaces<'a> {
     /// The node's network namespace, where kubelet's probes are SNAT-ed (`None`: the agent's
     /// own).
     pub node_netns: Option<PathBuf>,
-    /// Which iptables the node's probe rule is written with.
+    /// Which iptables the node's probe rule is written with (in the IP set form).
     pub flavour: FlavourChoice,
+    /// The form of the node's probe sets and rule.
+    pub probes: ProbeWay,
 }
 
 impl Ambient {
@@ -162,6 +114,7 @@ impl Ambient {
         }
         let probes = HostProbes::open(
             places.node_netns,
+            places.probes,
             places.flavour,
             config.host_probe_snat,
             config.ipv6,
@@ -178,6 +131,7 @@ impl Ambient {
             })
             .collect();
         probes.sync(&enrolled)?;
+        probes.retire_other()?;
         let socket = places.socket;
         if let Some(parent) = socket.parent() {
             fs::create_dir_all(parent).map_err(|e| records::state(parent, &e))?;

@@ -248,6 +248,21 @@ const HOST_ONLY_NFTABLES: &[(&str, &str)] = &[
         "ambient::a_sidecar_pod_and_an_ambient_pod*::nftables",
         "the ambient pod's capture alone covers the in-pod rules",
     ),
+    (
+        "ambient::a_starting_agent*::nftables",
+        "records and restarts (the capture covers the rules and the node's probe rule)",
+    ),
+    ("ambient::running_pods*::nftables", "the API's events"),
+    ("ambient::an_enrolled_pod_whose*::nftables", "records"),
+    ("ambient::without_ztunnel*::nftables", "the undo of an ADD"),
+    (
+        "ambient::*native_nftables*",
+        "crash points, the switch of the probe form and the uninstall: records, restarts, `nft`",
+    ),
+    (
+        "verify::*native_nftables*",
+        "the verifier's listing and repair",
+    ),
 ];
 
 /// Whether a guest of `series` runs the native nftables backend's tests (those named

@@ -20,7 +20,7 @@
 //!   transaction again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
-mod nft;
+pub(crate) mod nft;
 mod records;
 mod tables;
 mod verify;

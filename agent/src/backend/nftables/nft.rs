@@ -14,11 +14,11 @@ use tracing::debug;
 use crate::backend::BackendError;
 
 /// The program run.
-pub(super) const NFT: &str = "nft";
+pub(crate) const NFT: &str = "nft";
 
 /// `nft` for one namespace: `who` names it (the pod) in errors.
-pub(super) struct Nft {
-    pub(super) who: String,
+pub(crate) struct Nft {
+    pub(crate) who: String,
 }
 
 impl Nft {
@@ -31,7 +31,7 @@ impl Nft {
     }
 
     /// Runs `transaction` as one `nft -f -`: all of it, or nothing.
-    pub(super) fn apply(&self, transaction: &str) -> Result<(), BackendError> {
+    pub(crate) fn apply(&self, transaction: &str) -> Result<(), BackendError> {
         if transaction.is_empty() {
             return Ok(());
         }
@@ -61,10 +61,25 @@ impl Nft {
 
     /// `inet table`'s listing without counters (`nft -s list table inet NAME`), `None` when
     /// the table does not exist. Reading creates nothing.
-    pub(super) fn list(&self, table: &str) -> Result<Option<String>, BackendError> {
-        let line = format!("{NFT} -s list table inet {table}");
+    pub(crate) fn list(&self, table: &str) -> Result<Option<String>, BackendError> {
+        self.read(&["-s", "list", "table", "inet", table])
+    }
+
+    /// The set `set` of `inet table` as `nft -j` prints it (its elements with their
+    /// comments), `None` when the table or the set does not exist.
+    pub(crate) fn list_set_json(
+        &self,
+        table: &str,
+        set: &str,
+    ) -> Result<Option<String>, BackendError> {
+        self.read(&["-j", "list", "set", "inet", table, set])
+    }
+
+    /// `nft ARGS`' output, `None` when what it lists does not exist.
+    fn read(&self, args: &[&str]) -> Result<Option<String>, BackendError> {
+        let line = format!("{NFT} {}", args.join(" "));
         let out = Command::new(NFT)
-            .args(["-s", "list", "table", "inet", table])
+            .args(args)
             .stdin(Stdio::null())
             .output()
             .map_err(|e| self.failed(&line, e.to_string()))?;

@@ -132,6 +132,10 @@ pub struct RunArgs {
     /// node's in the DaemonSet (host network).
     #[arg(long, env = settings::NODE_NETNS_ENV)]
     pub(crate) node_netns: Option<PathBuf>,
+    /// The host's `/proc`, where ambient mode with `global.nativeNftables` finds kubelet's uid
+    /// for the node's probe rule (Istio's `/host/proc`, which the DaemonSet mounts).
+    #[arg(long, env = settings::HOST_PROC_ENV, default_value = meshcap_agent::paths::HOST_PROC)]
+    pub(crate) host_proc: PathBuf,
 }
 
 /// Istio's `ambient.*` values from the environment the DaemonSet maps them to: `None` when

@@ -9,7 +9,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use meshcap_agent::{
     access::WatchHealth,
-    ambient::{Ambient, AmbientPlaces},
+    ambient::{Ambient, AmbientPlaces, ProbeWay},
     api::{Server, ServerConfig, http},
     backend::{CaptureBackend, Router, ebpf::EbpfConfig},
     enrollment::LiveEnrollment,
@@ -254,6 +254,14 @@ async fn open_node(
                 args.ztunnel_socket.clone(),
                 args.node_netns.clone(),
             );
+            // Istio's host rules follow `global.nativeNftables`, whichever backend captures.
+            let probes = if rules.nftables {
+                ProbeWay::Nftables {
+                    host_proc: args.host_proc.clone(),
+                }
+            } else {
+                ProbeWay::Ipset
+            };
             let api = kube_node.map(|(client, _)| client.clone());
             let in_kernel = in_kernel_ambient(ebpf.is_some(), &reason)?;
             let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
@@ -267,6 +275,7 @@ async fn open_node(
                     socket: &socket,
                     node_netns,
                     flavour,
+                    probes,
                 };
                 Ok(Ambient::open(config, now, earlier, places, api)?)
             })

@@ -1,18 +1,9 @@
-//! Kubelet's probes of enrolled pods, on the node's side, as Istio's node agent handles them
-//! (`cni/pkg/nodeagent/meshdataplane_linux.go`, `cni/pkg/iptables/iptables.go`
-//! `CreateHostRulesForHealthChecks`): every enrolled pod's addresses are in the
-//! `istio-inpod-probes-v4`/`-v6` IP sets of the node's network namespace, each with the pod's
-//! uid as its comment, and one node rule SNATs TCP from a local socket (kubelet, not traffic the
-//! node forwards) to an address in them to `169.254.7.127`, which the pod's in-pod rules let
-//! through to the app uncaptured. Without it a probe would go through ztunnel like any inbound
-//! connection, and fail once the mesh requires mTLS.
-//!
-//! A pod's entries are added once ztunnel serves it and before it is annotated, removed first
-//! when it leaves; an entry is only removed by the pod whose uid it carries (two pods can hold
-//! one address in turn). A starting agent creates the sets (kept when there), puts its node
-//! rule in front (one copy), and makes the sets exactly its enrolled pods' addresses. The sets
-//! and the rule stay when the agent stops (probes keep working across restarts and upgrades)
-//! and go with an uninstall ([`remove_from_node`]).
+//! The probe sets and the node rule as Istio writes them with iptables
+//! (`cni/pkg/iptables/iptables.go`, `CreateHostRulesForHealthChecks`; the sets of
+//! `cni/pkg/ipset/`): IP sets `istio-inpod-probes-v4`/`-v6` of the node's network namespace,
+//! each entry the pod's uid as its comment, written over nfnetlink ([`crate::ipset`]), and one
+//! node rule ([`crate::backend::iptables::node`]) SNAT-ing TCP from a local socket (kubelet,
+//! not traffic the node forwards: `-m owner --socket-exists`) to an address in them.
 use std::{
     collections::BTreeSet,
     io,
@@ -23,8 +14,9 @@ use std::{
 
 use tracing::info;
 
-use super::AmbientError;
+use super::{ProbeSets, failed};
 use crate::{
+    ambient::AmbientError,
     backend::iptables::{FlavourChoice, node},
     ipset::{self, Entry, Family, IpSets},
     podnet,
@@ -34,49 +26,24 @@ use crate::{
     },
 };
 
-/// The node's probe sets and rule.
-pub struct HostProbes {
+/// The node's probe sets and rule in IP sets and iptables.
+pub(super) struct IpsetProbes {
     /// The node's network namespace (`None`: the agent's own).
-    netns: Option<PathBuf>,
+    pub(super) netns: Option<PathBuf>,
     /// IPv6 beside IPv4 (`ambient.ipv6`).
-    ipv6: bool,
+    pub(super) ipv6: bool,
     /// Which iptables the node rule is written with, and where it SNATs to: to put the rule
     /// back with sets that were destroyed.
-    flavour: FlavourChoice,
-    snat: HostProbeSnat,
+    pub(super) flavour: FlavourChoice,
+    pub(super) snat: HostProbeSnat,
 }
 
-impl HostProbes {
-    /// Creates the sets (kept if there) and puts the node rule SNAT-ing probes to `snat` in
-    /// front, in `netns` (`None`: the agent's own).
-    ///
-    /// # Errors
-    /// When the sets or the rule cannot be set up.
-    pub fn open(
-        netns: Option<PathBuf>,
-        flavour: FlavourChoice,
-        snat: HostProbeSnat,
-        ipv6: bool,
-    ) -> Result<Self, AmbientError> {
-        let probes = Self {
-            netns,
-            ipv6,
-            flavour,
-            snat,
-        };
-        probes.set_up()?;
-        info!(
-            netns = %probes.netns.as_deref().map_or("the agent's".into(), |p| p.display().to_string()),
-            "kubelet's probes of enrolled pods are SNAT-ed to {} on the node", snat.v4
-        );
-        Ok(probes)
-    }
-
+impl ProbeSets for IpsetProbes {
     /// Creates the sets (kept if there) and puts the node rule in front (one copy).
     ///
     /// # Errors
     /// When the sets or the rule cannot be set up.
-    pub fn set_up(&self) -> Result<(), AmbientError> {
+    fn set_up(&self) -> Result<(), AmbientError> {
         self.sets(|sets| {
             for family in self.families() {
                 let set = set_name(family);
@@ -100,7 +67,7 @@ impl HostProbes {
     ///
     /// # Errors
     /// When the sets cannot be asked.
-    pub fn not_in_place(&self) -> Result<Vec<String>, AmbientError> {
+    fn not_in_place(&self) -> Result<Vec<String>, AmbientError> {
         self.sets(|sets| {
             let mut out = Vec::new();
             for family in self.families() {
@@ -125,7 +92,7 @@ impl HostProbes {
     ///
     /// # Errors
     /// When the sets cannot be read.
-    pub fn missing(&self, ips: &[IpAddr]) -> Result<Vec<IpAddr>, AmbientError> {
+    fn missing(&self, ips: &[IpAddr]) -> Result<Vec<IpAddr>, AmbientError> {
         let wanted: Vec<IpAddr> = self.kept(ips).collect();
         if wanted.is_empty() {
             return Ok(Vec::new());
@@ -150,7 +117,7 @@ impl HostProbes {
     ///
     /// # Errors
     /// When the kernel refuses an entry.
-    pub fn add(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
+    fn add(&self, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
         self.sets(|sets| self.add_in(sets, uid, ips))
     }
 
@@ -160,7 +127,7 @@ impl HostProbes {
     ///
     /// # Errors
     /// When the sets cannot be read or the kernel refuses.
-    pub fn remove(&self, uid: &str) -> Result<(), AmbientError> {
+    fn remove(&self, uid: &str) -> Result<(), AmbientError> {
         self.delete_where(|e| e.comment == uid)
     }
 
@@ -172,7 +139,7 @@ impl HostProbes {
     ///
     /// # Errors
     /// When the sets cannot be read or the kernel refuses.
-    pub fn sync(&self, pods: &[(String, Vec<IpAddr>)]) -> Result<(), AmbientError> {
+    fn sync(&self, pods: &[(String, Vec<IpAddr>)]) -> Result<(), AmbientError> {
         let wanted: BTreeSet<IpAddr> = pods.iter().flat_map(|(_, ips)| ips.clone()).collect();
         self.sets(|sets| {
             for (uid, ips) in pods {
@@ -191,7 +158,9 @@ impl HostProbes {
             Ok(())
         })
     }
+}
 
+impl IpsetProbes {
     fn add_in(&self, sets: &mut IpSets, uid: &str, ips: &[IpAddr]) -> Result<(), AmbientError> {
         for ip in self.kept(ips) {
             let entry = Entry {
@@ -251,12 +220,12 @@ impl HostProbes {
     }
 }
 
-/// Uninstall: removes the node rule, then the sets, from `netns` (`None`: the calling
-/// thread's); what is not there is fine.
+/// Uninstall, or the node moving to the nftables form: removes the node rule, then the sets,
+/// from `netns` (`None`: the calling thread's); what is not there is fine.
 ///
 /// # Errors
 /// When the rule or a set is there and cannot be removed.
-pub fn remove_from_node(
+pub(super) fn remove_from_node(
     netns: Option<&Path>,
     flavour: FlavourChoice,
     snat: HostProbeSnat,
@@ -267,6 +236,26 @@ pub fn remove_from_node(
             destroy(sets, set).map_err(|e| failed(format!("destroying ip set {set}"), &e))?;
         }
         Ok(())
+    })
+}
+
+/// Whether the node holds the IP set form (a probe set: the rule matches them, so none is
+/// there without them), in `netns`. A kernel without IP sets holds none.
+pub(super) fn present(netns: Option<&Path>) -> Result<bool, AmbientError> {
+    in_node(netns, |sets| {
+        for set in [PROBE_SET_V4, PROBE_SET_V6] {
+            match sets.list(set) {
+                Ok(_) => return Ok(true),
+                Err(err)
+                    if ipset::is_missing(&err)
+                        || matches!(
+                            err.raw_os_error(),
+                            Some(libc::EOPNOTSUPP | libc::EPROTONOSUPPORT)
+                        ) => {}
+                Err(err) => return Err(failed(format!("listing {set}"), &err)),
+            }
+        }
+        Ok(false)
     })
 }
 
@@ -329,12 +318,5 @@ const fn set_name(family: Family) -> &'static str {
     match family {
         Family::V4 => PROBE_SET_V4,
         Family::V6 => PROBE_SET_V6,
-    }
-}
-
-fn failed(what: String, err: &io::Error) -> AmbientError {
-    AmbientError::ProbeSet {
-        what,
-        reason: err.to_string(),
     }
 }
