@@ -85,6 +85,16 @@ pub(super) struct Records<R> {
 }
 
 impl<R: Record> Records<R> {
+    /// Whether `<state_dir>/<backend>/` holds any record (complete or being written): pods an
+    /// earlier agent captured with this backend. Reads the directory only; creates nothing.
+    pub(super) fn present(state_dir: &Path) -> bool {
+        fs::read_dir(state_dir.join(R::BACKEND)).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().contains(".json"))
+        })
+    }
+
     /// Opens the records under `<state_dir>/<backend>/` and adopts what a previous run left.
     pub(super) fn open(state_dir: &Path) -> Result<Self, BackendError> {
         let dir = state_dir.join(R::BACKEND);

@@ -82,6 +82,13 @@ pub struct IptablesBackend {
 }
 
 impl IptablesBackend {
+    /// Whether `state_dir` holds records of pods an earlier agent captured with this backend
+    /// (they keep its rules until they go). Reads the directory only; creates nothing.
+    #[must_use]
+    pub fn has_records(state_dir: &std::path::Path) -> bool {
+        Records::<Applied>::present(state_dir)
+    }
+
     /// Opens the backend and adopts the records of a previous run.
     ///
     /// # Errors

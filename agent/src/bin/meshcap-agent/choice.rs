@@ -44,13 +44,15 @@ impl RulesPath {
             state_dir: self.state_dir.clone(),
             flavour: self.flavour,
         })?);
-        self.with_earlier(now, "nftables", || self.open_nftables())
+        Self::with_earlier(now, NftablesBackend::has_records(&self.state_dir), || {
+            self.open_nftables()
+        })
     }
 
     /// The nftables backend, in front of the pods an earlier agent captured with iptables.
     fn nftables(&self) -> Result<Shared, BackendError> {
         let now = self.open_nftables()?;
-        self.with_earlier(now, "iptables", || {
+        Self::with_earlier(now, IptablesBackend::has_records(&self.state_dir), || {
             Ok(Arc::new(IptablesBackend::new(&IptablesConfig {
                 state_dir: self.state_dir.clone(),
                 flavour: self.flavour,
@@ -64,20 +66,14 @@ impl RulesPath {
         })?))
     }
 
-    /// `now`, or, when the other rules backend's records (`<state dir>/<records>/`) name pods
-    /// an earlier agent captured with it, `now` in front of it: those pods keep their rules
-    /// until they go (nothing is created to find out).
+    /// `now`, or, when the other rules backend's records name pods an earlier agent captured
+    /// with it (`recorded`), `now` in front of it: those pods keep their rules until they go
+    /// (nothing is created to find out).
     fn with_earlier(
-        &self,
         now: Shared,
-        records: &str,
+        recorded: bool,
         open: impl FnOnce() -> Result<Shared, BackendError>,
     ) -> Result<Shared, BackendError> {
-        let recorded = std::fs::read_dir(self.state_dir.join(records)).is_ok_and(|entries| {
-            entries
-                .flatten()
-                .any(|e| e.file_name().to_string_lossy().contains(".json"))
-        });
         if !recorded {
             return Ok(now);
         }
