@@ -1135,6 +1135,48 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     deleted(&sandbox, &conf, &mut zt, &node, &pod);
 }
 
+/// A running pod annotated as enrolled (`ambient.istio.io/redirection: enabled`) that this
+/// node never enrolled and whose labels do not enroll it, as an enrollment cut off between the
+/// annotation and its record leaves it when the pod leaves ambient mode while the agent is
+/// away, loses the annotation (through `pods/status`), as Istio's informer removes it: istiod
+/// would otherwise keep sending the pod HBONE.
+#[test]
+fn a_stale_enrollment_annotation_is_removed() {
+    require_root();
+    let node = Node::new().expect("node");
+    let sockets = SocketDir::new();
+    let api = ApiServer::with_configuration("ambient");
+    let mut manifest = ambient_pod("web");
+    manifest["metadata"]["labels"] = json!({});
+    manifest["metadata"]["annotations"]["ambient.istio.io/redirection"] = json!("enabled");
+    manifest["spec"]["nodeName"] = json!("node-1");
+    let ip = unique_ip();
+    manifest["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    api.apply_pod(manifest);
+    api.apply_namespace(json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {}},
+    }));
+    let agent = kube_ambient_agent(Backend::Iptables, &node, &api, &sockets);
+    eventually("the stale annotation removed", || {
+        web_pod(&api)["metadata"]["annotations"]["ambient.istio.io/redirection"].is_null()
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    let patches: Vec<_> = api
+        .writes
+        .lock()
+        .expect("writes")
+        .iter()
+        .map(|(method, path, _)| format!("{method} {path}"))
+        .collect();
+    assert_eq!(
+        patches,
+        ["PATCH /api/v1/namespaces/shop/pods/web/status"],
+        "one patch of the pod's status, nothing else written"
+    );
+}
+
 /// Restarts `agent` with the pod's namespace `shop` in `excludeNamespaces` (or not), holding
 /// the agent's namespace list until ztunnel has the new snapshot; then ztunnel is told the pod
 /// left (excluded) or is sent it again (`added`).
