@@ -288,12 +288,57 @@ impl Netns {
         meshcap_agent::podnet::run_in(&self.path(), |_| f())?
     }
 
+    /// The namespace's TCP sockets, IPv4 and IPv6, as `/proc/net/tcp` and `tcp6` list them.
+    ///
+    /// # Errors
+    /// When the namespace cannot be entered or the tables read.
+    pub fn tcp_sockets(&self) -> anyhow::Result<Vec<TcpSocket>> {
+        self.run_in(|| {
+            let mut sockets = Vec::new();
+            for file in ["tcp", "tcp6"] {
+                let table = std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
+                sockets.extend(table.lines().skip(1).filter_map(TcpSocket::parse));
+            }
+            Ok(sockets)
+        })
+    }
+
     /// The namespace's cookie, as `bpf_get_netns_cookie` reports it in programs.
     ///
     /// # Errors
     /// When the socket option is not supported (kernel < 5.14).
     pub fn cookie(&self) -> anyhow::Result<u64> {
         Ok(meshcap_agent::podnet::cookie_of(&self.path())?)
+    }
+}
+
+/// One row of `/proc/net/tcp` or `tcp6` (`net/ipv4/tcp_ipv4.c`, `get_tcp4_sock`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpSocket {
+    /// The local port.
+    pub local_port: u16,
+    /// The TCP state (`0x0A`: `TCP_LISTEN`).
+    pub state: u8,
+    /// The active timer (`3`: the time-wait timer, which a time-wait socket runs).
+    pub timer: u8,
+}
+
+impl TcpSocket {
+    /// `TCP_LISTEN`.
+    pub const LISTEN: u8 = 0x0A;
+    /// The timer a time-wait socket runs (a full socket's close makes one, in `FIN_WAIT2` or
+    /// `TIME_WAIT`).
+    pub const TIME_WAIT_TIMER: u8 = 3;
+
+    fn parse(line: &str) -> Option<Self> {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let port = fields.get(1)?.rsplit(':').next()?;
+        let timer = fields.get(5)?.split(':').next()?;
+        Some(Self {
+            local_port: u16::from_str_radix(port, 16).ok()?,
+            state: u8::from_str_radix(fields.get(3)?, 16).ok()?,
+            timer: u8::from_str_radix(timer, 16).ok()?,
+        })
     }
 }
 

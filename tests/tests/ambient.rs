@@ -24,7 +24,7 @@ use meshcap_agent::{
     },
 };
 use meshcap_tests::{
-    APP_UID, Netns, PROXY_UID, Placement, Proc, Report,
+    APP_UID, Netns, PROXY_UID, Placement, Proc, Report, TcpSocket,
     agent::{Agent, Backend},
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_failure, dial_with,
@@ -394,24 +394,11 @@ fn refused_while_ztunnel_is_away(node: &Node, pod: &Pod, other: &Pod) {
 
 /// Whether anything in `pod` listens on ztunnel's TCP ports (15001, 15006, 15008).
 fn ztunnel_listening(pod: &Pod) -> bool {
-    const PORTS: [&str; 3] = ["3A99", "3A9E", "3AA0"];
-    const LISTEN: &str = "0A";
     pod.netns
-        .run_in(|| {
-            let mut tables = String::new();
-            for file in ["tcp", "tcp6"] {
-                tables += &std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
-            }
-            Ok(tables.lines().any(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                fields.get(3) == Some(&LISTEN)
-                    && fields
-                        .get(1)
-                        .and_then(|local| local.rsplit(':').next())
-                        .is_some_and(|port| PORTS.contains(&port))
-            }))
-        })
+        .tcp_sockets()
         .expect("the pod's sockets")
+        .iter()
+        .any(|s| s.state == TcpSocket::LISTEN && [15001, 15006, 15008].contains(&s.local_port))
 }
 
 /// The node's probe set: (address, comment) of every entry, IPv4 then IPv6 (none where a set

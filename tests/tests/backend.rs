@@ -18,7 +18,7 @@ use meshcap_agent::{
 };
 use meshcap_common::{Dialing, FlowKey, OrigDst, PodConfig, maps};
 use meshcap_tests::{
-    dial, require_root,
+    TcpSocket, dial, require_root,
     scenario::{EbpfUnderTest, default_policy, tcx_where_supported},
     world::{APP_UID, Node, PROXY, Pod},
 };
@@ -572,29 +572,15 @@ fn closed_captured_connections_leave_no_entries_behind() {
 /// socket: the listener aside, a row of `/proc/net/tcp` without the time-wait timer (`03`,
 /// which a full socket's close turns into a time-wait one, in `FIN_WAIT2` or `TIME_WAIT`).
 fn proxy_end_open(pod: &Pod) -> bool {
-    const PORT: &str = "3A99";
-    const TIME_WAIT_TIMER: &str = "03";
-    const LISTEN: &str = "0A";
     pod.netns
-        .run_in(|| {
-            let mut tables = String::new();
-            for file in ["tcp", "tcp6"] {
-                tables += &std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
-            }
-            Ok(tables.lines().any(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                fields
-                    .get(1)
-                    .and_then(|local| local.rsplit(':').next())
-                    .is_some_and(|port| port == PORT)
-                    && fields.get(3).is_some_and(|state| *state != LISTEN)
-                    && fields
-                        .get(5)
-                        .and_then(|timer| timer.split(':').next())
-                        .is_some_and(|timer| timer != TIME_WAIT_TIMER)
-            }))
-        })
+        .tcp_sockets()
         .expect("the pod's sockets")
+        .iter()
+        .any(|s| {
+            s.local_port == 15001
+                && s.state != TcpSocket::LISTEN
+                && s.timer != TcpSocket::TIME_WAIT_TIMER
+        })
 }
 
 /// The app's socket reports the address it dialled for as long as it lives, as under Istio's
