@@ -6,7 +6,7 @@
 //! when anything fails, and the reason is logged and shown in `meshcap-agent status`. (The one
 //! version check, whether inbound needs the socket lookup, is
 //! [`assigns_to_reuseport_listeners`], which says why.)
-use std::collections::BTreeSet;
+use std::{collections::BTreeSet, error::Error};
 
 use aya::{
     programs::ProgramType,
@@ -16,7 +16,11 @@ use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
 
 pub use crate::backend::ebpf::assigns_to_reuseport_listeners;
-use crate::{backend::ebpf, bpf, podnet};
+use crate::{
+    backend::ebpf,
+    bpf, podnet,
+    privilege::{self, Operation},
+};
 
 /// One probed feature.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,6 +66,14 @@ impl ProbeReport {
             Err(e) => (false, e),
         };
         self.checks.push(Check { what, ok, detail });
+    }
+}
+
+/// A failure in words; a refusal (`EPERM`) with the capability lacking or its likely cause.
+fn failure(err: &(dyn Error + 'static)) -> String {
+    match privilege::explain(Operation::Bpf, err) {
+        Some(why) => format!("{err}: {why}"),
+        None => err.to_string(),
     }
 }
 
@@ -173,7 +185,7 @@ pub fn run() -> ProbeReport {
         {
             report.push(
                 format!("program type {kind:?}"),
-                is_program_supported(kind).map_err(|e| e.to_string()),
+                is_program_supported(kind).map_err(|e| failure(&e)),
             );
         }
     }
@@ -187,7 +199,7 @@ pub fn run() -> ProbeReport {
         };
         report.push(
             format!("helper {helper:?} in {type_name} programs"),
-            is_helper_supported(kind, *helper).map_err(|e| e.to_string()),
+            is_helper_supported(kind, *helper).map_err(|e| failure(&e)),
         );
     }
     // The pods' stubs are not in the object (the agent assembles them): their one helper.
@@ -195,7 +207,7 @@ pub fn run() -> ProbeReport {
     report.push(
         "helper BPF_FUNC_tail_call in the pods' TC stubs".into(),
         is_helper_supported(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_tail_call)
-            .map_err(|e| e.to_string()),
+            .map_err(|e| failure(&e)),
     );
     // Not a BPF feature, but the backend keys each pod by its netns cookie, read this way.
     report.push(
@@ -204,9 +216,9 @@ pub fn run() -> ProbeReport {
             .map(|_| true)
             .map_err(|e| e.to_string()),
     );
-    let trial = bpf::open().map_err(|e| e.to_string()).and_then(|mut ebpf| {
-        bpf::load_all(&mut ebpf).map_err(|e| e.to_string())?;
-        ebpf::trial_load_stub(&ebpf).map_err(|e| e.to_string())
+    let trial = bpf::open().map_err(|e| failure(&e)).and_then(|mut ebpf| {
+        bpf::load_all(&mut ebpf).map_err(|e| failure(&e))?;
+        ebpf::trial_load_stub(&ebpf).map_err(|e| failure(&e))
     });
     report.push(
         "trial load of every embedded program (with its attach type) and a pod's TC stub".into(),
