@@ -16,7 +16,11 @@ use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
 
 pub use crate::backend::ebpf::assigns_to_reuseport_listeners;
-use crate::{backend::ebpf, bpf, podnet};
+use crate::{
+    backend::ebpf,
+    bpf, podnet,
+    privilege::{self, Operation},
+};
 
 /// One probed feature.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,7 +63,11 @@ impl ProbeReport {
         let (ok, detail) = match result {
             Ok(true) => (true, String::new()),
             Ok(false) => (false, "not supported by this kernel".to_owned()),
-            Err(e) => (false, e.to_string()),
+            // A refusal (`EPERM`) names the capability lacking or its likely cause.
+            Err(e) => match privilege::explain(Operation::Bpf, &e) {
+                Some(why) => (false, format!("{e}: {why}")),
+                None => (false, e.to_string()),
+            },
         };
         self.checks.push(Check { what, ok, detail });
     }
