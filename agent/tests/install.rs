@@ -211,6 +211,57 @@ fn an_upgrade_replaces_the_old_entry() {
     );
 }
 
+/// istio-cni's entry in the primary's file (`install::istio`): meshcap's own file, sorting
+/// first, holds the primary's plugins with meshcap's entry in istio-cni's place, written in one
+/// rename, and istio-cni's file is left to its agent; an uninstall then hands the node back as
+/// istio-cni left it.
+#[test]
+fn istio_cnis_entry_is_replaced_in_front_of_its_file() {
+    let node = golden("istio-cni", |_| {});
+    assert_eq!(
+        node.plugin_types("02-istio-cni.conflist"),
+        ["calico", "portmap", "bandwidth", "meshcap-cni"]
+    );
+    let theirs = fs::read(case_dir("istio-cni").join("pre/10-calico.conflist")).expect("pre");
+    assert_eq!(
+        fs::read(node.conf_dir().join("10-calico.conflist")).expect("primary"),
+        theirs,
+        "istio-cni's file is its agent's"
+    );
+    assert_uninstalls(&node);
+    assert_eq!(
+        fs::read(node.conf_dir().join("10-calico.conflist")).expect("primary"),
+        theirs,
+        "handed back as istio-cni left it"
+    );
+    assert!(!node.conf_dir().join("02-istio-cni.conflist").exists());
+}
+
+/// istio-cni's clean-up takes its entry out of its file: meshcap chains into that file, then
+/// removes its own (the runtime used its own until then).
+#[test]
+fn istio_cnis_clean_up_hands_its_file_over() {
+    let node = golden("istio-cni", |_| {});
+    let primary = node.conf_dir().join("10-calico.conflist");
+    let mut value: Value =
+        serde_json::from_slice(&fs::read(&primary).expect("primary")).expect("JSON");
+    value["plugins"]
+        .as_array_mut()
+        .expect("plugins")
+        .retain(|p| p["type"] != "istio-cni");
+    fs::write(&primary, value.to_string()).expect("istio-cni's clean-up");
+    let state = install::install(&node.config).expect("install");
+    assert!(
+        matches!(&state, ConfState::Installed { path, written: true } if *path == primary),
+        "{state:?}"
+    );
+    assert_eq!(
+        node.plugin_types("10-calico.conflist"),
+        ["calico", "portmap", "bandwidth", "meshcap-cni"]
+    );
+    assert!(!node.conf_dir().join("02-istio-cni.conflist").exists());
+}
+
 #[test]
 fn invalid_files_are_skipped_as_libcni_skips_them() {
     let node = golden("invalid-first", |_| {});

@@ -183,9 +183,10 @@ pub fn list_name(name: &str) -> String {
     format!("{stem}.conflist")
 }
 
-/// `conf` with meshcap's `entry` chained last: any older meshcap entry is removed first (so an
-/// upgrade replaces it and nothing is ever listed twice), and a single plugin is wrapped in a
-/// list that keeps its name and version.
+/// `conf` with meshcap's `entry` chained last: any older meshcap entry and istio-cni's entry are
+/// removed first (so an upgrade replaces it, nothing is ever listed twice, and a pod never runs
+/// through both plugins), and a single plugin is wrapped in a list that keeps its name and
+/// version.
 #[must_use]
 pub fn with_entry(conf: &ConfFile, entry: &Value) -> ConfFile {
     let mut list = if conf.is_list() {
@@ -194,7 +195,7 @@ pub fn with_entry(conf: &ConfFile, entry: &Value) -> ConfFile {
         wrap(&conf.value)
     };
     if let Some(plugins) = list.get_mut("plugins").and_then(Value::as_array_mut) {
-        plugins.retain(|p| !is_meshcap_entry(p));
+        plugins.retain(|p| !is_meshcap_entry(p) && !super::istio::is_entry(p));
         plugins.push(entry.clone());
     }
     ConfFile {
@@ -408,6 +409,19 @@ mod tests {
             json!([{"type":"x"},{"type":"portmap"}])
         );
         assert_eq!(without_entry(&removed), None);
+    }
+
+    #[test]
+    fn istio_cnis_entry_is_replaced() {
+        let conf = ConfFile {
+            name: "10-x.conflist".to_owned(),
+            value: json!({"name":"k","plugins":[{"type":"x"},{"type":"istio-cni"}]}),
+        };
+        let out = with_entry(&conf, &json!({"type":"meshcap-cni"}));
+        assert_eq!(
+            out.value["plugins"],
+            json!([{"type":"x"},{"type":"meshcap-cni"}])
+        );
     }
 
     #[test]

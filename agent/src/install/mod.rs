@@ -2,7 +2,8 @@
 //! into the CNI bin dir, and meshcap's entry chained last into the runtime's network
 //! configuration (or a standalone file when `chained` is false, or, with `istioOwnedCNIConfig`,
 //! a file of meshcap's own that merges the primary's: [`owned`]), kept there by [`watch`] while
-//! other components rewrite the files.
+//! other components rewrite the files. istio-cni's entry, where it is found, is replaced in one
+//! rename, never run beside meshcap's ([`istio`]).
 //!
 //! The files meshcap owns in the conf dir (the standalone file, the owned file, the plugin's
 //! kubeconfig) are written 0600 (0640 for the first two with Istio's `CNI_CONF_GROUP_READ`), as
@@ -25,6 +26,7 @@ use crate::paths;
 pub mod binary;
 pub mod conflist;
 mod entry;
+pub mod istio;
 pub mod kubeconfig;
 pub mod owned;
 pub mod watch;
@@ -74,9 +76,6 @@ pub const CONF_MODE: u32 = 0o600;
 
 /// The same with Istio's `CNI_CONF_GROUP_READ`.
 pub const CONF_MODE_GROUP_READ: u32 = 0o640;
-
-/// The Istio CNI plugin's type, whose entry must not run beside meshcap's.
-const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
 
 /// The namespace of meshcap's own pods (`deploy/`): the plugin's default too.
 pub const AGENT_POD_NAMESPACE: &str = meshcap_cni::cni::DEFAULT_AGENT_POD_NAMESPACE;
@@ -268,7 +267,11 @@ fn ensure_chained(config: &InstallConfig) -> Result<ConfState, InstallError> {
     let Some(current) = conflist::primary(&files, configured) else {
         return no_primary(dir, &files, configured);
     };
-    warn_if_istio_cni(dir, &current);
+    if istio::holds_entry(&current.value) {
+        // Not this file while istio-cni's entry is in it: meshcap's own file, in front of it,
+        // replaces that entry in one rename (`istio`).
+        return owned::ensure(config);
+    }
     let wanted = conflist::with_entry(&current, &config.plugin.entry());
     let path = dir.join(&wanted.name);
     let written = wanted != current;
@@ -309,21 +312,6 @@ fn no_primary(
         });
     }
     Ok(ConfState::NoPrimaryConfig)
-}
-
-/// Warns when the primary configuration chains istio-cni too.
-fn warn_if_istio_cni(dir: &Path, primary: &conflist::ConfFile) {
-    let plugins = primary.value.get("plugins").and_then(Value::as_array);
-    if plugins.is_some_and(|p| {
-        p.iter()
-            .any(|p| p.get("type").and_then(Value::as_str) == Some(ISTIO_PLUGIN_TYPE))
-    }) {
-        tracing::warn!(
-            file = %dir.join(&primary.name).display(),
-            "the istio-cni plugin is chained too: uninstall istio-cni (docs/install.md), or both \
-             will program each pod"
-        );
-    }
 }
 
 fn ensure_standalone(config: &InstallConfig) -> Result<ConfState, InstallError> {
@@ -374,13 +362,13 @@ pub fn uninstall(config: &InstallConfig) -> Result<(), InstallError> {
     let dir = &config.cni_conf_dir;
     if config.chained {
         let files = conflist::read_dir(dir)?;
-        // meshcap's own file goes whole: without the entry it would be a stale copy of the
-        // primary's configuration that the runtime keeps using.
+        // meshcap's own file goes whole (without the entry it would be a stale copy of the
+        // primary's configuration that the runtime keeps using), and last: until then it stays
+        // in front of a file whose entry is being taken out, so that the runtime goes from
+        // meshcap's chain to what is behind it (istio-cni's, say) in one step.
         let own = owned::own_file(config, &files);
         for (name, bytes) in files {
             if Some(&name) == own.as_ref() {
-                remove_file(&dir.join(&name))?;
-                tracing::info!(file = %dir.join(&name).display(), "removed meshcap's own CNI configuration");
                 continue;
             }
             let Ok(value) = serde_json::from_slice(&bytes) else {
@@ -396,6 +384,10 @@ pub fn uninstall(config: &InstallConfig) -> Result<(), InstallError> {
                 )?;
                 tracing::info!(file = %path.display(), "removed {PLUGIN_TYPE} from the CNI configuration");
             }
+        }
+        if let Some(name) = own {
+            remove_file(&dir.join(&name))?;
+            tracing::info!(file = %dir.join(&name).display(), "removed meshcap's own CNI configuration");
         }
     } else {
         remove_file(&dir.join(standalone_name(config)))?;

@@ -15,7 +15,7 @@
 //! (which the runtime uses instead) leaves the agent not ready, naming it: Istio only warns.
 //! Unlike Istio too, it applies in sidecar mode as well as ambient mode (docs/install.md says
 //! why); with `chained: false` it has no effect (the standalone file is meshcap's own already).
-use super::{ConfState, InstallConfig, InstallError, conflist, no_primary, warn_if_istio_cni};
+use super::{ConfState, InstallConfig, InstallError, conflist, no_primary};
 
 /// Puts meshcap's own file in place (see the module documentation).
 ///
@@ -40,7 +40,6 @@ pub(super) fn ensure(config: &InstallConfig) -> Result<ConfState, InstallError> 
         // The owned file stays as it is: pods keep waiting for meshcap meanwhile.
         return no_primary(dir, &files, configured);
     };
-    warn_if_istio_cni(dir, &primary);
     let wanted = conflist::with_entry(&primary, &config.plugin.entry());
     let written = super::write_own(&path, &wanted.value, config.conf_mode)?;
     if written {

@@ -5,7 +5,7 @@
 //! file I/O).
 use std::{
     collections::VecDeque,
-    path::Path,
+    path::{Path, PathBuf},
     sync::mpsc,
     thread,
     time::{Duration, Instant},
@@ -14,7 +14,7 @@ use std::{
 use notify::{RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
-use super::{ConfState, InstallConfig, InstallError};
+use super::{ConfState, InstallConfig, InstallError, conflist, istio};
 
 /// A full re-check even without events.
 const RESYNC: Duration = Duration::from_secs(30);
@@ -27,6 +27,10 @@ const DEBOUNCE: Duration = Duration::from_millis(50);
 const FIGHT_LIMIT: usize = 5;
 const FIGHT_WINDOW: Duration = Duration::from_secs(60);
 
+/// How long after the last sign of istio-cni's agent writing against meshcap's entry
+/// ([`istio::contest`]) the install stays [`InstallStatus::Contested`].
+const CONTEST_WINDOW: Duration = FIGHT_WINDOW;
+
 /// The install's state as the rest of the agent sees it (readiness, the startup taint).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum InstallStatus {
@@ -36,6 +40,9 @@ pub enum InstallStatus {
     Conf(ConfState),
     /// The last attempt failed; retried on the next event or resync.
     Failed(String),
+    /// meshcap's entry is in place, but istio-cni's agent still runs on this node and wrote
+    /// its entry against it within the last minute: why, in words ([`istio::contest`]).
+    Contested(String),
 }
 
 impl std::fmt::Display for InstallStatus {
@@ -44,6 +51,11 @@ impl std::fmt::Display for InstallStatus {
             Self::Starting => f.write_str("not checked yet"),
             Self::Conf(state) => write!(f, "{state}"),
             Self::Failed(why) => write!(f, "failed: {why}"),
+            Self::Contested(why) => write!(
+                f,
+                "{why}: istio-cni's agent still runs on this node; move its DaemonSet off the \
+                 node (docs/install.md, \"Switching from istio-cni\")"
+            ),
         }
     }
 }
@@ -136,7 +148,17 @@ fn run(
 ) {
     let mut rewrites = VecDeque::new();
     let mut installed_once = false;
+    let mut last: Option<PathBuf> = None;
+    let mut contested: Option<(Instant, String)> = None;
     loop {
+        if let Ok(files) = conflist::read_dir(&config.cni_conf_dir)
+            && let Some(why) = istio::contest(&files, last.as_deref())
+        {
+            tracing::warn!(
+                "{why}: istio-cni's agent still runs on this node; meshcap's entry is put back"
+            );
+            contested = Some((Instant::now(), why));
+        }
         let outcome = super::install(config);
         if let Ok(ConfState::Installed { written, path }) = &outcome {
             if *written {
@@ -144,10 +166,15 @@ fn run(
                 note_rewrite(&mut rewrites, path);
             }
             installed_once = true;
+            last = Some(path.clone());
         }
-        let next = match outcome {
-            Ok(state) => InstallStatus::Conf(state),
-            Err(err) => {
+        contested.take_if(|(at, _)| at.elapsed() >= CONTEST_WINDOW);
+        let next = match (outcome, &contested) {
+            (Ok(ConfState::Installed { .. }), Some((_, why))) => {
+                InstallStatus::Contested(why.clone())
+            }
+            (Ok(state), _) => InstallStatus::Conf(state),
+            (Err(err), _) => {
                 tracing::warn!("install: {err}; retrying on the next change");
                 InstallStatus::Failed(err.to_string())
             }
@@ -157,7 +184,11 @@ fn run(
             *current = next;
             changed
         });
-        match rx.recv_timeout(RESYNC) {
+        // A contest ends a window after its last sign: checked again then.
+        let wait = contested.as_ref().map_or(RESYNC, |(at, _)| {
+            RESYNC.min(CONTEST_WINDOW.saturating_sub(at.elapsed()))
+        });
+        match rx.recv_timeout(wait) {
             Ok(Message::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => return,
             Ok(Message::Fs) => {
                 if drain(rx) {

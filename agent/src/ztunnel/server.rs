@@ -1,16 +1,31 @@
 //! The agent's end of ZDS: the listening socket, the connected ztunnels, the snapshot each new
 //! one is sent, and the adds and deletes that follow.
+//!
+//! The socket's path is shared with istio-cni's agent (Istio's `/var/run/ztunnel/ztunnel.sock`),
+//! which, when it stops (`cni/pkg/nodeagent/net_linux.go`, `NetServer.Stop`, closing its
+//! listener in `ztunnelserver.go`), has Go unlink that path, whoever listens there by then. The
+//! acceptor checks the path every [`PATH_CHECK`] and, when it is gone or is another socket,
+//! listens there again, so that ztunnel, which reconnects by path, finds meshcap. Connections
+//! already accepted are not affected.
 
 use std::{
-    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt as _,
+    },
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard},
     thread::JoinHandle,
+    time::Duration,
 };
 
-use nix::sys::socket::{
-    AddressFamily, Backlog, Shutdown, SockFlag, SockType, UnixAddr, accept4, bind, listen,
-    shutdown, socket,
+use nix::{
+    fcntl::OFlag,
+    poll::{PollFd, PollFlags, PollTimeout, poll},
+    sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, listen, socket,
+    },
+    unistd::{pipe2, write},
 };
 use tracing::{info, warn};
 
@@ -43,17 +58,32 @@ struct Shared {
     snapshot: Box<Snapshot>,
 }
 
+/// How often the acceptor checks that the socket's path is still its socket.
+const PATH_CHECK: Duration = Duration::from_millis(500);
+
 /// The ZDS socket and the ztunnels connected to it. Dropping it closes the socket.
 pub struct ZtunnelServer {
     shared: Arc<Shared>,
-    listener: Arc<OwnedFd>,
     path: PathBuf,
-    acceptor: Option<JoinHandle<()>>,
+    /// Written to stop the acceptor.
+    stop: OwnedFd,
+    /// The acceptor, which returns the identity of the socket it listened on last.
+    acceptor: Option<JoinHandle<Option<SocketId>>>,
+}
+
+/// A socket file's device and inode: which socket a path names.
+type SocketId = (u64, u64);
+
+/// A listening socket and the identity of its file.
+struct Listener {
+    fd: OwnedFd,
+    id: SocketId,
 }
 
 impl ZtunnelServer {
     /// Listens at `path` (replacing a stale socket there) and serves every ztunnel that
-    /// connects, each first sent what `snapshot` returns.
+    /// connects, each first sent what `snapshot` returns; listens there again whenever the
+    /// path is unlinked or replaced.
     ///
     /// # Errors
     /// The socket cannot be created.
@@ -61,42 +91,24 @@ impl ZtunnelServer {
         path: &Path,
         snapshot: impl Fn() -> Vec<Enrolled> + Send + Sync + 'static,
     ) -> Result<Self, ZdsError> {
-        match std::fs::remove_file(path) {
-            Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-                return Err(ZdsError::Io(err));
-            }
-            _ => {}
-        }
-        let listener = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .map_err(ZdsError::io)?;
-        bind(
-            listener.as_raw_fd(),
-            &UnixAddr::new(path).map_err(ZdsError::io)?,
-        )
-        .map_err(ZdsError::io)?;
-        listen(&listener, Backlog::new(8).map_err(ZdsError::io)?).map_err(ZdsError::io)?;
+        let listener = listen_at(path)?;
+        let (stop_rx, stop) = pipe2(OFlag::O_CLOEXEC).map_err(ZdsError::io)?;
         let shared = Arc::new(Shared {
             connections: Mutex::new(Vec::new()),
             snapshot: Box::new(snapshot),
         });
-        let listener = Arc::new(listener);
         let acceptor = {
-            let (shared, listener) = (Arc::clone(&shared), Arc::clone(&listener));
+            let (shared, path) = (Arc::clone(&shared), path.to_owned());
             std::thread::Builder::new()
                 .name("ztunnel-accept".to_owned())
-                .spawn(move || accept_loop(&shared, &listener))
+                .spawn(move || accept_loop(&shared, &path, listener, &stop_rx))
                 .map_err(ZdsError::Io)?
         };
         info!(socket = %path.display(), "serving ztunnel");
         Ok(Self {
             shared,
-            listener,
             path: path.to_owned(),
+            stop,
             acceptor: Some(acceptor),
         })
     }
@@ -188,34 +200,133 @@ impl ZtunnelServer {
 
 impl Drop for ZtunnelServer {
     fn drop(&mut self) {
-        // Wakes the blocked accept(2) with an error, which ends the loop.
-        let _ = shutdown(self.listener.as_raw_fd(), Shutdown::Both);
-        if let Some(acceptor) = self.acceptor.take() {
-            drop(acceptor.join());
+        let _ = write(&self.stop, &[1]);
+        let last = self
+            .acceptor
+            .take()
+            .and_then(|acceptor| acceptor.join().ok());
+        // The path goes only while it is still this server's socket: another agent's
+        // listening there now is not ours to unlink.
+        if last
+            .flatten()
+            .is_some_and(|id| socket_id(&self.path) == Some(id))
+        {
+            drop(std::fs::remove_file(&self.path));
         }
-        drop(std::fs::remove_file(&self.path));
     }
 }
 
-fn accept_loop(shared: &Arc<Shared>, listener: &OwnedFd) {
-    loop {
-        let socket = match accept4(listener.as_fd().as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
-            // SAFETY: accept4 returned a new descriptor that nothing else owns.
-            Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
-            Err(nix::errno::Errno::EINTR | nix::errno::Errno::ECONNABORTED) => continue,
-            Err(_) => return,
-        };
-        let shared = Arc::clone(shared);
-        let spawned = std::thread::Builder::new()
-            .name("ztunnel-hello".to_owned())
-            .spawn(move || {
-                if let Err(err) = greet(&shared, socket) {
-                    warn!(%err, "a ztunnel connection failed before it was served");
-                }
-            });
-        if let Err(err) = spawned {
-            warn!(%err, "cannot serve a ztunnel connection");
+/// Listens at `path`, replacing whatever file is there.
+fn listen_at(path: &Path) -> Result<Listener, ZdsError> {
+    match std::fs::remove_file(path) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+            return Err(ZdsError::Io(err));
         }
+        _ => {}
+    }
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .map_err(ZdsError::io)?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(path).map_err(ZdsError::io)?).map_err(ZdsError::io)?;
+    listen(&fd, Backlog::new(8).map_err(ZdsError::io)?).map_err(ZdsError::io)?;
+    let id = socket_id(path).ok_or_else(|| {
+        ZdsError::Io(std::io::Error::other(format!(
+            "{} vanished as it was bound",
+            path.display()
+        )))
+    })?;
+    Ok(Listener { fd, id })
+}
+
+/// The identity of the socket file at `path`, if there is one.
+fn socket_id(path: &Path) -> Option<SocketId> {
+    use std::os::unix::fs::FileTypeExt as _;
+    let meta = std::fs::symlink_metadata(path).ok()?;
+    meta.file_type()
+        .is_socket()
+        .then(|| (meta.dev(), meta.ino()))
+}
+
+/// Accepts ztunnels until `stop` is readable, listening at `path` again when the path no
+/// longer names the socket; returns the identity of the last socket listened on (`None` when
+/// none could be bound at the end).
+fn accept_loop(
+    shared: &Arc<Shared>,
+    path: &Path,
+    listener: Listener,
+    stop: &OwnedFd,
+) -> Option<SocketId> {
+    let mut listener = Some(listener);
+    let timeout = PollTimeout::try_from(PATH_CHECK).unwrap_or(PollTimeout::MAX);
+    loop {
+        let (accepting, stopping) = {
+            let mut fds = vec![PollFd::new(stop.as_fd(), PollFlags::POLLIN)];
+            if let Some(listener) = &listener {
+                fds.push(PollFd::new(listener.fd.as_fd(), PollFlags::POLLIN));
+            }
+            match poll(&mut fds, timeout) {
+                Ok(_) => {
+                    let ready = |fd: &PollFd<'_>| fd.revents().is_some_and(|r| !r.is_empty());
+                    (fds.get(1).is_some_and(ready), ready(&fds[0]))
+                }
+                Err(nix::errno::Errno::EINTR) => (false, false),
+                Err(err) => {
+                    warn!(%err, "waiting for ztunnel connections failed");
+                    (false, false)
+                }
+            }
+        };
+        if stopping {
+            return listener.map(|l| l.id);
+        }
+        if accepting && let Some(listener) = &listener {
+            accept_one(shared, listener);
+        }
+        if listener.as_ref().map(|l| l.id) != socket_id(path) {
+            listener = relisten(path);
+        }
+    }
+}
+
+/// Listens at `path` again after it was unlinked or replaced; `None` (retried on the next
+/// check) when it cannot.
+fn relisten(path: &Path) -> Option<Listener> {
+    match listen_at(path) {
+        Ok(listener) => {
+            warn!(
+                socket = %path.display(),
+                "the ZDS socket's path was unlinked or replaced (istio-cni's agent unlinks it \
+                 as it stops): listening there again"
+            );
+            Some(listener)
+        }
+        Err(err) => {
+            warn!(socket = %path.display(), %err, "cannot listen for ztunnel; retrying");
+            None
+        }
+    }
+}
+
+fn accept_one(shared: &Arc<Shared>, listener: &Listener) {
+    let socket = match accept4(listener.fd.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+        // SAFETY: accept4 returned a new descriptor that nothing else owns.
+        Ok(fd) => unsafe { OwnedFd::from_raw_fd(fd) },
+        Err(_) => return,
+    };
+    let shared = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name("ztunnel-hello".to_owned())
+        .spawn(move || {
+            if let Err(err) = greet(&shared, socket) {
+                warn!(%err, "a ztunnel connection failed before it was served");
+            }
+        });
+    if let Err(err) = spawned {
+        warn!(%err, "cannot serve a ztunnel connection");
     }
 }
 
@@ -278,4 +389,87 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use nix::sys::socket::{MsgFlags, connect, recv, send};
+    use prost::Message as _;
+
+    use super::*;
+    use crate::ztunnel::proto::{Ack, Version, WorkloadResponse, ZdsHello, workload_response};
+
+    /// Connects to `path` as ztunnel does, says hello and acks the (empty) snapshot: the
+    /// server serves whoever connects at `path`.
+    fn hello_and_snapshot(path: &Path) -> OwnedFd {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        connect(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("connect");
+        let hello = ZdsHello {
+            version: Version::V1.into(),
+        };
+        send(fd.as_raw_fd(), &hello.encode_to_vec(), MsgFlags::empty()).expect("hello");
+        let mut buf = [0u8; 1024];
+        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty()).expect("snapshot");
+        let request = WorkloadRequest::decode(&buf[..n]).expect("a request");
+        assert!(matches!(request.payload, Some(Payload::SnapshotSent(_))));
+        let ack = WorkloadResponse {
+            payload: Some(workload_response::Payload::Ack(Ack::default())),
+        };
+        send(fd.as_raw_fd(), &ack.encode_to_vec(), MsgFlags::empty()).expect("ack");
+        fd
+    }
+
+    /// Waits (bounded: a liveness check) until `path` is a socket other than `not`.
+    fn wait_for_socket(path: &Path, not: Option<SocketId>) -> SocketId {
+        for _ in 0..200 {
+            if let Some(id) = socket_id(path).filter(|id| Some(*id) != not) {
+                return id;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{} was not listened on again", path.display());
+    }
+
+    #[test]
+    fn an_unlinked_or_replaced_path_is_listened_on_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ztunnel.sock");
+        let server = ZtunnelServer::start(&path, Vec::new).expect("server");
+        let _one = hello_and_snapshot(&path);
+        let first = socket_id(&path).expect("listening");
+
+        // istio-cni's agent stopping: Go's listener close unlinks the path.
+        std::fs::remove_file(&path).expect("unlink");
+        let second = wait_for_socket(&path, Some(first));
+        let _two = hello_and_snapshot(&path);
+
+        // Another socket bound at the path (an agent starting there removes what it finds).
+        std::fs::remove_file(&path).expect("unlink");
+        let other = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        bind(other.as_raw_fd(), &UnixAddr::new(&path).expect("address")).expect("bind");
+        let intruder = socket_id(&path).expect("bound");
+        assert_ne!(intruder, second);
+        wait_for_socket(&path, Some(intruder));
+        let _three = hello_and_snapshot(&path);
+        assert_eq!(
+            server.connected(),
+            3,
+            "the earlier connections are still served"
+        );
+
+        drop(server);
+        assert!(!path.exists(), "the server's own socket goes with it");
+    }
 }
