@@ -21,7 +21,8 @@
 //!   labels and their namespace's change;
 //! - [`events`]: Kubernetes Events on pods whose capture failed;
 //! - [`hub`]: what the agent does with a pod, whoever asks (the plugin, the repair controller,
-//!   live enrollment): the request path, readiness, and the set of captures;
+//!   live enrollment): the request path, readiness, the set of captures, and the verifier's
+//!   passes over them;
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
@@ -47,8 +48,8 @@
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
 //!   how the agent tells that apart from a restart ([`uninstall::verdict`]);
-//! - [`verify`]: every capture compared with its record periodically, drift put back, and
-//!   `explain`;
+//! - [`verify`]: what the verifier (the hub's passes: every capture compared with its record
+//!   periodically, drift put back) found, and `explain`'s answer;
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]), which hands the hub
@@ -62,7 +63,9 @@
 //! last, its `MESHCAP_PODS` entry, which makes the node-wide programs act on it. The iptables
 //! backend renders Istio's rules ([`policy::RedirectPolicy::render`]) and restores them in the
 //! same kind of visit. docs/development.md maps where each decision and each record lives.
-//! Dependencies point one way: api → hub → ambient → backend → podnet, pod and policy.
+//! Dependencies point one way: api → hub → ambient → backend → podnet, pod and policy; every
+//! module's layer is in docs/development.md ("Layers"), which `agent/tests/layering.rs` holds
+//! the imports to.
 
 pub mod access;
 pub mod ambient;

@@ -853,6 +853,49 @@ fn side_by_side(scene: Scene) {
     assert_eq!(sidecar_outbound().0, "peer", "after its DEL, direct");
 }
 
+/// ztunnel restarts, then a pod is deleted: the DEL reaches the new ztunnel, and the agent
+/// logs no warning. The dead connection is dropped before anything is sent on it (the agent
+/// used to write the DEL to it first, and log `telling ztunnel the pod is gone … Broken pipe`
+/// after every ztunnel restart). ZDS is the same whichever backend captures: one is enough.
+#[test]
+fn after_a_ztunnel_restart_a_del_reaches_the_new_one_without_a_warning() {
+    require_root();
+    let Scene {
+        node,
+        pod,
+        pods: _pods,
+        sockets,
+        agent,
+        sandbox,
+        conf,
+    } = Scene::new(Backend::Iptables);
+    let mut zt = ztunnel_with(&node, &sockets.socket(), &[], &["--acks-only"]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added);
+
+    // Killed and reaped; nothing asks the agent about ztunnel before the new one connects.
+    drop(zt);
+    let mut zt = ztunnel_with(&node, &sockets.socket(), &[added], &["--acks-only"]);
+    let before = agent.log().len();
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}\n{}", agent.log());
+    assert_eq!(
+        zt.wait_line().expect("ztunnel"),
+        "del uid-web",
+        "the new ztunnel is told\n{}",
+        agent.log()
+    );
+    // The DEL's answer came after its log lines.
+    let log = agent.log();
+    let since = &log[before..];
+    assert!(
+        since.contains("removed from ambient mode") && !since.contains("WARN"),
+        "the DEL logged a warning:\n{since}"
+    );
+}
+
 fn without_ztunnel_an_ambient_add_fails_whole(backend: Backend) {
     require_root();
     let Scene {

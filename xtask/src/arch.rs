@@ -151,3 +151,19 @@ pub fn release(arch: Arch) -> anyhow::Result<PathBuf> {
     );
     Ok(arch.target_dir("release"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_test_binary_is_the_hosts() {
+        let exe = std::fs::read(std::env::current_exe().expect("the test binary"))
+            .expect("reading the test binary");
+        assert_eq!(
+            Arch::of_elf(&exe),
+            Arch::host(),
+            "the test binary is this host's"
+        );
+    }
+}

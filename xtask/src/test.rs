@@ -11,15 +11,6 @@ use crate::{
     fuzz, image, integration, tools,
 };
 
-/// Guests `cargo xtask test` boots in QEMU after the host suite (`cargo xtask integration`'s
-/// default): 5.10 proves the iptables fallback below the eBPF floor, 6.1 runs the whole suite
-/// on the oldest eBPF kernel (its verifier, netlink TC, the socket hand-off before 6.5), and
-/// the arm64 guest runs the kernel side (`CROSS_TESTS`) on 6.12 (TCX, a newer verifier) through
-/// the arm64 JIT. An x86 6.12 guest (`--kernel 6.12`) left CI with it: what it ran is either
-/// the arm64 guest's or bracketed by 6.1 and the host's 6.18 on x86, and its 9.4 minutes pay
-/// for most of the arm64 guest (docs/development.md, "Architectures", has the numbers).
-pub const CI_GUESTS: &[&str] = &["5.10", "6.1", "6.12-arm64"];
-
 /// What a clean clone's run writes to its disk, measured (docs/development.md "Disk"): build,
 /// clippy and fuzz target directories, the arm64 guest's cross build (2.8 GB) and the VMs'
 /// kernels and Debian packages (their initramfs is built in memory).
@@ -162,8 +153,8 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
     if !host_only {
         // The same test binaries, already built above, in QEMU on Debian's kernels.
         phase(
-            format!("integration (QEMU: {})", CI_GUESTS.join(", ")),
-            &mut || integration::run(&integration::Args::for_guests(CI_GUESTS)),
+            format!("integration (QEMU: {})", integration::CI_GUESTS.join(", ")),
+            &mut || integration::run(&integration::Args::for_guests(integration::CI_GUESTS)),
         )?;
     }
     eprintln!(

@@ -1,11 +1,16 @@
-//! The verifier's pass ([`crate::verify`]) over the set of captures: each backend's node-wide
-//! part, then every capture, each under its container's request lock so that no pass races an
-//! ADD, a DEL or a CHECK of it; and what it found as an operator sees it: counted
+//! The verifier: its timer ([`Hub::verify_every`]) and its pass over the set of captures
+//! (what it finds is kept in [`crate::verify`]): each backend's node-wide part, then every
+//! capture, each under its container's request lock so that no pass races an ADD, a DEL or a
+//! CHECK of it; and what it found as an operator sees it: counted
 //! (`meshcap_capture_drift_total{kind,result}`), logged, and a Warning Event on the pod (on the
 //! node for node-wide drift).
-use std::time::Instant;
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use tracing::{error, warn};
+use tokio::sync::watch;
+use tracing::{error, info, warn};
 
 use super::{Hub, request::off_the_runtime};
 use crate::{
@@ -19,6 +24,43 @@ const REPAIRED: &str = "CaptureDriftRepaired";
 const NOT_REPAIRED: &str = "CaptureDriftNotRepaired";
 
 impl Hub {
+    /// Verifies every capture every `every` until `stop` turns true (the agent stops
+    /// serving): the pass in progress finishes first, so nothing is put back once an uninstall
+    /// may begin.
+    pub async fn verify_every(self: Arc<Self>, every: Duration, mut stop: watch::Receiver<bool>) {
+        self.ledger.set_interval(every);
+        info!(
+            every_seconds = every.as_secs(),
+            "verifying every capture against its record"
+        );
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                _ = stop.wait_for(|stop| *stop) => return,
+            }
+            if *stop.borrow() {
+                return;
+            }
+            let stats = self.verify_pass().await;
+            if stats.failed > 0 {
+                warn!(
+                    pods = stats.pods,
+                    repaired = stats.repaired,
+                    failed = stats.failed,
+                    "verification pass: drift that could not be put back (the agent is not ready)"
+                );
+            } else if stats.repaired > 0 {
+                info!(
+                    pods = stats.pods,
+                    repaired = stats.repaired,
+                    "verification pass: drift put back"
+                );
+            }
+        }
+    }
+
     /// One verification pass; stops early once the agent stops serving (it is shutting down,
     /// and may be about to uninstall). What it found goes to the ledger, the metrics, the log
     /// and the pods' Events.

@@ -138,7 +138,9 @@ impl ZtunnelServer {
         result
     }
 
-    /// Tells every connected ztunnel that a pod is gone.
+    /// Tells every connected ztunnel that a pod is gone. The connections of ztunnels that went
+    /// away are dropped first, as before an add: a restarted ztunnel's old connection is not
+    /// written to (its error would be reported for a pod the new one was told about).
     ///
     /// # Errors
     /// A connected ztunnel refused or did not answer (the others were still told).
@@ -148,6 +150,7 @@ impl ZtunnelServer {
                 uid: uid.to_owned(),
             })),
         };
+        self.prune();
         let connections = lock(&self.shared.connections).clone();
         let mut first_error = None;
         for connection in connections {

@@ -5,7 +5,7 @@ use std::{path::PathBuf, sync::Arc};
 
 use meshcap_agent::{
     backend::{
-        BackendChoice, BackendError,
+        BackendChoice, BackendError, CaptureBackend,
         ebpf::{EbpfBackend, EbpfConfig},
         handover::Handover,
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
@@ -16,7 +16,8 @@ use meshcap_agent::{
 };
 use tracing::{info, warn};
 
-use crate::wiring::Shared;
+/// A backend, shared by the router and whoever else needs it.
+pub(crate) type Shared = Arc<dyn CaptureBackend>;
 
 /// The backend chosen, and the eBPF backend itself when it is that one (ambient mode can
 /// capture its pods with it).

@@ -17,7 +17,14 @@ use meshcap_agent::{
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
 
-use crate::PolicyFormat;
+/// How `meshcap-agent policy` prints a pod's policy.
+#[derive(Clone, Copy, Default, clap::ValueEnum)]
+pub enum PolicyFormat {
+    #[default]
+    Json,
+    Iptables,
+    Nftables,
+}
 
 pub fn probe_kernel() -> anyhow::Result<()> {
     let report = probe::run();

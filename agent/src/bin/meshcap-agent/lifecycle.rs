@@ -14,7 +14,6 @@ use meshcap_agent::{
         verdict::Verdict,
         witness::{self, Departure},
     },
-    verify,
 };
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -141,8 +140,8 @@ pub async fn log_warnings(hub: Arc<Hub>) {
     }
 }
 
-/// Starts the verifier ([`verify::run`]) every `seconds` until `stop`; `None` when verification
-/// is off (0).
+/// Starts the verifier ([`Hub::verify_every`]) every `seconds` until `stop`; `None` when
+/// verification is off (0).
 pub fn start_verifier(
     hub: &Arc<Hub>,
     seconds: u64,
@@ -155,7 +154,7 @@ pub fn start_verifier(
         return None;
     }
     let every = Duration::from_secs(seconds);
-    Some(tokio::spawn(verify::run(hub.clone(), every, stop.clone())))
+    Some(tokio::spawn(hub.clone().verify_every(every, stop.clone())))
 }
 
 /// What the CNI configuration watch does after each write of meshcap's entry: counted, and a

@@ -12,7 +12,7 @@ mod wiring;
 
 use std::{path::PathBuf, process::ExitCode};
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use meshcap_agent::{backend::ebpf, logging, settings};
 use run::RunArgs;
 
@@ -83,14 +83,6 @@ enum Command {
     /// redirect policy, or the exact iptables or nftables rules (a dry run, as
     /// `istio-iptables --dry-run`).
     Policy(commands::PolicyArgs),
-}
-
-#[derive(Clone, Copy, Default, ValueEnum)]
-pub enum PolicyFormat {
-    #[default]
-    Json,
-    Iptables,
-    Nftables,
 }
 
 fn main() -> ExitCode {

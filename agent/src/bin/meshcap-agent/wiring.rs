@@ -11,7 +11,7 @@ use meshcap_agent::{
     access::WatchHealth,
     ambient::{Ambient, AmbientPlaces, ProbeWay},
     api::{Server, ServerConfig, http},
-    backend::{CaptureBackend, Router, ebpf::EbpfConfig},
+    backend::{Router, ebpf::EbpfConfig},
     enrollment::LiveEnrollment,
     events::EventSink,
     hub::{Hub, Parts, Settings},
@@ -26,7 +26,7 @@ use tokio::sync::watch;
 use tracing::info;
 
 use crate::{
-    choice::{Chosen, RulesPath, ambient_ways, open_backend},
+    choice::{Chosen, RulesPath, Shared, ambient_ways, open_backend},
     lifecycle::{self, ShutdownSignal},
     run::{
         Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, native_nftables,
@@ -34,9 +34,6 @@ use crate::{
     },
     standing::{self, Features, Holds},
 };
-
-/// A backend, shared by the router and whoever else needs it.
-pub(crate) type Shared = Arc<dyn CaptureBackend>;
 
 /// The API server and this node's name, with `--pods kube`.
 type KubeNode = (kube::Client, String);
