@@ -4,7 +4,10 @@
 use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
     thread::JoinHandle,
 };
 
@@ -41,6 +44,8 @@ struct Shared {
     /// Connected ztunnels, oldest first. Each connection's lock pairs a request with its ack.
     connections: Mutex<Vec<Arc<Mutex<Connection>>>>,
     snapshot: Box<Snapshot>,
+    /// The ztunnels sent their snapshot so far.
+    greeted: AtomicU64,
 }
 
 /// The ZDS socket and the ztunnels connected to it. Dropping it closes the socket.
@@ -83,6 +88,7 @@ impl ZtunnelServer {
         let shared = Arc::new(Shared {
             connections: Mutex::new(Vec::new()),
             snapshot: Box::new(snapshot),
+            greeted: AtomicU64::new(0),
         });
         let listener = Arc::new(listener);
         let acceptor = {
@@ -166,6 +172,13 @@ impl ZtunnelServer {
         lock(&self.shared.connections).len()
     }
 
+    /// How many ztunnels were sent their snapshot since the socket opened: a new one is
+    /// there to be handed pods when it grows.
+    #[must_use]
+    pub fn greeted(&self) -> u64 {
+        self.shared.greeted.load(Ordering::Acquire)
+    }
+
     fn newest(&self) -> Option<Arc<Mutex<Connection>>> {
         self.prune();
         lock(&self.shared.connections).last().cloned()
@@ -227,6 +240,9 @@ fn greet(shared: &Shared, socket: OwnedFd) -> Result<(), ZdsError> {
     lock(&shared.connections).push(Arc::clone(&connection));
     let result = hello_and_snapshot(shared, &guard);
     drop(guard);
+    if result.is_ok() {
+        shared.greeted.fetch_add(1, Ordering::AcqRel);
+    }
     if result.is_err() {
         lock(&shared.connections).retain(|c| !Arc::ptr_eq(c, &connection));
     }

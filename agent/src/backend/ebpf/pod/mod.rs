@@ -321,6 +321,7 @@ impl CaptureBackend for EbpfBackend {
             .into_iter()
             .filter(|pinned| pinned.mode() == mode)
             .map(|pinned| CapturedPod {
+                adopted: false,
                 summary: match mode {
                     DataplaneMode::Sidecar => format!(
                         "netns cookie {}, inbound TC on {}",
