@@ -188,6 +188,11 @@ mod tests {
             node: Verified::default(),
             verify_interval_seconds: Some(30),
             not_ready: None,
+            pending_enrollment: Some(PendingEnrollment {
+                attempts: 2,
+                last_error: "no ztunnel is connected".into(),
+                next_attempt_in_seconds: 4,
+            }),
         };
         let text = explanation.to_text();
         for needle in [
@@ -199,6 +204,7 @@ mod tests {
             "0 s ago, put back tc_filter: no stub on eth0",
             "verification: every 30 s",
             "node-wide: not verified yet",
+            "enrollment PENDING: 2 attempt(s) failed, the last: no ztunnel is connected; next attempt in 4 s",
         ] {
             assert!(text.contains(needle), "{needle:?} in\n{text}");
         }
