@@ -78,14 +78,40 @@ impl IstioEnrolled {
         })
     }
 
-    /// The running pods of `node` Istio's agent enrolled, from the API server (one list of the
-    /// node's pods, and the labels of their namespaces); none when it cannot be asked (logged:
+    /// The running pods of `node` Istio's agent enrolled and this agent (its state directory
+    /// `state_dir`) has no record of, from the API server (one list of the node's pods, and the
+    /// labels of their namespaces), within ten seconds; none when it cannot be asked (logged:
     /// live enrollment adopts them as it sees them).
     pub async fn on_node(
         client: &kube::Client,
         node: &str,
         settings: &NodeSettings,
         netns_dir: &Path,
+        state_dir: &Path,
+    ) -> Vec<Self> {
+        let known: Vec<String> =
+            match super::records::Records::open(state_dir.join("ambient").join("workloads")) {
+                Ok(records) => records.all().map(|(_, w)| w.uid).collect(),
+                Err(err) => {
+                    warn!(error = %err, "reading ambient mode's records to adopt istio-cni's pods");
+                    return Vec::new();
+                }
+            };
+        let listed = Self::listed(client, node, settings, netns_dir, &known);
+        tokio::time::timeout(std::time::Duration::from_secs(10), listed)
+            .await
+            .unwrap_or_else(|_| {
+                warn!("listing the pods istio-cni enrolled took more than 10 s: live enrollment adopts them as it sees them");
+                Vec::new()
+            })
+    }
+
+    async fn listed(
+        client: &kube::Client,
+        node: &str,
+        settings: &NodeSettings,
+        netns_dir: &Path,
+        known: &[String],
     ) -> Vec<Self> {
         let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
         let pods = match Api::<Pod>::all(client.clone()).list(&params).await {
@@ -102,7 +128,8 @@ impl IstioEnrolled {
                 .metadata
                 .annotations
                 .as_ref()
-                .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION));
+                .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION))
+                && !pod.metadata.uid.as_ref().is_some_and(|u| known.contains(u));
             let Some(namespace) = pod.metadata.namespace.as_deref().filter(|_| annotated) else {
                 continue;
             };

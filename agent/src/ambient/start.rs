@@ -87,7 +87,8 @@ pub(super) fn move_captures(
         let moved = now
             .add(pod, &policy)
             .and_then(|()| earlier.remove(pod))
-            .and_then(|()| now.add(pod, &policy));
+            .and_then(|()| now.add(pod, &policy))
+            .and_then(|()| now.forget_found_routes(pod));
         match moved {
             Ok(()) => {
                 info!(pod = %pod, from, to, "ambient.inKernel changed: the enrolled pod's capture moved");

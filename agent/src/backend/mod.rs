@@ -291,6 +291,15 @@ pub trait CaptureBackend: Send + Sync {
         PodCheck::default()
     }
 
+    /// Makes the policy routes a capture found in place its own (they were the other way's
+    /// capture of the same pod, moved here: [`crate::ambient`]'s move between ways).
+    ///
+    /// # Errors
+    /// When its record cannot be written.
+    fn forget_found_routes(&self, _pod: &PodRef) -> Result<(), BackendError> {
+        Ok(())
+    }
+
     /// Adopts what another agent (istio-cni) left in a running pod's netns that this backend
     /// writes too ([`found`]): rules exactly as `policy` renders them are recorded as this
     /// backend's capture; rules in another form are replaced with `policy`'s (one transaction

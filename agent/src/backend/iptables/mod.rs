@@ -183,8 +183,7 @@ impl IptablesBackend {
                 .as_ref()
                 .filter(|p| p.replacing.is_empty())
                 .map(|p| p.owned(&p.rules));
-            let new = intent.owned(rules);
-            if let Err(err) = ctx.swap(flavour, old.as_ref(), &new) {
+            if let Err(err) = ctx.swap(flavour, old.as_ref(), rules) {
                 if previous.is_none() {
                     // Nothing of meshcap's was there: what the netns holds is not its to
                     // remove (another agent's rules), and the swap undid its own part.
@@ -198,7 +197,7 @@ impl IptablesBackend {
                 for set in intent.rule_sets() {
                     ctx.scrub(flavour, &intent.owned(set))?;
                 }
-                ctx.swap(flavour, None, &new)?;
+                ctx.swap(flavour, None, rules)?;
             }
             Ok(intent)
         })?;
@@ -307,6 +306,16 @@ impl CaptureBackend for IptablesBackend {
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(self.records.list(mode))
+    }
+
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        match self.records.get(&pod.container_id) {
+            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
+                found_routes: Vec::new(),
+                ..record
+            }),
+            _ => Ok(()),
+        }
     }
 
     #[tracing::instrument(name = "iptables_adopt", skip_all, fields(pod = %pod, container = %pod.container_id))]

@@ -197,7 +197,7 @@ impl NftablesBackend {
                     .map(|set| intent.owned(&set.routes))
                     .collect()
             };
-            if let Err(source) = update_routes(visit, &old_routes, &intent.owned(&rules.routes)) {
+            if let Err(source) = update_routes(visit, &old_routes, &rules.routes) {
                 // Back to what was there: the earlier rules whole, or none.
                 let back = match &previous {
                     Some(prev) if prev.replacing.is_empty() => {
@@ -322,6 +322,16 @@ impl CaptureBackend for NftablesBackend {
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(self.records.list(mode))
+    }
+
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        match self.records.get(&pod.container_id) {
+            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
+                found_routes: Vec::new(),
+                ..record
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {

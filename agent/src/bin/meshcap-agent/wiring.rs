@@ -269,7 +269,8 @@ async fn open_node(
             let istio_enrolled = match kube_node {
                 Some((client, node)) => {
                     let settings = args.node_settings(Some(config.clone()));
-                    IstioEnrolled::on_node(client, node, &settings, &netns_dir()).await
+                    let state = &paths.state_dir;
+                    IstioEnrolled::on_node(client, node, &settings, &netns_dir(), state).await
                 }
                 None => Vec::new(),
             };

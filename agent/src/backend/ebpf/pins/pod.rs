@@ -116,6 +116,15 @@ impl PodPins {
         Ok(())
     }
 
+    /// Forgets [`Self::found_routes`]: the routes are the capture's own from now on.
+    pub fn forget_found_routes(&self) {
+        for name in list_dir(&self.dir) {
+            if name.starts_with(ROUTE_FOUND_PREFIX) {
+                remove_tree(&self.dir.join(name));
+            }
+        }
+    }
+
     /// `handoff`: the link of the socket lookup program on the pod's netns.
     #[must_use]
     pub fn handoff_link(&self) -> PathBuf {

@@ -33,8 +33,7 @@ impl Pods {
                 let found = podnet::route::found(visit.netlink()?, &routes)?;
                 pins.record_found_routes(&found).map_err(pinning)?;
             }
-            let owned = routes.without_found(&pins.found_routes());
-            podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &owned)?;
+            podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
         }
         set_fwmark_accept(&pins, plan.fwmark_accept())?;
         self.attach_stubs(visit, &pins, plan)?;

@@ -267,6 +267,13 @@ impl CaptureBackend for EbpfBackend {
         Ok(self.pods.release(pod)?)
     }
 
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        if let Some(cookie) = self.pods.find_cookie(pod) {
+            self.pods.pins.pod(cookie).forget_found_routes();
+        }
+        Ok(())
+    }
+
     fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
         self.pods.check(pod, policy).map_err(EbpfError::into_check)
     }
