@@ -29,6 +29,7 @@
 //! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
 //! - [`mountinfo`]: the process's mounts (the cgroup v2 hierarchy, bind-mounted netns);
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
+//! - [`pending`]: live enrollments that failed, tried again with backoff until done;
 //! - [`pod`]: which pod a capture is: its name and sandbox, what a capture is asked for, the
 //!   ids of captures made in place;
 //! - [`podnet`]: everything done inside a pod's network namespace (a visit: entering it, its
@@ -84,6 +85,7 @@ pub mod ipset;
 pub mod logging;
 pub mod mountinfo;
 pub mod paths;
+pub mod pending;
 pub mod pod;
 pub mod podnet;
 pub mod pods;

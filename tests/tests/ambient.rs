@@ -275,6 +275,20 @@ fn deleted(sandbox: &Sandbox, conf: &Value, zt: &mut Proc, node: &Node, pod: &Po
 /// Where the pod's traffic goes: Istio's in-pod rules, with ztunnel's listeners; `other` is
 /// another pod on the node (not enrolled), whose connections the node forwards.
 fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
+    captured_in_the_pod(node, pod, other);
+    let me = pod.v4();
+    let probe = dial(node.kubelet(), &format!("tcp:{me}:8080"), None)
+        .expect("dial")
+        .expect("an answer");
+    assert_eq!(
+        (probe.server.as_str(), probe.peer.ip().to_string()),
+        ("app", PROBE_SOURCE.to_owned()),
+        "kubelet's probe (a node socket's connection) is SNAT-ed on the node and reaches the app uncaptured"
+    );
+}
+
+/// [`captured_as_istio_does`] inside the pod: everything but kubelet's probe (the node's).
+fn captured_in_the_pod(node: &Node, pod: &Pod, other: &Pod) {
     let (peer, me, other_v4) = (pod.peer_v4(), pod.v4(), other.v4().to_string());
     let outbound = answer(dial(app(node, pod), &format!("tcp:{peer}:80"), None).expect("dial"));
     assert_eq!(
@@ -331,14 +345,6 @@ fn captured_as_istio_does(node: &Node, pod: &Pod, other: &Pod) {
         (hbone.0.as_str(), hbone.1),
         ("ztunnel", 15008),
         "HBONE is reached at the pod's address"
-    );
-    let probe = dial(node.kubelet(), &format!("tcp:{me}:8080"), None)
-        .expect("dial")
-        .expect("an answer");
-    assert_eq!(
-        (probe.server.as_str(), probe.peer.ip().to_string()),
-        ("app", PROBE_SOURCE.to_owned()),
-        "kubelet's probe (a node socket's connection) is SNAT-ed on the node and reaches the app uncaptured"
     );
 }
 
@@ -2104,5 +2110,438 @@ fn released_whole(node: &Node, pod: &Pod, agent: &Agent, point: &str) {
         agent.ebpf_leftovers().expect("the eBPF backend's pins"),
         Vec::<String>::new(),
         "{point}: nothing pinned, no map entry"
+    );
+}
+
+/// Issue 48, item 6, with Istio's in-pod rules: [`retried_and_found_left`].
+#[test]
+fn an_enrollment_before_ztunnel_connects_is_retried_and_leaves_what_it_found() {
+    require_root();
+    retried_and_found_left(Backend::Iptables, false);
+}
+
+/// [`retried_and_found_left`] with Istio's native nftables rules.
+#[test]
+fn an_enrollment_before_ztunnel_connects_with_native_nftables_is_retried() {
+    require_root();
+    retried_and_found_left(Backend::Nftables, false);
+}
+
+/// [`retried_and_found_left`] captured in the kernel ([`in_kernel_here`]).
+#[test]
+fn an_enrollment_in_the_kernel_before_ztunnel_connects_is_retried() {
+    require_root();
+    let (backend, in_kernel) = in_kernel_here();
+    retried_and_found_left(backend, in_kernel);
+}
+
+/// Live enrollment never harms and never gives up: a running pod the agent sees before any
+/// ztunnel connected (as after a switch from istio-cni, ztunnel reconnecting) fails to enroll
+/// and is rolled back, and the rollback leaves the policy rule and route the pod's netns held
+/// before (Istio's `fwmark 0x111/0xfff lookup 100`, which meshcap did not write); the pod is
+/// shown pending by `explain` and counted, and is enrolled once ztunnel connects, with no
+/// change of the pod to trigger it. The runtime's DEL then takes meshcap's capture away and
+/// still leaves the rule and route it found.
+fn retried_and_found_left(backend: Backend, in_kernel: bool) {
+    let mut node = Node::new().expect("node");
+    let pod = node.add_pod(false).expect("pod");
+    let ip = unique_ip();
+    pod.netns
+        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the pod's address");
+    let found_rule = "fwmark 0x111/0xfff lookup 100";
+    pod.netns
+        .ip(&[
+            "rule",
+            "add",
+            "fwmark",
+            "0x111/0xfff",
+            "pref",
+            "32764",
+            "lookup",
+            "100",
+        ])
+        .expect("Istio's rule");
+    pod.netns
+        .ip(&[
+            "route", "add", "local", "default", "dev", "lo", "table", "100",
+        ])
+        .expect("Istio's route");
+    let found = || {
+        let rules = pod.netns.ip(&["rule", "show"]).expect("ip rule");
+        let routes = pod
+            .netns
+            .ip(&["route", "show", "table", "100"])
+            .expect("ip route");
+        (
+            rules.lines().filter(|l| l.contains(found_rule)).count(),
+            routes
+                .lines()
+                .filter(|l| l.starts_with("local default"))
+                .count(),
+        )
+    };
+    let sockets = SocketDir::new();
+    let api = ApiServer::with_configuration("ambient");
+    let mut manifest = ambient_pod("web");
+    manifest["spec"]["nodeName"] = json!("node-1");
+    manifest["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    api.apply_pod(manifest);
+    api.apply_namespace(json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {}},
+    }));
+    let agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
+    eventually("the enrollment failed and is to be tried again", || {
+        agent
+            .log()
+            .lines()
+            .any(|l| l.contains("shop/web") && l.contains("the enrollment will be tried again"))
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert!(
+        agent.log().contains("no ztunnel is connected"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(
+        found(),
+        (1, 1),
+        "the rollback left the rule and route it found"
+    );
+    assert_eq!(outbound(&node, &pod), "peer", "nothing captured meanwhile");
+    let explained = explain(&agent, "shop/web");
+    assert!(
+        explained.contains("enrollment PENDING") && explained.contains("no ztunnel is connected"),
+        "{explained}"
+    );
+    let metrics = agent.http_get("/metrics").expect("metrics").1;
+    assert!(
+        metrics.contains(r#"meshcap_enrollment_retries_total{result="failed"}"#),
+        "{metrics}"
+    );
+
+    let mut zt = ztunnel(&node, &sockets.socket(), &[]);
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
+    eventually("the pod is annotated", || {
+        web_pod(&api)["metadata"]["annotations"]["ambient.istio.io/redirection"] == "enabled"
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    assert_eq!(
+        outbound(&node, &pod),
+        "ztunnel",
+        "enrolled once ztunnel is there"
+    );
+    assert!(
+        !explain(&agent, "shop/web").contains("PENDING"),
+        "no longer pending"
+    );
+    let metrics = agent.http_get("/metrics").expect("metrics").1;
+    assert!(
+        metrics.contains(r#"meshcap_enrollment_retries_total{result="enrolled"} 1"#)
+            && metrics.contains("meshcap_enrollment_pending 0"),
+        "{metrics}"
+    );
+
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL failed: {del:?}\n{}", agent.log());
+    assert_eq!(zt.wait_line().expect("ztunnel"), "del uid-web");
+    assert_eq!(
+        outbound(&node, &pod),
+        "peer",
+        "after DEL nothing is captured"
+    );
+    assert_eq!(found(), (1, 1), "DEL left the rule and route it found");
+    let left: Vec<String> = leftovers(&pod.netns)
+        .expect("leftovers")
+        .into_iter()
+        .filter(|l| !l.contains(found_rule))
+        .collect();
+    assert_eq!(left, Vec::<String>::new(), "nothing of meshcap's is left");
+}
+
+/// `meshcap-agent explain NAMESPACE/POD` against `agent`, as text.
+fn explain(agent: &Agent, pod: &str) -> String {
+    let out = std::process::Command::new(meshcap_tests::agent::binaries().join("meshcap-agent"))
+        .args(["explain", pod, "--socket"])
+        .arg(&agent.socket)
+        .output()
+        .expect("meshcap-agent explain");
+    assert!(out.status.success(), "explain: {out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Issue 48, items 1 and 2, with Istio's in-pod rules: [`adopted_from_istio_cni`].
+#[test]
+fn a_pod_istio_cni_enrolled_is_adopted_and_kept_in_ztunnel() {
+    require_root();
+    adopted_from_istio_cni(Backend::Iptables, false, IstioRules::Iptables);
+}
+
+/// [`adopted_from_istio_cni`] with Istio's native nftables rules (`global.nativeNftables`).
+#[test]
+fn a_pod_istio_cni_enrolled_with_native_nftables_is_adopted() {
+    require_root();
+    adopted_from_istio_cni(Backend::Nftables, false, IstioRules::Nftables);
+}
+
+/// [`adopted_from_istio_cni`] with Istio's rules in another form (written with other node
+/// settings): reconciled to Istio's rules for the pod now, as Istio's agent does at start.
+#[test]
+fn a_pod_istio_cni_enrolled_with_other_rules_is_reconciled_and_adopted() {
+    require_root();
+    adopted_from_istio_cni(Backend::Iptables, false, IstioRules::IptablesV4Only);
+}
+
+/// [`adopted_from_istio_cni`] on a node whose new pods are captured in the kernel
+/// ([`in_kernel_here`]): the adopted pod keeps Istio's rules, and is never also given the
+/// kernel capture.
+#[test]
+fn a_pod_istio_cni_enrolled_is_adopted_where_the_kernel_captures() {
+    require_root();
+    let (backend, in_kernel) = in_kernel_here();
+    adopted_from_istio_cni(backend, in_kernel, IstioRules::Iptables);
+}
+
+/// Which rules istio-cni wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IstioRules {
+    /// Its iptables rules, both families.
+    Iptables,
+    /// Its native nftables rules.
+    Nftables,
+    /// Its iptables rules of IPv4 only, as for a node whose `ambient.ipv6` was off then:
+    /// rules in another form, which ambient mode's reconciliation replaces.
+    IptablesV4Only,
+}
+
+/// Writes into `pod`'s netns what istio-cni's plugin writes for it: the in-pod rules meshcap's
+/// renderer gives for `manifest` (held to Istio's goldens), applied as Istio applies them
+/// (`iptables-nft-restore --noflush`, or `nft -f`), and the reply route (`ip rule` and `ip
+/// route`, as `cni/pkg/iptables` adds them).
+fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules) {
+    use meshcap_agent::policy::{
+        self, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig,
+    };
+    let found = policy::manifest::parse_pod_manifest(&manifest.to_string()).expect("the pod");
+    let settings = NodeSettings {
+        select: SelectConfig {
+            exclude_namespaces: Vec::new(),
+        },
+        ambient: Some(AmbientConfig::default()),
+    };
+    let Ok(Decision::Ambient { policy, .. }) =
+        policy::decide(&found, &[ip], &Default::default(), &settings)
+    else {
+        panic!("an ambient pod");
+    };
+    let rendered = policy.render();
+    let written: Vec<(&str, &[&str], String)> = match rules {
+        IstioRules::Iptables | IstioRules::IptablesV4Only => {
+            let mut written = vec![("iptables-nft-restore", &["--noflush"][..], rendered.v4)];
+            if let (IstioRules::Iptables, Some(v6)) = (rules, rendered.v6) {
+                written.push(("ip6tables-nft-restore", &["--noflush"][..], v6));
+            }
+            written
+        }
+        IstioRules::Nftables => vec![("nft", &["-f", "-"][..], policy.render_nftables())],
+    };
+    for (program, args, text) in written {
+        let mut child = std::process::Command::new("ip")
+            .args(["netns", "exec", pod.netns.name(), program])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect(program);
+        std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), text.as_bytes())
+            .expect("the rules");
+        assert!(child.wait().expect(program).success(), "{program}:\n{text}");
+    }
+    let route = rendered
+        .routes
+        .mark_route
+        .expect("ambient mode's reply route");
+    for family in &route.families {
+        let family = match family {
+            meshcap_agent::policy::Family::V4 => "-4",
+            meshcap_agent::policy::Family::V6 => "-6",
+        };
+        pod.netns
+            .ip(&[
+                family,
+                "rule",
+                "add",
+                "fwmark",
+                "0x111/0xfff",
+                "pref",
+                "32764",
+                "lookup",
+                "100",
+            ])
+            .expect("Istio's rule");
+        pod.netns
+            .ip(&[
+                family, "route", "add", "local", "default", "dev", "lo", "table", "100",
+            ])
+            .expect("Istio's route");
+    }
+}
+
+/// A node istio-cni left: pod `shop/web` enrolled by Istio's agent (annotated
+/// `ambient.istio.io/redirection: enabled`, its in-pod rules and reply route in its netns, as
+/// Istio's plugin writes them), and no record of it (this agent's state directory is new). The
+/// agent adopts it before it serves ztunnel's socket: the stand-in ztunnel, connecting, gets
+/// the pod (with its netns) in its first snapshot, and the pod's traffic reaches ztunnel in
+/// both directions, nothing bypassed; `status` lists it and `explain` says it was adopted;
+/// CHECK answers 0; live enrollment does not enroll it again (no kernel capture stacked on
+/// it); the verifier puts back a rule deleted behind its back; the runtime's DEL takes
+/// Istio's rules and route away whole.
+fn adopted_from_istio_cni(backend: Backend, in_kernel: bool, rules: IstioRules) {
+    let mut node = Node::new().expect("node");
+    node.forward().expect("forwarding");
+    let pod = node.add_pod(false).expect("pod");
+    let other = node.add_pod(false).expect("other pod");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let ip = unique_ip();
+    pod.netns
+        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .expect("the pod's address");
+    let mut manifest = ambient_pod("web");
+    manifest["metadata"]["annotations"] = json!({"ambient.istio.io/redirection": "enabled"});
+    manifest["spec"]["nodeName"] = json!("node-1");
+    manifest["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    as_istio_cni_wrote(&pod, &manifest, ip.parse().expect("ip"), rules);
+    let sockets = SocketDir::new();
+    let api = ApiServer::with_configuration("ambient");
+    api.apply_pod(manifest);
+    api.apply_namespace(json!({
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": "shop", "labels": {}},
+    }));
+    let mut agent = kube_ambient_agent_capturing(backend, &node, &api, &sockets, in_kernel);
+    let added = format!("add uid-web {} shop/web", inode(&pod.netns));
+    let mut zt = ztunnel(&node, &sockets.socket(), std::slice::from_ref(&added));
+    captured_in_the_pod(&node, &pod, &other);
+    // Its address (from its status) is in the node's probe set: kubelet's probes pass.
+    assert_eq!(
+        probe_set(&node, agent.backend()),
+        [(ip.to_string(), "uid-web".to_owned())]
+    );
+    let status = agent.status().expect("status");
+    let listed: Vec<_> = status
+        .pods
+        .iter()
+        .filter(|p| p.captured.pod.name == "web")
+        .map(|p| p.captured.summary.clone())
+        .collect();
+    assert_eq!(listed.len(), 1, "{status:?}");
+    let explained = explain(&agent, "shop/web");
+    if rules == IstioRules::IptablesV4Only {
+        assert!(
+            agent.log().contains("its in-pod rules reconciled")
+                && agent.log().contains("0 IPv6 rules of Istio's"),
+            "{}",
+            agent.log()
+        );
+        assert!(
+            !listed[0].contains("adopted"),
+            "rewritten: meshcap's now {listed:?}"
+        );
+    } else {
+        assert!(listed[0].contains("adopted from istio-cni"), "{listed:?}");
+        assert!(explained.contains("adopted from istio-cni"), "{explained}");
+        assert!(
+            agent
+                .log()
+                .contains("adopted istio-cni's in-pod rules as they are"),
+            "{}",
+            agent.log()
+        );
+    }
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
+    assert!(check.success, "CHECK: {check:?}\n{}", agent.log());
+    if in_kernel {
+        assert_eq!(
+            agent.ebpf_leftovers().expect("the eBPF backend's pins"),
+            Vec::<String>::new(),
+            "no kernel capture stacked on Istio's rules"
+        );
+    }
+    // Live enrollment, seeing the pod (it is in ambient mode and not enrolled by a capture of
+    // its own), leaves it to the adoption: nothing more is handed to ztunnel.
+    let mut relabelled = web_pod(&api);
+    relabelled["metadata"]["labels"]["touched"] = json!("yes");
+    api.apply_pod(relabelled);
+    captured_in_the_pod(&node, &pod, &other);
+    assert!(
+        !agent.log().contains("its labels now enroll it"),
+        "{}",
+        agent.log()
+    );
+
+    // A rule deleted behind its back is put back by the verifier.
+    agent.set_env("MESHCAP_VERIFY_INTERVAL_SECONDS", Some("1"));
+    agent.restart().expect("restart");
+    let mut told = vec![zt.wait_line().expect("ztunnel")];
+    while told.last().is_some_and(|l| l != "snapshot_sent") {
+        told.push(zt.wait_line().expect("ztunnel"));
+    }
+    assert_eq!(told, [added.as_str(), "snapshot_sent"], "{}", agent.log());
+    let rule: &[&str] = match rules {
+        IstioRules::Iptables | IstioRules::IptablesV4Only => &[
+            "iptables-nft",
+            "-t",
+            "nat",
+            "-D",
+            "OUTPUT",
+            "-j",
+            "ISTIO_OUTPUT",
+        ],
+        IstioRules::Nftables => &[
+            "nft",
+            "flush",
+            "chain",
+            "inet",
+            "istio-ambient-nat",
+            "output",
+        ],
+    };
+    let mut args = vec!["netns", "exec", pod.netns.name()];
+    args.extend_from_slice(rule);
+    meshcap_tests::run("ip", &args).expect("a rule deleted behind the agent's back");
+    eventually("the verifier put it back", || {
+        outbound(&node, &pod) == "ztunnel"
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    captured_in_the_pod(&node, &pod, &other);
+
+    deleted_whole(&sandbox, &conf, &mut zt, &node, &pod, &agent);
+}
+
+/// [`deleted`], then no record of the pod left.
+fn deleted_whole(
+    sandbox: &Sandbox,
+    conf: &Value,
+    zt: &mut Proc,
+    node: &Node,
+    pod: &Pod,
+    agent: &Agent,
+) {
+    deleted(sandbox, conf, zt, node, pod);
+    assert!(
+        !agent
+            .status()
+            .expect("status")
+            .pods
+            .iter()
+            .any(|p| p.captured.pod.name == "web"),
+        "no capture listed after DEL"
     );
 }

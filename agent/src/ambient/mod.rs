@@ -24,6 +24,7 @@
 //! fails (kubelet retries it), so that no pod runs with its traffic sent to listeners nobody
 //! opened. DEL tells every ztunnel and always completes.
 
+mod adopt;
 mod error;
 mod kubelet;
 mod probes;
@@ -38,6 +39,7 @@ use std::{
     sync::Arc,
 };
 
+pub use adopt::{Adopted, IstioEnrolled};
 pub use error::AmbientError;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
@@ -49,7 +51,7 @@ use tracing::{info, warn};
 use crate::{
     backend::{
         AmbientCapture, BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
-        iptables::FlavourChoice,
+        handover::Handover, iptables::FlavourChoice,
     },
     crashpoint,
     pod::PodRef,
@@ -66,6 +68,9 @@ use crate::{
 pub struct Ambient {
     config: AmbientConfig,
     backend: Arc<dyn CaptureBackend>,
+    /// The rules backend in-pod rules are written with: the capture's, or with
+    /// `ambient.inKernel` the one holding the pods adopted from istio-cni.
+    rules: Arc<dyn CaptureBackend>,
     records: Records,
     ztunnel: ZtunnelServer,
     probes: HostProbes,
@@ -86,6 +91,8 @@ pub struct AmbientPlaces<'a> {
     pub flavour: FlavourChoice,
     /// The form of the node's probe sets and rule.
     pub probes: ProbeWay,
+    /// The running pods istio-cni enrolled, adopted before ztunnel's socket is served.
+    pub istio_enrolled: Vec<IstioEnrolled>,
 }
 
 impl Ambient {
@@ -109,8 +116,22 @@ impl Ambient {
         if let Some(earlier) = &earlier {
             start::move_captures(earlier.as_ref(), backend.as_ref(), &records, &config);
         }
+        // In-pod rules are the capture's, or with the kernel capturing, the earlier way's.
+        let (backend, rules) = match earlier {
+            Some(rules) if backend.name() == "ebpf" => {
+                let both: Arc<dyn CaptureBackend> = Arc::new(Handover::new(backend, rules.clone()));
+                (both, rules)
+            }
+            _ => (backend.clone(), backend),
+        };
         if config.reconcile_on_startup {
             start::reconcile(backend.as_ref(), &records, &config);
+        }
+        for pod in &places.istio_enrolled {
+            let reconcile = config.reconcile_on_startup;
+            if let Err(err) = adopt::adopt(rules.as_ref(), &records, pod, reconcile) {
+                warn!(pod = %pod.pod, error = %err, "adopting a pod istio-cni enrolled failed: live enrollment tries again");
+            }
         }
         let probes = HostProbes::open(
             places.node_netns,
@@ -147,6 +168,7 @@ impl Ambient {
         Ok(Self {
             config,
             backend,
+            rules,
             records,
             ztunnel,
             probes,
@@ -158,6 +180,13 @@ impl Ambient {
     #[must_use]
     pub const fn config(&self) -> &AmbientConfig {
         &self.config
+    }
+
+    /// How many ztunnels were sent their snapshot so far (a pod whose enrollment found none
+    /// is tried again when it grows).
+    #[must_use]
+    pub fn ztunnels_greeted(&self) -> u64 {
+        self.ztunnel.greeted()
     }
 
     /// What captures enrolled pods: `iptables` (Istio's in-pod rules) or `ebpf`.

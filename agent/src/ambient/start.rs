@@ -55,7 +55,7 @@ pub(super) fn drop_left(
 /// was enrolled with and the node's settings now. Nothing happens to a pod whose capture is
 /// already that; a failure is logged and leaves the pod as it was, as in Istio.
 pub(super) fn reconcile(backend: &dyn CaptureBackend, records: &Records, config: &AmbientConfig) {
-    for held in held_by(backend, records, config, "reconciling in-pod rules") {
+    for held in held_by(backend, records, config, "reconciling in-pod rules", true) {
         let Some(policy) = held.policy() else {
             continue;
         };
@@ -77,7 +77,8 @@ pub(super) fn move_captures(
     config: &AmbientConfig,
 ) {
     let (from, to) = (earlier.name(), now.name());
-    for held in held_by(earlier, records, config, "moving captures") {
+    // Pods adopted from istio-cni keep Istio's rules until they go.
+    for held in held_by(earlier, records, config, "moving captures", false) {
         let Some(policy) = held.policy() else {
             warn!(pod = %held.pod, from, "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
             continue;
@@ -86,7 +87,8 @@ pub(super) fn move_captures(
         let moved = now
             .add(pod, &policy)
             .and_then(|()| earlier.remove(pod))
-            .and_then(|()| now.add(pod, &policy));
+            .and_then(|()| now.add(pod, &policy))
+            .and_then(|()| now.forget_found_routes(pod));
         match moved {
             Ok(()) => {
                 info!(pod = %pod, from, to, "ambient.inKernel changed: the enrolled pod's capture moved");
@@ -121,16 +123,21 @@ impl Held {
     }
 }
 
-/// The enrolled pods `backend` holds; none when its captures cannot be listed (logged, as
-/// `doing`).
+/// The enrolled pods `backend` holds (those adopted from istio-cni only with `adopted`); none
+/// when its captures cannot be listed (logged, as `doing`).
 fn held_by(
     backend: &dyn CaptureBackend,
     records: &Records,
     config: &AmbientConfig,
     doing: &str,
+    adopted: bool,
 ) -> Vec<Held> {
     let captured: Vec<String> = match backend.list(DataplaneMode::Ambient) {
-        Ok(captured) => captured.into_iter().map(|c| c.pod.container_id).collect(),
+        Ok(captured) => captured
+            .into_iter()
+            .filter(|c| adopted || !c.adopted)
+            .map(|c| c.pod.container_id)
+            .collect(),
         Err(err) => {
             warn!(error = %err, capture = backend.name(), "{doing}: the captures cannot be listed");
             return Vec::new();

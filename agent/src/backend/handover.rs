@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::{
     AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck, PodPolicy,
-    Verify,
+    Verify, found::Adoption,
 };
 use crate::{pod::PodRef, policy::DataplaneMode};
 
@@ -121,5 +121,18 @@ impl CaptureBackend for Handover {
 
     fn verify_node(&self, verify: Verify) -> PodCheck {
         self.now.verify_node(verify)
+    }
+
+    /// By the backend whose kind of rules the netns holds (the one chosen now first).
+    fn adopt(
+        &self,
+        pod: &PodRef,
+        policy: &PodPolicy,
+        reconcile: bool,
+    ) -> Result<Adoption, BackendError> {
+        match self.now.adopt(pod, policy, reconcile)? {
+            Adoption::Nothing => self.earlier.adopt(pod, policy, reconcile),
+            adopted => Ok(adopted),
+        }
     }
 }

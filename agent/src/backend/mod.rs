@@ -22,6 +22,7 @@ use crate::{
 
 mod drift;
 pub mod ebpf;
+pub mod found;
 pub mod handover;
 pub mod iptables;
 pub mod nftables;
@@ -79,6 +80,9 @@ pub struct CapturedPod {
     pub backend: String,
     /// What is applied, in one line (mode, and backend details such as the iptables flavour).
     pub summary: String,
+    /// Whether the capture is istio-cni's, adopted as it was found.
+    #[serde(default)]
+    pub adopted: bool,
 }
 
 /// A node-wide program in place, as the status report shows it.
@@ -285,6 +289,32 @@ pub trait CaptureBackend: Send + Sync {
     /// node's probe set): once per pass, before the pods.
     fn verify_node(&self, _verify: Verify) -> PodCheck {
         PodCheck::default()
+    }
+
+    /// Makes the policy routes a capture found in place its own (they were the other way's
+    /// capture of the same pod, moved here: [`crate::ambient`]'s move between ways).
+    ///
+    /// # Errors
+    /// When its record cannot be written.
+    fn forget_found_routes(&self, _pod: &PodRef) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Adopts what another agent (istio-cni) left in a running pod's netns that this backend
+    /// writes too ([`found`]): rules exactly as `policy` renders them are recorded as this
+    /// backend's capture; rules in another form are replaced with `policy`'s (one transaction
+    /// per table) and recorded when `reconcile` (ambient mode, as Istio's agent at start),
+    /// else left exactly as they are. Nothing by default: Istio writes no kernel programs.
+    ///
+    /// # Errors
+    /// When the netns cannot be looked at, or a reconciliation fails (nothing is recorded).
+    fn adopt(
+        &self,
+        _pod: &PodRef,
+        _policy: &PodPolicy,
+        _reconcile: bool,
+    ) -> Result<found::Adoption, BackendError> {
+        Ok(found::Adoption::Nothing)
     }
 }
 

@@ -52,6 +52,8 @@ pub(super) trait Record: Clone + Serialize + DeserializeOwned {
     fn ambient(&self) -> bool;
     /// What carries the rules, for the status report (`iptables-nft`, `nft (tables)`).
     fn via(&self) -> String;
+    /// Whether the rules were adopted: istio-cni's, found in the pod's netns.
+    fn adopted(&self) -> bool;
 
     /// Every rule set the netns may hold.
     fn rule_sets(&self) -> impl Iterator<Item = &Self::Rules> {

@@ -189,6 +189,7 @@ impl<R: Record> Records<R> {
             .into_iter()
             .map(|record| CapturedPod {
                 summary: format!("{} via {}", record.capture(), record.via()),
+                adopted: record.adopted(),
                 pod: record.pod().clone(),
                 backend: R::BACKEND.to_owned(),
             })

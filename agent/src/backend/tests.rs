@@ -42,6 +42,7 @@ impl CaptureBackend for Noting {
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(vec![CapturedPod {
+            adopted: false,
             pod: pod(&format!("{}-{mode}", self.name)),
             backend: self.name.to_owned(),
             summary: String::new(),

@@ -21,8 +21,9 @@
 //! records, which say what the node holds; so pods whose labels changed while the agent was
 //! down are reconciled when it starts (Istio's informer ignores the initial adds). No pod is
 //! decided before the namespaces are known: an unknown namespace would un-enroll every pod it
-//! enrolls.
+//! enrolls. An enrollment that fails is tried again until it is done ([`crate::pending`]).
 mod action;
+mod retry;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -42,6 +43,7 @@ use self::action::{Action, decide};
 use crate::{
     ambient::{Ambient, AmbientError},
     hub::{CaptureError, Hub},
+    pending,
     pod::{InPlace, PodRef, Sandbox},
     podnet::{self, find::FindError},
     policy::{self, NodeSettings, PodName},
@@ -89,6 +91,8 @@ enum LiveError {
 enum Change {
     Pods(Box<Result<watcher::Event<Pod>, watcher::Error>>),
     Namespaces(Box<Result<watcher::Event<Namespace>, watcher::Error>>),
+    /// Time to look for pending enrollments that are due.
+    Retry,
 }
 
 impl LiveEnrollment {
@@ -130,7 +134,9 @@ impl LiveEnrollment {
         )
         .default_backoff()
         .map(|change| Change::Namespaces(Box::new(change)));
-        let mut changes = stream::select(pods.boxed(), namespaces.boxed());
+        let retries = pending::ticks().map(|()| Change::Retry);
+        let watches = stream::select(pods.boxed(), namespaces.boxed());
+        let mut changes = stream::select(watches, retries.boxed());
         let mut listing = HashMap::new();
         while let Some(change) = changes.next().await {
             match change {
@@ -142,6 +148,7 @@ impl LiveEnrollment {
                     health.observe("namespace", event.as_ref());
                     self.on_namespace(*event, &mut listing).await;
                 }
+                Change::Retry => self.retry_due().await,
             }
         }
     }
@@ -155,6 +162,9 @@ impl LiveEnrollment {
             // The runtime's DEL removes the pod's enrollment.
             Ok(watcher::Event::Delete(pod)) => {
                 self.pods.remove(&PodName::of(&pod));
+                if let Some(uid) = &pod.metadata.uid {
+                    self.hub.pending().done(uid);
+                }
             }
             Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
             Err(err) => warn!(error = %err, "ambient mode's pod watch"),
@@ -219,9 +229,16 @@ impl LiveEnrollment {
         };
         let enrolled = self.ambient.enrolled(&uid);
         let action = decide(pod, labels, &self.settings, enrolled);
+        if action != Action::Enroll {
+            self.hub.pending().done(&uid);
+        }
         let done = match action {
             Action::Nothing => return,
-            Action::Enroll => self.enroll(pod, &uid).await,
+            Action::Enroll => {
+                let enrolled = self.enroll(pod, &uid).await;
+                self.settle(&uid, &name, &enrolled);
+                enrolled
+            }
             Action::Unenroll(target) => self.unenroll(target).await,
             Action::Unannotate => self
                 .ambient

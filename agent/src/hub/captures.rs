@@ -13,7 +13,7 @@ use super::{
     request::{Locks, off_the_runtime},
 };
 use crate::{
-    ambient::Ambient,
+    ambient::{Adopted, Ambient, IstioEnrolled},
     backend::{AmbientCapture, CapturedPod, PodPolicy, Router},
     pod::{PodRef, made_in_place},
     policy::{DataplaneMode, RedirectPolicy},
@@ -117,6 +117,12 @@ impl Captures {
             return Err(err.into());
         }
         Ok(())
+    }
+
+    /// Adopts a running pod istio-cni enrolled ([`Ambient::adopt_running`]).
+    pub(super) async fn adopt(&self, pod: IstioEnrolled) -> Result<Adopted, CaptureError> {
+        let ambient = self.ambient.clone().ok_or(CaptureError::NoAmbient)?;
+        Ok(off_the_runtime(move || ambient.adopt_running(&pod)).await??)
     }
 
     /// Whether `pod` is captured as `policy` says.

@@ -66,6 +66,18 @@ pub enum CaptureError {
         /// The pod's IPs (its status').
         ips: Vec<std::net::IpAddr>,
     },
+    /// A running pod to capture in place already holds another agent's capture (istio-cni's
+    /// rules): nothing is added on top of it, nor anything of it removed.
+    #[error(
+        "pod {pod}: its network namespace holds rules meshcap did not write ({found}): left as \
+         they are, not captured on top of them"
+    )]
+    Found {
+        /// The pod.
+        pod: PodName,
+        /// What was found, in words.
+        found: String,
+    },
     /// The backend failed, or (CHECK) the capture is not as the policy says.
     #[error(transparent)]
     Backend(Box<BackendError>),
@@ -131,6 +143,7 @@ impl CaptureError {
             Self::Namespace { .. } => ErrorClass::PodSourceUnavailable,
             Self::Invalid(_) | Self::NotEnrolled => ErrorClass::InvalidPod,
             Self::Netns { .. } | Self::NotThePodsNetns { .. } => ErrorClass::BadRequest,
+            Self::Found { .. } => ErrorClass::Backend,
             Self::Backend(err) => backend_class(err),
             Self::Ambient(err) => match &**err {
                 AmbientError::Rules(err) => backend_class(err),

@@ -66,6 +66,7 @@ impl Hub {
             explanation.node = self.ledger.of_node();
             explanation.verify_interval_seconds = self.ledger.interval().map(|d| d.as_secs());
             explanation.not_ready = self.readiness.not_ready_reason();
+            explanation.pending_enrollment = self.pending.of(&pod);
             Ok(Done::Explained(Box::new(explanation)))
         };
         self.observed(Verb::Explain, None, work).await

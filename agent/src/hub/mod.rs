@@ -35,13 +35,14 @@ use tokio::sync::watch;
 use self::{
     captures::Captures,
     lookup::{Lookup, netns_still_the_pods},
-    request::{Locks, Verb},
+    request::{Locks, Verb, off_the_runtime},
 };
 use crate::{
-    ambient::Ambient,
-    backend::{AmbientCapture, PodPolicy, Router},
+    ambient::{Adopted, Ambient, IstioEnrolled},
+    backend::{self, AmbientCapture, PodPolicy, Router},
     events::EventSink,
     install::watch::InstallStatus,
+    pending::Pending,
     pod::{PodRef, Sandbox},
     pods::{PodSource, Retry},
     policy::{DataplaneMode, Decision, NodeSettings, ambient::InpodPolicy},
@@ -95,6 +96,8 @@ pub struct Hub {
     socket: PathBuf,
     /// What the verifier found.
     ledger: Arc<Ledger>,
+    /// Live enrollments still to be done.
+    pending: Pending,
 }
 
 impl Hub {
@@ -121,6 +124,7 @@ impl Hub {
             locks: Locks::default(),
             socket: settings.socket,
             ledger,
+            pending: Pending::default(),
         };
         hub.captures.update_gauge(&hub.metrics);
         hub
@@ -142,6 +146,12 @@ impl Hub {
     #[must_use]
     pub fn ledger(&self) -> &Ledger {
         &self.ledger
+    }
+
+    /// Live enrollments still to be done.
+    #[must_use]
+    pub const fn pending(&self) -> &Pending {
+        &self.pending
     }
 
     /// ADD: captures `sandbox`'s pod as its decision says (or leaves it alone).
@@ -197,7 +207,25 @@ impl Hub {
                 Err(other) => return Err(other),
             };
             netns_still_the_pods(&sandbox).await?;
+            let (netns, who) = (sandbox.pod.netns.clone(), sandbox.pod.to_string());
+            let istio =
+                off_the_runtime(move || backend::found::istio_rules(&netns, &who)).await??;
             let capture = ambient_capture(&sandbox, found, policy);
+            if !istio.is_empty() {
+                // istio-cni's capture: adopted, never stacked on nor removed.
+                let pod = IstioEnrolled {
+                    pod: sandbox.pod.clone(),
+                    capture,
+                };
+                return match self.captures.adopt(pod).await? {
+                    Adopted::Enrolled(how) => Ok(how),
+                    Adopted::Known => Ok(ENROLLED.to_owned()),
+                    Adopted::Left(_) | Adopted::NotIstios => Err(CaptureError::Found {
+                        pod: sandbox.pod.pod_name(),
+                        found: istio.join("; "),
+                    }),
+                };
+            }
             self.captures.enroll(&sandbox.pod, capture).await?;
             Ok(ENROLLED.to_owned())
         };

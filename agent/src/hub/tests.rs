@@ -68,6 +68,7 @@ impl CaptureBackend for Recorder {
             .unwrap()
             .iter()
             .map(|pod| CapturedPod {
+                adopted: false,
                 pod: pod.clone(),
                 backend: "recorder".to_owned(),
                 summary: String::new(),

@@ -103,6 +103,23 @@ pub fn missing(
     Ok(None)
 }
 
+/// The families in which `routes`' mark rule or its route is in the netns already: found
+/// there before meshcap's capture (istio-cni's), so never meshcap's to remove.
+///
+/// # Errors
+/// When the kernel cannot be asked.
+pub fn found(netlink: &mut Netlink, routes: &PolicyRoutes) -> Result<Vec<Family>, PodNetError> {
+    let mut found = Vec::new();
+    for (route, family) in pairs(routes) {
+        if !our_rules(netlink, &route, family)?.is_empty()
+            || has_local_route(netlink, &route, family)?
+        {
+            found.push(family);
+        }
+    }
+    Ok(found)
+}
+
 /// The routes of the main table, both families, with their output interface named by
 /// `interfaces` (index, name); routes through other interfaces (`lo`) are left out.
 ///

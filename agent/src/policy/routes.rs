@@ -120,4 +120,18 @@ impl PolicyRoutes {
     pub fn is_empty(&self) -> bool {
         self.mark_route.is_none() && self.loopback_addresses.is_empty()
     }
+
+    /// These routes without the mark route's families in `found`: those the pod's netns held
+    /// before meshcap's capture (Istio's), which are never meshcap's to remove.
+    #[must_use]
+    pub fn without_found(&self, found: &[Family]) -> Self {
+        let mark_route = self.mark_route.clone().and_then(|mut route| {
+            route.families.retain(|family| !found.contains(family));
+            (!route.families.is_empty()).then_some(route)
+        });
+        Self {
+            mark_route,
+            loopback_addresses: self.loopback_addresses.clone(),
+        }
+    }
 }

@@ -25,6 +25,8 @@ pub struct Metrics {
     verify_passes: Counter,
     verify_seconds: Gauge<f64, AtomicU64>,
     verify_cpu_seconds: Gauge<f64, AtomicU64>,
+    enrollment_retries: Family<Labels, Counter>,
+    enrollment_pending: Gauge,
 }
 
 impl Default for Metrics {
@@ -129,8 +131,23 @@ impl Metrics {
             "CPU time (user and system, the commands it ran included) of the last verification pass",
             verify_cpu_seconds.clone(),
         );
+        let enrollment_retries = Family::<Labels, Counter>::default();
+        registry.register(
+            "enrollment_retries",
+            "Live enrollments of running pods in ambient mode that failed and are tried again \
+             (result failed), and pods enrolled after such a failure (result enrolled)",
+            enrollment_retries.clone(),
+        );
+        let enrollment_pending = Gauge::default();
+        registry.register(
+            "enrollment_pending",
+            "Running pods that should be in ambient mode whose enrollment is still to be retried",
+            enrollment_pending.clone(),
+        );
         Self {
             registry,
+            enrollment_retries,
+            enrollment_pending,
             plugin_requests,
             drift,
             verify_passes,
@@ -225,6 +242,16 @@ impl Metrics {
         self.verify_passes.inc();
         self.verify_seconds.set(seconds);
         self.verify_cpu_seconds.set(cpu_seconds);
+    }
+
+    /// Counts one live enrollment that failed (`failed`) or succeeded after failing
+    /// (`enrolled`), with the pods still pending.
+    pub fn enrollment_retry(&self, result: &str, pending: usize) {
+        self.enrollment_retries
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+        self.enrollment_pending
+            .set(i64::try_from(pending).unwrap_or(i64::MAX));
     }
 
     /// Counts one write of the plugin's entry.

@@ -7,6 +7,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use super::{Verified, ledger::now};
+pub use crate::pending::PendingEnrollment;
 use crate::{
     backend::{Drift, DriftOutcome},
     policy::{DataplaneMode, PodName},
@@ -36,6 +37,9 @@ pub struct Explanation {
     /// Why the agent is not ready, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_ready: Option<String>,
+    /// Its live enrollment in ambient mode, when it failed and is to be tried again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_enrollment: Option<PendingEnrollment>,
 }
 
 /// One capture of the pod, as it is now.
@@ -71,6 +75,13 @@ impl Explanation {
         }
         if let Some(policy) = &self.policy {
             let _ = writeln!(out, "  policy: {policy}");
+        }
+        if let Some(pending) = &self.pending_enrollment {
+            let _ = writeln!(
+                out,
+                "enrollment PENDING: {} attempt(s) failed, the last: {}; next attempt in {} s",
+                pending.attempts, pending.last_error, pending.next_attempt_in_seconds
+            );
         }
         if self.captures.is_empty() {
             let _ = writeln!(out, "installed: nothing");
@@ -174,6 +185,11 @@ mod tests {
             node: Verified::default(),
             verify_interval_seconds: Some(30),
             not_ready: None,
+            pending_enrollment: Some(PendingEnrollment {
+                attempts: 2,
+                last_error: "no ztunnel is connected".into(),
+                next_attempt_in_seconds: 4,
+            }),
         };
         let text = explanation.to_text();
         for needle in [
@@ -185,6 +201,7 @@ mod tests {
             "0 s ago, put back tc_filter: no stub on eth0",
             "verification: every 30 s",
             "node-wide: not verified yet",
+            "enrollment PENDING: 2 attempt(s) failed, the last: no ztunnel is connected; next attempt in 4 s",
         ] {
             assert!(text.contains(needle), "{needle:?} in\n{text}");
         }

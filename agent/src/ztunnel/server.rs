@@ -14,7 +14,10 @@ use std::{
         unix::fs::MetadataExt as _,
     },
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering},
+    },
     thread::JoinHandle,
     time::Duration,
 };
@@ -56,6 +59,8 @@ struct Shared {
     /// Connected ztunnels, oldest first. Each connection's lock pairs a request with its ack.
     connections: Mutex<Vec<Arc<Mutex<Connection>>>>,
     snapshot: Box<Snapshot>,
+    /// The ztunnels sent their snapshot so far.
+    greeted: AtomicU64,
 }
 
 /// How often the acceptor checks that the socket's path is still its socket.
@@ -96,6 +101,7 @@ impl ZtunnelServer {
         let shared = Arc::new(Shared {
             connections: Mutex::new(Vec::new()),
             snapshot: Box::new(snapshot),
+            greeted: AtomicU64::new(0),
         });
         let acceptor = {
             let (shared, path) = (Arc::clone(&shared), path.to_owned());
@@ -179,6 +185,13 @@ impl ZtunnelServer {
     pub fn connected(&self) -> usize {
         self.prune();
         lock(&self.shared.connections).len()
+    }
+
+    /// How many ztunnels were sent their snapshot since the socket opened: a new one is
+    /// there to be handed pods when it grows.
+    #[must_use]
+    pub fn greeted(&self) -> u64 {
+        self.shared.greeted.load(Ordering::Acquire)
     }
 
     fn newest(&self) -> Option<Arc<Mutex<Connection>>> {
@@ -341,6 +354,9 @@ fn greet(shared: &Shared, socket: OwnedFd) -> Result<(), ZdsError> {
     lock(&shared.connections).push(Arc::clone(&connection));
     let result = hello_and_snapshot(shared, &guard);
     drop(guard);
+    if result.is_ok() {
+        shared.greeted.fetch_add(1, Ordering::AcqRel);
+    }
     if result.is_err() {
         lock(&shared.connections).retain(|c| !Arc::ptr_eq(c, &connection));
     }

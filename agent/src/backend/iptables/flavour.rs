@@ -38,7 +38,7 @@ impl Flavour {
     }
 
     /// `iptables…`/`ip6tables…` followed by `tail` (`-restore`, `-save` or nothing).
-    pub(super) fn binary(self, ipv6: bool, tail: &str) -> String {
+    pub(in crate::backend) fn binary(self, ipv6: bool, tail: &str) -> String {
         let base = if ipv6 { "ip6tables" } else { "iptables" };
         format!("{base}{}{tail}", self.suffix())
     }

@@ -123,6 +123,21 @@ impl Ctx<'_> {
             .map_err(|source| BackendError::PodNet { pod, source })
     }
 
+    /// The families whose policy route of `rules` the netns holds already.
+    pub(super) fn found_routes(
+        &mut self,
+        routes: &PolicyRoutes,
+    ) -> Result<Vec<crate::policy::Family>, BackendError> {
+        if routes.mark_route.is_none() {
+            return Ok(Vec::new());
+        }
+        let pod = self.xt.who.clone();
+        self.visit
+            .netlink()
+            .and_then(|netlink| podnet::route::found(netlink, routes))
+            .map_err(|source| BackendError::PodNet { pod, source })
+    }
+
     /// The first rule of `rules` that is not in place, if any.
     pub(super) fn first_missing(
         &mut self,

@@ -19,6 +19,7 @@
 //!   A failure part-way rolls back what this call applied.
 //! - **TPROXY**: the policy route over netlink ([`crate::podnet::route`]).
 //! - **The node's rules** (ambient mode's probe SNAT): [`node`].
+mod adopt;
 mod flavour;
 mod inpod;
 pub mod node;
@@ -154,6 +155,11 @@ impl IptablesBackend {
             let flavour = previous
                 .as_ref()
                 .map_or_else(|| ctx.xt.detect(choice), |p| p.flavour);
+            // A first capture: the policy routes already there are not meshcap's.
+            let found_routes = match &previous {
+                Some(prev) => prev.found_routes.clone(),
+                None => ctx.found_routes(&rules.routes)?,
+            };
             // Written ahead: from here on the netns may hold the old rules, the new ones or a
             // mix (an agent killed part-way), and the record says so, so that whoever comes
             // next (a DEL, an ADD, a restarted agent) removes whatever of them is there.
@@ -169,19 +175,27 @@ impl IptablesBackend {
                     .collect(),
                 mode,
                 ambient,
+                found_routes,
+                adopted: false,
             };
             self.records.save(&intent)?;
             let old = previous
                 .as_ref()
                 .filter(|p| p.replacing.is_empty())
-                .map(|p| &p.rules);
-            if let Err(err) = ctx.swap(flavour, old, rules) {
+                .map(|p| p.owned(&p.rules));
+            if let Err(err) = ctx.swap(flavour, old.as_ref(), rules) {
+                if previous.is_none() {
+                    // Nothing of meshcap's was there: what the netns holds is not its to
+                    // remove (another agent's rules), and the swap undid its own part.
+                    self.records.forget(&pod.container_id);
+                    return Err(err);
+                }
                 // The netns is not as recorded: rules removed behind meshcap's back, or the
                 // leftovers of an interrupted call. What is there of every rule set the record
                 // names goes, then the new set is applied whole.
                 warn!(error = %err, "the pod's rules are not as recorded: removing what is left and applying them afresh");
                 for set in intent.rule_sets() {
-                    ctx.scrub(flavour, set)?;
+                    ctx.scrub(flavour, &intent.owned(set))?;
                 }
                 ctx.swap(flavour, None, rules)?;
             }
@@ -264,7 +278,7 @@ impl CaptureBackend for IptablesBackend {
         self.records.release(pod, |target, record| {
             self.in_netns(target, |ctx| {
                 let removed = if record.replacing.is_empty() {
-                    ctx.swap(record.flavour, Some(&record.rules), &nothing())
+                    ctx.swap(record.flavour, Some(&record.owned(&record.rules)), &nothing())
                 } else {
                     Err(ctx.xt.failed(
                         "an earlier ADD".into(),
@@ -277,7 +291,7 @@ impl CaptureBackend for IptablesBackend {
                     // is left of each, whatever it is.
                     warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
                     for set in record.rule_sets() {
-                        ctx.scrub(record.flavour, set)?;
+                        ctx.scrub(record.flavour, &record.owned(set))?;
                     }
                 }
                 Ok(())
@@ -292,5 +306,25 @@ impl CaptureBackend for IptablesBackend {
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(self.records.list(mode))
+    }
+
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        match self.records.get(&pod.container_id) {
+            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
+                found_routes: Vec::new(),
+                ..record
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    #[tracing::instrument(name = "iptables_adopt", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn adopt(
+        &self,
+        pod: &PodRef,
+        policy: &PodPolicy,
+        reconcile: bool,
+    ) -> Result<super::found::Adoption, BackendError> {
+        self.adopt_pod(pod, policy, reconcile)
     }
 }

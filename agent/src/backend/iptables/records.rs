@@ -27,6 +27,23 @@ pub(super) struct Applied {
     /// Ambient mode's in-pod rules (ztunnel's), not a sidecar's.
     #[serde(default)]
     pub(super) ambient: bool,
+    /// The families whose policy route the netns held before this capture (istio-cni's):
+    /// left in place whatever becomes of the capture.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) found_routes: Vec<Family>,
+    /// Adopted: written by istio-cni, found in the pod's netns as they are.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) adopted: bool,
+}
+
+impl Applied {
+    /// `rules` as this capture owns them: without the routes it found in place.
+    pub(super) fn owned(&self, rules: &IptablesRules) -> IptablesRules {
+        IptablesRules {
+            routes: rules.routes.without_found(&self.found_routes),
+            ..rules.clone()
+        }
+    }
 }
 
 impl Record for Applied {
@@ -57,14 +74,23 @@ impl Record for Applied {
 
     fn via(&self) -> String {
         format!(
-            "{}{}",
+            "{}{}{}",
             self.flavour.binary(false, ""),
             if self.rules.family(Family::V6).is_some() {
                 ", IPv4+IPv6"
             } else {
                 ""
+            },
+            if self.adopted {
+                ", adopted from istio-cni"
+            } else {
+                ""
             }
         )
+    }
+
+    fn adopted(&self) -> bool {
+        self.adopted
     }
 }
 

@@ -20,6 +20,7 @@
 //!   transaction again: the tables replaced atomically, never less in place than before.
 //! - **Routes**: TPROXY's and ambient mode's policy routes over netlink, as with iptables
 //!   ([`crate::podnet::route`]).
+mod adopt;
 pub(crate) mod nft;
 mod records;
 mod tables;
@@ -30,7 +31,7 @@ use std::path::PathBuf;
 use nft::Nft;
 use records::Applied;
 pub use tables::NftablesRules;
-use tables::{deletion, difference, listing};
+use tables::{creation, deletion, difference, listing};
 use tracing::{debug, info, warn};
 
 use super::{
@@ -146,7 +147,7 @@ impl NftablesBackend {
             debug!("already captured with these rules");
             return Ok(());
         }
-        let intent = Applied {
+        let mut intent = Applied {
             pod: pod.clone(),
             rules: rules.clone(),
             replacing: previous
@@ -158,20 +159,43 @@ impl NftablesBackend {
             listing: String::new(),
             mode,
             ambient,
+            found_routes: previous
+                .as_ref()
+                .map(|prev| prev.found_routes.clone())
+                .unwrap_or_default(),
+            adopted: false,
         };
-        // Written ahead: from here on the netns may hold the old tables or the new ones, and
-        // the record names both.
-        self.records.save(&intent)?;
         let applied = self.in_netns(pod, |nft, visit| {
+            if previous.is_none() && rules.routes.mark_route.is_some() {
+                // A first capture: the policy routes already there are not meshcap's.
+                intent.found_routes = visit
+                    .netlink()
+                    .and_then(|netlink| podnet::route::found(netlink, &rules.routes))
+                    .map_err(|source| BackendError::PodNet {
+                        pod: pod.to_string(),
+                        source,
+                    })?;
+            }
+            // Written ahead: from here on the netns may hold the old tables or the new ones,
+            // and the record names both.
+            self.records.save(&intent)?;
             let new_tables = rules.tables();
-            nft.apply(
-                &(deletion(intent.rule_sets().flat_map(NftablesRules::tables))
-                    + &rules.transaction),
-            )?;
-            let old_routes: Vec<&PolicyRoutes> = if intent.replacing.is_empty() {
-                vec![&NO_ROUTES]
+            // A first capture creates its tables: one already there is not meshcap's (another
+            // agent's rules), and the transaction fails whole, leaving it as it is.
+            let clear = if previous.is_none() {
+                creation(&new_tables)
             } else {
-                intent.replacing.iter().map(|set| &set.routes).collect()
+                deletion(intent.rule_sets().flat_map(NftablesRules::tables))
+            };
+            nft.apply(&(clear + &rules.transaction))?;
+            let old_routes: Vec<PolicyRoutes> = if intent.replacing.is_empty() {
+                vec![NO_ROUTES.clone()]
+            } else {
+                intent
+                    .replacing
+                    .iter()
+                    .map(|set| intent.owned(&set.routes))
+                    .collect()
             };
             if let Err(source) = update_routes(visit, &old_routes, &rules.routes) {
                 // Back to what was there: the earlier rules whole, or none.
@@ -237,7 +261,7 @@ static NO_ROUTES: PolicyRoutes = PolicyRoutes {
 /// Each of `old` swapped for `new` (the routes of each rule set the netns may hold).
 fn update_routes(
     visit: &mut Visit,
-    old: &[&PolicyRoutes],
+    old: &[PolicyRoutes],
     new: &PolicyRoutes,
 ) -> Result<(), podnet::PodNetError> {
     for old in old {
@@ -283,7 +307,8 @@ impl CaptureBackend for NftablesBackend {
                     record.rule_sets().flat_map(NftablesRules::tables),
                 ))?;
                 for set in record.rule_sets() {
-                    update_routes(visit, &[&set.routes], &NO_ROUTES).map_err(|source| {
+                    let owned = record.owned(&set.routes);
+                    update_routes(visit, &[owned], &NO_ROUTES).map_err(|source| {
                         BackendError::PodNet {
                             pod: target.to_string(),
                             source,
@@ -297,6 +322,16 @@ impl CaptureBackend for NftablesBackend {
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {
         Ok(self.records.list(mode))
+    }
+
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        match self.records.get(&pod.container_id) {
+            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
+                found_routes: Vec::new(),
+                ..record
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {
@@ -313,5 +348,15 @@ impl CaptureBackend for NftablesBackend {
 
     fn verify(&self, pod: &PodRef, verify: Verify) -> Result<PodCheck, BackendError> {
         self.verify_pod(pod, verify)
+    }
+
+    #[tracing::instrument(name = "nftables_adopt", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn adopt(
+        &self,
+        pod: &PodRef,
+        policy: &PodPolicy,
+        reconcile: bool,
+    ) -> Result<super::found::Adoption, BackendError> {
+        self.adopt_pod(pod, policy, reconcile)
     }
 }

@@ -6,7 +6,12 @@
 use serde::{Deserialize, Serialize};
 
 use super::NftablesRules;
-use crate::{backend::records::Record, crashpoint, pod::PodRef, policy::InterceptionMode};
+use crate::{
+    backend::records::Record,
+    crashpoint,
+    pod::PodRef,
+    policy::{Family, InterceptionMode, PolicyRoutes},
+};
 
 /// What was applied to a pod: the record, written before the transaction runs.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -25,6 +30,20 @@ pub(super) struct Applied {
     pub(super) mode: InterceptionMode,
     /// Ambient mode's in-pod rules (ztunnel's), not a sidecar's.
     pub(super) ambient: bool,
+    /// The families whose policy route the netns held before this capture (istio-cni's):
+    /// left in place whatever becomes of the capture.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) found_routes: Vec<Family>,
+    /// Adopted: written by istio-cni, found in the pod's netns as they are.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) adopted: bool,
+}
+
+impl Applied {
+    /// `routes` as this capture owns them: without those it found in place.
+    pub(super) fn owned(&self, routes: &PolicyRoutes) -> PolicyRoutes {
+        routes.without_found(&self.found_routes)
+    }
 }
 
 impl Record for Applied {
@@ -54,7 +73,16 @@ impl Record for Applied {
     }
 
     fn via(&self) -> String {
-        format!("nft ({})", self.rules.tables().join(", "))
+        let adopted = if self.adopted {
+            ", adopted from istio-cni"
+        } else {
+            ""
+        };
+        format!("nft ({}){adopted}", self.rules.tables().join(", "))
+    }
+
+    fn adopted(&self) -> bool {
+        self.adopted
     }
 }
 

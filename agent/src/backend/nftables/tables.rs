@@ -40,6 +40,14 @@ pub(super) fn deletion<'a>(tables: impl IntoIterator<Item = &'a str>) -> String 
     out
 }
 
+/// One transaction creating `tables`, failing whole when one exists already.
+pub(super) fn creation(tables: &[&str]) -> String {
+    tables
+        .iter()
+        .map(|table| format!("create table inet {table}\n"))
+        .collect()
+}
+
 /// The listing of `rules`' tables now, a missing one named as such.
 pub(super) fn listing(nft: &Nft, rules: &NftablesRules) -> Result<String, BackendError> {
     let mut out = String::new();

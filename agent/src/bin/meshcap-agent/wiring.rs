@@ -9,7 +9,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use anyhow::Context as _;
 use meshcap_agent::{
     access::WatchHealth,
-    ambient::{Ambient, AmbientPlaces, ProbeWay},
+    ambient::{Ambient, AmbientPlaces, IstioEnrolled, ProbeWay},
     api::{Server, ServerConfig, http},
     backend::{Router, ebpf::EbpfConfig},
     enrollment::LiveEnrollment,
@@ -283,6 +283,16 @@ async fn open_node(
             };
             let api = kube_node.map(|(client, _)| client.clone());
             let in_kernel = in_kernel_ambient(ebpf.is_some(), &reason)?;
+            // Before ztunnel's socket is served: the pods istio-cni enrolled are in its first
+            // snapshot.
+            let istio_enrolled = match kube_node {
+                Some((client, node)) => {
+                    let settings = args.node_settings(Some(config.clone()));
+                    let state = &paths.state_dir;
+                    IstioEnrolled::on_node(client, node, &settings, &netns_dir(), state).await
+                }
+                None => Vec::new(),
+            };
             let ambient = tokio::task::spawn_blocking(move || -> anyhow::Result<Ambient> {
                 let in_pod = RulesPath {
                     state_dir: state_dir.join("ambient"),
@@ -295,6 +305,7 @@ async fn open_node(
                     node_netns,
                     flavour,
                     probes,
+                    istio_enrolled,
                 };
                 Ok(Ambient::open(config, now, earlier, places, api)?)
             })

@@ -8,7 +8,7 @@ use std::{
 };
 
 use super::{list_dir, remove_tree, sys, unpin_link};
-use crate::{pod::PodRef, podnet::clsact::Filter};
+use crate::{pod::PodRef, podnet::clsact::Filter, policy::Family};
 
 /// The directory in a netlink TC record that says, until the filter's own record is pinned,
 /// that meshcap may have added the interface's clsact qdisc (written ahead of the netlink
@@ -18,6 +18,7 @@ const TC_PREFIX: &str = "tc-";
 /// The directory marking a pod captured for ztunnel (bpffs holds no plain files).
 pub(super) const AMBIENT_MARKER: &str = "ambient";
 const FWMARK_ACCEPT_PREFIX: &str = "fwmark-accept@";
+const ROUTE_FOUND_PREFIX: &str = "route-found@";
 const HANDOFF: &str = "handoff";
 
 /// The pins of the pod with one netns cookie.
@@ -84,6 +85,44 @@ impl PodPins {
 
     fn fwmark_accept(&self, before: u8) -> PathBuf {
         self.dir.join(format!("{FWMARK_ACCEPT_PREFIX}{before}"))
+    }
+
+    /// The families whose policy route the pod's netns held before its capture
+    /// (`route-found@v4`, `route-found@v6`): istio-cni's, never removed by meshcap.
+    #[must_use]
+    pub fn found_routes(&self) -> Vec<Family> {
+        list_dir(&self.dir)
+            .iter()
+            .filter_map(|name| match name.strip_prefix(ROUTE_FOUND_PREFIX)? {
+                "v4" => Some(Family::V4),
+                "v6" => Some(Family::V6),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Records `found` ([`Self::found_routes`]).
+    ///
+    /// # Errors
+    /// When bpffs refuses the directory.
+    pub fn record_found_routes(&self, found: &[Family]) -> io::Result<()> {
+        for family in found {
+            let name = match family {
+                Family::V4 => "v4",
+                Family::V6 => "v6",
+            };
+            fs::create_dir_all(self.dir.join(format!("{ROUTE_FOUND_PREFIX}{name}")))?;
+        }
+        Ok(())
+    }
+
+    /// Forgets [`Self::found_routes`]: the routes are the capture's own from now on.
+    pub fn forget_found_routes(&self) {
+        for name in list_dir(&self.dir) {
+            if name.starts_with(ROUTE_FOUND_PREFIX) {
+                remove_tree(&self.dir.join(name));
+            }
+        }
     }
 
     /// `handoff`: the link of the socket lookup program on the pod's netns.

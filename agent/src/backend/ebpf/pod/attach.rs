@@ -21,12 +21,18 @@ impl Pods {
     ) -> Result<(), EbpfError> {
         let pins = self.pins.pod(plan.net.cookie);
         let pinning = |e| EbpfError::io(&format!("creating {}", pins.dir().display()), e);
+        let first = !pins.exists();
         pins.create(pod).map_err(pinning)?;
         if plan.ambient() {
             pins.mark_ambient().map_err(pinning)?;
         }
         crashpoint::here(crashpoint::EBPF_ADD_PINNED);
         if let Some(routes) = plan.routes() {
+            if first {
+                // A first capture: the policy routes already there are not meshcap's.
+                let found = podnet::route::found(visit.netlink()?, &routes)?;
+                pins.record_found_routes(&found).map_err(pinning)?;
+            }
             podnet::route::update(visit.netlink()?, &PolicyRoutes::default(), &routes)?;
         }
         set_fwmark_accept(&pins, plan.fwmark_accept())?;

@@ -267,6 +267,13 @@ impl CaptureBackend for EbpfBackend {
         Ok(self.pods.release(pod)?)
     }
 
+    fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
+        if let Some(cookie) = self.pods.find_cookie(pod) {
+            self.pods.pins.pod(cookie).forget_found_routes();
+        }
+        Ok(())
+    }
+
     fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
         self.pods.check(pod, policy).map_err(EbpfError::into_check)
     }
@@ -321,6 +328,7 @@ impl CaptureBackend for EbpfBackend {
             .into_iter()
             .filter(|pinned| pinned.mode() == mode)
             .map(|pinned| CapturedPod {
+                adopted: false,
                 summary: match mode {
                     DataplaneMode::Sidecar => format!(
                         "netns cookie {}, inbound TC on {}",

@@ -53,6 +53,7 @@ impl Pods {
         };
         let records = pins.tc_records();
         let fwmark_accept = pins.fwmark_accept_before();
+        let found = pins.found_routes();
         let detached = podnet::run_in(&pod.netns, |visit| {
             if let Some(value) = fwmark_accept {
                 restore_fwmark_accept(value);
@@ -65,7 +66,8 @@ impl Pods {
                 let installed = PolicyRoutes {
                     mark_route: Some(route.clone()),
                     loopback_addresses: Vec::new(),
-                };
+                }
+                .without_found(&found);
                 let removed = visit.netlink().and_then(|netlink| {
                     podnet::route::update(netlink, &installed, &PolicyRoutes::default())
                 });
