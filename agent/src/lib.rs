@@ -37,6 +37,8 @@
 //! - [`policy`]: Istio's semantics, pure: the pod's decision ([`policy::decide`]: left alone,
 //!   its sidecar's [`policy::RedirectPolicy`] or ambient mode's in-pod policy), Istio's exact
 //!   rules and an evaluator of them;
+//! - [`privilege`]: which capability a refused operation lacks (an `EPERM` named), and what
+//!   every backend needs, checked at start;
 //! - [`probe`]: can this kernel run the eBPF backend;
 //! - [`repair`]: Istio's repair controller, for pods that started before their capture;
 //! - [`sched`]: a short scheduler slice, so that a busy node's pods do not delay an ADD;
@@ -83,6 +85,7 @@ pub mod pod;
 pub mod podnet;
 pub mod pods;
 pub mod policy;
+pub mod privilege;
 pub mod probe;
 pub mod repair;
 pub mod sched;

@@ -9,14 +9,18 @@
 use std::collections::BTreeSet;
 
 use aya::{
-    programs::ProgramType,
+    programs::{ProgramError, ProgramType},
     sys::{BpfHelper, is_helper_supported, is_program_supported},
 };
 use aya_obj::{Object, ProgramSection};
 use serde::{Deserialize, Serialize};
 
 pub use crate::backend::ebpf::assigns_to_reuseport_listeners;
-use crate::{backend::ebpf, bpf, podnet};
+use crate::{
+    backend::ebpf,
+    bpf, podnet,
+    privilege::{self, Operation},
+};
 
 /// One probed feature.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,14 +59,47 @@ impl ProbeReport {
             .join("; ")
     }
 
-    fn push(&mut self, what: String, result: Result<bool, String>) {
+    fn push(&mut self, what: String, result: Result<bool, ProbeError>) {
         let (ok, detail) = match result {
             Ok(true) => (true, String::new()),
             Ok(false) => (false, "not supported by this kernel".to_owned()),
-            Err(e) => (false, e),
+            // A refusal (`EPERM`) names the capability lacking or its likely cause.
+            Err(e) => match privilege::explain(Operation::Bpf, &e) {
+                Some(why) => (false, format!("{e}: {why}")),
+                None => (false, e.to_string()),
+            },
         };
         self.checks.push(Check { what, ok, detail });
     }
+}
+
+/// Why a check could not say yes or no: its detail in the report.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    /// The embedded object does not parse.
+    #[error(transparent)]
+    Object(#[from] aya_obj::ParseError),
+    /// A program is in a section the probe does not know.
+    #[error("unexpected section {0}")]
+    Section(String),
+    /// A helper the probe cannot name.
+    #[error("unknown to this agent's probe: add it to probe::KNOWN_HELPERS")]
+    UnknownHelper,
+    /// The kernel's answer to a program type or helper probe.
+    #[error(transparent)]
+    Kernel(#[from] ProgramError),
+    /// The netns cookie cannot be read.
+    #[error(transparent)]
+    Cookie(#[from] podnet::PodNetError),
+    /// The embedded object cannot be opened.
+    #[error(transparent)]
+    Open(#[from] bpf::ObjectError),
+    /// A program does not load.
+    #[error(transparent)]
+    Load(#[from] bpf::ProgramLoadError),
+    /// The pods' stub does not load.
+    #[error(transparent)]
+    Stub(#[from] ebpf::EbpfError),
 }
 
 fn program_type(section: &ProgramSection) -> Option<ProgramType> {
@@ -137,10 +174,7 @@ pub fn run() -> ProbeReport {
     let object = match Object::parse(bpf::object()) {
         Ok(object) => object,
         Err(e) => {
-            report.push(
-                "parsing the embedded eBPF object".into(),
-                Err(e.to_string()),
-            );
+            report.push("parsing the embedded eBPF object".into(), Err(e.into()));
             return report;
         }
     };
@@ -150,7 +184,7 @@ pub fn run() -> ProbeReport {
         let Some(kind) = program_type(&program.section) else {
             report.push(
                 format!("program {name}"),
-                Err(format!("unexpected section {:?}", program.section)),
+                Err(ProbeError::Section(format!("{:?}", program.section))),
             );
             continue;
         };
@@ -173,7 +207,7 @@ pub fn run() -> ProbeReport {
         {
             report.push(
                 format!("program type {kind:?}"),
-                is_program_supported(kind).map_err(|e| e.to_string()),
+                is_program_supported(kind).map_err(ProbeError::from),
             );
         }
     }
@@ -181,13 +215,13 @@ pub fn run() -> ProbeReport {
         let Some(helper) = KNOWN_HELPERS.iter().find(|h| **h as i32 == id) else {
             report.push(
                 format!("helper #{id} in {type_name} programs"),
-                Err("unknown to this agent's probe: add it to probe::KNOWN_HELPERS".into()),
+                Err(ProbeError::UnknownHelper),
             );
             continue;
         };
         report.push(
             format!("helper {helper:?} in {type_name} programs"),
-            is_helper_supported(kind, *helper).map_err(|e| e.to_string()),
+            is_helper_supported(kind, *helper).map_err(ProbeError::from),
         );
     }
     // The pods' stubs are not in the object (the agent assembles them): their one helper.
@@ -195,22 +229,25 @@ pub fn run() -> ProbeReport {
     report.push(
         "helper BPF_FUNC_tail_call in the pods' TC stubs".into(),
         is_helper_supported(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_tail_call)
-            .map_err(|e| e.to_string()),
+            .map_err(ProbeError::from),
     );
     // Not a BPF feature, but the backend keys each pod by its netns cookie, read this way.
     report.push(
         "socket option SO_NETNS_COOKIE (a pod's netns cookie)".into(),
         podnet::current_cookie()
             .map(|_| true)
-            .map_err(|e| e.to_string()),
+            .map_err(ProbeError::from),
     );
-    let trial = bpf::open().map_err(|e| e.to_string()).and_then(|mut ebpf| {
-        bpf::load_all(&mut ebpf).map_err(|e| e.to_string())?;
-        ebpf::trial_load_stub(&ebpf).map_err(|e| e.to_string())
-    });
     report.push(
         "trial load of every embedded program (with its attach type) and a pod's TC stub".into(),
-        trial.map(|()| true),
+        trial_load().map(|()| true),
     );
     report
+}
+
+/// Loads every embedded program and a pod's TC stub, and lets them go.
+fn trial_load() -> Result<(), ProbeError> {
+    let mut ebpf = bpf::open()?;
+    bpf::load_all(&mut ebpf)?;
+    Ok(ebpf::trial_load_stub(&ebpf)?)
 }

@@ -235,6 +235,7 @@ fn matrix() -> Vec<Config> {
         Config::new("multus", &["provider=multus", "chained=false"]),
         Config::new("no startup taint", &["meshcap.startupTaint="]),
         Config::new("verification off", &["meshcap.verifyIntervalSeconds=0"]),
+        Config::new("SYS_RESOURCE added", &["meshcap.sysResource=true"]),
         Config::new(
             "quota, policy, secrets",
             &[
@@ -704,6 +705,32 @@ fn the_pod_spec_is_istios_where_it_should_be() {
             {"key": "node-role.example.com/mesh", "operator": "Exists"},
             {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64", "arm64"]},
         ]}])
+    );
+}
+
+#[test]
+fn sys_resource_is_requested_only_when_asked_for() {
+    let caps = |config: Config| {
+        container(&config.render("1.35.0"))["securityContext"]["capabilities"]["add"].clone()
+    };
+    let default = caps(Config::new("defaults", &[]));
+    assert_eq!(
+        default,
+        json!(["SYS_ADMIN", "NET_ADMIN", "NET_RAW"]),
+        "the default render requests no SYS_RESOURCE"
+    );
+    assert_eq!(
+        caps(Config::new("sysResource", &["meshcap.sysResource=true"])),
+        json!(["SYS_ADMIN", "NET_ADMIN", "NET_RAW", "SYS_RESOURCE"]),
+        "meshcap.sysResource adds it"
+    );
+    assert_eq!(
+        caps(Config::file(
+            "an istio-cni values file",
+            "istio-values.yaml"
+        )),
+        default,
+        "an istio-cni values file adds none"
     );
 }
 

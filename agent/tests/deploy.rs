@@ -457,7 +457,8 @@ fn the_daemon_set_runs_first_everywhere_with_narrow_capabilities() {
     assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
     assert_eq!(
         caps.add.clone().unwrap_or_default(),
-        ["SYS_ADMIN", "NET_ADMIN", "NET_RAW", "SYS_RESOURCE"]
+        ["SYS_ADMIN", "NET_ADMIN", "NET_RAW"],
+        "no SYS_RESOURCE by default (meshcap.sysResource)"
     );
 }
 

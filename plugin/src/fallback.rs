@@ -5,7 +5,7 @@
 //! agent wrote, or the manifest directory in standalone mode) and applies the same selection as
 //! the agent: one selection function, and no Kubernetes client in the plugin.
 use std::{
-    io::Read as _,
+    io::{self, Read as _},
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
@@ -45,16 +45,67 @@ fn decider(plugin: &Path) -> PathBuf {
     plugin.with_file_name(DECIDER_BINARY)
 }
 
+/// Why no decision could be made without the agent (the plugin then fails closed).
+#[derive(Debug, thiserror::Error)]
+pub enum FallbackError {
+    /// The plugin's own executable cannot be found, so neither can the decider beside it.
+    #[error("locating meshcap-cni: {0}")]
+    Locate(#[source] io::Error),
+    /// The decider could not be started.
+    #[error("running {}: {source}", decider.display())]
+    Run {
+        /// The decider's path.
+        decider: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Waiting for the decider failed.
+    #[error("waiting for {}: {source}", decider.display())]
+    Wait {
+        /// The decider's path.
+        decider: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The decider did not answer in time (it was killed).
+    #[error("{} decide did not answer within {DECIDE_TIMEOUT:?}", decider.display())]
+    Timeout {
+        /// The decider's path.
+        decider: PathBuf,
+    },
+    /// The decider failed, with the last line of its error output.
+    #[error("{} decide: {reason}", decider.display())]
+    Failed {
+        /// The decider's path.
+        decider: PathBuf,
+        /// The last line it wrote on stderr.
+        reason: String,
+    },
+    /// The decider's answer is not a decision.
+    #[error("{} decide answered {answer:?}: {source}", decider.display())]
+    Answer {
+        /// The decider's path.
+        decider: PathBuf,
+        /// What it printed.
+        answer: String,
+        /// Why it is not a decision.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 /// Decides `pod` without the agent. `Ok(None)`: the configuration names no source (every pod
 /// not excluded here fails closed, as before).
 ///
 /// # Errors
 /// Why no decision could be made: the caller fails closed.
-pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decision>, String> {
+pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decision>, FallbackError> {
     let Some(source) = source_args(conf) else {
         return Ok(None);
     };
-    let exe = std::env::current_exe().map_err(|e| format!("locating meshcap-cni: {e}"))?;
+    let exe = std::env::current_exe().map_err(FallbackError::Locate)?;
     let decider = decider(&exe);
     let mut cmd = Command::new(&decider);
     cmd.args(["decide", "--namespace", &pod.namespace, "--name", &pod.name])
@@ -78,9 +129,10 @@ pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decisio
             cmd.args(["--enablement-selectors", &selectors.to_string()]);
         }
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| format!("running {}: {e}", decider.display()))?;
+    let mut child = cmd.spawn().map_err(|source| FallbackError::Run {
+        decider: decider.clone(),
+        source,
+    })?;
     let started = Instant::now();
     let status = loop {
         match child.try_wait() {
@@ -92,12 +144,9 @@ pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decisio
                 // Our own child, by its handle.
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!(
-                    "{} decide did not answer within {DECIDE_TIMEOUT:?}",
-                    decider.display()
-                ));
+                return Err(FallbackError::Timeout { decider });
             }
-            Err(e) => return Err(format!("waiting for {}: {e}", decider.display())),
+            Err(source) => return Err(FallbackError::Wait { decider, source }),
         }
     };
     let mut stdout = String::new();
@@ -109,13 +158,16 @@ pub fn decide(conf: &PluginConfig, pod: &PodAttachment) -> Result<Option<Decisio
         let _ = err.read_to_string(&mut stderr);
     }
     if !status.success() {
-        return Err(format!(
-            "{} decide: {}",
-            decider.display(),
-            stderr.trim().lines().last().unwrap_or("failed")
-        ));
+        return Err(FallbackError::Failed {
+            decider,
+            reason: stderr.trim().lines().last().unwrap_or("failed").to_owned(),
+        });
     }
     serde_json::from_str(stdout.trim())
         .map(Some)
-        .map_err(|e| format!("{} decide answered {stdout:?}: {e}", decider.display()))
+        .map_err(|source| FallbackError::Answer {
+            decider,
+            answer: stdout,
+            source,
+        })
 }

@@ -225,11 +225,38 @@ impl ApiServer {
                 _ => auth.objects.push(object),
             }
         }
-        // The token controller fills each ServiceAccount token Secret.
+        drop(auth);
+        self.fill_token_secrets();
+        self.nodes.lock().expect("nodes").push(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE, "uid": "node-uid-1", "resourceVersion": "1",
+                         "labels": {"kubernetes.io/hostname": NODE}},
+            "spec": {},
+        }));
+        self.apply_pod(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": AGENT_POD, "namespace": self.namespace, "uid": "agent-pod-1",
+                         "labels": {"app.kubernetes.io/name": DAEMON_SET},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                              "name": DAEMON_SET, "uid": DAEMON_SET_UID,
+                                              "controller": true}]},
+            "spec": {"nodeName": NODE, "serviceAccountName": AGENT_ACCOUNT, "hostNetwork": true,
+                     "containers": [{"name": "agent", "image": "meshcap/meshcap:0.1.0"}]},
+        }));
+    }
+
+    /// Fills each ServiceAccount token Secret that has no token yet with a new one, as the
+    /// token controller does.
+    fn fill_token_secrets(&self) {
+        let auth = self.auth.lock().expect("auth");
         let secrets: Vec<(String, String, String)> = auth
             .objects
             .iter()
-            .filter(|o| o["kind"] == "Secret" && o["type"] == "kubernetes.io/service-account-token")
+            .filter(|o| {
+                o["kind"] == "Secret"
+                    && o["type"] == "kubernetes.io/service-account-token"
+                    && o["data"]["token"].is_null()
+            })
             .map(|o| {
                 let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
                 (
@@ -251,22 +278,17 @@ impl ApiServer {
                 object["data"] = json!({"token": token});
             }
         }
-        self.nodes.lock().expect("nodes").push(json!({
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": NODE, "uid": "node-uid-1", "resourceVersion": "1",
-                         "labels": {"kubernetes.io/hostname": NODE}},
-            "spec": {},
-        }));
-        self.apply_pod(json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": AGENT_POD, "namespace": self.namespace, "uid": "agent-pod-1",
-                         "labels": {"app.kubernetes.io/name": DAEMON_SET},
-                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
-                                              "name": DAEMON_SET, "uid": DAEMON_SET_UID,
-                                              "controller": true}]},
-            "spec": {"nodeName": NODE, "serviceAccountName": AGENT_ACCOUNT, "hostNetwork": true,
-                     "containers": [{"name": "agent", "image": "meshcap/meshcap:0.1.0"}]},
-        }));
+    }
+
+    /// Creates `object` (a Secret, role or binding) as the API server does: a ServiceAccount
+    /// token Secret is filled with a new token, so one re-created under the name of a deleted
+    /// one carries a token of its own, and the old token stays refused.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    pub fn create(&self, object: Value) {
+        self.auth.lock().expect("auth").objects.push(object);
+        self.fill_token_secrets();
     }
 
     /// Issues a token for the ServiceAccount `namespace/account`, bound to the pod `pod` of its
@@ -600,11 +622,14 @@ impl Served {
         {
             return None;
         }
+        // As the legacy token authenticator: the Secret there, holding this very token (one
+        // re-created under the same name holds another).
         if let Some((ns, name)) = &token.secret
             && !auth.objects.iter().any(|o| {
                 o["kind"] == "Secret"
                     && o["metadata"]["namespace"] == ns.as_str()
                     && o["metadata"]["name"] == name.as_str()
+                    && o["data"]["token"] == token.value.as_str()
             })
         {
             return None;

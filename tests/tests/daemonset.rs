@@ -324,21 +324,15 @@ fn security(
         })
     });
     let int = |v: &Value| v.as_i64().map(|value| v1::Int64Value { value });
-    let mut add = names(&sc["capabilities"]["add"]);
+    let add = names(&sc["capabilities"]["add"]);
     // This machine's own bounding set (a sandbox) lacks CAP_SYS_RESOURCE, which runc then
-    // cannot grant: the container gets the others, said here. The agent raises RLIMIT_MEMLOCK
-    // with it, which only kernels before 5.11 (memlock-charged BPF maps) need.
-    let missing: Vec<String> = add
-        .iter()
-        .filter(|c| !in_bounding_set(c))
-        .cloned()
-        .collect();
-    if !missing.is_empty() {
-        eprintln!(
-            "daemonset: this machine cannot grant {missing:?} (not in its bounding set): left out"
-        );
-        add.retain(|c| !missing.contains(c));
-    }
+    // cannot grant ("unable to apply caps"): the chart's defaults must not ask for it
+    // (meshcap.sysResource), and the container gets exactly what they ask.
+    let missing: Vec<&String> = add.iter().filter(|c| !in_bounding_set(c)).collect();
+    assert!(
+        missing.is_empty(),
+        "the chart asks for {missing:?}, which this machine's runtime cannot grant"
+    );
     v1::LinuxContainerSecurityContext {
         capabilities: Some(v1::Capability {
             add_capabilities: add,

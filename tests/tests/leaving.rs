@@ -10,7 +10,7 @@ use std::path::Path;
 
 use meshcap_tests::{
     agent::{Agent, Backend},
-    apiserver::{AGENT_POD, ApiServer, DAEMON_SET, SYSTEM_NAMESPACE},
+    apiserver::{AGENT_POD, ApiServer, CNI_TOKEN_SECRET, DAEMON_SET, SYSTEM_NAMESPACE},
     chart,
     cluster::ClusterNode,
     fixtures::{eventually, plain_pod, sidecar_pod},
@@ -70,13 +70,13 @@ fn of_kinds<'a>(objects: &'a [Value], kinds: &[&str]) -> Vec<&'a Value> {
 const RBAC: &[&str] = &["ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding"];
 
 /// One row: an agent installed on a node, `then` done to the cluster, the agent stopped as
-/// kubelet stops it (SIGTERM); whether meshcap is then gone from the node. Returns the node
-/// and the agent's log for more checks.
+/// kubelet stops it (SIGTERM); whether meshcap is then gone from the node. Returns the node,
+/// the API server and the agent's log for more checks.
 fn row(
     what: &str,
     then: impl FnOnce(&ApiServer, &Agent),
     uninstalls: bool,
-) -> (ClusterNode, ApiServer) {
+) -> (ClusterNode, ApiServer, String) {
     let api = ApiServer::start();
     {
         let mut pods = api.pods.lock().expect("pods");
@@ -105,7 +105,7 @@ fn row(
         );
         assert!(log.contains("meshcap stays installed"), "{what}\n{log}");
     }
-    (node, api)
+    (node, api, log)
 }
 
 /// With the agent gone and meshcap still installed, the node decides with the plugin's own
@@ -128,7 +128,7 @@ fn restarts_updates_evictions_and_drains_keep_meshcap() {
     // A restart (the pod stays), and a rolling update, an eviction or a drain (the pod is
     // being deleted): the DaemonSet is there, read with the agent's own token.
     row("a restart", |_, _| {}, false);
-    let (node, _api) = row(
+    let (node, _api, _) = row(
         "a rolling update, an eviction, a drain",
         |api, _| api.mark_deleting("Pod", SYSTEM_NAMESPACE, AGENT_POD),
         false,
@@ -220,7 +220,7 @@ fn credential_problems_and_outages_never_uninstall() {
     // The agent's pod object deleted while the DaemonSet stays (a force deletion: its token is
     // revoked, as an expired one would be): 401, nothing seen, and the plugin's own token still
     // works. meshcap stays, and the plugin decides pods meanwhile.
-    let (node, _api) = row(
+    let (node, _api, _) = row(
         "the agent's token revoked (401), the DaemonSet there",
         |api, _| api.delete("Pod", SYSTEM_NAMESPACE, AGENT_POD),
         false,
@@ -231,6 +231,92 @@ fn credential_problems_and_outages_never_uninstall() {
         "the agent's Role deleted (403), the rest there",
         |api, _| api.delete("RoleBinding", SYSTEM_NAMESPACE, "meshcap-agent"),
         false,
+    );
+    // The same two with the DaemonSet's watch no longer streaming (its restart refused): what
+    // it last delivered says nothing of now, and what meshcap may still do decides.
+    let (node, _api, _) = row(
+        "the agent's token revoked (401), its watch's restart refused, the plugin's token works",
+        |api, agent| {
+            api.delete("Pod", SYSTEM_NAMESPACE, AGENT_POD);
+            watch_refused(api, agent);
+        },
+        false,
+    );
+    the_plugin_decides(
+        "with the agent's pod object deleted, its watch refused",
+        &node,
+    );
+    row(
+        "the agent's Role deleted (403), its watch's restart refused, the rest there",
+        |api, agent| {
+            api.delete("RoleBinding", SYSTEM_NAMESPACE, "meshcap-agent");
+            watch_refused(api, agent);
+        },
+        false,
+    );
+}
+
+/// Ends the API server's watches and waits until the agent's DaemonSet watch has been refused
+/// when it started again (readiness says so).
+fn watch_refused(api: &ApiServer, agent: &Agent) {
+    api.close_watches();
+    eventually("the DaemonSet's watch refused", || {
+        agent.http_get("/readyz").is_ok_and(|(code, body)| {
+            code == 503 && body.contains("the DaemonSet watch is refused")
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", agent.http_get("/readyz"), agent.log()));
+}
+
+/// The plugin's token rotated as docs/install.md says (its Secret deleted, then created again
+/// from `deploy/`: the token controller fills it with a new token, and the old one is refused
+/// from the deletion on, until kubelet refreshes the node's copy) with the agent's pod object
+/// force-deleted at each moment of it: before, between the two steps, after. Both tokens are
+/// then refused at SIGTERM, and the DaemonSet's watch, streaming still, shows it there: meshcap
+/// stays.
+#[test]
+fn a_token_rotation_with_the_agents_pod_force_deleted_keeps_meshcap() {
+    require_root();
+    let secret = deploy_files()
+        .into_iter()
+        .find(|o| o["kind"] == "Secret" && o["metadata"]["name"] == CNI_TOKEN_SECRET)
+        .expect("deploy/ holds the plugin's token Secret");
+    // The rotation's two steps, with the force deletion before the one numbered `at` (2: after
+    // both).
+    for at in 0..=2 {
+        let what = format!("the agent's pod force-deleted before step {at} of the rotation");
+        let (_node, _api, log) = row(
+            &what,
+            |api, _| {
+                for step in 0..=2 {
+                    if step == at {
+                        api.delete("Pod", SYSTEM_NAMESPACE, AGENT_POD);
+                    }
+                    match step {
+                        0 => api.delete("Secret", SYSTEM_NAMESPACE, CNI_TOKEN_SECRET),
+                        1 => api.create(secret.clone()),
+                        _ => {}
+                    }
+                }
+            },
+            false,
+        );
+        assert!(
+            log.contains("as its watch, streaming still, delivers it"),
+            "{what}: kept by what the watch delivers\n{log}"
+        );
+    }
+    // The limit docs/install.md states: the DaemonSet's watch restarted (refused) between the
+    // force deletion and the SIGTERM, so nothing says the DaemonSet is there now, and both
+    // identities are refused everything, as when meshcap's ServiceAccounts are deleted.
+    row(
+        "the rotation, the agent's pod force-deleted, its watch's restart refused before SIGTERM",
+        |api, agent| {
+            api.delete("Secret", SYSTEM_NAMESPACE, CNI_TOKEN_SECRET);
+            api.delete("Pod", SYSTEM_NAMESPACE, AGENT_POD);
+            watch_refused(api, agent);
+        },
+        true,
     );
 }
 

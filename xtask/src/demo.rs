@@ -6,6 +6,29 @@ use std::process::Command;
 use crate::cmd::{self, root};
 
 pub fn run() -> anyhow::Result<()> {
-    let debug = cmd::build_binaries(false)?;
-    cmd::run(Command::new(debug.join("meshcap-demo")).current_dir(root()))
+    // Only the three binaries the demo runs; the test harness's other tools are not needed.
+    cmd::run(Command::new("cargo").current_dir(root()).args([
+        "build",
+        "--quiet",
+        "--package",
+        "meshcap-agent",
+        "--package",
+        "meshcap-cni",
+        "--package",
+        "meshcap-tests",
+        "--bin",
+        "meshcap-agent",
+        "--bin",
+        "meshcap-cni",
+        "--bin",
+        "meshcap-demo",
+    ]))?;
+    let debug = cmd::target_dir().join("debug");
+    // The binaries this build made: without it the demo would ask cargo for them again, under
+    // whatever toolchain its environment names.
+    cmd::run(
+        Command::new(debug.join("meshcap-demo"))
+            .env("MESHCAP_BIN_DIR", &debug)
+            .current_dir(root()),
+    )
 }

@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use setup::Need;
 
 mod apt;
 mod arch;
@@ -30,8 +31,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Install what a fresh machine lacks (Debian packages, nightly rust-src, bpf-linker,
-    /// cargo-fuzz).
-    Setup,
+    /// cargo-fuzz, the chart's tools).
+    Setup {
+        /// Only what building and running meshcap needs (what `demo` installs).
+        #[arg(long)]
+        demo: bool,
+    },
     /// Setup, then the release `meshcap-agent` and `meshcap-cni` for each architecture
     /// (target/<triple>/release/), with the nightly and its rust-src.
     Build(arch::Args),
@@ -46,7 +51,8 @@ enum Task {
     },
     /// Setup, then run every fuzz target for a bounded time from the corpus in the tree.
     Fuzz(fuzz::Args),
-    /// Setup, build, then show meshcap capturing a throwaway pod's traffic (root).
+    /// Set up only what running meshcap needs (the eBPF toolchain, iptables, nftables, iproute2),
+    /// build, then show meshcap capturing a throwaway pod's traffic (root).
     Demo,
     /// Setup, then the end-to-end tests inside QEMU on Debian's cloud kernels, amd64 and arm64
     /// (CI's guests unless --kernel says which).
@@ -67,16 +73,20 @@ enum Task {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().task {
-        Task::Setup => setup::run(),
-        Task::Build(args) => setup::run().and_then(|()| arch::run(&args)),
-        Task::Test { host_only } => setup::run().and_then(|()| test::run(host_only)),
-        Task::Demo => setup::run().and_then(|()| demo::run()),
-        Task::Fuzz(args) => setup::run().and_then(|()| fuzz::run(&args)),
-        Task::Soak(args) => setup::run().and_then(|()| soak::run(&args)),
-        Task::Integration(args) => setup::run().and_then(|()| integration::run(&args)),
-        Task::Image(args) => setup::run().and_then(|()| image::run(&args)),
-        Task::Manifests => setup::run().and_then(|()| manifests::run()),
-        Task::Bench(args) => setup::run().and_then(|()| bench::run(&args)),
+        Task::Setup { demo } => setup::run(if demo { Need::Run } else { Need::Everything }),
+        Task::Build(args) => setup::run(Need::Everything).and_then(|()| arch::run(&args)),
+        Task::Test { host_only } => {
+            setup::run(Need::Everything).and_then(|()| test::run(host_only))
+        }
+        Task::Demo => setup::run(Need::Run).and_then(|()| demo::run()),
+        Task::Fuzz(args) => setup::run(Need::Everything).and_then(|()| fuzz::run(&args)),
+        Task::Soak(args) => setup::run(Need::Everything).and_then(|()| soak::run(&args)),
+        Task::Integration(args) => {
+            setup::run(Need::Everything).and_then(|()| integration::run(&args))
+        }
+        Task::Image(args) => setup::run(Need::Everything).and_then(|()| image::run(&args)),
+        Task::Manifests => setup::run(Need::Everything).and_then(|()| manifests::run()),
+        Task::Bench(args) => setup::run(Need::Everything).and_then(|()| bench::run(&args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,8 +6,8 @@ use anyhow::{Context as _, bail};
 
 use crate::cmd::{self, output};
 
-/// Debian packages meshcap builds or tests with.
-const PACKAGES: &[&str] = &[
+/// Debian packages meshcap builds and runs with: all the demo needs.
+const RUN_PACKAGES: &[&str] = &[
     // bpf-linker links against the system LLVM; it must be at least rustc's LLVM (22).
     "llvm-22-dev",
     // The iptables fallback and the tests' network plumbing.
@@ -16,6 +16,10 @@ const PACKAGES: &[&str] = &[
     // The native nftables backend (Istio's `global.nativeNftables`) runs `nft`; Debian 12's
     // 1.0.6, no newer than what a node's own tools read back (istio/istio#58492).
     "nftables",
+];
+
+/// Debian packages only the tests, the guests, the image and the chart's checks use.
+const TEST_PACKAGES: &[&str] = &[
     // `cargo xtask integration` boots Debian's kernels in QEMU (x86_64 and aarch64 guests);
     // objcopy strips the test binaries for its initramfs.
     "qemu-system-x86",
@@ -48,20 +52,36 @@ const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 /// `cargo xtask fuzz` builds the targets with it.
 const CARGO_FUZZ_VERSION: &str = "0.13.2";
 
-pub fn run() -> anyhow::Result<()> {
-    debian_packages()?;
+/// What a task needs set up: the demo only builds and runs meshcap; everything else also tests.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Need {
+    /// The eBPF toolchain and the node's network tools (`cargo xtask demo`).
+    Run,
+    /// All of it: QEMU and the cross toolchain, containerd, cargo-fuzz, the chart's tools.
+    Everything,
+}
+
+pub fn run(need: Need) -> anyhow::Result<()> {
+    let mut packages = RUN_PACKAGES.to_vec();
+    if need == Need::Everything {
+        packages.extend_from_slice(TEST_PACKAGES);
+    }
+    debian_packages(&packages)?;
     nightly_rust_src()?;
     bpf_linker()?;
-    cargo_fuzz()?;
-    crate::tools::install()
+    if need == Need::Everything {
+        cargo_fuzz()?;
+        crate::tools::install()?;
+    }
+    Ok(())
 }
 
 fn is_root() -> bool {
     output(Command::new("id").arg("-u")).is_some_and(|uid| uid.trim() == "0")
 }
 
-fn debian_packages() -> anyhow::Result<()> {
-    let missing: Vec<&str> = PACKAGES
+fn debian_packages(packages: &[&str]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|pkg| {
@@ -70,7 +90,7 @@ fn debian_packages() -> anyhow::Result<()> {
         })
         .collect();
     if missing.is_empty() {
-        eprintln!("setup: Debian packages present: {}", PACKAGES.join(", "));
+        eprintln!("setup: Debian packages present: {}", packages.join(", "));
         return Ok(());
     }
     if !is_root() {

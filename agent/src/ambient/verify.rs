@@ -5,13 +5,25 @@
 //! put back: the pod handed to ztunnel again, its addresses added; node-wide, probe sets that
 //! were destroyed, or that no rule matches any more, are set up again with their rule (which
 //! kubelet's probes need).
-use std::fs;
+use std::{fs, io};
 
 use super::{Ambient, addresses};
 use crate::{
     backend::{BackendError, DriftKind, PodCheck, Verify},
     pod::PodRef,
+    ztunnel::ZdsError,
 };
+
+/// Why an enrolled pod could not be handed to ztunnel again.
+#[derive(Debug, thiserror::Error)]
+enum HandOverError {
+    /// Its network namespace cannot be opened.
+    #[error("{0}")]
+    Netns(#[source] io::Error),
+    /// ztunnel did not take it.
+    #[error(transparent)]
+    Ztunnel(#[from] ZdsError),
+}
 
 impl Ambient {
     /// `pod`'s enrollment against its record; with [`Verify::Repair`] what differs is put back.
@@ -38,11 +50,11 @@ impl Ambient {
             Some(false) => check.drift.push(verify.handle(
                 DriftKind::Ztunnel,
                 format!("the connected ztunnel has not acked uid {uid}"),
-                || {
-                    let netns = fs::File::open(&workload.netns).map_err(|e| e.to_string())?;
-                    self.ztunnel
-                        .add(&uid, workload.info(), std::os::fd::AsFd::as_fd(&netns))
-                        .map_err(|e| e.to_string())
+                || -> Result<(), HandOverError> {
+                    let netns = fs::File::open(&workload.netns).map_err(HandOverError::Netns)?;
+                    Ok(self
+                        .ztunnel
+                        .add(&uid, workload.info(), std::os::fd::AsFd::as_fd(&netns))?)
                 },
             )),
         }
@@ -59,7 +71,7 @@ impl Ambient {
             Ok(missing) => check.drift.push(verify.handle(
                 DriftKind::ProbeSet,
                 format!("{} not in the node's probe set", list(&missing)),
-                || self.probes.add(&uid, &missing).map_err(|e| e.to_string()),
+                || self.probes.add(&uid, &missing),
             )),
             Err(err) => check
                 .installed
@@ -81,7 +93,7 @@ impl Ambient {
                 check
                     .drift
                     .push(verify.handle(DriftKind::ProbeSet, wrong.join("; "), || {
-                        self.probes.set_up().map_err(|e| e.to_string())
+                        self.probes.set_up()
                     }))
             }
             Err(err) => check

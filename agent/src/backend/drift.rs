@@ -103,22 +103,13 @@ pub struct Drift {
 }
 
 impl Drift {
-    /// A difference of `kind`, described by `what`, found and put back when `repaired`
-    /// succeeded (`None`: only looked at).
+    /// A difference of `kind`, described by `what`, and what became of it.
     #[must_use]
-    pub fn new(
-        kind: DriftKind,
-        what: impl Into<String>,
-        repaired: Option<Result<(), String>>,
-    ) -> Self {
+    pub fn new(kind: DriftKind, what: impl Into<String>, outcome: Outcome) -> Self {
         Self {
             kind,
             what: what.into(),
-            outcome: match repaired {
-                None => Outcome::Found,
-                Some(Ok(())) => Outcome::Repaired,
-                Some(Err(why)) => Outcome::Failed(why),
-            },
+            outcome,
         }
     }
 
@@ -168,18 +159,22 @@ pub enum Verify {
 
 impl Verify {
     /// Records a difference of `kind` described by `what`: with [`Verify::Repair`], `repair` is
-    /// run and its outcome kept; with [`Verify::Look`] it is not run.
-    pub fn handle(
+    /// run and its outcome kept (its error's words, when it fails); with [`Verify::Look`] it is
+    /// not run.
+    pub fn handle<E: std::error::Error>(
         self,
         kind: DriftKind,
         what: impl Into<String>,
-        repair: impl FnOnce() -> Result<(), String>,
+        repair: impl FnOnce() -> Result<(), E>,
     ) -> Drift {
-        let repaired = match self {
-            Self::Repair => Some(repair()),
-            Self::Look => None,
+        let outcome = match self {
+            Self::Repair => match repair() {
+                Ok(()) => Outcome::Repaired,
+                Err(why) => Outcome::Failed(why.to_string()),
+            },
+            Self::Look => Outcome::Found,
         };
-        Drift::new(kind, what, repaired)
+        Drift::new(kind, what, outcome)
     }
 }
 
@@ -192,20 +187,22 @@ mod tests {
         let mut ran = false;
         let found = Verify::Look.handle(DriftKind::Rules, "gone", || {
             ran = true;
-            Ok(())
+            Ok::<_, std::io::Error>(())
         });
         assert!(!ran);
         assert_eq!(found.outcome, Outcome::Found);
         assert_eq!(found.to_string(), "rules: gone");
         let failed = Verify::Repair.handle(DriftKind::TcFilter, "no filter on eth0", || {
-            Err("EPERM".into())
+            Err(std::io::Error::other("EPERM"))
         });
         assert!(failed.failed());
         assert_eq!(
             failed.to_string(),
             "tc_filter: no filter on eth0 (not put back: EPERM)"
         );
-        let repaired = Verify::Repair.handle(DriftKind::MapEntry, "entry changed", || Ok(()));
+        let repaired = Verify::Repair.handle(DriftKind::MapEntry, "entry changed", || {
+            Ok::<_, std::io::Error>(())
+        });
         assert_eq!(repaired.to_string(), "map_entry: entry changed (put back)");
         assert_eq!(
             serde_json::to_value(&failed.outcome).unwrap(),

@@ -56,7 +56,6 @@ pub(super) fn route_drift(
             visit
                 .netlink()
                 .and_then(|netlink| route::update(netlink, &PolicyRoutes::default(), routes))
-                .map_err(|e| e.to_string())
         })
     }))
 }

@@ -91,7 +91,7 @@ impl Hub {
     /// The CNI configuration's watch put meshcap's entry back (a primary CNI rewrote its file):
     /// counted, logged and reported as node-wide drift is.
     pub fn cni_config_repaired(&self, what: String) {
-        let drift = Drift::new(DriftKind::CniConfig, what, Some(Ok(())));
+        let drift = Drift::new(DriftKind::CniConfig, what, DriftOutcome::Repaired);
         self.report(
             None,
             std::slice::from_ref(&drift),

@@ -39,13 +39,16 @@ pub enum PodNetError {
         source: io::Error,
     },
     /// setns refused.
-    #[error("entering network namespace {path}: {source}")]
+    #[error("entering network namespace {path}: {source}{why}")]
     Enter {
         /// The namespace file.
         path: PathBuf,
         /// Why.
         #[source]
         source: nix::Error,
+        /// For an `EPERM`, the capability lacking or the likely cause, as ` (…)`
+        /// ([`crate::privilege`]).
+        why: String,
     },
     /// The closure run inside panicked.
     #[error("the work inside network namespace {0} panicked")]

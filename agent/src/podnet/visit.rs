@@ -25,7 +25,7 @@ use super::{
     PodNetError,
     route::{self, Route},
 };
-use crate::mountinfo;
+use crate::{mountinfo, privilege};
 
 /// One visit to a pod's network namespace (see the module documentation).
 #[derive(Default)]
@@ -80,6 +80,9 @@ pub fn run_in<T>(path: &Path, f: impl FnOnce(&mut Visit) -> T) -> Result<T, PodN
     })?;
     setns(&target, CloneFlags::CLONE_NEWNET).map_err(|source| PodNetError::Enter {
         path: path.to_owned(),
+        why: privilege::explain(privilege::Operation::Namespace, &source)
+            .map(|why| format!(" ({why})"))
+            .unwrap_or_default(),
         source,
     })?;
     let ran = panic::catch_unwind(AssertUnwindSafe(|| f(&mut Visit::default())));

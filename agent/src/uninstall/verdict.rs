@@ -51,6 +51,8 @@ pub enum Witnessed {
         uid: String,
         /// A `deletionTimestamp`.
         deleting: bool,
+        /// The watch has streamed on since it delivered this: no refusal or failure since.
+        streaming: bool,
     },
     /// A deletion, or a listing without it.
     Gone,
@@ -108,8 +110,17 @@ pub fn verdict(owner_uid: &str, fresh: &Fresh, seen: &Witnessed) -> Result<Verdi
                 "the DaemonSet's watch saw it deleted".into(),
             ));
         }
-        Witnessed::Present { uid, deleting } if uid != owner_uid || *deleting => {
+        Witnessed::Present { uid, deleting, .. } if uid != owner_uid || *deleting => {
             return Ok(present(uid, *deleting, "as its watch saw it"));
+        }
+        Witnessed::Present {
+            streaming: true, ..
+        } => {
+            return Ok(Verdict::Stay(
+                "the DaemonSet is there, as its watch, streaming still, delivers it: a refused \
+                 credential (a token rotated, the agent's pod force-deleted), not an uninstall"
+                    .into(),
+            ));
         }
         Witnessed::Present { .. } | Witnessed::Nothing => {}
     }
@@ -157,10 +168,21 @@ mod tests {
         }
     }
 
+    /// What a watch whose restart was refused last delivered.
     fn seen(uid: &str, deleting: bool) -> Witnessed {
         Witnessed::Present {
             uid: uid.into(),
             deleting,
+            streaming: false,
+        }
+    }
+
+    /// What a watch streaming still last delivered.
+    fn streaming(uid: &str) -> Witnessed {
+        Witnessed::Present {
+            uid: uid.into(),
+            deleting: false,
+            streaming: true,
         }
     }
 
@@ -184,11 +206,14 @@ mod tests {
             (Fresh::Unauthorized, Witnessed::Gone, Some(true)),
             (Fresh::Unauthorized, seen("ds-1", true), Some(true)),
             (Fresh::Unauthorized, seen("ds-2", false), Some(false)),
+            (Fresh::Unauthorized, streaming("ds-1"), Some(false)),
             (Fresh::Unauthorized, seen("ds-1", false), None),
             (Fresh::Unauthorized, Witnessed::Nothing, None),
             (Fresh::Forbidden, Witnessed::Gone, Some(true)),
+            (Fresh::Forbidden, streaming("ds-1"), Some(false)),
             (Fresh::Forbidden, seen("ds-1", false), None),
             (unreachable.clone(), Witnessed::Gone, Some(true)),
+            (unreachable.clone(), streaming("ds-1"), Some(false)),
             (unreachable, seen("ds-1", false), Some(false)),
         ];
         for (fresh, witnessed, expected) in rows {

@@ -71,10 +71,19 @@ impl Drop for Witness {
     }
 }
 
+/// The DaemonSet as a watch streaming still delivers it.
 fn state(ds: &DaemonSet) -> Witnessed {
     Witnessed::Present {
         uid: ds.metadata.uid.clone().unwrap_or_default(),
         deleting: ds.metadata.deletion_timestamp.is_some(),
+        streaming: true,
+    }
+}
+
+/// What was last delivered, once the watch failed or was refused: no longer a word on now.
+fn stopped(seen: &mut Witnessed) {
+    if let Witnessed::Present { streaming, .. } = seen {
+        *streaming = false;
     }
 }
 
@@ -112,7 +121,10 @@ impl Witness {
                             tx.send_replace(found);
                         }
                     }
-                    Err(err) => tracing::debug!(error = %err, "watching the DaemonSet; retrying"),
+                    Err(err) => {
+                        tracing::debug!(error = %err, "watching the DaemonSet; retrying");
+                        tx.send_modify(stopped);
+                    }
                 }
             }
         });
@@ -130,7 +142,7 @@ impl Witness {
     pub async fn settled(&mut self, owner_uid: &str, within: Duration) -> Witnessed {
         let decided = |w: &Witnessed| match w {
             Witnessed::Gone => true,
-            Witnessed::Present { uid, deleting } => uid != owner_uid || *deleting,
+            Witnessed::Present { uid, deleting, .. } => uid != owner_uid || *deleting,
             Witnessed::Nothing => false,
         };
         let _ = tokio::time::timeout(within, self.seen.wait_for(decided)).await;
@@ -215,7 +227,7 @@ pub fn plugin_needs(ambient: bool) -> Vec<Need> {
 
 /// How long a stopping agent waits for its watch to deliver the DaemonSet's deletion when it
 /// cannot read it itself: the deletion precedes the pod's stop, and its event follows within
-/// milliseconds on a live watch.
+/// milliseconds on a watch streaming still.
 pub const WITNESS_GRACE: Duration = Duration::from_secs(3);
 
 /// The whole decision at SIGTERM: the fresh read, the watch, and when both leave it open, what
@@ -230,9 +242,10 @@ pub async fn conclude(
 ) -> Verdict {
     let fresh = read(client, owner).await;
     let mut seen = witness.as_ref().map_or(Witnessed::Nothing, |w| w.seen());
+    // Not read now: what the watch says decides, once a deletion in flight had time to come
+    // down it (a watch streaming still that shows the DaemonSet there keeps meshcap).
     if let Some(witness) = witness
-        && (verdict::verdict(&owner.uid, &fresh, &seen).is_err()
-            || matches!(fresh, Fresh::Unreachable(_)))
+        && !matches!(fresh, Fresh::Present { .. } | Fresh::Gone)
     {
         seen = witness.settled(&owner.uid, WITNESS_GRACE).await;
     }

@@ -137,10 +137,7 @@ fn verified(out: &mut String, indent: &str, label: &str, verified: &Verified, no
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        backend::{DriftKind, Verify},
-        verify::Dated,
-    };
+    use crate::{backend::DriftKind, verify::Dated};
 
     #[test]
     fn the_text_names_decision_capture_and_repairs() {
@@ -165,10 +162,10 @@ mod tests {
                     last: Some(at),
                     drift: [Dated {
                         at,
-                        drift: Verify::Repair.handle(
+                        drift: Drift::new(
                             DriftKind::TcFilter,
                             "no stub on eth0",
-                            || Ok(()),
+                            DriftOutcome::Repaired,
                         ),
                     }]
                     .into(),

@@ -199,7 +199,7 @@ pub fn now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{DriftKind, Verify};
+    use crate::backend::{DriftKind, DriftOutcome};
 
     fn pod() -> PodName {
         PodName {
@@ -212,9 +212,11 @@ mod tests {
     fn a_failed_repair_keeps_the_agent_not_ready_until_a_pass_without_one() {
         let ledger = Ledger::default();
         assert_eq!(ledger.not_ready_reason(), None);
-        let failed = Verify::Repair.handle(DriftKind::TcFilter, "no stub on eth0", || {
-            Err("EPERM".into())
-        });
+        let failed = Drift::new(
+            DriftKind::TcFilter,
+            "no stub on eth0",
+            DriftOutcome::Failed("EPERM".into()),
+        );
         ledger.pod("c1", &pod(), &[failed]);
         // Not before the pass ends: a reason is a whole pass's.
         assert_eq!(ledger.not_ready_reason(), None);
@@ -225,7 +227,11 @@ mod tests {
                 "capture drift that could not be put back: pod shop/web: tc_filter: no stub on eth0 (not put back: EPERM)"
             )
         );
-        let repaired = Verify::Repair.handle(DriftKind::TcFilter, "no stub on eth0", || Ok(()));
+        let repaired = Drift::new(
+            DriftKind::TcFilter,
+            "no stub on eth0",
+            DriftOutcome::Repaired,
+        );
         ledger.pod("c1", &pod(), &[repaired]);
         ledger.finish(PassStats::default(), &["c1".to_owned()]);
         assert_eq!(ledger.not_ready_reason(), None);
@@ -244,8 +250,11 @@ mod tests {
     fn only_the_latest_drift_is_kept() {
         let ledger = Ledger::default();
         for i in 0..20 {
-            let drift =
-                Verify::Repair.handle(DriftKind::MapEntry, format!("change {i}"), || Ok(()));
+            let drift = Drift::new(
+                DriftKind::MapEntry,
+                format!("change {i}"),
+                DriftOutcome::Repaired,
+            );
             ledger.node(&[drift]);
         }
         let node = ledger.of_node();

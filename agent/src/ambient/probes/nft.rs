@@ -53,7 +53,7 @@ impl NftProbes {
         parse_elements(&json).map_err(|reason| BackendError::Command {
             pod: nft.who.clone(),
             command: format!("nft -j list set inet {NODE_TABLE} {set}"),
-            stderr: reason,
+            stderr: reason.to_string(),
         })
     }
 
@@ -300,10 +300,21 @@ const fn set_name(family: Family) -> &'static str {
     }
 }
 
+/// Why `nft -j list set`'s output could not be read.
+#[derive(Debug, thiserror::Error)]
+enum ElementsError {
+    /// It is not JSON.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// An element is not an address.
+    #[error("an element that is not an address: {0}")]
+    NotAnAddress(serde_json::Value),
+}
+
 /// The elements of the set in `nft -j list set`'s output: an address alone, or an object
 /// with its comment.
-fn parse_elements(json: &str) -> Result<Vec<Entry>, String> {
-    let value: serde_json::Value = serde_json::from_str(json).map_err(|e| e.to_string())?;
+fn parse_elements(json: &str) -> Result<Vec<Entry>, ElementsError> {
+    let value: serde_json::Value = serde_json::from_str(json)?;
     let mut out = Vec::new();
     let sets = value["nftables"].as_array().into_iter().flatten();
     for elem in sets.filter_map(|o| o["set"]["elem"].as_array()).flatten() {
@@ -316,7 +327,7 @@ fn parse_elements(json: &str) -> Result<Vec<Entry>, String> {
         };
         let ip = ip
             .parse()
-            .map_err(|_| format!("an element that is not an address: {elem}"))?;
+            .map_err(|_| ElementsError::NotAnAddress(elem.clone()))?;
         out.push(Entry {
             ip,
             comment: comment.to_owned(),
@@ -349,6 +360,12 @@ mod tests {
         let empty =
             r#"{"nftables": [{"set": {"name": "istio-inpod-probes-v6", "type": "ipv6_addr"}}]}"#;
         assert!(parse_elements(empty).expect("parsed").is_empty());
+        let bad = r#"{"nftables": [{"set": {"elem": ["10.1.2"]}}]}"#;
+        assert!(
+            matches!(parse_elements(bad), Err(ElementsError::NotAnAddress(e)) if e == "10.1.2"),
+            "an element that is not an address is named"
+        );
+        assert!(matches!(parse_elements("{"), Err(ElementsError::Json(_))));
     }
 
     #[test]

@@ -89,7 +89,7 @@ impl OwnPrograms {
             check
                 .drift
                 .push(verify.handle(DriftKind::CgroupLink, what, || {
-                    put_back(&pin, &cgroup, *attach, prog, found).map_err(|e| e.to_string())
+                    put_back(&pin, &cgroup, *attach, prog, found)
                 }));
         }
         if let Some((id, prog)) = &self.ingress {
@@ -112,7 +112,7 @@ impl OwnPrograms {
                     check
                         .drift
                         .push(verify.handle(DriftKind::TcProgram, what, || {
-                            sys::prog_array_set(tc_prog, 0, prog).map_err(|e| e.to_string())
+                            sys::prog_array_set(tc_prog, 0, prog)
                         }));
                 }
             }

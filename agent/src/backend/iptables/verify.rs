@@ -141,7 +141,6 @@ impl Ctx<'_> {
             );
             check.drift.push(verify.handle(DriftKind::Rules, what, || {
                 self.put_back(flavour, rules, &missing)
-                    .map_err(|e| e.to_string())
             }));
         }
         check.drift.extend(route_drift(

@@ -41,10 +41,14 @@ impl NftablesBackend {
                     .push("every table as applied (nft lists them unchanged)".to_owned()),
                 Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
                     // The tables replaced in one transaction: nothing less at any instant.
-                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))
-                        .map_err(|e| e.to_string())?;
-                    let now = listing(nft, rules).map_err(|e| e.to_string())?;
-                    difference(&record.listing, &now).map_or(Ok(()), Err)
+                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))?;
+                    let now = listing(nft, rules)?;
+                    difference(&record.listing, &now).map_or(Ok(()), |missing| {
+                        Err(BackendError::NotCaptured {
+                            pod: record.pod.to_string(),
+                            missing,
+                        })
+                    })
                 })),
             }
             found.drift.extend(route_drift(

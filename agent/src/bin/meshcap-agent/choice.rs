@@ -3,7 +3,6 @@
 //! pods an earlier agent captured with the other); and what captures ambient pods.
 use std::{path::PathBuf, sync::Arc};
 
-use anyhow::Context as _;
 use meshcap_agent::{
     backend::{
         BackendChoice, BackendError,
@@ -12,6 +11,7 @@ use meshcap_agent::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
         nftables::{NftablesBackend, NftablesConfig},
     },
+    privilege::{self, Operation},
     probe::{self, ProbeReport},
 };
 use tracing::{info, warn};
@@ -109,7 +109,14 @@ pub(crate) fn open_backend(
         ebpf: None,
     };
     let open_ebpf = |ebpf| -> anyhow::Result<Chosen> {
-        let backend = EbpfBackend::open(ebpf).context("opening the eBPF backend")?;
+        let backend = EbpfBackend::open(ebpf).map_err(|err| {
+            let why = privilege::explain(Operation::Bpf, &err);
+            let err = anyhow::Error::new(err);
+            match why {
+                Some(why) => err.context(format!("opening the eBPF backend: {why}")),
+                None => err.context("opening the eBPF backend"),
+            }
+        })?;
         if !backend.forward_kernel_logs()? {
             warn!("the programs' own log records will not reach this log");
         }

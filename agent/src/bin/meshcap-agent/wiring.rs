@@ -18,6 +18,7 @@ use meshcap_agent::{
     install::watch::InstallStatus,
     pods::{PodSource, dir::DirPods, kube::KubePods},
     policy::NodeSettings,
+    privilege,
     probe::ProbeReport,
     repair::{RepairConfig, Repairer},
 };
@@ -77,7 +78,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             probe: node.probe,
             ambient: node.ambient.clone(),
             install: args.install_cni.then(|| install_rx.clone()),
-            holds: holds.as_ref().map(Holds::receivers).unwrap_or_default(),
+            holds: holds
+                .as_ref()
+                .map(Holds::receivers)
+                .unwrap_or_default()
+                .into_iter()
+                .chain(capability_hold())
+                .collect(),
             events: events.clone(),
         },
         Settings {
@@ -171,6 +178,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// Readiness held for good when the agent lacks a capability every backend needs (named, with
+/// what needs it): a runtime or policy removed what the DaemonSet adds, and every capture would
+/// fail with `EPERM`.
+fn capability_hold() -> Option<watch::Receiver<Option<String>>> {
+    let why = match privilege::effective() {
+        Ok(caps) => privilege::missing(caps)?,
+        Err(err) => {
+            tracing::warn!(error = %err, "reading this process's capabilities");
+            return None;
+        }
+    };
+    tracing::error!("{why}");
+    Some(watch::channel(Some(why)).1)
 }
 
 /// Where pods come from: a manifest directory, or this node's pods from the API server (with

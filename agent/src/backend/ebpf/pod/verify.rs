@@ -117,9 +117,7 @@ impl Pods {
         {
             check.drift.push(
                 verify.handle(DriftKind::MapEntry, drift.what.join("; "), || {
-                    tables
-                        .restore_entries(cookie, snapshot)
-                        .map_err(|e| e.to_string())
+                    tables.restore_entries(cookie, snapshot)
                 }),
             );
         }
@@ -162,12 +160,9 @@ impl Pods {
                     DriftKind::Route,
                     format!("{missing} is missing"),
                     || {
-                        visit
-                            .netlink()
-                            .and_then(|n| {
-                                podnet::route::update(n, &PolicyRoutes::default(), &routes)
-                            })
-                            .map_err(|e| e.to_string())
+                        visit.netlink().and_then(|n| {
+                            podnet::route::update(n, &PolicyRoutes::default(), &routes)
+                        })
                     },
                 )),
             }
@@ -182,7 +177,7 @@ impl Pods {
                 check.drift.push(verify.handle(
                     DriftKind::Sysctl,
                     format!("net.ipv4.tcp_fwmark_accept is {:?}, not 1", value.trim()),
-                    || std::fs::write(FWMARK_ACCEPT, "1").map_err(|e| e.to_string()),
+                    || std::fs::write(FWMARK_ACCEPT, "1"),
                 ));
             }
         }
@@ -197,7 +192,7 @@ impl Pods {
                 check.drift.push(verify.handle(
                     DriftKind::Handoff,
                     "no socket lookup program on its netns",
-                    || self.attach_handoff(&pins).map_err(|e| e.to_string()),
+                    || self.attach_handoff(&pins),
                 ));
             }
         }
@@ -246,14 +241,11 @@ impl Pods {
             check
                 .drift
                 .push(verify.handle(DriftKind::TcFilter, drift, || {
-                    if stub.is_none() {
-                        stub = Some(stub::load(cookie, &self.tc_prog).map_err(|e| e.to_string())?);
-                    }
-                    let Some(stub) = &stub else {
-                        return Err("no stub".to_owned());
+                    let stub = match &mut stub {
+                        Some(stub) => stub,
+                        None => stub.insert(stub::load(cookie, &self.tc_prog)?),
                     };
-                    stub::reattach(visit, self.tc_attach, stub, ifindex, &record)
-                        .map_err(|e| e.to_string())
+                    stub::reattach(visit, self.tc_attach, &*stub, ifindex, &record)
                 }));
         }
         Ok(())

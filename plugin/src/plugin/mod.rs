@@ -1,0 +1,132 @@
+//! One invocation of the plugin: environment + stdin in, stdout + exit status out.
+//!
+//! Decisions that must not depend on the agent are made here: pods that are not Kubernetes
+//! pods, meshcap's own pods and pods in excluded namespaces pass through untouched. Every
+//! other pod is sent to the agent, and any failure to capture it fails the command (fail
+//! closed: kubelet retries the sandbox rather than start it uncaptured).
+//!
+//! - `command`: what each command does, and which pods pass through without the agent;
+//! - `agent`: asking the agent, and deciding without it when it is not listening.
+use std::io::Write;
+
+use serde_json::Value;
+
+use crate::{
+    cni::{self, CniError, Command, Invocation, LATEST_VERSION, LogLevel, NetConf},
+    protocol::PodAttachment,
+};
+
+mod agent;
+mod command;
+#[cfg(test)]
+mod tests;
+
+use command::execute;
+
+/// What the runtime gets back.
+#[derive(Debug, PartialEq)]
+pub struct Output {
+    /// The JSON to print on stdout, if any.
+    pub stdout: Option<Value>,
+    /// Whether the command succeeded (exit status 0).
+    pub success: bool,
+}
+
+impl Output {
+    fn ok(stdout: Option<Value>) -> Self {
+        Self {
+            stdout,
+            success: true,
+        }
+    }
+
+    fn error(err: &CniError, version: &str) -> Self {
+        Self {
+            stdout: Some(err.to_json(version)),
+            success: false,
+        }
+    }
+}
+
+/// Leveled log lines on stderr, where runtimes keep them.
+struct Log<'a> {
+    level: LogLevel,
+    out: &'a mut dyn Write,
+    context: String,
+}
+
+impl Log<'_> {
+    fn at(&mut self, level: LogLevel, msg: &str) {
+        if level <= self.level {
+            let name = format!("{level:?}").to_lowercase();
+            // A log line that cannot be written must not fail the command.
+            let _ = writeln!(self.out, "meshcap-cni {name}{}: {msg}", self.context);
+        }
+    }
+}
+
+/// Runs one CNI command. `env` reads an environment variable, `stdin` is the configuration and
+/// `stderr` receives log lines.
+pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8], stderr: &mut dyn Write) -> Output {
+    let invocation = match Invocation::from_env(&env) {
+        Ok(inv) => inv,
+        Err(err) => {
+            let version =
+                NetConf::parse(stdin).map_or_else(|_| LATEST_VERSION.to_owned(), |c| c.cni_version);
+            return Output::error(&err, &version);
+        }
+    };
+    if invocation.command == Command::Version {
+        return Output::ok(Some(version_info(stdin)));
+    }
+    let conf = match NetConf::parse(stdin) {
+        Ok(conf) => conf,
+        Err(err) => return Output::error(&err, LATEST_VERSION),
+    };
+    let pod = PodAttachment {
+        namespace: invocation.arg("K8S_POD_NAMESPACE").unwrap_or("").to_owned(),
+        name: invocation.arg("K8S_POD_NAME").unwrap_or("").to_owned(),
+        uid: invocation.arg("K8S_POD_UID").map(str::to_owned),
+        container_id: invocation.container_id.clone(),
+        netns: invocation.netns.clone(),
+        ifname: invocation.ifname.clone(),
+        ips: conf
+            .prev_result
+            .as_ref()
+            .map(cni::result_ips)
+            .unwrap_or_default(),
+    };
+    let mut log = Log {
+        level: conf.meshcap.log_level,
+        out: stderr,
+        context: if pod.name.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " pod={}/{} container={}",
+                pod.namespace, pod.name, pod.container_id
+            )
+        },
+    };
+    match execute(&invocation, &conf, pod, &mut log) {
+        Ok(stdout) => Output::ok(stdout),
+        Err(err) => {
+            log.at(
+                LogLevel::Error,
+                &format!("{:?} failed: {}", invocation.command, err.msg),
+            );
+            Output::error(&err, &conf.cni_version)
+        }
+    }
+}
+
+/// The VERSION answer, in the version the caller asked about when it is one of ours.
+#[must_use]
+pub fn version_info(stdin: &[u8]) -> Value {
+    let asked = serde_json::from_slice::<Value>(stdin)
+        .ok()
+        .and_then(|v| v.get("cniVersion")?.as_str().map(str::to_owned))
+        .filter(|v| cni::SUPPORTED_VERSIONS.contains(&v.as_str()))
+        .unwrap_or_else(|| LATEST_VERSION.to_owned());
+    serde_json::json!({ "cniVersion": asked, "supportedVersions": cni::SUPPORTED_VERSIONS })
+}
