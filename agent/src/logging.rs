@@ -123,6 +123,30 @@ where
     }
 }
 
+/// `unix_micros` (microseconds since the epoch) as Istio's logger writes a time: UTC,
+/// `2006-01-02T15:04:05.000000Z` (`formatDate`, `pkg/log/config.go`).
+#[must_use]
+pub fn utc_time(unix_micros: u64) -> String {
+    let (secs, micros) = (unix_micros / 1_000_000, unix_micros % 1_000_000);
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
+    let z = i64::try_from(days).unwrap_or(i64::MAX / 2) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{micros:06}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
 /// Istio's level names (zap's `LowercaseLevelEncoder`; Istio has no trace level).
 fn level_name(level: tracing::Level) -> &'static str {
     match level {
@@ -208,6 +232,16 @@ mod tests {
             r#"{"level":"info","time":"2026-11-28T06:22:01.123456Z","scope":"cni-agent","msg":"a \"quoted\" word","pod":"shop/web"}"#
         );
         assert_eq!(level_name(tracing::Level::TRACE), "debug");
+        assert_eq!(utc_time(0), "1970-01-01T00:00:00.000000Z");
+        // 2024-02-29T23:59:59.123456Z, a leap day.
+        assert_eq!(
+            utc_time(1_709_251_199_123_456),
+            "2024-02-29T23:59:59.123456Z"
+        );
+        assert_eq!(
+            utc_time(1_795_850_521_000_007),
+            "2026-11-28T07:22:01.000007Z"
+        );
         assert_eq!(level_name(tracing::Level::WARN), "warn");
     }
 }

@@ -12,12 +12,13 @@ use std::{
 };
 
 use meshcap_tests::{
-    Proc,
+    Netns, Proc,
     agent::{Agent, Backend, binaries},
     apiserver::ApiServer,
     bin,
     cluster::ClusterNode,
     fixtures::{ManifestDir, broken_pod, eventually, plain_pod, sidecar_pod, unique_ip},
+    kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     world::Node,
 };
@@ -443,4 +444,63 @@ fn json_log_lines_have_istios_keys() {
             .collect();
         assert_eq!(shape, "0000-00-00T00:00:00.000000Z", "{line}");
     }
+}
+
+/// The plugin's messages reach the agent's log, as Istio's plugin sends its log to its agent
+/// (`cni/pkg/plugin/plugin.go`, `cni/pkg/log/uds.go`): under scope `cni-plugin`, with the pod
+/// the command concerned; with no agent to take them, on the plugin's stderr (the runtime's
+/// log), as before.
+#[test]
+fn the_plugins_messages_are_in_the_agents_log_with_their_pod() {
+    require_root();
+    let pods = ManifestDir::new();
+    let pod_dir = pods.0.to_str().expect("utf-8");
+    let agent = Agent::start(
+        Backend::Iptables,
+        &["--pods", "dir", "--pod-dir", pod_dir, "--log_as_json"],
+        &[],
+    )
+    .expect("agent");
+    let netns = Netns::new("meshcap-plugin-log").expect("netns");
+    // A pod the plugin passes through on its own (an excluded namespace): its message is the
+    // plugin's alone.
+    let sandbox = Sandbox::new("kube-system", "coredns-1", &netns);
+    let mut conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    conf["exclude_namespaces"] = json!(["kube-system"]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "{add:?}");
+    assert_eq!(add.stderr, "", "the agent took the plugin's lines");
+    let logged = || -> Option<Value> {
+        agent.log().lines().find_map(|l| {
+            let line: Value = serde_json::from_str(l).ok()?;
+            (line["scope"] == "cni-plugin").then_some(line)
+        })
+    };
+    eventually("the plugin's line in the agent's log", || {
+        logged().is_some()
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+    let line = logged().expect("a line");
+    assert_eq!(line["pod"], "kube-system/coredns-1", "{line}");
+    assert_eq!(line["level"], "info", "{line}");
+    assert_eq!(
+        line["msg"], "passing through: namespace kube-system is in exclude_namespaces",
+        "{line}"
+    );
+    let time = line["time"].as_str().expect("a time");
+    assert!(time.ends_with('Z') && time.len() == 27, "{line}");
+
+    // No agent: the same line on the plugin's stderr.
+    drop(agent);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "{add:?}");
+    assert!(
+        add.stderr
+            .contains("meshcap-cni info pod=kube-system/coredns-1")
+            && add
+                .stderr
+                .contains("passing through: namespace kube-system is in exclude_namespaces"),
+        "{}",
+        add.stderr
+    );
 }

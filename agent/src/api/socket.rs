@@ -184,7 +184,8 @@ async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
         Reply::Ok { .. } => 0,
         Reply::Error { kind, .. } => kind.cni_code(),
     };
-    let from_plugin = !matches!(verb, "status" | "explain");
+    // meshcap-agent's own requests, and the plugin's log (Istio's goes to a socket of its own).
+    let from_plugin = !matches!(verb, "status" | "explain" | "log");
     hub.metrics().plugin_request(
         verb,
         code,
@@ -266,6 +267,7 @@ pub(super) async fn serve(hub: &Hub, op: Op) -> Response {
         Op::Ping => hub.ping().await,
         Op::Status => hub.status().await,
         Op::Explain { namespace, name } => hub.explain(PodName { namespace, name }).await,
+        Op::Log { pod, lines } => return super::plugin_log::write(&pod, &lines),
     };
     respond(result)
 }
