@@ -8,8 +8,8 @@
 //! - [`ambient`]: ambient mode's own: ztunnel's hand-over, the node's probe sets, the pod's
 //!   annotation and the workload records, around the backend that captures ambient pods;
 //! - [`api`]: the ways in: the plugin socket (root only, one bounded request per connection;
-//!   the only place the plugin's protocol is read and written) and the health, readiness and
-//!   metrics endpoint;
+//!   the only place the plugin's protocol is read and written; the plugin's log lines logged)
+//!   and the health, readiness and metrics endpoints, on Istio's ports;
 //! - [`backend`]: the capture backends (`ebpf`, pinned kernel programs; `iptables`, Istio's
 //!   rules) behind one interface for both modes, and the router that sends each mode to the
 //!   backend chosen to serve it;
@@ -26,7 +26,8 @@
 //! - [`install`]: the plugin binary and its chained CNI configuration on the node, kept in place;
 //! - [`instance`]: one agent at a time per state directory (an exclusive lock);
 //! - [`ipset`]: the kernel's IP sets over nfnetlink (ambient mode's probe set on the node);
-//! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in;
+//! - [`logging`]: `tracing` set-up, with aya-log and `log` records bridged in; JSON lines with
+//!   Istio's keys;
 //! - [`mountinfo`]: the process's mounts (the cgroup v2 hierarchy, bind-mounted netns);
 //! - [`paths`]: where things are on the node by default (the DaemonSet mounts exactly these);
 //! - [`pending`]: live enrollments that failed, tried again with backoff until done;
@@ -45,7 +46,7 @@
 //! - [`repair`]: Istio's repair controller, for pods that started before their capture;
 //! - [`sched`]: a short scheduler slice, so that a busy node's pods do not delay an ADD;
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
-//! - [`status`]: the status report and metrics;
+//! - [`status`]: the status report and metrics (Istio's node agent's, `process_*`, meshcap's);
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
 //!   how the agent tells that apart from a restart ([`uninstall::verdict`]);

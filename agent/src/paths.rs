@@ -40,8 +40,59 @@ pub const NETNS_DIR: &str = "/var/run/netns";
 /// only): the agent writes it into the plugin's kubeconfig (`install::kubeconfig`).
 pub const CNI_TOKEN_DIR: &str = "/var/run/secrets/meshcap.io/cni";
 
-/// The health, readiness and metrics endpoint, on every address of the node.
-pub const HTTP_LISTEN: &str = "0.0.0.0:15022";
+/// Health and readiness (`/healthz`, `/readyz`), on every address of the node: Istio's node
+/// agent's port (`constants.ReadinessPort`, `cni/pkg/constants/constants.go`).
+pub const HEALTH_LISTEN: &str = "0.0.0.0:8000";
+
+/// Prometheus metrics (`/metrics`), on every address of the node: Istio's node agent's
+/// `--monitoring-port` default (`cni/pkg/cmd/root.go`).
+pub const METRICS_LISTEN: &str = "0.0.0.0:15014";
+
+/// Where the agent serves health, readiness and metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoints {
+    /// Health and readiness on one address, metrics on another (the DaemonSet's, as Istio's).
+    Split {
+        /// `/healthz` and `/readyz`.
+        health: std::net::SocketAddr,
+        /// `/metrics`.
+        metrics: std::net::SocketAddr,
+    },
+    /// All three on one address (`--http-listen`; a private agent's).
+    Combined(std::net::SocketAddr),
+}
+
+impl Default for Endpoints {
+    fn default() -> Self {
+        Self::Split {
+            health: HEALTH_LISTEN.parse().expect("a socket address"),
+            metrics: METRICS_LISTEN.parse().expect("a socket address"),
+        }
+    }
+}
+
+impl Endpoints {
+    /// These, with health or metrics moved where given (an address not given stays; for
+    /// [`Self::Combined`], the one address).
+    #[must_use]
+    pub fn with(
+        self,
+        health: Option<std::net::SocketAddr>,
+        metrics: Option<std::net::SocketAddr>,
+    ) -> Self {
+        let (h, m) = match self {
+            Self::Split { health, metrics } => (health, metrics),
+            Self::Combined(addr) => (addr, addr),
+        };
+        match (health, metrics) {
+            (None, None) => self,
+            (health, metrics) => Self::Split {
+                health: health.unwrap_or(h),
+                metrics: metrics.unwrap_or(m),
+            },
+        }
+    }
+}
 
 /// A private agent's name that cannot name its paths.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -62,8 +113,8 @@ pub struct AgentPaths {
     /// The cgroup the eBPF programs attach to, relative to the cgroup2 mount (empty: the
     /// mount itself).
     pub cgroup: std::path::PathBuf,
-    /// The health, readiness and metrics endpoint.
-    pub http_listen: std::net::SocketAddr,
+    /// Where health, readiness and metrics are served.
+    pub endpoints: Endpoints,
 }
 
 impl Default for AgentPaths {
@@ -73,7 +124,7 @@ impl Default for AgentPaths {
             state_dir: RUN_DIR.into(),
             bpffs_dir: crate::backend::ebpf::DEFAULT_BPFFS_DIR.into(),
             cgroup: std::path::PathBuf::new(),
-            http_listen: HTTP_LISTEN.parse().expect("a socket address"),
+            endpoints: Endpoints::default(),
         }
     }
 }
@@ -106,7 +157,7 @@ impl AgentPaths {
                 .join(format!("meshcap-{name}"))
                 .join(layout),
             cgroup: format!("meshcap-{name}").into(),
-            http_listen: "127.0.0.1:0".parse().expect("a socket address"),
+            endpoints: Endpoints::Combined("127.0.0.1:0".parse().expect("a socket address")),
         })
     }
 }
@@ -129,9 +180,30 @@ mod tests {
         );
         assert_eq!(private.cgroup, std::path::Path::new("meshcap-dev-1"));
         assert_ne!(private.state_dir, default.state_dir);
-        assert_ne!(private.http_listen.port(), default.http_listen.port());
+        assert_ne!(private.endpoints, default.endpoints);
         for bad in ["", "Dev", "a/b", "a_b", &"x".repeat(41)] {
             assert!(AgentPaths::instance(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn health_or_metrics_moved_alone() {
+        let at = |s: &str| s.parse::<std::net::SocketAddr>().expect("an address");
+        assert_eq!(
+            Endpoints::default().with(Some(at("0.0.0.0:9000")), None),
+            Endpoints::Split {
+                health: at("0.0.0.0:9000"),
+                metrics: at(METRICS_LISTEN)
+            }
+        );
+        let private = Endpoints::Combined(at("127.0.0.1:0"));
+        assert_eq!(private.with(None, None), private);
+        assert_eq!(
+            private.with(None, Some(at("127.0.0.1:9100"))),
+            Endpoints::Split {
+                health: at("127.0.0.1:0"),
+                metrics: at("127.0.0.1:9100")
+            }
+        );
     }
 }

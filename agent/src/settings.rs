@@ -315,3 +315,11 @@ pub const INSTALL_CNI_ENV: &str = "MESHCAP_INSTALL_CNI";
 
 /// Where the `meshcap-cni` binary to install is, in the agent's image: beside the agent.
 pub const PLUGIN_SOURCE: &str = "/usr/local/bin/meshcap-cni";
+
+/// The address of health and readiness (`meshcap-agent run --health-listen`), which the
+/// DaemonSet sets from `meshcap.healthPort`.
+pub const HEALTH_LISTEN_ENV: &str = "MESHCAP_HEALTH_LISTEN";
+
+/// The address of the metrics (`meshcap-agent run --metrics-listen`), which the DaemonSet sets
+/// from `meshcap.metricsPort`.
+pub const METRICS_LISTEN_ENV: &str = "MESHCAP_METRICS_LISTEN";

@@ -20,7 +20,8 @@ use kube::{
 use serde_json::json;
 
 /// meshcap's own taint key, by default. Nodes already provisioned with Istio's key can keep it
-/// by configuring `cni.istio.io/not-ready` (and disabling istiod's untaint controller).
+/// by configuring `cni.istio.io/not-ready`; istiod's untaint controller, if on, removes the same
+/// taint on the same condition (the agent's pod Ready; a taint already gone is [`Removal::Absent`]).
 pub const DEFAULT_KEY: &str = "cni.meshcap.io/not-ready";
 
 /// The key Istio uses for the same purpose.

@@ -470,13 +470,41 @@ fn probes_and_scraping_point_at_the_agents_endpoints() {
     let m = manifests();
     let ds = one(&m.daemon_sets, "DaemonSet");
     let (_, agent) = agent_container(ds);
-    let listen: std::net::SocketAddr = paths::HTTP_LISTEN.parse().expect("HTTP_LISTEN");
-    let port = i32::from(listen.port());
+    // Istio's node agent's ports: health and readiness on 8000 (`constants.ReadinessPort`),
+    // metrics on 15014 (`--monitoring-port`'s default), and the agent listens where the
+    // DaemonSet points.
+    let at = |addr: &str| addr.parse::<std::net::SocketAddr>().expect("an address");
+    assert_eq!(at(paths::HEALTH_LISTEN).port(), 8000);
+    assert_eq!(at(paths::METRICS_LISTEN).port(), 15014);
+    let env: BTreeMap<_, _> = agent
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.as_str(), e.value.clone()))
+        .collect();
+    assert_eq!(
+        env.get(settings::HEALTH_LISTEN_ENV)
+            .cloned()
+            .flatten()
+            .as_deref(),
+        Some(paths::HEALTH_LISTEN)
+    );
+    assert_eq!(
+        env.get(settings::METRICS_LISTEN_ENV)
+            .cloned()
+            .flatten()
+            .as_deref(),
+        Some(paths::METRICS_LISTEN)
+    );
+    let (health, metrics) = (
+        i32::from(at(paths::HEALTH_LISTEN).port()),
+        i32::from(at(paths::METRICS_LISTEN).port()),
+    );
     let probe = |which: &str, probe: Option<&k8s_openapi::api::core::v1::Probe>| {
         let get = probe
             .and_then(|p| p.http_get.as_ref())
             .unwrap_or_else(|| panic!("{which}: an httpGet probe"));
-        assert_eq!(get.port, IntOrString::Int(port), "{which}");
+        assert_eq!(get.port, IntOrString::Int(health), "{which}");
         get.path.clone().unwrap_or_default()
     };
     assert_eq!(
@@ -491,13 +519,14 @@ fn probes_and_scraping_point_at_the_agents_endpoints() {
     assert!(silent >= 60, "liveness gives up after {silent} s");
     assert!(liveness.timeout_seconds.unwrap_or(1) >= 5);
 
+    // The metrics port declared under Istio's name, as istio-cni's chart declares it.
     let ports: Vec<_> = agent
         .ports
         .iter()
         .flatten()
-        .map(|p| p.container_port)
+        .map(|p| (p.name.as_deref(), p.container_port))
         .collect();
-    assert_eq!(ports, [port]);
+    assert_eq!(ports, [(Some("metrics"), metrics)]);
     let annotations = ds
         .spec
         .as_ref()
@@ -506,7 +535,7 @@ fn probes_and_scraping_point_at_the_agents_endpoints() {
         .unwrap_or_default();
     let scrape: BTreeMap<&str, String> = [
         ("prometheus.io/scrape", "true".to_owned()),
-        ("prometheus.io/port", port.to_string()),
+        ("prometheus.io/port", metrics.to_string()),
         ("prometheus.io/path", http::METRICS.to_owned()),
     ]
     .into_iter()
@@ -514,4 +543,45 @@ fn probes_and_scraping_point_at_the_agents_endpoints() {
     for (key, value) in &scrape {
         assert_eq!(annotations.get(*key), Some(value), "{key}");
     }
+}
+
+/// istiod's untaint controller removes its startup taint from a node once a Ready pod labelled
+/// `k8s-app: istio-cni-node` runs there, among the pods of its CNI namespace
+/// (`pilot/pkg/controllers/untaint/nodeuntainter.go`: `istioCniLabels`, `filterNamespace`);
+/// `istioctl bug-report` collects the log of every pod with that label
+/// (`tools/bug-report/pkg/cluster/cluster.go`). The agent's pods carry it, in the DaemonSet's
+/// namespace, where its pods run; the DaemonSet's selector is meshcap's own, unchanged (a
+/// selector cannot change on `helm upgrade`), and selects the pods it makes.
+#[test]
+fn istios_tools_find_the_agents_pods_by_istios_label() {
+    let m = manifests();
+    let ds = one(&m.daemon_sets, "DaemonSet");
+    let namespace = ds.metadata.namespace.as_deref().expect("a namespace");
+    assert_eq!(namespace, "meshcap-system");
+    let spec = ds.spec.as_ref().expect("spec");
+    let labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        labels.get("k8s-app").map(String::as_str),
+        Some("istio-cni-node")
+    );
+    let selector = spec.selector.match_labels.clone().unwrap_or_default();
+    assert_eq!(
+        selector,
+        BTreeMap::from([(
+            "app.kubernetes.io/name".to_owned(),
+            "meshcap-agent".to_owned()
+        )])
+    );
+    for (key, value) in &selector {
+        assert_eq!(labels.get(key), Some(value), "{key}");
+    }
+    // Only the label: nothing that makes Istio's installer take the pods for its own
+    // (`istioctl uninstall` prunes what carries its component labels).
+    assert!(!labels.contains_key("operator.istio.io/component"));
+    assert_eq!(ds.metadata.name.as_deref(), Some("meshcap-agent"));
 }

@@ -16,8 +16,8 @@ use std::{
 };
 
 use meshcap_agent::install::{
-    self, ConfState, InstallConfig, PLUGIN_BINARY,
-    watch::{self, InstallStatus},
+    self, ConfState, InstallConfig, PLUGIN_BINARY, Step,
+    watch::{self, InstallStatus, Pass},
 };
 use serde_json::Value;
 use tempfile::TempDir;
@@ -362,10 +362,17 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     let writes = Arc::new(AtomicUsize::new(0));
     let repairs = Arc::new(AtomicUsize::new(0));
     let (count, repaired) = (writes.clone(), repairs.clone());
-    let watcher = watch::spawn(node.config.clone(), tx, move |_, repair| {
-        count.fetch_add(1, Ordering::Relaxed);
-        if repair {
-            repaired.fetch_add(1, Ordering::Relaxed);
+    let watcher = watch::spawn(node.config.clone(), tx, move |pass| {
+        if let Pass::Installed {
+            written: true,
+            repaired: repair,
+            ..
+        } = *pass
+        {
+            count.fetch_add(1, Ordering::Relaxed);
+            if repair {
+                repaired.fetch_add(1, Ordering::Relaxed);
+            }
         }
     })
     .expect("watcher");
@@ -416,10 +423,10 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     assert!(has_meshcap("05-cilium.conflist")(&node));
     let before = node.files();
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let rewrites = Arc::new(AtomicUsize::new(0));
-    let count = rewrites.clone();
-    let restarted = watch::spawn(node.config.clone(), tx, move |_, _| {
-        count.fetch_add(1, Ordering::Relaxed);
+    let passes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = passes.clone();
+    let restarted = watch::spawn(node.config.clone(), tx, move |pass| {
+        seen.lock().expect("passes").push(format!("{pass:?}"));
     })
     .expect("restarted watcher");
     wait_for(&mut rx, |s| {
@@ -430,17 +437,58 @@ fn the_watcher_reinserts_when_the_primary_cni_rewrites_its_file() {
     });
     drop(restarted);
     assert_eq!(node.files(), before, "a restart rewrites nothing");
-    assert_eq!(rewrites.load(Ordering::Relaxed), 0);
+    // One installation found in place, as Istio's installer counts one at each start; no write.
+    let cilium_file = node.conf_dir().join("05-cilium.conflist");
+    assert_eq!(
+        *passes.lock().expect("passes"),
+        [format!(
+            "{:?}",
+            Pass::Installed {
+                path: &cilium_file,
+                written: false,
+                repaired: false
+            }
+        )]
+    );
     // Each re-insertion above was one write, and a repair (the counter of drift put back).
     assert!(writes.load(Ordering::Relaxed) >= 3, "{writes:?}");
     assert!(repairs.load(Ordering::Relaxed) >= 2, "{repairs:?}");
+}
+
+/// A failed installation is reported with the step that failed, as Istio's installer counts
+/// it (`istio_cni_installs_total{result="COPY_BINARIES_FAILURE"}`, ...), at each attempt; once
+/// the cause is gone, the next attempt installs.
+#[test]
+fn the_watcher_reports_the_step_that_failed() {
+    let node = Node::new(Some(&case_dir("calico").join("pre")));
+    let source = node.config.plugin_source.clone();
+    fs::remove_file(&source).expect("the plugin binary goes");
+    let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
+    let passes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = passes.clone();
+    let _watcher = watch::spawn(node.config.clone(), tx, move |pass| {
+        let step = match *pass {
+            Pass::Failed(step) => Some(step),
+            Pass::Installed { .. } => None,
+        };
+        seen.lock().expect("passes").push(step);
+    })
+    .expect("watcher");
+    wait_for(&mut rx, |s| matches!(s, InstallStatus::Failed(_)));
+    assert_eq!(passes.lock().expect("passes")[0], Some(Step::Binaries));
+    assert_eq!(Step::Binaries.istio_result(), "COPY_BINARIES_FAILURE");
+    fs::write(&source, PLUGIN_BYTES).expect("the plugin binary is back");
+    // A change in the bin dir makes the watcher try again.
+    fs::write(node.config.cni_bin_dir.join("poke"), b"").expect("a change");
+    wait_for(&mut rx, InstallStatus::is_installed);
+    assert_eq!(passes.lock().expect("passes").last(), Some(&None));
 }
 
 #[test]
 fn the_watcher_waits_for_the_primary_cni() {
     let node = Node::new(None);
     let (tx, mut rx) = tokio::sync::watch::channel(InstallStatus::Starting);
-    let _watcher = watch::spawn(node.config.clone(), tx, |_, _| {}).expect("watcher");
+    let _watcher = watch::spawn(node.config.clone(), tx, |_| {}).expect("watcher");
     wait_for(&mut rx, |s| {
         *s == InstallStatus::Conf(ConfState::NoPrimaryConfig)
     });

@@ -615,7 +615,7 @@ fn spawn(
         .arg("--state-dir")
         .arg(dir.join("state"))
         .args(["--http-listen", http])
-        .env("RUST_LOG", "warn,meshcap_agent=info")
+        .env("RUST_LOG", "warn,meshcap_agent=info,meshcap_cni=info")
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stderr(log)

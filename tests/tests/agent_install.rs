@@ -137,6 +137,10 @@ fn run_installs_the_plugin_and_leaves_it_in_place_when_it_exits() {
 }
 
 /// The value of the sample `name` (no labels) in a Prometheus text exposition.
+/// Istio's count of installations that put the plugin in place
+/// (`cni/pkg/install/monitoring.go`).
+const INSTALLED: &str = r#"istio_cni_installs_total{result="SUCCESS"}"#;
+
 fn sample(metrics: &str, name: &str) -> Option<f64> {
     metrics.lines().find_map(|line| {
         let (key, value) = line.split_once(' ')?;
@@ -180,15 +184,11 @@ fn ready_only_once_the_plugin_is_chained() {
     assert!(body.contains("meshcap-cni is not in place"), "{body}");
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert_eq!(
-        sample(&metrics, "meshcap_cni_install_ready"),
+        sample(&metrics, "istio_cni_install_ready"),
         Some(0.0),
         "{metrics}"
     );
-    assert_eq!(
-        sample(&metrics, "meshcap_cni_installs_total"),
-        Some(0.0),
-        "{metrics}"
-    );
+    assert_eq!(sample(&metrics, INSTALLED), None, "{metrics}");
 
     fs::write(
         conf_dir.join("10-bridge.conflist"),
@@ -204,15 +204,11 @@ fn ready_only_once_the_plugin_is_chained() {
     assert_eq!(meshcap_entries(&chained).len(), 1, "{chained}");
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     assert_eq!(
-        sample(&metrics, "meshcap_cni_install_ready"),
+        sample(&metrics, "istio_cni_install_ready"),
         Some(1.0),
         "{metrics}"
     );
-    assert_eq!(
-        sample(&metrics, "meshcap_cni_installs_total"),
-        Some(1.0),
-        "{metrics}"
-    );
+    assert_eq!(sample(&metrics, INSTALLED), Some(1.0), "{metrics}");
 
     const REPAIRED: &str = r#"meshcap_capture_drift_total{kind="cni_config",result="repaired"}"#;
     assert_eq!(
@@ -237,7 +233,7 @@ fn ready_only_once_the_plugin_is_chained() {
             .ok()
             .and_then(|(_, metrics)| sample(&metrics, name))
     };
-    let installs = || count("meshcap_cni_installs_total");
+    let installs = || count(INSTALLED);
     eventually("the entry is chained again and counted", || {
         meshcap_entries(&read_json(&conf_dir.join("10-bridge.conflist"))).len() == 1
             && agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200)

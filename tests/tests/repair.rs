@@ -28,12 +28,12 @@ fn healthy(mut pod: Value, ip: &str) -> Value {
     pod
 }
 
-/// The agent's `meshcap_cni_repair_pods_repaired_total` samples, sorted.
+/// The agent's `istio_cni_repair_pods_repaired_total` samples, sorted.
 fn repairs(agent: &Agent) -> Vec<String> {
     let (_, metrics) = agent.http_get("/metrics").expect("metrics");
     let mut samples: Vec<String> = metrics
         .lines()
-        .filter(|l| l.starts_with("meshcap_cni_repair_pods_repaired_total"))
+        .filter(|l| l.starts_with("istio_cni_repair_pods_repaired_total"))
         .map(str::to_owned)
         .collect();
     samples.sort();
@@ -89,7 +89,7 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
         ("envoy".to_owned(), Some("10.0.0.1:80".to_owned()))
     );
     // Counted once the controller has its answer, a moment after the capture works.
-    let repaired = ["meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1"];
+    let repaired = ["istio_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1"];
     eventually("the repair is counted", || repairs(&agent) == repaired)
         .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
     let mut event = Value::Null;
@@ -127,8 +127,8 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
         3,
     ));
     let after = [
-        "meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"fail\"} 1",
-        "meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1",
+        "istio_cni_repair_pods_repaired_total{type=\"repair\",result=\"fail\"} 1",
+        "istio_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} 1",
     ];
     eventually("the later pod is handled", || repairs(&agent) == after)
         .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
@@ -188,8 +188,8 @@ fn label_pods_patches_exactly_the_label() {
     assert_eq!(
         repairs(&agent),
         [
-            "meshcap_cni_repair_pods_repaired_total{type=\"label\",result=\"skip\"} 1",
-            "meshcap_cni_repair_pods_repaired_total{type=\"label\",result=\"success\"} 1",
+            "istio_cni_repair_pods_repaired_total{type=\"label\",result=\"skip\"} 1",
+            "istio_cni_repair_pods_repaired_total{type=\"label\",result=\"success\"} 1",
         ]
     );
     assert_eq!(api.writes.lock().expect("writes").len(), 1);
@@ -246,7 +246,7 @@ fn delete_pods_deletes_with_preconditions() {
             .any(|p| p["metadata"]["name"] == "doomed")
     );
     // The server has the request before the controller has the answer it counts.
-    let deleted = ["meshcap_cni_repair_pods_repaired_total{type=\"delete\",result=\"success\"} 1"];
+    let deleted = ["istio_cni_repair_pods_repaired_total{type=\"delete\",result=\"success\"} 1"];
     eventually("the deletion is counted", || repairs(&agent) == deleted)
         .unwrap_or_else(|e| panic!("{e}: {:?}", repairs(&agent)));
     assert_eq!(

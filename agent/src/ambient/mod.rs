@@ -189,6 +189,12 @@ impl Ambient {
         self.ztunnel.greeted()
     }
 
+    /// How many ztunnels are connected now (`ztunnel_connected`).
+    #[must_use]
+    pub fn ztunnels_connected(&self) -> usize {
+        self.ztunnel.connected()
+    }
+
     /// What captures enrolled pods: `iptables` (Istio's in-pod rules) or `ebpf`.
     #[must_use]
     pub fn capture(&self) -> &'static str {

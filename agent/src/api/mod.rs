@@ -3,6 +3,7 @@
 //! into the hub's domain values and back), and [`http`], the health, readiness and metrics
 //! endpoint. Both hand their work to [`crate::hub`]; nothing below imports this module.
 pub mod http;
+mod plugin_log;
 mod socket;
 
 pub use socket::{ApiError, Server, ServerConfig};

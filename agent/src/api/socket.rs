@@ -184,7 +184,13 @@ async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
         Reply::Ok { .. } => 0,
         Reply::Error { kind, .. } => kind.cni_code(),
     };
-    hub.metrics().plugin_request(verb, code);
+    // meshcap-agent's own requests, and the plugin's log (Istio's goes to a socket of its own).
+    let from_plugin = !matches!(verb, "status" | "explain" | "log");
+    hub.metrics().plugin_request(
+        verb,
+        code,
+        from_plugin.then(|| http_status(&response.reply)),
+    );
     let frame = match protocol::encode(&response, MAX_RESPONSE_BYTES) {
         Ok(frame) => frame,
         Err(err) => {
@@ -196,6 +202,27 @@ async fn connection(mut stream: UnixStream, hub: &Hub, config: &ServerConfig) {
         Ok(Ok(())) => {}
         Ok(Err(err)) => debug!(error = %err, "writing a response: the plugin went away"),
         Err(_) => warn!("writing a response timed out"),
+    }
+}
+
+/// The HTTP status Istio's node agent answers its plugin with for what `reply` says, for
+/// `istio_cni_plugin_requests_total{response_code}` (`cni/pkg/nodeagent/cni-watcher.go`,
+/// `handleAddEvent`): 200 done, 400 a request that could not be read, 500 anything the agent
+/// could not do. A peer that is not root, which Istio's socket has no answer for, is 403.
+const fn http_status(reply: &Reply) -> u16 {
+    match reply {
+        Reply::Ok { .. } => 200,
+        Reply::Error { kind, .. } => match kind {
+            ErrorKind::BadRequest | ErrorKind::UnsupportedVersion => 400,
+            ErrorKind::Forbidden => 403,
+            ErrorKind::PodNotFound
+            | ErrorKind::PodSourceUnavailable
+            | ErrorKind::InvalidPod
+            | ErrorKind::Backend
+            | ErrorKind::CheckFailed
+            | ErrorKind::NotReady
+            | ErrorKind::Internal => 500,
+        },
     }
 }
 
@@ -240,6 +267,7 @@ pub(super) async fn serve(hub: &Hub, op: Op) -> Response {
         Op::Ping => hub.ping().await,
         Op::Status => hub.status().await,
         Op::Explain { namespace, name } => hub.explain(PodName { namespace, name }).await,
+        Op::Log { pod, lines } => return super::plugin_log::write(&pod, &lines),
     };
     respond(result)
 }
@@ -336,6 +364,18 @@ mod tests {
         ] {
             assert_eq!(serde_json::json!(outcome(&done)), done.label(), "{done:?}");
         }
+    }
+
+    /// Istio's node agent's statuses: 200, 400 for what it cannot read, 500 for what it
+    /// cannot do.
+    #[test]
+    fn istios_response_codes() {
+        let error = |kind| Response::error(kind, "", "").reply;
+        assert_eq!(http_status(&Response::ok(Outcome::Skipped, "").reply), 200);
+        assert_eq!(http_status(&error(ErrorKind::BadRequest)), 400);
+        assert_eq!(http_status(&error(ErrorKind::InvalidPod)), 500);
+        assert_eq!(http_status(&error(ErrorKind::NotReady)), 500);
+        assert_eq!(http_status(&error(ErrorKind::Forbidden)), 403);
     }
 
     #[test]

@@ -156,11 +156,13 @@ impl LiveEnrollment {
     async fn on_pod(&mut self, event: Result<watcher::Event<Pod>, watcher::Error>) {
         match event {
             Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
-                self.pods.insert(PodName::of(&pod), pod.clone());
+                let known = self.pods.insert(PodName::of(&pod), pod.clone()).is_some();
+                self.count(if known { "update" } else { "add" });
                 self.reconcile(&pod).await;
             }
             // The runtime's DEL removes the pod's enrollment.
             Ok(watcher::Event::Delete(pod)) => {
+                self.count("delete");
                 self.pods.remove(&PodName::of(&pod));
                 if let Some(uid) = &pod.metadata.uid {
                     self.hub.pending().done(uid);
@@ -180,7 +182,13 @@ impl LiveEnrollment {
         match event {
             Ok(watcher::Event::Init) => listing.clear(),
             Ok(watcher::Event::InitApply(namespace)) => {
-                listing.insert(name_of(&namespace), labels_of(&namespace));
+                let name = name_of(&namespace);
+                let known = self
+                    .namespaces
+                    .as_ref()
+                    .is_some_and(|k| k.contains_key(&name));
+                self.count(if known { "update" } else { "add" });
+                listing.insert(name, labels_of(&namespace));
             }
             Ok(watcher::Event::InitDone) => {
                 self.namespaces = Some(std::mem::take(listing));
@@ -189,12 +197,23 @@ impl LiveEnrollment {
             Ok(watcher::Event::Apply(namespace)) => {
                 let (name, labels) = (name_of(&namespace), labels_of(&namespace));
                 let known = self.namespaces.get_or_insert_with(HashMap::new);
+                self.hub
+                    .metrics()
+                    .reconcile_event(if known.contains_key(&name) {
+                        "update"
+                    } else {
+                        "add"
+                    });
                 if known.get(&name) != Some(&labels) {
                     known.insert(name.clone(), labels);
-                    self.reconcile_where(|pod| pod.namespace == name).await;
+                    // Istio requeues each of the namespace's pods as an update of its own.
+                    for _ in 0..self.reconcile_where(|pod| pod.namespace == name).await {
+                        self.count("update");
+                    }
                 }
             }
             Ok(watcher::Event::Delete(namespace)) => {
+                self.count("delete");
                 if let Some(known) = &mut self.namespaces {
                     known.remove(&name_of(&namespace));
                 }
@@ -203,17 +222,24 @@ impl LiveEnrollment {
         }
     }
 
-    /// Reconciles every known pod whose name `which` accepts.
-    async fn reconcile_where(&self, which: impl Fn(&PodName) -> bool) {
+    /// Counts one event as Istio's informers count theirs (`nodeagent_reconcile_events_total`,
+    /// `informers.go`): each pod or namespace event and each pod requeued, by type.
+    fn count(&self, kind: &'static str) {
+        self.hub.metrics().reconcile_event(kind);
+    }
+
+    /// Reconciles every known pod whose name `which` accepts; how many.
+    async fn reconcile_where(&self, which: impl Fn(&PodName) -> bool) -> usize {
         let pods: Vec<Pod> = self
             .pods
             .iter()
             .filter(|(k, _)| which(k))
             .map(|(_, p)| p.clone())
             .collect();
-        for pod in pods {
-            self.reconcile(&pod).await;
+        for pod in &pods {
+            self.reconcile(pod).await;
         }
+        pods.len()
     }
 
     async fn reconcile(&self, pod: &Pod) {

@@ -227,8 +227,14 @@ impl Captures {
         warnings
     }
 
-    /// Counts the other programs on the node backend's hooks as they are now.
-    pub(super) async fn count_other_programs(&self, metrics: &Metrics) {
+    /// Sets the gauges read at each scrape: the ztunnels connected now (0 without ambient
+    /// mode) and the other programs on the node backend's hooks.
+    pub(super) async fn scrape(&self, metrics: &Metrics) {
+        metrics.set_ztunnel_connected(
+            self.ambient
+                .as_ref()
+                .map_or(0, |ambient| ambient.ztunnels_connected()),
+        );
         let node = self.router.node_backend().clone();
         if let Ok(others) = off_the_runtime(move || node.other_programs()).await {
             metrics.set_other_programs(&others);

@@ -336,7 +336,7 @@ impl Hub {
 
     /// The metrics' text, with the other programs on the backend's hooks as they are now.
     pub async fn metrics_text(&self) -> String {
-        self.captures.count_other_programs(&self.metrics).await;
+        self.captures.scrape(&self.metrics).await;
         self.metrics.render()
     }
 

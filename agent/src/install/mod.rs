@@ -21,11 +21,13 @@ use std::{
 
 use serde_json::Value;
 
+pub use self::error::{InstallError, InstallFailure, Step};
 use crate::paths;
 
 pub mod binary;
 pub mod conflist;
 mod entry;
+mod error;
 pub mod istio;
 pub mod kubeconfig;
 pub mod owned;
@@ -173,75 +175,27 @@ impl fmt::Display for ConfState {
     }
 }
 
-/// Errors of the install module; each names the file and what was being done.
-#[derive(Debug, thiserror::Error)]
-pub enum InstallError {
-    /// A file operation failed.
-    #[error("{action} {}: {source}", path.display())]
-    Io {
-        /// What was being done (`writing`, `reading`, ...).
-        action: &'static str,
-        /// The file or directory.
-        path: PathBuf,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
-    /// The configured file exists but the runtime would not accept it.
-    #[error("cniConfFileName {}: {reason}", path.display())]
-    InvalidConfigured {
-        /// The file.
-        path: PathBuf,
-        /// Why libcni would refuse it.
-        reason: String,
-    },
-    /// The agent's kubeconfig, from which the plugin's is made, does not parse.
-    #[error("the kubeconfig {}: {reason}", path.display())]
-    InvalidKubeconfig {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-    /// Watching the directories failed.
-    #[error("watching {}: {source}", path.display())]
-    Watch {
-        /// The directory.
-        path: PathBuf,
-        /// The watcher's error.
-        #[source]
-        source: notify::Error,
-    },
-}
-
-impl InstallError {
-    fn io(action: &'static str, path: &Path, source: io::Error) -> Self {
-        Self::Io {
-            action,
-            path: path.to_owned(),
-            source,
-        }
-    }
-}
-
 /// Installs the binary and the configuration (idempotent; writes nothing that is in place).
 ///
 /// # Errors
-/// When a file cannot be read or written.
-pub fn install(config: &InstallConfig) -> Result<ConfState, InstallError> {
+/// When a file cannot be read or written: the step that failed, and why.
+pub fn install(config: &InstallConfig) -> Result<ConfState, InstallFailure> {
+    let at = |step| move |source| InstallFailure { step, source };
     let binaries = std::iter::once((&config.plugin_source, PLUGIN_BINARY))
         .chain(config.decider_source.iter().map(|s| (s, DECIDER_BINARY)));
     for (source, name) in binaries {
-        if binary::install(source, &config.cni_bin_dir, name)? == binary::Copied::Written {
+        if binary::install(source, &config.cni_bin_dir, name).map_err(at(Step::Binaries))?
+            == binary::Copied::Written
+        {
             tracing::info!(dir = %config.cni_bin_dir.display(), "installed the {name} binary");
         }
     }
     if let (Some(source), Some(path)) = (&config.kubeconfig_source, &config.plugin.kubeconfig)
-        && kubeconfig::ensure(source, path)?
+        && kubeconfig::ensure(source, path).map_err(at(Step::Kubeconfig))?
     {
         tracing::info!(file = %path.display(), "wrote the plugin's kubeconfig");
     }
-    ensure_conf(config)
+    ensure_conf(config).map_err(at(Step::Conf))
 }
 
 /// Puts meshcap's configuration in place, if it is not already.

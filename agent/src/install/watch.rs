@@ -14,7 +14,7 @@ use std::{
 use notify::{RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
-use super::{ConfState, InstallConfig, InstallError, conflist, istio};
+use super::{ConfState, InstallConfig, InstallError, Step, conflist, istio};
 
 /// A full re-check even without events.
 const RESYNC: Duration = Duration::from_secs(30);
@@ -68,6 +68,25 @@ impl InstallStatus {
     }
 }
 
+/// What a pass of the watcher did that the coalescing status channel would lose, for counts
+/// (an installation, as Istio's installer counts them, and drift put back).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Pass<'a> {
+    /// meshcap's entry is in place in `path`: `written` by this pass (`repaired`: it had been
+    /// in place once and something, a primary CNI rewriting its file, took it out), or found
+    /// in place by the first pass or the first after one that did not find it.
+    Installed {
+        /// The file holding the entry.
+        path: &'a Path,
+        /// Whether this pass wrote it.
+        written: bool,
+        /// Whether that write put back an entry something removed.
+        repaired: bool,
+    },
+    /// The pass failed at this step.
+    Failed(Step),
+}
+
 enum Message {
     Fs,
     Stop,
@@ -88,17 +107,14 @@ impl std::fmt::Debug for Watcher {
 }
 
 /// Installs once, then keeps re-installing on changes; every outcome is published on `status`,
-/// and `on_write` runs after each write of meshcap's entry (a count that the coalescing
-/// `status` channel would lose), with the file written and whether it was a repair: meshcap's
-/// entry was in place once already and something (a primary CNI rewriting its file) took it
-/// out.
+/// and `on_pass` is told of each installation and each failure ([`Pass`]).
 ///
 /// # Errors
 /// When the directories cannot be created or watched.
 pub fn spawn(
     config: InstallConfig,
     status: watch::Sender<InstallStatus>,
-    on_write: impl Fn(&Path, bool) + Send + 'static,
+    on_pass: impl Fn(&Pass<'_>) + Send + 'static,
 ) -> Result<Watcher, InstallError> {
     let (tx, rx) = mpsc::channel();
     let events = tx.clone();
@@ -122,7 +138,7 @@ pub fn spawn(
     }
     let thread = thread::Builder::new()
         .name("meshcap-install".to_owned())
-        .spawn(move || run(&config, &rx, &status, &on_write))
+        .spawn(move || run(&config, &rx, &status, &on_pass))
         .map_err(|e| InstallError::io("starting the watcher for", Path::new("."), e))?;
     Ok(Watcher {
         tx,
@@ -144,7 +160,7 @@ fn run(
     config: &InstallConfig,
     rx: &mpsc::Receiver<Message>,
     status: &watch::Sender<InstallStatus>,
-    on_write: &dyn Fn(&Path, bool),
+    on_pass: &dyn Fn(&Pass<'_>),
 ) {
     let mut rewrites = VecDeque::new();
     let mut installed_once = false;
@@ -160,13 +176,28 @@ fn run(
             contested = Some((Instant::now(), why));
         }
         let outcome = super::install(config);
-        if let Ok(ConfState::Installed { written, path }) = &outcome {
-            if *written {
-                on_write(path, installed_once);
-                note_rewrite(&mut rewrites, path);
+        // A contested entry is in place too: finding it again is no new installation.
+        let was_installed = matches!(
+            *status.borrow(),
+            InstallStatus::Conf(ConfState::Installed { .. }) | InstallStatus::Contested(_)
+        );
+        match &outcome {
+            Ok(ConfState::Installed { written, path }) => {
+                if *written || !was_installed {
+                    on_pass(&Pass::Installed {
+                        path,
+                        written: *written,
+                        repaired: *written && installed_once,
+                    });
+                }
+                if *written {
+                    note_rewrite(&mut rewrites, path);
+                }
+                installed_once = true;
+                last = Some(path.clone());
             }
-            installed_once = true;
-            last = Some(path.clone());
+            Ok(_) => {}
+            Err(failure) => on_pass(&Pass::Failed(failure.step)),
         }
         contested.take_if(|(at, _)| at.elapsed() >= CONTEST_WINDOW);
         let next = match (outcome, &contested) {

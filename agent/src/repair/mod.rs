@@ -18,8 +18,9 @@
 //! - `labelPods`: sets `brokenPodLabelKey=brokenPodLabelValue` through `pods/status` (RBAC:
 //!   `pods/status` `patch`), unless the label is there.
 //!
-//! Each action is counted in `meshcap_cni_repair_pods_repaired_total{type,result}` (Istio's
-//! `istio_cni_repair_pods_repaired_total`) and leaves a Warning Event on the pod.
+//! Each action is counted in Istio's `istio_cni_repair_pods_repaired_total{type,result}`
+//! (`cni/pkg/repair/monitoring.go`, counted as `repaircontroller.go` counts it) and leaves a
+//! Warning Event on the pod.
 pub mod detect;
 
 use std::{collections::HashMap, path::PathBuf, sync::Arc};

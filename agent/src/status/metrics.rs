@@ -1,4 +1,13 @@
-//! Prometheus metrics of the CNI path.
+//! Prometheus metrics: Istio's node agent's under Istio's names, labels and meanings, the
+//! standard `process_*` ([`super::process`]), and meshcap's own (`meshcap_*`).
+//!
+//! Istio's, each counted where the same event happens in meshcap (istio/istio 86c9f01):
+//! - `istio_cni_install_ready`, `istio_cni_installs_total{result}`
+//!   (`cni/pkg/install/monitoring.go`, counted in `cni/pkg/install/install.go`);
+//! - `istio_cni_repair_pods_repaired_total{type,result}` (`cni/pkg/repair/monitoring.go`);
+//! - `istio_cni_plugin_requests_total{response_code}` (`cni/pkg/nodeagent/cni-watcher.go`);
+//! - `nodeagent_reconcile_events_total{type}` (`cni/pkg/nodeagent/informers.go`);
+//! - `ztunnel_connected` (`cni/pkg/nodeagent/ztunnelserver.go`).
 use std::{sync::atomic::AtomicU64, time::Duration};
 
 use prometheus_client::{
@@ -7,7 +16,12 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use crate::install::Step;
+
 type Labels = Vec<(&'static str, String)>;
+
+/// `istio_cni_installs_total`'s `result` for an installation that put meshcap in place.
+pub const INSTALL_SUCCESS: &str = "SUCCESS";
 
 /// The agent's metrics.
 pub struct Metrics {
@@ -17,10 +31,13 @@ pub struct Metrics {
     latency: Family<Labels, Histogram>,
     captured: Family<Labels, Gauge>,
     install_ready: Gauge,
-    installs: Counter,
+    installs: Family<Labels, Counter>,
     repairs: Family<Labels, Counter>,
     other_programs: Family<Labels, Gauge>,
     plugin_requests: Family<Labels, Counter>,
+    istio_plugin_requests: Family<Labels, Counter>,
+    reconcile_events: Family<Labels, Counter>,
+    ztunnel_connected: Gauge,
     drift: Family<Labels, Counter>,
     verify_passes: Counter,
     verify_seconds: Gauge<f64, AtomicU64>,
@@ -39,7 +56,45 @@ impl Metrics {
     /// Registers every metric.
     #[must_use]
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("meshcap");
+        let mut registry = Registry::default();
+        let install_ready = Gauge::default();
+        registry.register(
+            "istio_cni_install_ready",
+            "Whether the CNI plugin installation is ready or not",
+            install_ready.clone(),
+        );
+        let installs = Family::<Labels, Counter>::default();
+        registry.register(
+            "istio_cni_installs",
+            "Total number of CNI plugins installed by the Istio CNI installer",
+            installs.clone(),
+        );
+        let repairs = Family::<Labels, Counter>::default();
+        registry.register(
+            "istio_cni_repair_pods_repaired",
+            "Total number of pods repaired by repair controller",
+            repairs.clone(),
+        );
+        let istio_plugin_requests = Family::<Labels, Counter>::default();
+        registry.register(
+            "istio_cni_plugin_requests",
+            "The total number of CNI plugin requests handled by the node agent.",
+            istio_plugin_requests.clone(),
+        );
+        let reconcile_events = Family::<Labels, Counter>::default();
+        registry.register(
+            "nodeagent_reconcile_events",
+            "The total number of node agent reconcile events.",
+            reconcile_events.clone(),
+        );
+        let ztunnel_connected = Gauge::default();
+        registry.register(
+            "ztunnel_connected",
+            "number of connections to ztunnel",
+            ztunnel_connected.clone(),
+        );
+        registry.register_collector(Box::new(super::process::ProcessCollector));
+        let meshcap = registry.sub_registry_with_prefix("meshcap");
         let requests = Family::<Labels, Counter>::default();
         let errors = Family::<Labels, Counter>::default();
         let latency = Family::<Labels, Histogram>::new_with_constructor(|| {
@@ -49,64 +104,43 @@ impl Metrics {
             ))
         });
         let captured = Family::<Labels, Gauge>::default();
-        registry.register(
+        meshcap.register(
             "cni_requests",
             "Plugin requests handled, by operation (add, del, check, gc, ping, status) and outcome",
             requests.clone(),
         );
-        registry.register(
+        meshcap.register(
             "cni_errors",
             "Plugin requests that failed, by operation and reason",
             errors.clone(),
         );
-        registry.register(
+        meshcap.register(
             "cni_request_duration_seconds",
             "Time to handle a plugin request, by operation",
             latency.clone(),
         );
-        registry.register(
+        meshcap.register(
             "pods_captured",
             "Pods whose traffic is captured, by backend",
             captured.clone(),
         );
-        let install_ready = Gauge::default();
-        registry.register(
-            "cni_install_ready",
-            "Whether meshcap-cni is chained into the node's CNI configuration (1) or not (0); \
-             istio_cni_install_ready",
-            install_ready.clone(),
-        );
-        let installs = Counter::default();
-        registry.register(
-            "cni_installs",
-            "Times this agent wrote meshcap-cni's entry into the CNI configuration \
-             (istio_cni_installs_total)",
-            installs.clone(),
-        );
-        let repairs = Family::<Labels, Counter>::default();
-        registry.register(
-            "cni_repair_pods_repaired",
-            "Broken pods the repair controller acted on, by mode (repair, delete, label) and \
-             result (success, skip, fail); istio_cni_repair_pods_repaired_total",
-            repairs.clone(),
-        );
         let other_programs = Family::<Labels, Gauge>::default();
-        registry.register(
+        meshcap.register(
             "other_programs",
             "Other programs on meshcap's cgroup hooks (a primary CNI's socket load balancer), by \
              hook and whether they run before or after meshcap's",
             other_programs.clone(),
         );
         let plugin_requests = Family::<Labels, Counter>::default();
-        registry.register(
+        meshcap.register(
             "cni_plugin_requests",
             "Requests on the plugin socket, by verb (add, del, check, gc, ping, status, explain; \
              decode for one that could not be read) and the CNI result code the plugin returns \
-             for the answer (0: success); istio_cni_plugin_requests_total",
+             for the answer (0: success)",
             plugin_requests.clone(),
         );
         let drift = Family::<Labels, Counter>::default();
-        registry.register(
+        meshcap.register(
             "capture_drift",
             "Differences between a capture and its record the verifier found, by kind (rules, \
              route, sysctl, tc_filter, handoff, map_entry, cgroup_link, tc_program, ztunnel, \
@@ -114,32 +148,32 @@ impl Metrics {
             drift.clone(),
         );
         let verify_passes = Counter::default();
-        registry.register(
+        meshcap.register(
             "verify_passes",
             "Verification passes over every capture of the node",
             verify_passes.clone(),
         );
         let verify_seconds = Gauge::<f64, AtomicU64>::default();
-        registry.register(
+        meshcap.register(
             "verify_last_pass_seconds",
             "Wall time of the last verification pass",
             verify_seconds.clone(),
         );
         let verify_cpu_seconds = Gauge::<f64, AtomicU64>::default();
-        registry.register(
+        meshcap.register(
             "verify_last_pass_cpu_seconds",
             "CPU time (user and system, the commands it ran included) of the last verification pass",
             verify_cpu_seconds.clone(),
         );
         let enrollment_retries = Family::<Labels, Counter>::default();
-        registry.register(
+        meshcap.register(
             "enrollment_retries",
             "Live enrollments of running pods in ambient mode that failed and are tried again \
              (result failed), and pods enrolled after such a failure (result enrolled)",
             enrollment_retries.clone(),
         );
         let enrollment_pending = Gauge::default();
-        registry.register(
+        meshcap.register(
             "enrollment_pending",
             "Running pods that should be in ambient mode whose enrollment is still to be retried",
             enrollment_pending.clone(),
@@ -148,11 +182,6 @@ impl Metrics {
             registry,
             enrollment_retries,
             enrollment_pending,
-            plugin_requests,
-            drift,
-            verify_passes,
-            verify_seconds,
-            verify_cpu_seconds,
             requests,
             errors,
             latency,
@@ -161,6 +190,14 @@ impl Metrics {
             installs,
             repairs,
             other_programs,
+            plugin_requests,
+            istio_plugin_requests,
+            reconcile_events,
+            ztunnel_connected,
+            drift,
+            verify_passes,
+            verify_seconds,
+            verify_cpu_seconds,
         }
     }
 
@@ -220,11 +257,33 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts one request on the plugin socket: its verb and the CNI result code of its answer.
-    pub fn plugin_request(&self, verb: &str, code: u32) {
+    /// Counts one request on the plugin socket: its verb and the CNI result code of its answer
+    /// (`meshcap_cni_plugin_requests_total`) and, for the CNI plugin's own requests,
+    /// `http_status`, the HTTP status Istio's node agent would have answered with
+    /// (`istio_cni_plugin_requests_total`).
+    pub fn plugin_request(&self, verb: &str, code: u32, http_status: Option<u16>) {
         self.plugin_requests
             .get_or_create(&vec![("verb", verb.to_owned()), ("code", code.to_string())])
             .inc();
+        if let Some(status) = http_status {
+            self.istio_plugin_requests
+                .get_or_create(&vec![("response_code", status.to_string())])
+                .inc();
+        }
+    }
+
+    /// Counts one event of ambient mode's pod or namespace watch, as Istio's informers count
+    /// theirs: `add`, `update` or `delete`.
+    pub fn reconcile_event(&self, kind: &'static str) {
+        self.reconcile_events
+            .get_or_create(&vec![("type", kind.to_owned())])
+            .inc();
+    }
+
+    /// Sets how many ztunnels are connected.
+    pub fn set_ztunnel_connected(&self, connected: usize) {
+        self.ztunnel_connected
+            .set(i64::try_from(connected).unwrap_or(i64::MAX));
     }
 
     /// Counts one drift the verifier found: its kind and what became of it.
@@ -254,9 +313,13 @@ impl Metrics {
             .set(i64::try_from(pending).unwrap_or(i64::MAX));
     }
 
-    /// Counts one write of the plugin's entry.
-    pub fn count_install(&self) {
-        self.installs.inc();
+    /// Counts one installation: [`INSTALL_SUCCESS`] when meshcap's entry is in place, else
+    /// the step that failed, in Istio's words.
+    pub fn count_install(&self, failed: Option<Step>) {
+        let result = failed.map_or(INSTALL_SUCCESS, Step::istio_result);
+        self.installs
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
     }
 
     /// The Prometheus text exposition.
@@ -287,7 +350,7 @@ mod tests {
         assert!(text.contains(r#"meshcap_cni_errors_total{op="add",reason="invalid_pod"} 1"#));
         assert!(text.contains(r#"meshcap_pods_captured{backend="iptables"} 2"#));
         assert!(text.contains("meshcap_cni_request_duration_seconds_bucket"));
-        m.plugin_request("add", 104);
+        m.plugin_request("add", 104, Some(500));
         m.drift("tc_filter", "repaired");
         m.verified(0.25, 0.01);
         let text = m.render();
@@ -304,5 +367,48 @@ mod tests {
             text.contains("meshcap_verify_last_pass_seconds 0.25"),
             "{text}"
         );
+    }
+
+    /// Istio's names, types and labels (istio/istio 86c9f01, the files cited at the top).
+    #[test]
+    fn istios_metrics_have_istios_names_types_and_labels() {
+        let m = Metrics::new();
+        m.set_install_ready(true);
+        m.count_install(None);
+        m.count_install(Some(Step::Binaries));
+        m.repaired("label", "success");
+        m.plugin_request("add", 0, Some(200));
+        m.plugin_request("status", 0, None);
+        m.reconcile_event("add");
+        m.set_ztunnel_connected(2);
+        let text = m.render();
+        for line in [
+            "# TYPE istio_cni_install_ready gauge",
+            "istio_cni_install_ready 1",
+            "# TYPE istio_cni_installs counter",
+            r#"istio_cni_installs_total{result="SUCCESS"} 1"#,
+            r#"istio_cni_installs_total{result="COPY_BINARIES_FAILURE"} 1"#,
+            "# TYPE istio_cni_repair_pods_repaired counter",
+            r#"istio_cni_repair_pods_repaired_total{type="label",result="success"} 1"#,
+            "# TYPE istio_cni_plugin_requests counter",
+            r#"istio_cni_plugin_requests_total{response_code="200"} 1"#,
+            "# TYPE nodeagent_reconcile_events counter",
+            r#"nodeagent_reconcile_events_total{type="add"} 1"#,
+            "# TYPE ztunnel_connected gauge",
+            "ztunnel_connected 2",
+            "# TYPE process_cpu_seconds counter",
+            "# TYPE process_resident_memory_bytes gauge",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line}:\n{text}");
+        }
+        // meshcap's own requests (status) are not the CNI plugin's.
+        assert!(!text.contains(r#"response_code="0""#), "{text}");
+        for gone in [
+            "meshcap_cni_install_ready",
+            "meshcap_cni_installs",
+            "meshcap_cni_repair",
+        ] {
+            assert!(!text.contains(gone), "{gone} duplicates Istio's:\n{text}");
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! What the agent reports about itself: the status report (`meshcap-agent status`, over the
-//! plugin socket) and Prometheus metrics (served by [`crate::api::http`]).
+//! plugin socket) and Prometheus metrics (served by [`crate::api::http`]), the process's own
+//! among them.
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
@@ -10,6 +11,7 @@ use crate::{
 };
 
 pub mod metrics;
+pub mod process;
 
 /// The agent's state, as `meshcap-agent status` shows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

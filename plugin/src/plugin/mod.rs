@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::{
     cni::{self, CniError, Command, Invocation, LATEST_VERSION, LogLevel, NetConf},
-    protocol::PodAttachment,
+    protocol::{self, LogLine, Op, PodAttachment, Reply, Request},
 };
 
 mod agent;
@@ -48,19 +48,60 @@ impl Output {
     }
 }
 
-/// Leveled log lines on stderr, where runtimes keep them.
+/// Leveled log lines of one command: sent to the agent, which writes them into its own log
+/// with the pod (as Istio's plugin sends its log to its agent, `cni/pkg/plugin/plugin.go`), or
+/// written on stderr, where runtimes keep them, when no agent takes them.
 struct Log<'a> {
     level: LogLevel,
     out: &'a mut dyn Write,
+    pod: String,
     context: String,
+    lines: Vec<LogLine>,
 }
 
 impl Log<'_> {
     fn at(&mut self, level: LogLevel, msg: &str) {
         if level <= self.level {
-            let name = format!("{level:?}").to_lowercase();
+            let unix_micros = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+            self.lines.push(LogLine {
+                level: format!("{level:?}").to_lowercase(),
+                unix_micros,
+                msg: msg.to_owned(),
+            });
+        }
+    }
+
+    /// Hands the lines to the agent; on stderr when it does not take them.
+    fn deliver(self, conf: &NetConf) {
+        if self.lines.is_empty() {
+            return;
+        }
+        let request = Request::new(Op::Log {
+            pod: self.pod,
+            lines: self.lines,
+        });
+        // The agent answers at once or is away: the command waits no longer for its log.
+        let timeout = conf
+            .meshcap
+            .timeout()
+            .min(std::time::Duration::from_secs(2));
+        if let Ok(response) = protocol::call(&conf.meshcap.agent_socket, &request, timeout)
+            && matches!(response.reply, Reply::Ok { .. })
+        {
+            return;
+        }
+        let Op::Log { lines, .. } = request.op else {
+            return;
+        };
+        for line in lines {
             // A log line that cannot be written must not fail the command.
-            let _ = writeln!(self.out, "meshcap-cni {name}{}: {msg}", self.context);
+            let _ = writeln!(
+                self.out,
+                "meshcap-cni {}{}: {}",
+                line.level, self.context, line.msg
+            );
         }
     }
 }
@@ -99,6 +140,12 @@ pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8], stderr: &mut dyn 
     let mut log = Log {
         level: conf.meshcap.log_level,
         out: stderr,
+        pod: if pod.name.is_empty() {
+            String::new()
+        } else {
+            format!("{}/{}", pod.namespace, pod.name)
+        },
+        lines: Vec::new(),
         context: if pod.name.is_empty() {
             String::new()
         } else {
@@ -108,7 +155,7 @@ pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8], stderr: &mut dyn 
             )
         },
     };
-    match execute(&invocation, &conf, pod, &mut log) {
+    let output = match execute(&invocation, &conf, pod, &mut log) {
         Ok(stdout) => Output::ok(stdout),
         Err(err) => {
             log.at(
@@ -117,7 +164,9 @@ pub fn run(env: impl Fn(&str) -> Option<String>, stdin: &[u8], stderr: &mut dyn 
             );
             Output::error(&err, &conf.cni_version)
         }
-    }
+    };
+    log.deliver(&conf);
+    output
 }
 
 /// The VERSION answer, in the version the caller asked about when it is one of ours.

@@ -88,7 +88,8 @@ fn dying_agent(reset: bool) -> (std::path::PathBuf, std::thread::JoinHandle<()>)
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).expect("bind");
     let handle = std::thread::spawn(move || {
-        for _ in 0..2 {
+        // DEL, its log lines, ADD, its log lines.
+        for _ in 0..4 {
             let (mut stream, _) = listener.accept().expect("accept");
             let mut head = [0; 4];
             let _ = stream.read_exact(&mut head);

@@ -61,6 +61,26 @@ pub enum Op {
         /// The pod's name.
         name: String,
     },
+    /// The plugin's log lines of one command, which the agent writes into its own log, as
+    /// Istio's plugin sends its log to its node agent (`cni/pkg/plugin/plugin.go`).
+    Log {
+        /// The pod the command concerned, `namespace/name` (empty: none).
+        #[serde(default)]
+        pod: String,
+        /// The lines, in order.
+        lines: Vec<LogLine>,
+    },
+}
+
+/// One of the plugin's log lines.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogLine {
+    /// `error`, `warn`, `info` or `debug`.
+    pub level: String,
+    /// When it was written, in microseconds since the epoch.
+    pub unix_micros: u64,
+    /// The message.
+    pub msg: String,
 }
 
 impl Op {
@@ -75,6 +95,7 @@ impl Op {
             Self::Ping => "ping",
             Self::Status => "status",
             Self::Explain { .. } => "explain",
+            Self::Log { .. } => "log",
         }
     }
 }
@@ -186,6 +207,8 @@ pub enum Outcome {
     Status,
     /// EXPLAIN: the explanation is attached.
     Explained,
+    /// LOG: the plugin's lines are in the agent's log.
+    Logged,
 }
 
 /// Classes of failure, each mapped to a CNI error code.

@@ -19,7 +19,7 @@ mod message;
 
 pub use client::{CallError, call};
 pub use frame::{ProtocolError, check_len, decode_request, decode_response, encode, read_frame};
-pub use message::{ErrorKind, Op, Outcome, PodAttachment, Reply, Request, Response};
+pub use message::{ErrorKind, LogLine, Op, Outcome, PodAttachment, Reply, Request, Response};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u32 = 1;

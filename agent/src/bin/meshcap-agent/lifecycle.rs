@@ -8,7 +8,10 @@ use anyhow::Context as _;
 use meshcap_agent::{
     backend::iptables::FlavourChoice,
     hub::Hub,
-    install::{self, watch::InstallStatus},
+    install::{
+        self,
+        watch::{InstallStatus, Pass},
+    },
     settings, taint,
     uninstall::{
         verdict::Verdict,
@@ -157,12 +160,17 @@ pub fn start_verifier(
     Some(tokio::spawn(hub.clone().verify_every(every, stop.clone())))
 }
 
-/// What the CNI configuration watch does after each write of meshcap's entry: counted, and a
-/// re-insertion (a primary CNI took the entry out) reported as drift put back.
-pub fn on_install_write(hub: Arc<Hub>) -> impl Fn(&std::path::Path, bool) + Send + 'static {
+/// What the CNI configuration watch does after each installation and each failure: counted
+/// as Istio's installer counts them (`istio_cni_installs_total{result}`), and a re-insertion (a
+/// primary CNI took the entry out) reported as drift put back.
+pub fn on_install_pass(hub: Arc<Hub>) -> impl Fn(&Pass<'_>) + Send + 'static {
     let runtime = tokio::runtime::Handle::current();
-    move |path, repaired| {
-        hub.metrics().count_install();
+    move |pass| {
+        let (path, repaired) = match *pass {
+            Pass::Failed(step) => return hub.metrics().count_install(Some(step)),
+            Pass::Installed { path, repaired, .. } => (path, repaired),
+        };
+        hub.metrics().count_install(None);
         if repaired {
             let (hub, what) = (
                 hub.clone(),
@@ -179,7 +187,7 @@ pub fn start_install(
     args: &RunArgs,
     socket: &std::path::Path,
     status: watch::Sender<InstallStatus>,
-    on_write: impl Fn(&std::path::Path, bool) + Send + 'static,
+    on_pass: impl Fn(&Pass<'_>) + Send + 'static,
 ) -> anyhow::Result<(install::watch::Watcher, install::InstallConfig)> {
     let plugin = match &args.plugin_binary {
         Some(path) => path.clone(),
@@ -213,7 +221,7 @@ pub fn start_install(
     }
     info!(conf_dir = %config.cni_conf_dir.display(), bin_dir = %config.cni_bin_dir.display(), chained = config.chained, owned = config.owned.then_some(config.owned_file_name.as_str()), "installing meshcap-cni");
     Ok((
-        install::watch::spawn(config.clone(), status, on_write)?,
+        install::watch::spawn(config.clone(), status, on_pass)?,
         config,
     ))
 }

@@ -19,13 +19,18 @@ use run::RunArgs;
 #[derive(Parser)]
 #[command(name = "meshcap-agent", version, about)]
 struct Cli {
-    /// Log format (`MESHCAP_LOG_AS_JSON=true`, Istio's `global.logAsJson`, also selects json).
+    /// Log format (`--log_as_json`, or `MESHCAP_LOG_AS_JSON=true`, Istio's `global.logAsJson`,
+    /// selects json).
     #[arg(long, value_enum, default_value_t, global = true)]
     log_format: logging::LogFormat,
-    /// Log level, as Istio's `--log_output_level` (`debug`, `info`, `warn`, `error`, `none`, or
-    /// `scope:level,...`: `cni-plugin:` sets the plugin's), or a `tracing` filter; `RUST_LOG`
-    /// takes precedence when set.
-    #[arg(long, env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
+    /// Istio's `--log_as_json`: JSON lines with Istio's keys (`level`, `time`, `scope`, `msg`);
+    /// `--log_as_json=false` keeps text whatever `MESHCAP_LOG_AS_JSON` says.
+    #[arg(long = "log_as_json", value_name = "BOOL", num_args = 0..=1, default_missing_value = "true", global = true)]
+    log_as_json: Option<bool>,
+    /// Log level, as Istio's `--log_output_level` (also accepted under that name): `debug`,
+    /// `info`, `warn`, `error`, `none`, or `scope:level,...` (`cni-plugin:` sets the plugin's);
+    /// or a `tracing` filter. `RUST_LOG` takes precedence when set.
+    #[arg(long, visible_alias = "log_output_level", env = settings::LOG_LEVEL.env, default_value = settings::LOG_LEVEL.default, global = true)]
     log_level: String,
     #[command(subcommand)]
     command: Command,
@@ -87,18 +92,29 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let format = match settings::bool_setting(
-        &|name: &str| std::env::var(name).ok(),
-        settings::LOG_AS_JSON,
+    let format = match (
+        cli.log_as_json,
+        settings::bool_setting(
+            &|name: &str| std::env::var(name).ok(),
+            settings::LOG_AS_JSON,
+        ),
     ) {
-        Ok(true) => logging::LogFormat::Json,
-        Ok(false) => cli.log_format,
-        Err(err) => {
+        (Some(true), _) | (None, Ok(true)) => logging::LogFormat::Json,
+        (Some(false), _) | (None, Ok(false)) => cli.log_format,
+        (None, Err(err)) => {
             eprintln!("meshcap-agent: {err}");
             return ExitCode::FAILURE;
         }
     };
-    if let Err(err) = logging::init(format, &settings::log_levels(&cli.log_level).agent) {
+    // The plugin's messages, which the agent logs for it, at the plugin's own level.
+    let levels = settings::log_levels(&cli.log_level);
+    let filter = format!(
+        "{},{}={}",
+        levels.agent,
+        logging::PLUGIN_TARGET,
+        levels.plugin
+    );
+    if let Err(err) = logging::init(format, &filter) {
         eprintln!("meshcap-agent: {err:#}");
         return ExitCode::FAILURE;
     }

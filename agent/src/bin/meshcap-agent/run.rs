@@ -8,7 +8,7 @@ use anyhow::{Context as _, bail};
 use clap::{Args, ValueEnum};
 use meshcap_agent::{
     backend::{BackendChoice, ebpf, iptables::FlavourChoice},
-    paths::AgentPaths,
+    paths::{AgentPaths, Endpoints},
     pods::Retry,
     policy::{
         NodeSettings, SelectConfig,
@@ -110,8 +110,16 @@ pub struct RunArgs {
     /// [default: /var/run/meshcap].
     #[arg(long)]
     pub(crate) state_dir: Option<PathBuf>,
-    /// Health, readiness and metrics endpoint (`/healthz`, `/readyz`, `/metrics`)
-    /// [default: 0.0.0.0:15022].
+    /// Health and readiness (`/healthz`, `/readyz`), on Istio's node agent's port by default
+    /// (the DaemonSet: `meshcap.healthPort`) [default: 0.0.0.0:8000].
+    #[arg(long, env = settings::HEALTH_LISTEN_ENV, conflicts_with = "http_listen")]
+    pub(crate) health_listen: Option<SocketAddr>,
+    /// Prometheus metrics (`/metrics`), on Istio's node agent's port by default (the
+    /// DaemonSet: `meshcap.metricsPort`) [default: 0.0.0.0:15014].
+    #[arg(long, env = settings::METRICS_LISTEN_ENV, conflicts_with = "http_listen")]
+    pub(crate) metrics_listen: Option<SocketAddr>,
+    /// Health, readiness and metrics all on this one address instead (a private agent's
+    /// default: 127.0.0.1, a port of the kernel's choosing).
     #[arg(long)]
     pub(crate) http_listen: Option<SocketAddr>,
     /// Seconds to read a request or write a response on the socket.
@@ -230,7 +238,7 @@ pub(crate) struct Paths {
     pub(crate) state_dir: PathBuf,
     pub(crate) bpffs_dir: PathBuf,
     pub(crate) cgroup_root: PathBuf,
-    pub(crate) http_listen: SocketAddr,
+    pub(crate) endpoints: Endpoints,
 }
 
 impl RunArgs {
@@ -257,7 +265,10 @@ impl RunArgs {
             state_dir: self.state_dir.clone().unwrap_or(base.state_dir),
             bpffs_dir: self.bpffs_dir.clone().unwrap_or(base.bpffs_dir),
             cgroup_root,
-            http_listen: self.http_listen.unwrap_or(base.http_listen),
+            endpoints: self.http_listen.map_or_else(
+                || base.endpoints.with(self.health_listen, self.metrics_listen),
+                Endpoints::Combined,
+            ),
         })
     }
 

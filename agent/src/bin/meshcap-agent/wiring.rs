@@ -58,6 +58,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     };
+    let endpoints = bind_endpoints(&paths).await?;
     let node = open_node(&args, &paths, kube_node.as_ref()).await?;
     // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
     // the socket come up before the first install ends (copying the binaries can take seconds),
@@ -96,11 +97,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     ));
 
     let (stop_tx, stop_rx) = watch::channel(false);
-    let (http_task, serve) = serve(&args, &paths, &hub, &stop_rx).await?;
+    let (http_tasks, serve) = serve(&args, &paths, endpoints, &hub, &stop_rx).await?;
     let verifier = lifecycle::start_verifier(&hub, args.verify_interval_seconds, &stop_rx);
     let installer = if args.install_cni {
-        let on_write = lifecycle::on_install_write(hub.clone());
-        let installed = lifecycle::start_install(&args, &paths.socket, install_tx, on_write)?;
+        let on_pass = lifecycle::on_install_pass(hub.clone());
+        let installed = lifecycle::start_install(&args, &paths.socket, install_tx, on_pass)?;
         tokio::spawn(lifecycle::track_install(hub.clone(), install_rx.clone()));
         Some(installed)
     } else {
@@ -147,7 +148,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     info!("shutting down: no new requests; captured pods stay captured");
     let _ = stop_tx.send(true);
     serve.await?;
-    http_task.await??;
+    for http_task in http_tasks {
+        http_task.await??;
+    }
     // The pass in progress ends before anything is uninstalled: nothing is put back after.
     if let Some(verifier) = verifier {
         verifier.await?;
@@ -326,26 +329,38 @@ async fn open_node(
     })
 }
 
-/// Binds the health, readiness and metrics endpoint and the plugin socket, and serves both
-/// until `stop` says so; their tasks.
+/// Binds the health, readiness and metrics listeners, before anything is opened: a port taken
+/// on the node (the agent shares its network) stops the start naming the port and its use.
+async fn bind_endpoints(paths: &Paths) -> anyhow::Result<Vec<http::Bound>> {
+    let mut bound = Vec::new();
+    for (addr, serves) in http::listeners(&paths.endpoints) {
+        let listener = http::Bound::bind(addr, serves).await?;
+        let addr = listener.local_addr()?;
+        info!(%addr, ?serves, "health and metrics endpoint listening");
+        bound.push(listener);
+    }
+    Ok(bound)
+}
+
+/// Serves the bound endpoints and binds and serves the plugin socket until `stop` says so;
+/// their tasks.
 async fn serve(
     args: &RunArgs,
     paths: &Paths,
+    endpoints: Vec<http::Bound>,
     hub: &Arc<Hub>,
     stop: &watch::Receiver<bool>,
 ) -> anyhow::Result<(
-    tokio::task::JoinHandle<std::io::Result<()>>,
+    Vec<tokio::task::JoinHandle<std::io::Result<()>>>,
     tokio::task::JoinHandle<()>,
 )> {
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let (http_addr, http_server) =
-        http::bind(paths.http_listen, hub.clone(), stopped(stop.clone()))
-            .await
-            .with_context(|| format!("binding --http-listen {}", paths.http_listen))?;
-    info!(%http_addr, "health and metrics endpoint listening");
-    let http_task = tokio::spawn(http_server);
+    let http_tasks = endpoints
+        .into_iter()
+        .map(|bound| tokio::spawn(bound.serve(hub.clone(), stopped(stop.clone()))))
+        .collect();
     let server = Server::bind(ServerConfig {
         path: paths.socket.clone(),
         io_timeout: Duration::from_secs(args.io_timeout_seconds),
@@ -355,7 +370,7 @@ async fn serve(
     .await?;
     hub.readiness().set_serving(true);
     let serve = tokio::spawn(server.serve(hub.clone(), stopped(stop.clone())));
-    Ok((http_task, serve))
+    Ok((http_tasks, serve))
 }
 
 /// What the controllers that capture running pods in place work with besides the hub.

@@ -2,7 +2,7 @@
 //! `meshcap-agent run --pods kube` per backend watches the in-test API server; one pod at a
 //! time (a network namespace holding its own address) appears there as kubelet reports it
 //! when `istio-validation` exits 126, and the time runs from that change until the agent's
-//! `meshcap_cni_repair_pods_repaired_total{type="repair",result="success"}` counts it. That
+//! `istio_cni_repair_pods_repaired_total{type="repair",result="success"}` counts it. That
 //! includes the watch's delivery (the test API server streams changes every 5 ms) and the
 //! poll of the agent's metrics (every 2 ms).
 use std::{
@@ -35,7 +35,7 @@ fn repaired(agent: &agent::Agent) -> anyhow::Result<u64> {
         .lines()
         .find_map(|l| {
             l.strip_prefix(
-                "meshcap_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} ",
+                "istio_cni_repair_pods_repaired_total{type=\"repair\",result=\"success\"} ",
             )
         })
         .and_then(|n| n.trim().parse().ok())

@@ -571,7 +571,7 @@ pub(crate) fn repair_in_place(plan: &Plan) -> String {
         "\n## Repair in place\n\nA pod that started without its capture (its \
          `istio-validation` last exited 126) appears in the API server the agent watches; the \
          time runs until the agent's repair controller has captured it in place \
-         (`meshcap_cni_repair_pods_repaired_total` counts it). {n} pods, one at a time, per \
+         (`istio_cni_repair_pods_repaired_total` counts it). {n} pods, one at a time, per \
          backend; includes the watch's delivery (the test API server streams changes every \
          5 ms) and the metric poll (2 ms). Goal: at most 2 s.\n\n| backend | p50 ms | p99 ms \
          | max ms |\n|---|---|---|---|\n",
