@@ -6,7 +6,8 @@ use std::process::Command;
 use crate::cmd::{self, root};
 
 pub fn run() -> anyhow::Result<()> {
-    // Only the three binaries the demo runs; the test harness's other tools are not needed.
+    // Only what the demo runs: the agent, the plugin, the demo and its stand-in Envoy and
+    // client; the test harness's other tools are not needed.
     cmd::run(Command::new("cargo").current_dir(root()).args([
         "build",
         "--quiet",
@@ -22,6 +23,10 @@ pub fn run() -> anyhow::Result<()> {
         "meshcap-cni",
         "--bin",
         "meshcap-demo",
+        "--bin",
+        "meshcap-standin",
+        "--bin",
+        "meshcap-dial",
     ]))?;
     let debug = cmd::target_dir().join("debug");
     // The binaries this build made: without it the demo would ask cargo for them again, under
