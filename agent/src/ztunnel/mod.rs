@@ -11,6 +11,7 @@
 //! message waits for its ack.
 
 mod conn;
+mod listener;
 pub mod proto;
 mod server;
 

@@ -9,10 +9,7 @@
 //! already accepted are not affected.
 
 use std::{
-    os::{
-        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
-        unix::fs::MetadataExt as _,
-    },
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard,
@@ -25,9 +22,7 @@ use std::{
 use nix::{
     fcntl::OFlag,
     poll::{PollFd, PollFlags, PollTimeout, poll},
-    sys::socket::{
-        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, accept4, bind, listen, socket,
-    },
+    sys::socket::{SockFlag, accept4},
     unistd::{pipe2, write},
 };
 use tracing::{info, warn};
@@ -35,6 +30,7 @@ use tracing::{info, warn};
 use super::{
     ZdsError,
     conn::Connection,
+    listener::{Listener, SocketId, listen_at, relisten, socket_id},
     proto::{
         AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadInfo, WorkloadRequest,
         workload_request::Payload,
@@ -74,15 +70,6 @@ pub struct ZtunnelServer {
     stop: OwnedFd,
     /// The acceptor, which returns the identity of the socket it listened on last.
     acceptor: Option<JoinHandle<Option<SocketId>>>,
-}
-
-/// A socket file's device and inode: which socket a path names.
-type SocketId = (u64, u64);
-
-/// A listening socket and the identity of its file.
-struct Listener {
-    fd: OwnedFd,
-    id: SocketId,
 }
 
 impl ZtunnelServer {
@@ -232,41 +219,6 @@ impl Drop for ZtunnelServer {
     }
 }
 
-/// Listens at `path`, replacing whatever file is there.
-fn listen_at(path: &Path) -> Result<Listener, ZdsError> {
-    match std::fs::remove_file(path) {
-        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-            return Err(ZdsError::Io(err));
-        }
-        _ => {}
-    }
-    let fd = socket(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(ZdsError::io)?;
-    bind(fd.as_raw_fd(), &UnixAddr::new(path).map_err(ZdsError::io)?).map_err(ZdsError::io)?;
-    listen(&fd, Backlog::new(8).map_err(ZdsError::io)?).map_err(ZdsError::io)?;
-    let id = socket_id(path).ok_or_else(|| {
-        ZdsError::Io(std::io::Error::other(format!(
-            "{} vanished as it was bound",
-            path.display()
-        )))
-    })?;
-    Ok(Listener { fd, id })
-}
-
-/// The identity of the socket file at `path`, if there is one.
-fn socket_id(path: &Path) -> Option<SocketId> {
-    use std::os::unix::fs::FileTypeExt as _;
-    let meta = std::fs::symlink_metadata(path).ok()?;
-    meta.file_type()
-        .is_socket()
-        .then(|| (meta.dev(), meta.ino()))
-}
-
 /// Accepts ztunnels until `stop` is readable, listening at `path` again when the path no
 /// longer names the socket; returns the identity of the last socket listened on (`None` when
 /// none could be bound at the end).
@@ -304,25 +256,6 @@ fn accept_loop(
         }
         if listener.as_ref().map(|l| l.id) != socket_id(path) {
             listener = relisten(path);
-        }
-    }
-}
-
-/// Listens at `path` again after it was unlinked or replaced; `None` (retried on the next
-/// check) when it cannot.
-fn relisten(path: &Path) -> Option<Listener> {
-    match listen_at(path) {
-        Ok(listener) => {
-            warn!(
-                socket = %path.display(),
-                "the ZDS socket's path was unlinked or replaced (istio-cni's agent unlinks it \
-                 as it stops): listening there again"
-            );
-            Some(listener)
-        }
-        Err(err) => {
-            warn!(socket = %path.display(), %err, "cannot listen for ztunnel; retrying");
-            None
         }
     }
 }
@@ -412,7 +345,9 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
-    use nix::sys::socket::{MsgFlags, connect, recv, send};
+    use nix::sys::socket::{
+        AddressFamily, MsgFlags, SockType, UnixAddr, bind, connect, recv, send, socket,
+    };
     use prost::Message as _;
 
     use super::*;
