@@ -16,7 +16,7 @@ use tracing::{info, warn};
 
 use super::{Ambient, AmbientError, records::Workload};
 use crate::{
-    backend::{AmbientCapture, CaptureBackend, PodPolicy, found::Adoption},
+    backend::{Adoption, AmbientCapture, CaptureBackend, PodPolicy},
     pod::{InPlace, PodRef},
     podnet,
     policy::{self, Decision, NodeSettings, PodName, ambient::ambient_keys},

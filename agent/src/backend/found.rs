@@ -8,21 +8,6 @@ use std::path::Path;
 use super::{BackendError, iptables::Flavour};
 use crate::podnet;
 
-/// What adopting a running pod's capture found, and did ([`super::CaptureBackend::adopt`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Adoption {
-    /// The netns holds none of Istio's rules of this backend's kind.
-    Nothing,
-    /// Exactly the rules meshcap renders for the pod now (how they were found): recorded.
-    Recognised(String),
-    /// Istio's rules in another form (an earlier version's, or written for other annotations
-    /// or node settings; how they differed): replaced with the pod's rules now and recorded.
-    Reconciled(String),
-    /// Istio's rules in another form (how they differ): left exactly as they are, not
-    /// recorded.
-    NotRecognised(String),
-}
-
 /// Istio's rules a netns holds, in words (`iptables-nft: nat ISTIO_OUTPUT, …`); empty when it
 /// holds none. Reads only.
 ///

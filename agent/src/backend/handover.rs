@@ -7,8 +7,8 @@
 use std::sync::Arc;
 
 use super::{
-    AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck, PodPolicy,
-    Verify, found::Adoption,
+    Adoption, AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck,
+    PodPolicy, Verify,
 };
 use crate::{pod::PodRef, policy::DataplaneMode};
 

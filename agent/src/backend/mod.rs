@@ -185,6 +185,21 @@ pub enum BackendError {
     Ambient(Box<dyn std::error::Error + Send + Sync>),
 }
 
+/// What adopting a running pod's capture found, and did ([`CaptureBackend::adopt`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// The netns holds none of Istio's rules of this backend's kind.
+    Nothing,
+    /// Exactly the rules meshcap renders for the pod now (how they were found): recorded.
+    Recognised(String),
+    /// Istio's rules in another form (an earlier version's, or written for other annotations
+    /// or node settings; how they differed): replaced with the pod's rules now and recorded.
+    Reconciled(String),
+    /// Istio's rules in another form (how they differ): left exactly as they are, not
+    /// recorded.
+    NotRecognised(String),
+}
+
 /// A way of capturing a pod's traffic. Implementations are shared between threads.
 pub trait CaptureBackend: Send + Sync {
     /// The backend's name: `ebpf`, `iptables` or `nftables`.
@@ -313,8 +328,8 @@ pub trait CaptureBackend: Send + Sync {
         _pod: &PodRef,
         _policy: &PodPolicy,
         _reconcile: bool,
-    ) -> Result<found::Adoption, BackendError> {
-        Ok(found::Adoption::Nothing)
+    ) -> Result<Adoption, BackendError> {
+        Ok(Adoption::Nothing)
     }
 }
 

@@ -93,6 +93,15 @@ fn has_type(plugin: &Value) -> bool {
         .is_some_and(|t| !t.is_empty())
 }
 
+/// The Istio CNI plugin's type.
+pub const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
+
+/// Whether a plugin entry is istio-cni's (meshcap's takes its place: [`super::istio`]).
+#[must_use]
+pub fn is_istio_entry(plugin: &Value) -> bool {
+    plugin.get("type").and_then(Value::as_str) == Some(ISTIO_PLUGIN_TYPE)
+}
+
 /// Whether a plugin entry is meshcap's own.
 #[must_use]
 pub fn is_meshcap_entry(plugin: &Value) -> bool {
@@ -195,7 +204,7 @@ pub fn with_entry(conf: &ConfFile, entry: &Value) -> ConfFile {
         wrap(&conf.value)
     };
     if let Some(plugins) = list.get_mut("plugins").and_then(Value::as_array_mut) {
-        plugins.retain(|p| !is_meshcap_entry(p) && !super::istio::is_entry(p));
+        plugins.retain(|p| !is_meshcap_entry(p) && !is_istio_entry(p));
         plugins.push(entry.clone());
     }
     ConfFile {

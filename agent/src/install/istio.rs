@@ -30,15 +30,7 @@ use std::{fs, path::Path};
 use serde_json::Value;
 
 use super::conflist;
-
-/// The Istio CNI plugin's type.
-pub const PLUGIN_TYPE: &str = "istio-cni";
-
-/// Whether a plugin entry is istio-cni's.
-#[must_use]
-pub fn is_entry(plugin: &Value) -> bool {
-    plugin.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)
-}
+pub use super::conflist::{ISTIO_PLUGIN_TYPE as PLUGIN_TYPE, is_istio_entry as is_entry};
 
 /// Whether a configuration (a list, or istio-cni's standalone single plugin) holds istio-cni's
 /// entry.

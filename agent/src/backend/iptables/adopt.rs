@@ -11,7 +11,7 @@ use tracing::info;
 
 use super::{IptablesBackend, PodPolicy, inpod::Ctx, records::Applied, restore};
 use crate::{
-    backend::{BackendError, found::Adoption},
+    backend::{Adoption, BackendError},
     pod::PodRef,
     policy::{IptablesRules, PolicyRoutes},
 };

@@ -324,7 +324,7 @@ impl CaptureBackend for IptablesBackend {
         pod: &PodRef,
         policy: &PodPolicy,
         reconcile: bool,
-    ) -> Result<super::found::Adoption, BackendError> {
+    ) -> Result<super::Adoption, BackendError> {
         self.adopt_pod(pod, policy, reconcile)
     }
 }

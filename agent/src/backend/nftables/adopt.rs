@@ -15,7 +15,7 @@ use super::{
     tables::{deletion, difference, listing},
 };
 use crate::{
-    backend::{BackendError, found::Adoption},
+    backend::{Adoption, BackendError},
     pod::PodRef,
 };
 

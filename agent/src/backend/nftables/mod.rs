@@ -356,7 +356,7 @@ impl CaptureBackend for NftablesBackend {
         pod: &PodRef,
         policy: &PodPolicy,
         reconcile: bool,
-    ) -> Result<super::found::Adoption, BackendError> {
+    ) -> Result<super::Adoption, BackendError> {
         self.adopt_pod(pod, policy, reconcile)
     }
 }
