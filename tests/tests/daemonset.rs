@@ -597,6 +597,18 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     let probe = &container["readinessProbe"]["httpGet"];
     let port = u16::try_from(probe["port"].as_u64().expect("port")).expect("a port");
     let path = probe["path"].as_str().expect("path");
+    // Metrics on their own port, as the scrape annotation and the container's port name it.
+    let metrics_port = container["ports"]
+        .as_array()
+        .and_then(|ports| ports.iter().find(|p| p["name"] == "metrics"))
+        .and_then(|p| p["containerPort"].as_u64())
+        .and_then(|p| u16::try_from(p).ok())
+        .expect("the container's metrics port");
+    assert_eq!(
+        template["metadata"]["annotations"]["prometheus.io/port"],
+        metrics_port.to_string(),
+        "the scrape annotation names the metrics port"
+    );
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let answer = http_get(&ctd.node, port, path);
@@ -666,7 +678,7 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     let mesh_sandbox = cri
         .run_pod_sandbox(&mesh, &parent, &ctd.log_dir.join(&mesh.name))
         .unwrap_or_else(|e| panic!("{e:#}\nagent:\n{}\ncontainerd:\n{}", agent_log(), ctd.log()));
-    let captured = samples(&ctd.node, port, "pods_captured");
+    let captured = samples(&ctd.node, metrics_port, "pods_captured");
     assert!(
         captured.len() == 1 && captured[0].ends_with(" 1"),
         "{captured:?}\n{}",
@@ -696,7 +708,7 @@ fn the_charts_daemon_set_runs_under_containerd_and_captures_a_pod() {
     // Its removal (the CNI DEL) releases the capture.
     cri.stop_pod_sandbox(&mesh_sandbox).expect("stop");
     cri.remove_pod_sandbox(&mesh_sandbox).expect("remove");
-    let captured = samples(&ctd.node, port, "pods_captured");
+    let captured = samples(&ctd.node, metrics_port, "pods_captured");
     assert!(
         captured.len() == 1 && captured[0].ends_with(" 0"),
         "{captured:?}"
