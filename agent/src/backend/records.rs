@@ -24,7 +24,7 @@ use super::BackendError;
 use crate::{
     crashpoint,
     pod::{PodRef, record_file_name},
-    policy::{DataplaneMode, InterceptionMode},
+    policy::{DataplaneMode, Family, InterceptionMode},
 };
 
 /// One pod's record, as a rules backend writes it.
@@ -54,6 +54,9 @@ pub(super) trait Record: Clone + Serialize + DeserializeOwned {
     fn via(&self) -> String;
     /// Whether the rules were adopted: istio-cni's, found in the pod's netns.
     fn adopted(&self) -> bool;
+    /// The families whose policy route the netns held before this capture (istio-cni's), left
+    /// in place whatever becomes of the capture.
+    fn found_routes_mut(&mut self) -> &mut Vec<Family>;
 
     /// Every rule set the netns may hold.
     fn rule_sets(&self) -> impl Iterator<Item = &Self::Rules> {
@@ -192,6 +195,19 @@ impl<R: Record> Records<R> {
     /// The record of `container_id`.
     pub(super) fn get(&self, container_id: &str) -> Option<R> {
         self.lock().get(container_id).cloned()
+    }
+
+    /// Forgets the routes a pod's capture found in place: they are the capture's own from now
+    /// on, so its removal takes them.
+    pub(super) fn forget_found_routes(&self, container_id: &str) -> Result<(), BackendError> {
+        let Some(mut record) = self.get(container_id) else {
+            return Ok(());
+        };
+        if record.found_routes_mut().is_empty() {
+            return Ok(());
+        }
+        record.found_routes_mut().clear();
+        self.save(&record)
     }
 
     /// What was applied for `pod`, and the id it is recorded under: by the container, else by

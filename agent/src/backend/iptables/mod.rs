@@ -309,13 +309,7 @@ impl CaptureBackend for IptablesBackend {
     }
 
     fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
-        match self.records.get(&pod.container_id) {
-            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
-                found_routes: Vec::new(),
-                ..record
-            }),
-            _ => Ok(()),
-        }
+        self.records.forget_found_routes(&pod.container_id)
     }
 
     #[tracing::instrument(name = "iptables_adopt", skip_all, fields(pod = %pod, container = %pod.container_id))]

@@ -325,13 +325,7 @@ impl CaptureBackend for NftablesBackend {
     }
 
     fn forget_found_routes(&self, pod: &PodRef) -> Result<(), BackendError> {
-        match self.records.get(&pod.container_id) {
-            Some(record) if !record.found_routes.is_empty() => self.records.save(&Applied {
-                found_routes: Vec::new(),
-                ..record
-            }),
-            _ => Ok(()),
-        }
+        self.records.forget_found_routes(&pod.container_id)
     }
 
     fn prune_gone(&self) -> Result<Vec<PodRef>, BackendError> {

@@ -72,6 +72,10 @@ impl Record for Applied {
         self.ambient
     }
 
+    fn found_routes_mut(&mut self) -> &mut Vec<Family> {
+        &mut self.found_routes
+    }
+
     fn via(&self) -> String {
         let adopted = if self.adopted {
             ", adopted from istio-cni"
