@@ -2,7 +2,7 @@
 //! xtask test` builds them (same commands, profile, features and target dir), so after `cargo
 //! xtask test` this costs seconds instead of a second full build of the workspace. For the
 //! other (arm64 on these machines) they are cross-built with the toolchain that ships that
-//! architecture ([`Arch::cargo`]), only the test binaries that guest runs ([`CROSS_TESTS`]).
+//! architecture ([`Arch::cargo`]), only the test binaries that guest runs (its share, `share::CROSS`).
 //! They are ordinary dynamically linked executables: the initramfs carries their ELF
 //! interpreter and shared libraries (glibc, libgcc_s) of their architecture, as it does for
 //! `ip` and iptables.
@@ -52,46 +52,6 @@ pub const HOST_ONLY: &[(&str, &str)] = &[
     ),
 ];
 
-/// The tests a guest of another architecture runs, unless `--whole-suite` asks for all of
-/// them, as selections of `binary::test` names (`*` for any characters; the VM init's
-/// `selected`), with what each proves there: the kernel programs through that architecture's
-/// JIT and on its kernel's own structures, on both backends. docs/development.md
-/// ("Architectures") says what the rest would add and cost.
-pub const CROSS_TESTS: &[(&str, &str)] = &[
-    (
-        "scenarios::*through_the_plugin",
-        "every row of the semantics table on both backends through the real agent and plugin \
-         (the same rows the direct table tests run, with the binaries that ship)",
-    ),
-    (
-        "scenarios::*with_tcx",
-        "the inbound rows with the pods' programs attached as TCX links",
-    ),
-    (
-        "backend::",
-        "the eBPF backend's life cycle: pins, adoption, netlink TC and TCX, release",
-    ),
-    (
-        "ambient::an_ambient_pod_is_captured_in_the_kernel",
-        "ambient mode's capture in the kernel programs (`ambient.inKernel`) for ztunnel, and \
-         its release",
-    ),
-    (
-        "ambient::a_sidecar_pod_and_an_ambient_pod_in_the_kernel",
-        "a sidecar pod's and an ambient pod's programs side by side on one node",
-    ),
-    (
-        "ambient::two_ambient_pods_in_the_kernel",
-        "HBONE between two ambient pods, DNS over UDP and TCP and IPv6 through the stand-in \
-         ztunnel, captured in the kernel",
-    ),
-    (
-        "connect4::",
-        "every embedded program through the verifier; connect4 on a cgroup",
-    ),
-    ("probe::", "the kernel probe's answer"),
-];
-
 /// What the VM runs.
 pub struct Binaries {
     /// Test executables of `tests/tests/*.rs`, by test name.
@@ -105,7 +65,7 @@ pub struct Binaries {
 
 /// Builds (or finds up to date) the test executables of meshcap-tests for `arch`, the binaries
 /// they start and the VM init. Of another architecture than this machine's, only
-/// [`CROSS_TESTS`] unless `whole_suite`.
+/// its share (`share::CROSS`) unless `whole_suite`.
 pub fn build(arch: Arch, whole_suite: bool) -> anyhow::Result<Binaries> {
     let workspace = crate::cmd::root();
     let (mut tests, mut helpers, mut init) = (Vec::new(), Vec::new(), None);
@@ -205,15 +165,16 @@ pub fn build(arch: Arch, whole_suite: bool) -> anyhow::Result<Binaries> {
     })
 }
 
-/// The test binaries a guest of another architecture runs: those of [`CROSS_TESTS`], or with
+/// The test binaries a guest of another architecture runs: those of its share, or with
 /// `whole_suite` every one of `tests/tests/` the VMs run.
 fn cross_tests(whole_suite: bool) -> anyhow::Result<Vec<String>> {
     if !whole_suite {
-        let mut names: Vec<String> = CROSS_TESTS
+        let mut names: Vec<String> = super::share::CROSS
             .iter()
             .filter_map(|(selection, _)| selection.split("::").next())
             .map(str::to_owned)
             .collect();
+        names.sort();
         names.dedup();
         return Ok(names);
     }

@@ -24,15 +24,14 @@ mod chart;
 mod cpio;
 mod kernel;
 mod qemu;
+mod share;
 mod stuck;
 
 /// Guests `cargo xtask test` boots in QEMU after the host suite (`cargo xtask integration`'s
-/// default): 5.10 proves the iptables fallback below the eBPF floor, 6.1 runs the whole suite
-/// on the oldest eBPF kernel (its verifier, netlink TC, the socket hand-off before 6.5), and
-/// the arm64 guest runs the kernel side (`CROSS_TESTS`) on 6.12 (TCX, a newer verifier) through
-/// the arm64 JIT. An x86 6.12 guest (`--kernel 6.12`) left CI with it: what it ran is either
-/// the arm64 guest's or bracketed by 6.1 and the host's 6.18 on x86, and its 9.4 minutes pay
-/// for most of the arm64 guest (docs/development.md, "Architectures", has the numbers).
+/// default), each running its share of the suite (`share.rs`): 5.10 proves the iptables
+/// fallback below the eBPF floor, 6.1 the kernel paths of the oldest eBPF kernel (its verifier,
+/// netlink TC, the socket hand-off before 6.5, cgroup programs without `BPF_F_BEFORE`), and
+/// the arm64 guest the kernel programs through the arm64 JIT on 6.12 (TCX, a newer verifier).
 pub const CI_GUESTS: &[&str] = &["5.10", "6.1", "6.12-arm64"];
 
 /// Options of `cargo xtask integration`.
@@ -46,8 +45,8 @@ pub struct Args {
     /// (the kernels themselves in target/debian/).
     #[arg(long, default_value = "target/integration")]
     cache_dir: PathBuf,
-    /// A guest of another architecture than this machine's runs every test binary, not only
-    /// the subset CI runs there (`CROSS_TESTS` in xtask/src/integration/build.rs).
+    /// Every guest runs every test the VMs can, not only its share of the suite
+    /// (xtask/src/integration/share.rs); one of another architecture builds them all.
     #[arg(long)]
     whole_suite: bool,
     /// Test binaries run at once inside the VM (each with one test thread).
@@ -188,11 +187,15 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         eprintln!("integration: not in the VMs (host only, `cargo xtask test`): {test}: {why}");
     }
     if !args.whole_suite {
-        let cross: Vec<&str> = build::CROSS_TESTS.iter().map(|(t, _)| *t).collect();
-        for guest in args.kernels.iter().filter(|g| Arch::host() != Some(g.arch)) {
+        for guest in &args.kernels {
+            let tests: Vec<&str> = share::Share::of(&guest.series, guest.arch)
+                .tests()
+                .iter()
+                .map(|(t, _)| *t)
+                .collect();
             eprintln!(
                 "integration: {guest} runs {} (--whole-suite: every test)",
-                cross.join(", ")
+                tests.join(", ")
             );
         }
     }
@@ -219,67 +222,6 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         bail!("integration failed on guest(s) {}", failures.join(", "));
     }
     Ok(())
-}
-
-/// The oldest kernel the eBPF backend runs on (docs/ebpf.md: `bpf_get_netns_cookie` in
-/// sock_ops and cgroup_sockopt programs, 5.15); older ones run the iptables fallback.
-const EBPF_FLOOR: (u32, u32) = (5, 15);
-
-/// Whether the tests must find the eBPF backend usable on a kernel of `series`.
-fn runs_ebpf(series: &str) -> bool {
-    let mut parts = series.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    version >= EBPF_FLOOR
-}
-
-/// The oldest kernel series the native nftables backend's tests run on (issue 37: 6.1 and
-/// 6.12, the kernels Istio's nftables mode is used with; 5.10 keeps the iptables fallback).
-const NATIVE_NFTABLES_FLOOR: (u32, u32) = (6, 1);
-
-/// The native nftables backend's tests the guests leave to the host (`binary::test`
-/// selections), with why: what they prove is the backend's own handling of records, `nft`
-/// and the agent's life, the same on every kernel; the guests run the scenario table through
-/// the agent and plugin and an ambient pod's capture on nftables, which cross the kernel's
-/// nf_tables expressions (about 4 minutes of a TCG guest's 2 jobs for all of them, issue 37).
-const HOST_ONLY_NFTABLES: &[(&str, &str)] = &[
-    (
-        "scenarios::nftables_backend_makes",
-        "the table through the agent and plugin covers it",
-    ),
-    ("crash::*::nftables", "records and restarts"),
-    (
-        "tamper::*::nftables",
-        "CHECK, ADD and DEL of a tampered pod",
-    ),
-    ("verify::*::nftables", "the verifier's listing and repair"),
-    ("cni_agent::*nftables", "concurrency, user namespaces"),
-    (
-        "ambient::a_sidecar_pod_and_an_ambient_pod*::nftables",
-        "the ambient pod's capture alone covers the in-pod rules",
-    ),
-    (
-        "ambient::a_starting_agent*::nftables",
-        "records and restarts (the capture covers the rules and the node's probe rule)",
-    ),
-    ("ambient::running_pods*::nftables", "the API's events"),
-    ("ambient::an_enrolled_pod_whose*::nftables", "records"),
-    ("ambient::without_ztunnel*::nftables", "the undo of an ADD"),
-    (
-        "ambient::*native_nftables*",
-        "crash points, the switch of the probe form and the uninstall: records, restarts, `nft`",
-    ),
-    (
-        "verify::*native_nftables*",
-        "the verifier's listing and repair",
-    ),
-];
-
-/// Whether a guest of `series` runs the native nftables backend's tests (those named
-/// `*nftables*`).
-fn runs_native_nftables(series: &str) -> bool {
-    let mut parts = series.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    version >= NATIVE_NFTABLES_FLOOR
 }
 
 /// One kernel's boots: its release and each boot's outcome (a lock-up's log kept beside).
@@ -391,23 +333,20 @@ fn run_kernel(
     archive.file("modules.list", 0o644, list.as_bytes());
     archive.file("jobs", 0o644, format!("{}\n", args.jobs).as_bytes());
     // The tests' oracle, not the agent's (which probes): see `meshcap_tests::ebpf_runs_here`.
-    if !runs_ebpf(series) {
+    if !share::runs_ebpf(series) {
         archive.file("ebpf.unsupported", 0o644, b"");
     }
     let mut filter: String = args.tests.iter().map(|t| format!("{t}\n")).collect();
-    if runs_native_nftables(series) {
-        for (test, _) in HOST_ONLY_NFTABLES {
-            filter.push_str(&format!("!{test}\n"));
-        }
-    } else {
+    if !share::runs_native_nftables(series) {
         filter.push_str("!nftables\n");
     }
     archive.file("tests.filter", 0o644, filter.as_bytes());
-    // A guest of another architecture runs its share of the suite (`build::CROSS_TESTS`).
-    let select: String = if args.whole_suite || Arch::host() == Some(guest.arch) {
+    // The guest's share of the suite (`share.rs`), unless every test is asked for.
+    let select: String = if args.whole_suite {
         String::new()
     } else {
-        build::CROSS_TESTS
+        share::Share::of(&guest.series, guest.arch)
+            .tests()
             .iter()
             .map(|(t, _)| format!("{t}\n"))
             .collect()

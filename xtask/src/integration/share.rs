@@ -1,0 +1,228 @@
+//! Which tests each guest runs, and what running them there proves.
+//!
+//! The host runs the whole suite on its own kernel (x86, 6.18). A guest runs only what crosses
+//! a kernel path that differs on its kernel or architecture, not the agent's own logic (its
+//! install, the API, metrics, ZDS, records, crash points), which is the same code on every
+//! kernel and is proven once on the host: under TCG a guest test costs 3 to 10 times its host
+//! time, and CI's budget pays for what a kernel proves, not for running every binary
+//! everywhere (docs/development.md, "Which tests run where"). `--whole-suite` runs every test
+//! the VMs can (all but `build::HOST_ONLY`) on any guest.
+use crate::arch::Arch;
+
+/// The oldest kernel the eBPF backend runs on (docs/ebpf.md: `bpf_get_netns_cookie` in
+/// sock_ops and cgroup_sockopt programs, 5.15); older ones run the iptables fallback.
+const EBPF_FLOOR: (u32, u32) = (5, 15);
+
+/// The oldest kernel series the native nftables backend's tests run on (issue 37: 6.1 and
+/// 6.12, the kernels Istio's nftables mode is used with; 5.10 keeps the iptables fallback).
+const NATIVE_NFTABLES_FLOOR: (u32, u32) = (6, 1);
+
+/// A kernel series' major and minor version (`6.1` → (6, 1)).
+fn version(series: &str) -> (u32, u32) {
+    let mut parts = series.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
+/// Whether the tests must find the eBPF backend usable on a kernel of `series` (the tests'
+/// oracle, not the agent's, which probes: `meshcap_tests::ebpf_runs_here`).
+pub fn runs_ebpf(series: &str) -> bool {
+    version(series) >= EBPF_FLOOR
+}
+
+/// Whether a guest of `series` may run the native nftables backend's tests.
+pub fn runs_native_nftables(series: &str) -> bool {
+    version(series) >= NATIVE_NFTABLES_FLOOR
+}
+
+/// A guest's share of the suite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Share {
+    /// A kernel below the eBPF floor (5.10): the iptables fallback.
+    Fallback,
+    /// A kernel of the host's architecture that runs the eBPF backend (6.1, the oldest).
+    Ebpf,
+    /// A kernel of another architecture (arm64's 6.12).
+    Cross,
+}
+
+impl Share {
+    /// The share of a guest running a kernel of `series` for `arch`.
+    pub fn of(series: &str, arch: Arch) -> Self {
+        if Arch::host() != Some(arch) {
+            Self::Cross
+        } else if !runs_ebpf(series) {
+            Self::Fallback
+        } else {
+            Self::Ebpf
+        }
+    }
+
+    /// The share's selections of `binary::test` names (`*` for any characters; the VM init's
+    /// `selected`), each with what it proves on such a kernel.
+    pub fn tests(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Self::Fallback => FALLBACK,
+            Self::Ebpf => EBPF,
+            Self::Cross => CROSS,
+        }
+    }
+}
+
+/// Below the eBPF floor: the kernel's own answers choose the fallback, and Istio's rules work
+/// on that kernel's netfilter (its xt matches and targets, ipset, TPROXY, conntrack marks).
+const FALLBACK: &[(&str, &str)] = &[
+    (
+        "probe::",
+        "the probe's answer: what this kernel lacks, by name",
+    ),
+    (
+        "standalone::auto_runs_the_backend_the_kernel_can_run",
+        "the agent's automatic choice of the iptables fallback, naming each missing feature",
+    ),
+    (
+        "ambient::in_kernel_required_where_the_ebpf_backend_does_not_serve_is_refused",
+        "`ambient.inKernel: required` refused where the kernel cannot run it",
+    ),
+    (
+        "scenarios::iptables_agent_through_the_plugin",
+        "every row of the semantics table through Istio's iptables rules, written by the real \
+         agent and plugin",
+    ),
+    (
+        "streams::edge_cases_through_istios_rules",
+        "half-closes, resets and large writes through the REDIRECT and TPROXY paths",
+    ),
+    (
+        "ambient::an_ambient_pod_is_captured_for_ztunnel_and_released::iptables",
+        "ambient mode's in-pod rules and the node's probe rule (ipset) for ztunnel",
+    ),
+    (
+        "ambient::two_ambient_pods_talk_over_hbone_and_dns_is_proxied",
+        "HBONE and DNS over UDP and TCP through Istio's in-pod rules",
+    ),
+];
+
+/// The oldest kernel that runs the eBPF backend: its verifier, netlink TC without TCX, the
+/// socket hand-off before 6.5, cgroup programs without `BPF_F_BEFORE`, and Istio's nftables
+/// rules on its nf_tables.
+const EBPF: &[(&str, &str)] = &[
+    ("probe::", "the probe's answer"),
+    (
+        "standalone::auto_runs_the_backend_the_kernel_can_run",
+        "the agent's automatic choice of the eBPF backend",
+    ),
+    (
+        "connect4::",
+        "every embedded program through this verifier; connect4 on a cgroup",
+    ),
+    (
+        "scenarios::ebpf_agent_through_the_plugin",
+        "every row of the semantics table in the kernel programs, through the agent and plugin",
+    ),
+    (
+        "scenarios::nftables_agent_through_the_plugin",
+        "every row through Istio's native nftables rules on this nf_tables",
+    ),
+    (
+        "backend::",
+        "the eBPF backend's life cycle: pins, adoption, netlink TC, the socket hand-off, release",
+    ),
+    (
+        "reset::",
+        "a SYN no proxy takes answered as a closed port answers it, with and without offload",
+    ),
+    (
+        "streams::edge_cases_through_ebpf",
+        "half-closes, resets and large writes through the kernel programs",
+    ),
+    (
+        "coexist::",
+        "another load balancer's cgroup programs beside meshcap's, in this kernel's order",
+    ),
+    (
+        "upgrade::",
+        "a restarted agent swaps every program in place without a gap, over netlink TC",
+    ),
+    (
+        "ambient::an_ambient_pod_is_captured_in_the_kernel",
+        "ambient mode's capture in the kernel programs for ztunnel, and its release",
+    ),
+    (
+        "ambient::two_ambient_pods_in_the_kernel",
+        "HBONE and DNS between two ambient pods captured in the kernel",
+    ),
+    (
+        "ambient::an_ambient_pod_is_captured_for_ztunnel_and_released::nftables",
+        "ambient mode's in-pod rules and the node's probe rule with native nftables",
+    ),
+];
+
+/// Another architecture: the kernel programs through its JIT and on its kernel's own
+/// structures, on both backends; 6.12 has TCX.
+pub const CROSS: &[(&str, &str)] = &[
+    (
+        "scenarios::*through_the_plugin",
+        "every row of the semantics table on every backend through the real agent and plugin",
+    ),
+    (
+        "scenarios::*with_tcx",
+        "the inbound rows with the pods' programs attached as TCX links",
+    ),
+    (
+        "backend::",
+        "the eBPF backend's life cycle: pins, adoption, netlink TC and TCX, release",
+    ),
+    (
+        "ambient::an_ambient_pod_is_captured_in_the_kernel",
+        "ambient mode's capture in the kernel programs for ztunnel, and its release",
+    ),
+    (
+        "ambient::a_sidecar_pod_and_an_ambient_pod_in_the_kernel",
+        "a sidecar pod's and an ambient pod's programs side by side on one node",
+    ),
+    (
+        "ambient::two_ambient_pods_in_the_kernel",
+        "HBONE between two ambient pods, DNS over UDP and TCP and IPv6 through the stand-in \
+         ztunnel, captured in the kernel",
+    ),
+    (
+        "connect4::",
+        "every embedded program through the verifier; connect4 on a cgroup",
+    ),
+    ("probe::", "the kernel probe's answer"),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every selection names a test binary of `tests/tests/` that the VMs run.
+    #[test]
+    fn every_selection_names_a_binary_the_guests_run() {
+        let dir = crate::cmd::root().join("tests/tests");
+        for share in [Share::Fallback, Share::Ebpf, Share::Cross] {
+            for (selection, why) in share.tests() {
+                assert!(!why.is_empty(), "{selection}");
+                let mut parts = selection.split("::");
+                let binary = parts.next().unwrap_or_default();
+                let source = std::fs::read_to_string(dir.join(format!("{binary}.rs")))
+                    .unwrap_or_else(|_| {
+                        panic!("{share:?}: {selection}: no tests/tests/{binary}.rs")
+                    });
+                let test = parts.next().unwrap_or_default();
+                for fragment in test.split('*').filter(|f| !f.is_empty()) {
+                    assert!(
+                        source.contains(fragment),
+                        "{share:?}: {selection}: no test of {binary} has {fragment:?} in its name"
+                    );
+                }
+                assert!(
+                    !super::super::build::HOST_ONLY
+                        .iter()
+                        .any(|(h, _)| *h == binary),
+                    "{share:?}: {selection} is host-only"
+                );
+            }
+        }
+    }
+}
