@@ -75,7 +75,7 @@ pub fn binaries() -> &'static Path {
 /// run the debug agent's start (the programs parsed and through the verifier, then the node's
 /// set-up) two to three times slower than an x86 guest's, which is itself many times slower
 /// than this host (docs/development.md, "The arm64 guest").
-fn ready_within() -> Duration {
+pub fn ready_within() -> Duration {
     let seconds = std::env::var("MESHCAP_AGENT_READY_SECS")
         .ok()
         .and_then(|s| s.parse().ok())

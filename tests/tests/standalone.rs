@@ -4,12 +4,14 @@
 use std::{
     path::PathBuf,
     process::{Command, Stdio},
+    thread,
+    time::{Duration, Instant},
 };
 
 use meshcap_agent::backend::ebpf::layout;
 use meshcap_tests::{
     Placement, TestCgroup,
-    agent::{Backend, binaries},
+    agent::{Backend, binaries, ready_within},
     fixtures::{ManifestDir, eventually},
     one_pod::OnePod,
     require_root, start_server, unique_name,
@@ -77,7 +79,24 @@ fn private_agent(backend: &str) -> (Instance, Value) {
         .spawn()
         .expect("meshcap-agent run --instance");
     let socket = instance.run_dir.join("agent.sock");
-    let up = eventually("the private agent's socket", || socket.exists());
+    // As long as any agent of the harness may take to come up (an emulated guest's is slow).
+    let deadline = Instant::now() + ready_within();
+    let up = loop {
+        if socket.exists() {
+            break Ok(());
+        }
+        if let Ok(Some(exit)) = child.try_wait() {
+            break Err(format!("it exited before serving: {exit}"));
+        }
+        if Instant::now() > deadline {
+            break Err(format!(
+                "no socket at {} within {:?}",
+                socket.display(),
+                ready_within()
+            ));
+        }
+        thread::sleep(Duration::from_millis(50));
+    };
     let report = up.map(|()| status(&socket));
     // Our own child, by its pid.
     let _ = nix::sys::signal::kill(
