@@ -133,6 +133,19 @@ pub fn needs(features: &Features) -> Vec<Need> {
         }
     }
     if let Some((namespace, name)) = &features.daemon_set {
+        // At a stop, with a DaemonSet that has a required node affinity: whether it still
+        // takes this node (`uninstall::placement`). The startup taint gets it above.
+        if !features.startup_taint {
+            all.push(Need {
+                name: features.node.clone(),
+                ..need(
+                    "get",
+                    "",
+                    "nodes",
+                    "uninstall: whether the DaemonSet still places a pod on this node",
+                )
+            });
+        }
         for verb in ["get", "list", "watch"] {
             all.push(Need {
                 namespace: namespace.clone(),
@@ -384,6 +397,16 @@ mod tests {
                 .iter()
                 .all(|n| !n.contains("nodes") && !n.contains("status"))
         );
+        let watched = text(&Features {
+            daemon_set: Some(("meshcap-system".into(), "meshcap-agent".into())),
+            ..base.clone()
+        });
+        assert!(
+            watched.iter().any(|n| n
+                == "get nodes node-1 (uninstall: whether the DaemonSet still places a pod on this node)"),
+            "{watched:#?}"
+        );
+        assert!(!watched.iter().any(|n| n.starts_with("patch nodes")));
         let all = text(&Features {
             startup_taint: true,
             daemon_set: Some(("meshcap-system".into(), "meshcap-agent".into())),

@@ -230,7 +230,9 @@ impl ApiServer {
         self.nodes.lock().expect("nodes").push(json!({
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": NODE, "uid": "node-uid-1", "resourceVersion": "1",
-                         "labels": {"kubernetes.io/hostname": NODE}},
+                         "labels": {"kubernetes.io/hostname": NODE,
+                                    "kubernetes.io/arch": "amd64",
+                                    "kubernetes.io/os": "linux"}},
             "spec": {},
         }));
         self.apply_pod(json!({

@@ -145,6 +145,41 @@ fn restarts_updates_evictions_and_drains_keep_meshcap() {
     );
 }
 
+/// The node-by-node switch between istio-cni and meshcap (docs/install.md) moves meshcap off a
+/// node by its DaemonSet's required node affinity: the DaemonSet stays, but its pod never comes
+/// back to that node, so the agent leaves it as Istio's does (`ShouldStopCleanup`); a node the
+/// affinity still takes keeps meshcap.
+#[test]
+fn a_node_the_daemon_sets_affinity_no_longer_takes_is_left() {
+    require_root();
+    let affinity = |api: &ApiServer, node_label: &str| {
+        let mut ds = api.daemon_set();
+        ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "meshcap.io/cni", "operator": "In",
+                                       "values": ["both", "meshcap"]}]}]}}});
+        api.apply_daemon_set(ds);
+        api.nodes.lock().expect("nodes")[0]["metadata"]["labels"]["meshcap.io/cni"] =
+            json!(node_label);
+    };
+    let (_, _, log) = row(
+        "the DaemonSet's node affinity takes this node",
+        |api, _| affinity(api, "meshcap"),
+        false,
+    );
+    assert!(log.contains("a restart, an update"), "{log}");
+    let (_, _, log) = row(
+        "the node relabelled out of the DaemonSet's node affinity",
+        |api, _| affinity(api, "istio"),
+        true,
+    );
+    assert!(
+        log.contains("no longer places a pod on this node")
+            && log.contains("meshcap.io/cni In [both, meshcap]"),
+        "{log}"
+    );
+}
+
 #[test]
 fn each_uninstall_order_leaves_the_node_clean() {
     require_root();

@@ -19,16 +19,25 @@
 //!   ServiceAccounts or RBAC does that, and a node whose plugin can decide no pod could start
 //!   no pod at all if the entry stayed.
 //! - the API server unreachable proves nothing.
+//! - a DaemonSet read back (200), not being deleted, whose `nodeSelector` or required node
+//!   affinity no longer takes this node ([`super::placement`]) will never run a pod here again: not a restart,
+//!   so meshcap leaves the node, as Istio's node agent does. A node that cannot be read keeps
+//!   meshcap.
+
+pub use super::placement::Placement;
 
 /// What a fresh read of the DaemonSet with the agent's credential answered.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Fresh {
-    /// 200: the DaemonSet, with its uid and whether it carries a `deletionTimestamp`.
+    /// 200: the DaemonSet, with its uid, whether it carries a `deletionTimestamp`, and
+    /// whether it still places a pod on this node.
     Present {
         /// Its uid (the agent's pod's owner's, or another: a new DaemonSet of that name).
         uid: String,
         /// A `deletionTimestamp` (a foreground deletion).
         deleting: bool,
+        /// Its required node affinity against this node.
+        placement: Placement,
     },
     /// 404.
     Gone,
@@ -96,7 +105,31 @@ pub fn verdict(owner_uid: &str, fresh: &Fresh, seen: &Witnessed) -> Result<Verdi
         }
     };
     match fresh {
-        Fresh::Present { uid, deleting } => return Ok(present(uid, *deleting, "read now")),
+        // Its pod never comes back here, whether it is the DaemonSet that ran this agent or a
+        // new one of that name.
+        Fresh::Present {
+            deleting: false,
+            placement: Placement::Excludes(why),
+            ..
+        } => {
+            return Ok(Verdict::Uninstall(format!(
+                "the DaemonSet is there (read now) but no longer places a pod on this node: {why}"
+            )));
+        }
+        Fresh::Present {
+            uid,
+            deleting,
+            placement,
+        } => {
+            let verdict = present(uid, *deleting, "read now");
+            return Ok(match (verdict, placement) {
+                (Verdict::Stay(why), Placement::Unknown(unknown)) => Verdict::Stay(format!(
+                    "{why}; whether its node affinity still takes this node is not known \
+                     ({unknown})"
+                )),
+                (verdict, _) => verdict,
+            });
+        }
         Fresh::Gone => {
             return Ok(Verdict::Uninstall(
                 "the DaemonSet is gone (read now)".into(),
@@ -165,6 +198,15 @@ mod tests {
         Fresh::Present {
             uid: uid.into(),
             deleting,
+            placement: Placement::Takes,
+        }
+    }
+
+    fn placed(uid: &str, deleting: bool, placement: Placement) -> Fresh {
+        Fresh::Present {
+            uid: uid.into(),
+            deleting,
+            placement,
         }
     }
 
@@ -215,6 +257,26 @@ mod tests {
             (unreachable.clone(), Witnessed::Gone, Some(true)),
             (unreachable.clone(), streaming("ds-1"), Some(false)),
             (unreachable, seen("ds-1", false), Some(false)),
+            (
+                placed("ds-1", false, Placement::Excludes("affinity".into())),
+                streaming("ds-1"),
+                Some(true),
+            ),
+            (
+                placed("ds-1", false, Placement::Unknown("node: 403".into())),
+                streaming("ds-1"),
+                Some(false),
+            ),
+            (
+                placed("ds-2", false, Placement::Excludes("affinity".into())),
+                Witnessed::Nothing,
+                Some(true),
+            ),
+            (
+                placed("ds-1", true, Placement::Excludes("affinity".into())),
+                Witnessed::Nothing,
+                Some(true),
+            ),
         ];
         for (fresh, witnessed, expected) in rows {
             assert_eq!(

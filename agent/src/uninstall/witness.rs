@@ -5,7 +5,10 @@
 use std::{path::Path, time::Duration};
 
 use futures::StreamExt as _;
-use k8s_openapi::api::{apps::v1::DaemonSet, core::v1::Pod};
+use k8s_openapi::api::{
+    apps::v1::DaemonSet,
+    core::v1::{Node, Pod},
+};
 use kube::{
     Api,
     runtime::{
@@ -15,7 +18,10 @@ use kube::{
 };
 use tokio::sync::watch;
 
-use super::verdict::{self, Fresh, Verdict, Witnessed};
+use super::{
+    placement,
+    verdict::{self, Fresh, Placement, Verdict, Witnessed},
+};
 use crate::access::{self, Need, WatchHealth};
 
 /// The DaemonSet that owns the agent's pod.
@@ -150,13 +156,15 @@ impl Witness {
     }
 }
 
-/// A fresh read of `owner`'s DaemonSet with `client`.
-pub async fn read(client: &kube::Client, owner: &Owner) -> Fresh {
+/// A fresh read of `owner`'s DaemonSet with `client`, and of the node `node` when the
+/// DaemonSet has a required node affinity.
+pub async fn read(client: &kube::Client, owner: &Owner, node: &str) -> Fresh {
     match Api::<DaemonSet>::namespaced(client.clone(), &owner.namespace)
         .get_opt(&owner.name)
         .await
     {
         Ok(Some(ds)) => Fresh::Present {
+            placement: placement_on(client, &ds, node).await,
             uid: ds.metadata.uid.unwrap_or_default(),
             deleting: ds.metadata.deletion_timestamp.is_some(),
         },
@@ -164,6 +172,20 @@ pub async fn read(client: &kube::Client, owner: &Owner) -> Fresh {
         Err(kube::Error::Api(status)) if status.code == 401 => Fresh::Unauthorized,
         Err(kube::Error::Api(status)) if status.code == 403 => Fresh::Forbidden,
         Err(err) => Fresh::Unreachable(err.to_string()),
+    }
+}
+
+/// Whether `daemon_set` places a pod on `node` ([`placement`]).
+async fn placement_on(client: &kube::Client, daemon_set: &DaemonSet, node: &str) -> Placement {
+    if !placement::constrained(daemon_set) {
+        return Placement::Takes;
+    }
+    if node.is_empty() {
+        return Placement::Unknown("this agent was given no node name".into());
+    }
+    match Api::<Node>::all(client.clone()).get(node).await {
+        Ok(found) => placement::of(daemon_set, &found, node),
+        Err(err) => Placement::Unknown(format!("reading node {node}: {err}")),
     }
 }
 
@@ -235,12 +257,12 @@ pub const WITNESS_GRACE: Duration = Duration::from_secs(3);
 /// credential of its own) may still do.
 pub async fn conclude(
     client: &kube::Client,
-    owner: &Owner,
+    (owner, node): (&Owner, &str),
     witness: Option<&mut Witness>,
     agent_needs: &[Need],
     plugin: Option<(kube::Client, Vec<Need>)>,
 ) -> Verdict {
-    let fresh = read(client, owner).await;
+    let fresh = read(client, owner, node).await;
     let mut seen = witness.as_ref().map_or(Witnessed::Nothing, |w| w.seen());
     // Not read now: what the watch says decides, once a deletion in flight had time to come
     // down it (a watch streaming still that shows the DaemonSet there keeps meshcap).
@@ -324,16 +346,26 @@ impl Departure {
             .flatten()
     }
 
-    /// The verdict at SIGTERM ([`conclude`]); `None` when no owner is known (not run by a
+    /// The verdict at SIGTERM on the node `node` ([`conclude`]); `None` when no owner is known (not run by a
     /// DaemonSet, or its pod could never be read).
     pub async fn conclude(
         &self,
         client: &kube::Client,
+        node: &str,
         agent_needs: &[Need],
         plugin: Option<(kube::Client, Vec<Need>)>,
     ) -> Option<Verdict> {
         let owner = self.owner.borrow().clone().flatten()?;
         let mut witness = self.witness.lock().await;
-        Some(conclude(client, &owner, witness.as_mut(), agent_needs, plugin).await)
+        Some(
+            conclude(
+                client,
+                (&owner, node),
+                witness.as_mut(),
+                agent_needs,
+                plugin,
+            )
+            .await,
+        )
     }
 }

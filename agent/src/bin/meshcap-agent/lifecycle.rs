@@ -52,8 +52,11 @@ pub async fn uninstall_if_deleted(
     };
     let owner = departure.owner().await;
     let needs = features.needs(owner.as_ref());
-    let verdict =
-        tokio::time::timeout(DECISION_TIMEOUT, departure.conclude(client, &needs, plugin)).await;
+    let verdict = tokio::time::timeout(
+        DECISION_TIMEOUT,
+        departure.conclude(client, &features.node, &needs, plugin),
+    )
+    .await;
     let why = match verdict {
         Ok(Some(Verdict::Uninstall(why))) => why,
         Ok(Some(Verdict::Stay(why))) => {
