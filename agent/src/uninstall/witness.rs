@@ -157,7 +157,7 @@ impl Witness {
 }
 
 /// A fresh read of `owner`'s DaemonSet with `client`, and of the node `node` when the
-/// DaemonSet has a required node affinity.
+/// DaemonSet constrains its nodes (a `nodeSelector`, a required node affinity).
 pub async fn read(client: &kube::Client, owner: &Owner, node: &str) -> Fresh {
     match Api::<DaemonSet>::namespaced(client.clone(), &owner.namespace)
         .get_opt(&owner.name)
