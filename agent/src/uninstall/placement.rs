@@ -7,7 +7,7 @@
 //! will never run there.
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
-    core::v1::{Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm},
+    core::v1::{Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec},
 };
 
 /// What the DaemonSet's placement says of this node.
@@ -51,25 +51,18 @@ pub fn of(daemon_set: &DaemonSet, node: &Node, name: &str) -> Placement {
     }
 }
 
+/// The pod template's spec of `daemon_set`.
+fn pod_spec(daemon_set: &DaemonSet) -> Option<&PodSpec> {
+    daemon_set.spec.as_ref()?.template.spec.as_ref()
+}
+
 fn selector_of(daemon_set: &DaemonSet) -> Option<&std::collections::BTreeMap<String, String>> {
-    daemon_set
-        .spec
-        .as_ref()?
-        .template
-        .spec
-        .as_ref()?
-        .node_selector
-        .as_ref()
+    pod_spec(daemon_set)?.node_selector.as_ref()
 }
 
 /// The required node affinity of `daemon_set`'s pod template, if it has one.
 fn required(daemon_set: &DaemonSet) -> Option<&NodeSelector> {
-    daemon_set
-        .spec
-        .as_ref()?
-        .template
-        .spec
-        .as_ref()?
+    pod_spec(daemon_set)?
         .affinity
         .as_ref()?
         .node_affinity
