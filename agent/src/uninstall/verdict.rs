@@ -20,9 +20,9 @@
 //!   no pod at all if the entry stayed.
 //! - the API server unreachable proves nothing.
 //! - a DaemonSet read back (200), not being deleted, whose `nodeSelector` or required node
-//!   affinity no longer takes this node ([`super::placement`]) will never run a pod here again: not a restart,
-//!   so meshcap leaves the node, as Istio's node agent does. A node that cannot be read keeps
-//!   meshcap.
+//!   affinity no longer takes this node ([`super::placement`]) will never run a pod here
+//!   again: not a restart, so meshcap leaves the node, as Istio's node agent does. A node that
+//!   cannot be read keeps meshcap.
 
 pub use super::placement::Placement;
 
@@ -36,7 +36,7 @@ pub enum Fresh {
         uid: String,
         /// A `deletionTimestamp` (a foreground deletion).
         deleting: bool,
-        /// Its required node affinity against this node.
+        /// Its `nodeSelector` and required node affinity against this node.
         placement: Placement,
     },
     /// 404.
@@ -124,7 +124,7 @@ pub fn verdict(owner_uid: &str, fresh: &Fresh, seen: &Witnessed) -> Result<Verdi
             let verdict = present(uid, *deleting, "read now");
             return Ok(match (verdict, placement) {
                 (Verdict::Stay(why), Placement::Unknown(unknown)) => Verdict::Stay(format!(
-                    "{why}; whether its node affinity still takes this node is not known \
+                    "{why}; whether its placement still takes this node is not known \
                      ({unknown})"
                 )),
                 (verdict, _) => verdict,
