@@ -48,6 +48,8 @@
 //! - [`settings`]: the ConfigMap's settings and the environment variables carrying them;
 //! - [`status`]: the status report and metrics (Istio's node agent's, `process_*`, meshcap's);
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
+//! - [`takeover`]: istio-cni's sidecar captures on this node made the agent's at start, and
+//!   the one listing of the node's pods both that and ambient mode's adoption read;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
 //!   how the agent tells that apart from a restart ([`uninstall::verdict`]);
 //! - [`verify`]: what the verifier (the hub's passes: every capture compared with its record
@@ -98,6 +100,7 @@ pub mod sched;
 pub mod settings;
 pub mod status;
 pub mod taint;
+pub mod takeover;
 pub mod uninstall;
 pub mod verify;
 pub mod ztunnel;

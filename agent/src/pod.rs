@@ -88,8 +88,8 @@ impl Sandbox {
 }
 
 /// What the ids of captures made in place begin with: meshcap records a running pod it
-/// captures (the repair controller) or enrolls (ambient mode's live enrollment) under an id of
-/// its own, as no runtime told it the pod's sandbox id. The runtime's DEL finds such a capture
+/// captures (the repair controller), enrolls (ambient mode's live enrollment) or adopts from
+/// istio-cni (its sidecar rules, at start) under an id of its own, as no runtime told it the pod's sandbox id. The runtime's DEL finds such a capture
 /// by the pod's netns; its GC, which lists only sandbox ids, leaves it alone: it goes with a
 /// DEL, or with its netns.
 const IN_PLACE: &str = "in-place:";
@@ -101,6 +101,8 @@ pub enum InPlace {
     Repair,
     /// Ambient mode's live enrollment.
     Ambient,
+    /// The adoption of istio-cni's sidecar capture at start (the `takeover` module).
+    Istio,
 }
 
 impl InPlace {
@@ -110,6 +112,7 @@ impl InPlace {
         let by = match self {
             Self::Repair => "repair",
             Self::Ambient => "ambient",
+            Self::Istio => "istio-cni",
         };
         format!("{IN_PLACE}{by}:{uid}")
     }
@@ -160,6 +163,7 @@ mod tests {
         let id = InPlace::Repair.container_id("u-1");
         assert_eq!(id, "in-place:repair:u-1");
         assert_eq!(InPlace::Ambient.container_id("u-1"), "in-place:ambient:u-1");
+        assert_eq!(InPlace::Istio.container_id("u-1"), "in-place:istio-cni:u-1");
         assert!(made_in_place(&id));
         assert!(!made_in_place("c0ffee"));
         assert_eq!(record_file_name(&id), "in-place_repair_u-1.json");

@@ -10,8 +10,7 @@
 //! live enrollment adopts a pod it first sees this way instead of enrolling it again.
 use std::{net::IpAddr, path::Path};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::{Api, api::ListParams};
+use k8s_openapi::api::core::v1::Pod;
 use tracing::{info, warn};
 
 use super::{Ambient, AmbientError, records::Workload};
@@ -20,6 +19,7 @@ use crate::{
     pod::{InPlace, PodRef},
     podnet,
     policy::{self, Decision, NodeSettings, PodName, ambient::ambient_keys},
+    takeover,
 };
 
 /// A running pod Istio's agent enrolled: annotated, and decided into ambient mode now.
@@ -37,7 +37,7 @@ impl IstioEnrolled {
     #[must_use]
     pub fn of(
         pod: &Pod,
-        labels: &std::collections::BTreeMap<String, String>,
+        labels: &takeover::Labels,
         node: &NodeSettings,
         netns_dir: &Path,
     ) -> Option<Self> {
@@ -113,40 +113,28 @@ impl IstioEnrolled {
         netns_dir: &Path,
         known: &[String],
     ) -> Vec<Self> {
-        let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
-        let pods = match Api::<Pod>::all(client.clone()).list(&params).await {
-            Ok(pods) => pods.items,
+        let wanted = |pod: &Pod| {
+            pod.metadata
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION))
+                && !pod.metadata.uid.as_ref().is_some_and(|u| known.contains(u))
+        };
+        let pods = match takeover::node_pods(client, node, settings, wanted).await {
+            Ok(pods) => pods,
             Err(err) => {
                 warn!(error = %err, "listing this node's pods to adopt istio-cni's ambient pods");
                 return Vec::new();
             }
         };
-        let namespaces = Api::<Namespace>::all(client.clone());
-        let mut found = Vec::new();
-        for pod in &pods {
-            let annotated = pod
-                .metadata
-                .annotations
-                .as_ref()
-                .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION))
-                && !pod.metadata.uid.as_ref().is_some_and(|u| known.contains(u));
-            let Some(namespace) = pod.metadata.namespace.as_deref().filter(|_| annotated) else {
-                continue;
-            };
-            let labels = match namespaces.get(namespace).await {
-                Ok(ns) => ns.metadata.labels.unwrap_or_default(),
-                Err(err) => {
-                    warn!(namespace, error = %err, "reading a namespace's labels to adopt istio-cni's ambient pods");
-                    continue;
-                }
-            };
-            let (settings, dir, pod) = (settings.clone(), netns_dir.to_owned(), pod.clone());
-            let of = tokio::task::spawn_blocking(move || Self::of(&pod, &labels, &settings, &dir));
-            if let Ok(Some(enrolled)) = of.await {
-                found.push(enrolled);
-            }
-        }
-        found
+        let (settings, dir) = (settings.clone(), netns_dir.to_owned());
+        tokio::task::spawn_blocking(move || {
+            pods.iter()
+                .filter_map(|(pod, labels)| Self::of(pod, labels, &settings, &dir))
+                .collect()
+        })
+        .await
+        .unwrap_or_default()
     }
 }
 

@@ -1,6 +1,8 @@
-//! A node moved from one rules backend to the other (`global.nativeNftables` turned on or off):
-//! the pods the earlier one captured keep their rules as they are until each goes, as Istio's
-//! node agent does from 1.29 (its iptables-to-nftables migration). [`Handover`] serves new pods
+//! A node moved from one rules backend to the other (`global.nativeNftables` turned on or off),
+//! or from Istio's rules to the kernel programs (istio-cni's sidecar pods adopted, or a kernel
+//! upgraded past the eBPF floor): the pods the earlier one captured keep their rules as they
+//! are until each goes, as Istio's node agent does from 1.29 (its iptables-to-nftables
+//! migration). [`Handover`] serves new pods
 //! with the backend chosen now, and every request about a pod the earlier backend holds (a
 //! repeated ADD, CHECK, the verifier's pass) with the earlier one; DEL and the reconciliation
 //! at start go to both. Once the last earlier pod has gone, only its empty state is left.
@@ -85,7 +87,7 @@ impl CaptureBackend for Handover {
         let held = self.earlier.captured_count().unwrap_or_default();
         if held > 0 {
             warnings.push(format!(
-                "{held} pods keep the {} rules an earlier agent gave them until they go; new pods get {}",
+                "{held} pods keep the {} rules an earlier agent or istio-cni gave them until they go; new pods get {}",
                 self.earlier.name(),
                 self.now.name()
             ));

@@ -67,6 +67,7 @@ impl Hub {
             explanation.verify_interval_seconds = self.ledger.interval().map(|d| d.as_secs());
             explanation.not_ready = self.readiness.not_ready_reason();
             explanation.pending_enrollment = self.pending.of(&pod);
+            explanation.istio_capture_left = self.left.of(&pod);
             Ok(Done::Explained(Box::new(explanation)))
         };
         self.observed(Verb::Explain, None, work).await

@@ -16,6 +16,7 @@
 //!   `explain` ([`explain`](Hub::explain)).
 //!
 //! Every collaborator is given at construction ([`Parts`]).
+mod adoption;
 mod captures;
 mod error;
 mod explain;
@@ -48,6 +49,7 @@ use crate::{
     policy::{DataplaneMode, Decision, NodeSettings, ambient::InpodPolicy},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
+    takeover::LeftAlone,
     verify::Ledger,
 };
 
@@ -98,6 +100,8 @@ pub struct Hub {
     ledger: Arc<Ledger>,
     /// Live enrollments still to be done.
     pending: Pending,
+    /// Sidecar pods whose istio-cni capture was left as it is.
+    left: LeftAlone,
 }
 
 impl Hub {
@@ -125,6 +129,7 @@ impl Hub {
             socket: settings.socket,
             ledger,
             pending: Pending::default(),
+            left: LeftAlone::default(),
         };
         hub.captures.update_gauge(&hub.metrics);
         hub
@@ -240,6 +245,7 @@ impl Hub {
     pub async fn del(&self, pod: PodRef) -> Result<Done, CaptureError> {
         let work = self.locks.run(&pod.container_id, async {
             self.captures.release(&pod, &self.metrics).await?;
+            self.left.forget(&pod.pod_name());
             Ok(Done::Removed)
         });
         self.observed(Verb::Del, Some((&pod, None)), work).await

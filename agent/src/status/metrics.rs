@@ -44,6 +44,7 @@ pub struct Metrics {
     verify_cpu_seconds: Gauge<f64, AtomicU64>,
     enrollment_retries: Family<Labels, Counter>,
     enrollment_pending: Gauge,
+    sidecar_adoptions: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -178,8 +179,17 @@ impl Metrics {
             "Running pods that should be in ambient mode whose enrollment is still to be retried",
             enrollment_pending.clone(),
         );
+        let sidecar_adoptions = Family::<Labels, Counter>::default();
+        meshcap.register(
+            "sidecar_adoptions",
+            "Running sidecar pods whose istio-cni capture the agent found at start: recorded as \
+             its own (result adopted), left exactly as they are because they are not the rules \
+             Istio writes for the pod now (result left), or not looked at in full (result failed)",
+            sidecar_adoptions.clone(),
+        );
         Self {
             registry,
+            sidecar_adoptions,
             enrollment_retries,
             enrollment_pending,
             requests,
@@ -311,6 +321,14 @@ impl Metrics {
             .inc();
         self.enrollment_pending
             .set(i64::try_from(pending).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one sidecar pod of istio-cni's found at start, by what became of it (`adopted`,
+    /// `left`, `failed`).
+    pub fn sidecar_adoption(&self, result: &str) {
+        self.sidecar_adoptions
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
     }
 
     /// Counts one installation: [`INSTALL_SUCCESS`] when meshcap's entry is in place, else

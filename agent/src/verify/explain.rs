@@ -40,6 +40,9 @@ pub struct Explanation {
     /// Its live enrollment in ambient mode, when it failed and is to be tried again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_enrollment: Option<PendingEnrollment>,
+    /// Why the capture istio-cni gave it, found at start, was left as it is (not adopted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub istio_capture_left: Option<String>,
 }
 
 /// One capture of the pod, as it is now.
@@ -82,6 +85,9 @@ impl Explanation {
                 "enrollment PENDING: {} attempt(s) failed, the last: {}; next attempt in {} s",
                 pending.attempts, pending.last_error, pending.next_attempt_in_seconds
             );
+        }
+        if let Some(why) = &self.istio_capture_left {
+            let _ = writeln!(out, "istio-cni's capture NOT ADOPTED: {why}");
         }
         if self.captures.is_empty() {
             let _ = writeln!(out, "installed: nothing");
@@ -190,6 +196,7 @@ mod tests {
                 last_error: "no ztunnel is connected".into(),
                 next_attempt_in_seconds: 4,
             }),
+            istio_capture_left: Some("istio-cni's rules are not the ones Istio writes".into()),
         };
         let text = explanation.to_text();
         for needle in [
@@ -202,6 +209,7 @@ mod tests {
             "verification: every 30 s",
             "node-wide: not verified yet",
             "enrollment PENDING: 2 attempt(s) failed, the last: no ztunnel is connected; next attempt in 4 s",
+            "istio-cni's capture NOT ADOPTED: istio-cni's rules are not the ones Istio writes",
         ] {
             assert!(text.contains(needle), "{needle:?} in\n{text}");
         }

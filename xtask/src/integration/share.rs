@@ -155,6 +155,11 @@ const EBPF: &[(&str, &str)] = &[
         "ambient::an_ambient_pod_is_captured_for_ztunnel_and_released::nftables",
         "ambient mode's in-pod rules and the node's probe rule with native nftables",
     ),
+    (
+        "takeover::a_sidecar_pod_istio_cni_captured_is_adopted::ebpf",
+        "a sidecar pod istio-cni captured adopted by the rules in front of the kernel programs, \
+         a new pod beside it captured in the kernel",
+    ),
 ];
 
 /// Another architecture: the kernel programs through its JIT and on its kernel's own

@@ -88,6 +88,33 @@ impl RulesPath {
         Ok(Arc::new(Handover::new(now, earlier)))
     }
 
+    /// `kernel` (the eBPF backend), or, for the pods that keep Istio's rules — istio-cni's
+    /// sidecar pods to adopt at start (`adopting`), or pods the rules backends' records name
+    /// (an earlier agent ran the rules path) — the rules backend in front of it: their
+    /// requests go to the rules, new pods to the kernel programs, never both to one pod.
+    /// Without a rules backend that opens here (no `iptables` or `nft`), the kernel programs
+    /// alone, logged: istio-cni's pods keep their rules, unadopted.
+    fn in_front_of_kernel(&self, kernel: Shared, adopting: bool) -> Shared {
+        let recorded = IptablesBackend::has_records(&self.state_dir)
+            || NftablesBackend::has_records(&self.state_dir);
+        if !adopting && !recorded {
+            return kernel;
+        }
+        match self.open() {
+            Ok(rules) => {
+                info!(
+                    rules = rules.name(),
+                    "pods that keep Istio's rules are served by the rules backend; new pods by the kernel programs"
+                );
+                Arc::new(Handover::new(kernel, rules))
+            }
+            Err(err) => {
+                warn!(error = %err, "no rules backend for the pods that keep Istio's rules: they stay as they are, not meshcap's");
+                kernel
+            }
+        }
+    }
+
     /// The rules backend the settings choose.
     fn open(&self) -> Result<Shared, BackendError> {
         if self.nftables {
@@ -99,11 +126,13 @@ impl RulesPath {
 }
 
 /// The backend `choice` picks (for `auto`, what the kernel probe says, then the rules path),
-/// why, and the probe's findings.
+/// why, and the probe's findings; `adopting`: istio-cni's sidecar pods are to be adopted (the
+/// kernel programs then have the rules backend in front, [`RulesPath::in_front_of_kernel`]).
 pub(crate) fn open_backend(
     choice: BackendChoice,
     rules: &RulesPath,
     ebpf: EbpfConfig,
+    adopting: bool,
 ) -> anyhow::Result<(Chosen, String, Option<ProbeReport>)> {
     let chosen = |backend: Shared| Chosen {
         backend,
@@ -123,7 +152,7 @@ pub(crate) fn open_backend(
         }
         let backend = Arc::new(backend);
         Ok(Chosen {
-            backend: backend.clone(),
+            backend: rules.in_front_of_kernel(backend.clone(), adopting),
             ebpf: Some(backend),
         })
     };

@@ -21,6 +21,7 @@ use meshcap_agent::{
     privilege,
     probe::ProbeReport,
     repair::{RepairConfig, Repairer},
+    takeover::IstioCaptured,
 };
 use tokio::sync::watch;
 use tracing::info;
@@ -90,6 +91,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             socket: paths.socket.clone(),
         },
     ));
+    hub.adopt_istio_sidecars(node.istio_sidecars).await;
     tokio::spawn(lifecycle::log_warnings(hub.clone()));
     tokio::spawn(lifecycle::drop_gone(
         hub.clone(),
@@ -231,6 +233,8 @@ struct Node {
     ambient: Option<Arc<Ambient>>,
     ambient_on: bool,
     settings: NodeSettings,
+    /// The sidecar pods istio-cni captured, to adopt before the plugin's socket is served.
+    istio_sidecars: Vec<IstioCaptured>,
 }
 
 /// Opens the node's backend, reconciles what an earlier agent left with the live pods, and,
@@ -252,10 +256,21 @@ async fn open_node(
         tc_attach: args.tc_attach.unwrap_or_default(),
         handoff: args.handoff.unwrap_or_default(),
     };
+    let ambient_config = ambient_config()?;
+    // Before anything is served: the sidecar pods istio-cni captured are adopted before the
+    // first request about one of them.
+    let istio_sidecars = match kube_node {
+        Some((client, node)) => {
+            let settings = args.node_settings(ambient_config.clone());
+            IstioCaptured::on_node(client, node, &settings, &netns_dir()).await
+        }
+        None => Vec::new(),
+    };
     let choice = args.backend;
+    let adopting = !istio_sidecars.is_empty();
     let (Chosen { backend, ebpf }, reason, probe) = {
         let rules = rules.clone();
-        tokio::task::spawn_blocking(move || open_backend(choice, &rules, ebpf)).await??
+        tokio::task::spawn_blocking(move || open_backend(choice, &rules, ebpf, adopting)).await??
     };
     info!(backend = backend.name(), %reason, cgroup_root = %paths.cgroup_root.display(), bpffs_dir = %paths.bpffs_dir.display(), "backend chosen");
     let reconciling = backend.clone();
@@ -266,7 +281,6 @@ async fn open_node(
         dropped = gone.len(),
         "reconciled with live pods: captures whose netns is gone dropped"
     );
-    let ambient_config = ambient_config()?;
     let ambient = match ambient_config.clone() {
         None => None,
         Some(config) => {
@@ -326,6 +340,7 @@ async fn open_node(
         ambient_on: ambient.is_some(),
         ambient,
         settings: args.node_settings(ambient_config),
+        istio_sidecars,
     })
 }
 
