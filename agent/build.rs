@@ -3,7 +3,10 @@
 //!
 //! `AYA_BUILD_SKIP=1` skips the kernel programs (lint-only runs); the agent then embeds an
 //! empty object and fails at load time with a message saying so.
-use std::{env, fs, path::PathBuf};
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+};
 
 use anyhow::Context as _;
 
@@ -28,6 +31,7 @@ fn main() -> anyhow::Result<()> {
     );
     let root = ebpf.join("meshcap-ebpf");
     let root = root.to_str().context("non-UTF-8 path")?;
+    share_programs_build(&out)?;
     aya_build::build_ebpf(
         [aya_build::Package {
             name: "meshcap-ebpf",
@@ -39,6 +43,40 @@ fn main() -> anyhow::Result<()> {
     .context(
         "building the eBPF programs failed; run `cargo xtask setup` (nightly rust-src, bpf-linker)",
     )
+}
+
+/// Makes the cargo target directory aya-build gives the programs (under `OUT_DIR`, which
+/// differs for every profile and feature set the agent is built with: the workspace build and
+/// the test build each built the programs from nothing, a minute apiece) a link to one shared
+/// directory per target directory and architecture (`<target dir>/ebpf/<arch>`; the programs'
+/// `bpf_target_arch` is the agent's). Cargo's lock there serializes builds that run at once;
+/// aya-build still copies the object into this `OUT_DIR`. Where no target directory is found
+/// above `OUT_DIR` (it carries cargo's `CACHEDIR.TAG`), the build stays aya-build's own.
+fn share_programs_build(out: &Path) -> anyhow::Result<()> {
+    let Some(target_dir) = out
+        .ancestors()
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
+    else {
+        return Ok(());
+    };
+    let arch = env::var("CARGO_CFG_TARGET_ARCH").context("CARGO_CFG_TARGET_ARCH not set")?;
+    let shared = target_dir.join("ebpf").join(arch);
+    let link = out.join("aya-build").join("target").join("meshcap-ebpf");
+    if fs::read_link(&link).is_ok_and(|to| to == shared) {
+        return Ok(());
+    }
+    fs::create_dir_all(&shared).with_context(|| format!("creating {}", shared.display()))?;
+    if link.is_dir() && !link.is_symlink() {
+        fs::remove_dir_all(&link).with_context(|| format!("removing {}", link.display()))?;
+    } else if link.is_symlink() {
+        fs::remove_file(&link).with_context(|| format!("removing {}", link.display()))?;
+    }
+    let parent = link
+        .parent()
+        .context("aya-build's target directory has a parent")?;
+    fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    std::os::unix::fs::symlink(&shared, &link)
+        .with_context(|| format!("linking {} to {}", link.display(), shared.display()))
 }
 
 /// `istio.workload.zds` as Rust types, compiled with protox (a protobuf compiler in Rust, so
