@@ -27,10 +27,10 @@ use kube::{Api, api::ListParams};
 use tracing::{info, warn};
 
 use crate::{
-    backend::{Adoption, BackendError, CaptureBackend, PodPolicy, found},
+    backend::{Adoption, BackendError, CaptureBackend, CapturedPod, PodPolicy, found},
     pod::{InPlace, PodRef},
     podnet,
-    policy::{self, DataplaneMode, Decision, NodeSettings, PodName, RedirectPolicy, keys},
+    policy::{self, Decision, NodeSettings, PodName, RedirectPolicy, keys},
 };
 
 /// How long the listing at start may take before the agent goes on without it.
@@ -188,16 +188,20 @@ pub enum Taken {
     Known,
 }
 
-/// Adopts `pod` into `backend` (the node's sidecar backend), unless it holds the pod already.
+/// Adopts `pod` into `backend` (the node's sidecar backend), unless one of the captures it
+/// `held` before the adoptions began is in the pod's netns.
 ///
 /// # Errors
 /// When the netns cannot be looked at, or a record cannot be written.
-pub fn adopt(backend: &dyn CaptureBackend, pod: &IstioCaptured) -> Result<Taken, BackendError> {
-    let held = backend
-        .list(DataplaneMode::Sidecar)?
+pub fn adopt(
+    backend: &dyn CaptureBackend,
+    pod: &IstioCaptured,
+    held: &[CapturedPod],
+) -> Result<Taken, BackendError> {
+    if held
         .iter()
-        .any(|captured| captured.pod.in_netns(&pod.pod.netns));
-    if held {
+        .any(|captured| captured.pod.in_netns(&pod.pod.netns))
+    {
         return Ok(Taken::Known);
     }
     let policy = PodPolicy::Sidecar(pod.policy.clone());
