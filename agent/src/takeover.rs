@@ -13,7 +13,7 @@
 //! is put in front of them for the adopted pods (the binary's `choice.rs`), never both on one
 //! pod.
 //!
-//! [`node_pods`] is the one listing of this node's pods both adoptions read (ambient mode's
+//! [`found_on_node`] is the one listing of this node's pods both adoptions read (ambient mode's
 //! adopts the pods istio-cni enrolled).
 use std::{
     collections::{BTreeMap, HashMap},
@@ -45,7 +45,7 @@ pub type Labels = BTreeMap<String, String>;
 ///
 /// # Errors
 /// When the node's pods cannot be listed.
-pub async fn node_pods(
+async fn node_pods(
     client: &kube::Client,
     node: &str,
     settings: &NodeSettings,
@@ -79,6 +79,31 @@ pub async fn node_pods(
         found.push((pod, labels));
     }
     Ok(found)
+}
+
+/// What `of` finds among the pods of `node` that `wanted` picks (one list; their namespaces'
+/// labels where the decision reads them), each looked at off the runtime (`of` enters netns),
+/// with the node's `settings` and its `netns_dir`.
+///
+/// # Errors
+/// When the node's pods cannot be listed.
+pub async fn found_on_node<T: Send + 'static>(
+    client: &kube::Client,
+    node: &str,
+    settings: &NodeSettings,
+    netns_dir: &Path,
+    wanted: impl Fn(&Pod) -> bool,
+    of: fn(&Pod, &Labels, &NodeSettings, &Path) -> Option<T>,
+) -> Result<Vec<T>, kube::Error> {
+    let pods = node_pods(client, node, settings, wanted).await?;
+    let (settings, dir) = (settings.clone(), netns_dir.to_owned());
+    Ok(tokio::task::spawn_blocking(move || {
+        pods.iter()
+            .filter_map(|(pod, labels)| of(pod, labels, &settings, &dir))
+            .collect()
+    })
+    .await
+    .unwrap_or_default())
 }
 
 /// A running pod istio-cni captured for its sidecar: injected, decided into sidecar mode now,
@@ -144,21 +169,12 @@ impl IstioCaptured {
         netns_dir: &Path,
     ) -> Vec<Self> {
         let listed = async {
-            let pods = match node_pods(client, node, settings, injected).await {
-                Ok(pods) => pods,
-                Err(err) => {
+            found_on_node(client, node, settings, netns_dir, injected, Self::of)
+                .await
+                .unwrap_or_else(|err| {
                     warn!(error = %err, "listing this node's pods to adopt istio-cni's sidecar pods");
-                    return Vec::new();
-                }
-            };
-            let (settings, dir) = (settings.clone(), netns_dir.to_owned());
-            tokio::task::spawn_blocking(move || {
-                pods.iter()
-                    .filter_map(|(pod, labels)| Self::of(pod, labels, &settings, &dir))
-                    .collect()
-            })
-            .await
-            .unwrap_or_default()
+                    Vec::new()
+                })
         };
         tokio::time::timeout(LISTING, listed)
             .await

@@ -120,21 +120,12 @@ impl IstioEnrolled {
                 .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION))
                 && !pod.metadata.uid.as_ref().is_some_and(|u| known.contains(u))
         };
-        let pods = match takeover::node_pods(client, node, settings, wanted).await {
-            Ok(pods) => pods,
-            Err(err) => {
+        takeover::found_on_node(client, node, settings, netns_dir, wanted, Self::of)
+            .await
+            .unwrap_or_else(|err| {
                 warn!(error = %err, "listing this node's pods to adopt istio-cni's ambient pods");
-                return Vec::new();
-            }
-        };
-        let (settings, dir) = (settings.clone(), netns_dir.to_owned());
-        tokio::task::spawn_blocking(move || {
-            pods.iter()
-                .filter_map(|(pod, labels)| Self::of(pod, labels, &settings, &dir))
-                .collect()
-        })
-        .await
-        .unwrap_or_default()
+                Vec::new()
+            })
     }
 }
 
