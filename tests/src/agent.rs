@@ -521,6 +521,21 @@ impl Agent {
         self.dir.join("state")
     }
 
+    /// `meshcap-agent explain NAMESPACE/POD` against this agent, as text.
+    ///
+    /// # Panics
+    /// When the command does not run or fails.
+    #[must_use]
+    pub fn explain(&self, pod: &str) -> String {
+        let out = Command::new(binaries().join("meshcap-agent"))
+            .args(["explain", pod, "--socket"])
+            .arg(&self.socket)
+            .output()
+            .expect("meshcap-agent explain");
+        assert!(out.status.success(), "explain: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// `meshcap-agent status` over its socket, as the report.
     ///
     /// # Errors

@@ -206,3 +206,23 @@ pub fn unique_ip() -> String {
         (u32::from(NEXT.fetch_add(1, Ordering::Relaxed)) + std::process::id()) % 254 + 1
     )
 }
+
+/// Runs `program` with `args` in `netns`, `input` on its standard input (`iptables-restore`,
+/// `nft -f -`), as another agent's plugin writes its rules.
+///
+/// # Panics
+/// When it does not run or fails.
+pub fn fed_in_netns(netns: &Netns, program: &str, args: &[&str], input: &str) {
+    let mut child = std::process::Command::new("ip")
+        .args(["netns", "exec", netns.name(), program])
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect(program);
+    std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), input.as_bytes())
+        .expect("its input");
+    assert!(
+        child.wait().expect(program).success(),
+        "{program}:\n{input}"
+    );
+}

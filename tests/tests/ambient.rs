@@ -2234,7 +2234,7 @@ fn retried_and_found_left(backend: Backend, in_kernel: bool) {
         "the rollback left the rule and route it found"
     );
     assert_eq!(outbound(&node, &pod), "peer", "nothing captured meanwhile");
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     assert!(
         explained.contains("enrollment PENDING") && explained.contains("no ztunnel is connected"),
         "{explained}"
@@ -2261,7 +2261,7 @@ fn retried_and_found_left(backend: Backend, in_kernel: bool) {
         "enrolled once ztunnel is there"
     );
     assert!(
-        !explain(&agent, "shop/web").contains("PENDING"),
+        !agent.explain("shop/web").contains("PENDING"),
         "no longer pending"
     );
     let metrics = agent.http_get("/metrics").expect("metrics").1;
@@ -2291,17 +2291,6 @@ fn retried_and_found_left(backend: Backend, in_kernel: bool) {
         .filter(|l| !l.contains(found_rule))
         .collect();
     assert_eq!(left, Vec::<String>::new(), "nothing of meshcap's is left");
-}
-
-/// `meshcap-agent explain NAMESPACE/POD` against `agent`, as text.
-fn explain(agent: &Agent, pod: &str) -> String {
-    let out = std::process::Command::new(meshcap_tests::agent::binaries().join("meshcap-agent"))
-        .args(["explain", pod, "--socket"])
-        .arg(&agent.socket)
-        .output()
-        .expect("meshcap-agent explain");
-    assert!(out.status.success(), "explain: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Issue 48, items 1 and 2, with Istio's in-pod rules: [`adopted_from_istio_cni`].
@@ -2380,15 +2369,7 @@ fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules
         IstioRules::Nftables => vec![("nft", &["-f", "-"][..], policy.render_nftables())],
     };
     for (program, args, text) in written {
-        let mut child = std::process::Command::new("ip")
-            .args(["netns", "exec", pod.netns.name(), program])
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .expect(program);
-        std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), text.as_bytes())
-            .expect("the rules");
-        assert!(child.wait().expect(program).success(), "{program}:\n{text}");
+        fixtures::fed_in_netns(&pod.netns, program, args, &text);
     }
     let route = rendered
         .routes
@@ -2469,7 +2450,7 @@ fn adopted_from_istio_cni(backend: Backend, in_kernel: bool, rules: IstioRules) 
         .map(|p| p.captured.summary.clone())
         .collect();
     assert_eq!(listed.len(), 1, "{status:?}");
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     if rules == IstioRules::IptablesV4Only {
         assert!(
             agent.log().contains("its in-pod rules reconciled")

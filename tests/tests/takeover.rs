@@ -9,7 +9,7 @@ use meshcap_tests::{
     agent::{Agent, Backend},
     apiserver::ApiServer,
     dial,
-    fixtures::{eventually, sidecar_pod, unique_ip},
+    fixtures::{eventually, fed_in_netns, sidecar_pod, unique_ip},
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     world::{Node, Pod},
@@ -54,6 +54,17 @@ fn unique_address(pod: &Pod) -> String {
     ip
 }
 
+/// A scenario node with one pod running its stand-in Envoy and app, and the pod's own address
+/// ([`unique_address`]).
+fn injected_pod_running() -> (Node, Pod, String) {
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY_UID, false)
+        .expect("its Envoy and app");
+    let ip = unique_address(&pod);
+    (node, pod, ip)
+}
+
 /// Pod `shop/<name>` as the API server has it once it runs: injected, on node-1, at `ip`.
 fn running(name: &str, ip: &str, annotations: &[(&str, &str)]) -> Value {
     let mut manifest = sidecar_pod("shop", name, annotations);
@@ -78,15 +89,7 @@ fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, nftables: bool) {
     } else {
         ("iptables-nft-restore", &["--noflush"], policy.render().v4)
     };
-    let mut child = std::process::Command::new("ip")
-        .args(["netns", "exec", pod.netns.name(), program])
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect(program);
-    std::io::Write::write_all(child.stdin.as_mut().expect("stdin"), text.as_bytes())
-        .expect("the rules");
-    assert!(child.wait().expect(program).success(), "{program}:\n{text}");
+    fed_in_netns(&pod.netns, program, args, &text);
 }
 
 /// What the netns holds of Istio's, as text to compare before and after.
@@ -151,16 +154,6 @@ fn to_envoy(pod: &Pod) -> [(String, u16, Option<String>); 2] {
     ]
 }
 
-fn explain(agent: &Agent, pod: &str) -> String {
-    let out = std::process::Command::new(meshcap_tests::agent::binaries().join("meshcap-agent"))
-        .args(["explain", pod, "--socket"])
-        .arg(&agent.socket)
-        .output()
-        .expect("meshcap-agent explain");
-    assert!(out.status.success(), "explain: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The line of `/metrics` counting adoptions with `result`.
 fn adoptions(agent: &Agent, result: &str) -> Option<String> {
     let (code, text) = agent.http_get("/metrics").expect("metrics");
@@ -178,11 +171,7 @@ fn adoptions(agent: &Agent, result: &str) -> Option<String> {
 /// Istio's rules away.
 fn a_sidecar_pod_istio_cni_captured_is_adopted(backend: Backend) {
     require_root();
-    let mut node = Node::new().expect("node");
-    let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY_UID, false)
-        .expect("its Envoy and app");
-    let ip = unique_address(&pod);
+    let (mut node, pod, ip) = injected_pod_running();
     let manifest = running("web", &ip, &[]);
     as_istio_cni_wrote(&pod, &manifest, nftables(backend));
     assert_eq!(outbound_and_inbound(&node, &pod), to_envoy(&pod), "Istio's");
@@ -206,7 +195,7 @@ fn a_sidecar_pod_istio_cni_captured_is_adopted(backend: Backend) {
     assert_eq!(listed.len(), 1, "{status:?}\n{}", agent.log());
     assert_eq!(listed[0].0, rules, "{listed:?}");
     assert!(listed[0].1.contains("adopted from istio-cni"), "{listed:?}");
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     assert!(explained.contains("adopted from istio-cni"), "{explained}");
     assert_eq!(adoptions(&agent, "adopted").as_deref(), Some("1"));
     assert!(
@@ -304,11 +293,7 @@ fn a_sidecar_pod_istio_cni_captured_is_adopted(backend: Backend) {
 /// reaches Envoy.
 fn a_sidecar_pod_whose_rules_istio_writes_differently_now_is_left_and_reported(backend: Backend) {
     require_root();
-    let mut node = Node::new().expect("node");
-    let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY_UID, false)
-        .expect("its Envoy and app");
-    let ip = unique_address(&pod);
+    let (node, pod, ip) = injected_pod_running();
     let then = running(
         "web",
         &ip,
@@ -331,7 +316,7 @@ fn a_sidecar_pod_whose_rules_istio_writes_differently_now_is_left_and_reported(b
         "not adopted\n{}",
         agent.log()
     );
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     assert!(
         explained.contains("istio-cni's capture NOT ADOPTED")
             && explained.contains("not the ones Istio writes for it now"),

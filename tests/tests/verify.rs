@@ -13,7 +13,6 @@
 //! the decision, what is installed and what was put back.
 use std::{
     net::SocketAddr,
-    process::Command,
     thread,
     time::{Duration, Instant},
 };
@@ -32,7 +31,7 @@ use meshcap_agent::{
 use meshcap_common::{PodConfig, maps, programs};
 use meshcap_tests::{
     APP_UID, Held, Proc,
-    agent::{Agent, Backend, binaries},
+    agent::{Agent, Backend},
     apiserver::ApiServer,
     bin, dial,
     fixtures::{ManifestDir, ambient_pod, sidecar_pod, write_manifest},
@@ -100,17 +99,6 @@ fn event(api: &ApiServer, name: &str, reason: &str, kind: &str) -> bool {
             && e["reason"] == reason
             && e["note"].as_str().is_some_and(|n| n.contains(kind))
     })
-}
-
-/// `meshcap-agent explain NAMESPACE/POD` against `agent`, as text.
-fn explain(agent: &Agent, pod: &str) -> String {
-    let out = Command::new(binaries().join("meshcap-agent"))
-        .args(["explain", pod, "--socket"])
-        .arg(&agent.socket)
-        .output()
-        .expect("meshcap-agent explain");
-    assert!(out.status.success(), "explain: {out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Runs `args` in `netns`.
@@ -292,7 +280,7 @@ fn drift_of_a_sidecar_capture_is_put_back(backend: Backend) {
         0
     );
     assert_eq!(agent.http_get("/readyz").expect("readyz").0, 200);
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     for needle in [
         "pod shop/web: captured for its sidecar",
         "pod annotation sidecar.istio.io/status (set)",
@@ -346,7 +334,7 @@ fn with_verification_off_nothing_is_touched(backend: Backend) {
         !metrics.contains("meshcap_capture_drift_total{"),
         "{metrics}"
     );
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     assert!(
         explained.contains("verification: off"),
         "explain says so:\n{explained}"
@@ -628,7 +616,7 @@ fn ambient(backend: Backend, in_kernel: bool) {
 
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK after the repairs: {check:?}");
-    let explained = explain(&agent, "shop/web");
+    let explained = agent.explain("shop/web");
     for needle in [
         "pod shop/web: enrolled in ambient mode",
         "pod label istio.io/dataplane-mode=ambient",
