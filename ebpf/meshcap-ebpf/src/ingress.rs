@@ -101,28 +101,47 @@ fn parse(ctx: &TcContext) -> Option<Packet> {
     })
 }
 
-/// The lookup tuple of `p` with `dport`, and its length. Every byte is defined (zeroed first):
-/// built as a union of two variants, the other variant's bytes were undefined, and LLVM may
-/// then store any register there, which the verifier refuses to read ("R5 !read_ok").
+/// Which source a lookup tuple carries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// The packet's: the lookup finds the connection that owns the 4-tuple, or else a listener.
+    Packet,
+    /// None (address and port zeroed): no connection can own it, so the lookup finds only a
+    /// listener. A connection that Istio's `REDIRECT` gave the proxy before the kernel capture
+    /// (a pod moving between the two) holds the packet's 4-tuple on the proxy's port; looked up
+    /// with the packet's source, a new SYN from a reused client port would find that socket (or
+    /// nothing, for its time-wait remnant) instead of the proxy's listener.
+    Zeroed,
+}
+
+/// The lookup tuple of `p` with `dport` and `source`, and its length. Every byte is defined
+/// (zeroed first): built as a union of two variants, the other variant's bytes were undefined,
+/// and LLVM may then store any register there, which the verifier refuses to read ("R5
+/// !read_ok").
 #[inline(always)]
-fn tuple(p: &Packet, dport: u16) -> (bpf_sock_tuple, u32) {
+fn tuple(p: &Packet, dport: u16, source: Source) -> (bpf_sock_tuple, u32) {
     // SAFETY: all-zero bytes are a valid tuple (plain integers).
     let mut t: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let sport = if source == Source::Packet { p.sport } else { 0 };
     let len = match (p.src, p.dst) {
         (Addr::V4(s), Addr::V4(d)) => {
             t.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
-                saddr: s,
+                saddr: if source == Source::Packet { s } else { 0 },
                 daddr: d,
-                sport: p.sport.to_be(),
+                sport: sport.to_be(),
                 dport: dport.to_be(),
             };
             12
         }
         _ => {
             t.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
-                saddr: p.src.words(),
+                saddr: if source == Source::Packet {
+                    p.src.words()
+                } else {
+                    [0; 4]
+                },
                 daddr: p.dst.words(),
-                sport: p.sport.to_be(),
+                sport: sport.to_be(),
                 dport: dport.to_be(),
             };
             36
@@ -133,9 +152,10 @@ fn tuple(p: &Packet, dport: u16) -> (bpf_sock_tuple, u32) {
 
 const CURRENT_NETNS: u64 = BPF_F_CURRENT_NETNS as u64;
 
+/// What owns the packet's 4-tuple with `dport` as its destination port.
 #[inline(always)]
-fn existing(ctx: &TcContext, p: &Packet) -> Existing {
-    let (mut t, len) = tuple(p, p.dport);
+fn existing(ctx: &TcContext, p: &Packet, dport: u16) -> Existing {
+    let (mut t, len) = tuple(p, dport, Source::Packet);
     // SAFETY: `t` is a valid tuple of `len` bytes; a returned socket is released below.
     let sk: *mut bpf_sock =
         unsafe { bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &raw mut t, len, CURRENT_NETNS, 0) };
@@ -180,7 +200,7 @@ struct Handoff {
 /// with [`Handoff::always`] every listener).
 #[inline(always)]
 fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<Handoff>) -> Result<(), Refused> {
-    let (mut t, len) = tuple(p, port);
+    let (mut t, len) = tuple(p, port, Source::Zeroed);
     // SAFETY: as in `existing`.
     let sk: *mut bpf_sock =
         unsafe { bpf_sk_lookup_tcp(ctx.skb.skb.cast(), &raw mut t, len, CURRENT_NETNS, 0) };
@@ -280,12 +300,19 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
         iface,
         syn: p.flags & TCP_SYN != 0 && p.flags & TCP_ACK == 0,
         ack: p.flags & TCP_ACK != 0,
-        existing: existing(ctx, &p),
+        existing: existing(ctx, &p, p.dport),
     };
     match decide_inbound(&pod, &c, &Maps::of(&pod)) {
         Verdict::Pass => Some(TC_ACT_OK),
         Verdict::Drop => Some(TC_ACT_SHOT),
         Verdict::Redirect(port) => {
+            // A packet of a connection Istio's `REDIRECT` gave the proxy before this capture (a
+            // pod moving from Istio's rules to the kernel, or back): its socket holds the
+            // 4-tuple on the proxy's port, and conntrack's NAT entry, which outlives the rules,
+            // takes the packet there. Only a SYN opens a connection, so nothing new gets by.
+            if !c.syn && existing(ctx, &p, port) == Existing::Connection {
+                return Some(TC_ACT_OK);
+            }
             let handoff = pod.has(flags::HANDOFF).then_some(Handoff {
                 netns,
                 always: pod.has(flags::HANDOFF_ALWAYS),
