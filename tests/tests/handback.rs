@@ -13,21 +13,22 @@ use std::{
 };
 
 use meshcap_agent::{
-    crashpoint,
     backend::{
         CaptureBackend, PodPolicy,
         ebpf::{self, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
+    crashpoint,
     pod::PodRef,
     policy::{self, DataplaneMode, Decision, NodeSettings},
 };
 use meshcap_tests::{
-    APP_UID, Netns, Placement, Report,
+    APP_UID, Netns, Placement, Proc, Report,
     agent::{Agent, Backend, binaries},
+    bin,
     fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
-    dial, require_root, unique_name,
+    require_root, unique_name,
     wired::Wired,
 };
 use serde_json::Value;
@@ -111,20 +112,24 @@ fn inbound(wired: &Wired) -> (String, Option<String>) {
         uid: 0,
         gid: 0,
     };
-    answer(dial(upstream, "tcp:10.0.0.2:8080", None).expect("dial"))
+    answer(upstream, "tcp:10.0.0.2:8080")
 }
 
 /// Who answers the app's connection to 10.0.0.1:80, and the original destination the proxy
 /// saw.
 fn outbound(wired: &Wired) -> (String, Option<String>) {
-    answer(dial(wired.in_pod(APP_UID), "tcp:10.0.0.1:80", None).expect("dial"))
+    answer(wired.in_pod(APP_UID), "tcp:10.0.0.1:80")
 }
 
-fn answer(report: Option<Report>) -> (String, Option<String>) {
-    report.map_or_else(
-        || ("nothing".to_owned(), None),
-        |report| (report.server, report.original_dst.map(|a| a.to_string())),
-    )
+fn answer(at: Placement<'_>, target: &str) -> (String, Option<String>) {
+    let out = Proc::spawn(at, &bin::dial(), &[target])
+        .and_then(Proc::finish)
+        .expect("dial");
+    let line = out.trim();
+    match serde_json::from_str::<Report>(line) {
+        Ok(report) => (report.server, report.original_dst.map(|a| a.to_string())),
+        Err(_) => (line.to_owned(), None),
+    }
 }
 
 /// `leftovers` without the kernel capture's clsact qdisc: Istio's rules and routes.
@@ -192,7 +197,12 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
                         (server, Some(orig)) if server == "envoy" && orig == want => {
                             captured += 1;
                         }
-                        other => bypassed.push((phase.load(Ordering::Relaxed), want, other)),
+                        other => bypassed.push((
+                            phase.load(Ordering::Relaxed),
+                            want,
+                            other,
+                            chrono_now(),
+                        )),
                     }
                 }
             }
@@ -206,8 +216,17 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
             &state_dir,
             &[(crashpoint::PAUSE_ENV, &pause_at)],
         );
-        eventually("the hand-back pauses with both captures", || pause.exists())
-            .expect("paused");
+        let mut child = child;
+        if let Err(err) = eventually("the hand-back pauses with both captures", || {
+            pause.exists() || child.try_wait().is_ok_and(|exited| exited.is_some())
+        })
+        .and_then(|()| {
+            anyhow::ensure!(pause.exists(), "it exited");
+            Ok(())
+        }) {
+            let (_, out) = finish(child);
+            panic!("{err}: {out}");
+        }
         let both = (
             istio_only(leftovers(&wired.pod).expect("netns state")),
             (outbound(&wired), inbound(&wired)),
@@ -274,7 +293,10 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
     .expect("the state directory's iptables backend");
     let recorded = rules.list(DataplaneMode::Sidecar).expect("records");
     assert_eq!(
-        recorded.iter().map(|c| c.pod.name.as_str()).collect::<Vec<_>>(),
+        recorded
+            .iter()
+            .map(|c| c.pod.name.as_str())
+            .collect::<Vec<_>>(),
         [name.as_str()],
         "{recorded:?}"
     );
@@ -282,7 +304,9 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         netns: wired.pod.path(),
         ..recorded[0].pod.clone()
     };
-    rules.check(&pod, &policy).expect("CHECK on the handed-back pod");
+    rules
+        .check(&pod, &policy)
+        .expect("CHECK on the handed-back pod");
 
     assert!(
         !ebpf_config.bpffs_dir.exists(),
@@ -321,4 +345,11 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         Vec::<String>::new(),
         "released by a DEL"
     );
+}
+
+fn chrono_now() -> String {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    format!("{}.{:06}", d.as_secs() % 3600, d.subsec_micros())
 }

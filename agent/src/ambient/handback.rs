@@ -43,3 +43,65 @@ pub fn recorded_capture(
         .of(pod)
         .and_then(|(_, workload)| capture_of(workload, config)))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, Ipv4Addr};
+
+    use super::*;
+    use crate::policy::ambient::{EnablementSelector, HostProbeSnat, InpodPolicy};
+
+    fn workload(policy: Option<InpodPolicy>) -> Workload {
+        Workload {
+            container_id: "sandbox-1".into(),
+            uid: "uid-1".into(),
+            name: "web".into(),
+            namespace: "shop".into(),
+            service_account: "web-sa".into(),
+            netns: "/var/run/netns/web".into(),
+            policy,
+            ips: vec![IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2))],
+        }
+    }
+
+    #[test]
+    fn the_recorded_policy_is_given_back_under_the_nodes_settings_now() {
+        let enrolled = InpodPolicy {
+            inbound: true,
+            dns: false,
+            virtual_interfaces: vec!["tap0".into()],
+            ipv6: true,
+            host_probe_snat: HostProbeSnat::default(),
+        };
+        let mut config =
+            AmbientConfig::new(EnablementSelector::istio_defaults()).expect("Istio's selectors");
+        config.ipv6 = false;
+        config.host_probe_snat.v4 = Ipv4Addr::new(169, 254, 7, 1);
+        let Some(PodPolicy::Ambient(capture)) =
+            capture_of(workload(Some(enrolled.clone())), &config)
+        else {
+            panic!("an ambient capture");
+        };
+        let want = InpodPolicy {
+            ipv6: false,
+            host_probe_snat: config.host_probe_snat,
+            ..enrolled
+        };
+        assert_eq!(
+            capture.policy, want,
+            "the pod's own choices kept, the node's now"
+        );
+        assert_eq!(capture.ips, [IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2))]);
+        assert_eq!(
+            (capture.uid.as_str(), capture.service_account.as_str()),
+            ("uid-1", "web-sa")
+        );
+    }
+
+    #[test]
+    fn a_record_without_its_policy_gives_nothing_to_hand_back() {
+        let config =
+            AmbientConfig::new(EnablementSelector::istio_defaults()).expect("Istio's selectors");
+        assert_eq!(capture_of(workload(None), &config), None);
+    }
+}

@@ -13,10 +13,7 @@ use super::{
 use crate::{
     backend::{CaptureBackend, PodPolicy},
     pod::PodRef,
-    policy::{
-        DataplaneMode,
-        ambient::AmbientConfig,
-    },
+    policy::{DataplaneMode, ambient::AmbientConfig},
 };
 
 /// Drops the ambient captures `backend` holds whose netns is gone; returns those pods.

@@ -88,10 +88,8 @@ pub fn hand_back<'r>(
             ..pinned.pod_ref()
         };
         let Some(backend) = rules(mode) else {
-            out.failed.push((
-                pod,
-                HandBackError::Rules(BackendError::NotServed(mode)),
-            ));
+            out.failed
+                .push((pod, HandBackError::Rules(BackendError::NotServed(mode))));
             continue;
         };
         match one(kernel, backend, &pod, mode, policy_of) {

@@ -45,7 +45,11 @@ pub fn verify() -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn uninstall(bpffs_dir: &Path, pins_only: bool, hand_back: &HandBackArgs) -> anyhow::Result<()> {
+pub fn uninstall(
+    bpffs_dir: &Path,
+    pins_only: bool,
+    hand_back: &HandBackArgs,
+) -> anyhow::Result<()> {
     // First, while meshcap's plugin still makes new mesh pods wait for an agent.
     let handed_back = if hand_back.hand_back {
         crate::handback::hand_back(hand_back, bpffs_dir)

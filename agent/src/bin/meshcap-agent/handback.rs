@@ -88,6 +88,8 @@ pub fn hand_back(args: &HandBackArgs, bpffs_dir: &std::path::Path) -> anyhow::Re
         handoff: meshcap_agent::backend::ebpf::Handoff::default(),
     })
     .context("opening the eBPF backend's pinned layout")?;
+    // What the programs log while pods are handed back (a refused SYN) is this command's.
+    kernel.forward_kernel_logs()?;
     let nftables = run::native_nftables()?;
     let sidecar_rules = rules_backend(state_dir.clone(), args.iptables_flavour, nftables)?;
     let ambient = run::ambient_config()?;
@@ -145,7 +147,10 @@ fn rules_backend(
     Ok(if nftables {
         Arc::new(NftablesBackend::new(&NftablesConfig { state_dir })?)
     } else {
-        Arc::new(IptablesBackend::new(&IptablesConfig { state_dir, flavour })?)
+        Arc::new(IptablesBackend::new(&IptablesConfig {
+            state_dir,
+            flavour,
+        })?)
     })
 }
 
