@@ -197,12 +197,7 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
                         (server, Some(orig)) if server == "envoy" && orig == want => {
                             captured += 1;
                         }
-                        other => bypassed.push((
-                            phase.load(Ordering::Relaxed),
-                            want,
-                            other,
-                            chrono_now(),
-                        )),
+                        other => bypassed.push((phase.load(Ordering::Relaxed), want, other)),
                     }
                 }
             }
@@ -345,11 +340,4 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         Vec::<String>::new(),
         "released by a DEL"
     );
-}
-
-fn chrono_now() -> String {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap();
-    format!("{}.{:06}", d.as_secs() % 3600, d.subsec_micros())
 }

@@ -25,9 +25,13 @@ use crate::{
     policy::DataplaneMode,
 };
 
-/// A pod's policy, as the caller finds it: from the pod (its netns's global addresses given),
-/// for the mode it is captured for.
+/// Why the caller found no policy for a pod.
 pub type PolicyError = Box<dyn Error + Send + Sync>;
+
+/// Where each pod's policy comes from: the caller finds it for the pod, the mode it is captured
+/// for and its netns's global addresses.
+pub type PolicyOf<'a> =
+    dyn FnMut(&PodRef, DataplaneMode, &[IpAddr]) -> Result<PodPolicy, PolicyError> + 'a;
 
 /// Why one pod was not handed back. Its kernel capture is kept, except where
 /// [`Self::Release`] says otherwise.
@@ -71,7 +75,7 @@ pub struct HandedBack {
 pub fn hand_back<'r>(
     kernel: &EbpfBackend,
     rules: &dyn Fn(DataplaneMode) -> Option<&'r dyn CaptureBackend>,
-    policy_of: &mut dyn FnMut(&PodRef, DataplaneMode, &[IpAddr]) -> Result<PodPolicy, PolicyError>,
+    policy_of: &mut PolicyOf<'_>,
 ) -> Result<HandedBack, BackendError> {
     let mut out = HandedBack::default();
     let live = podnet::live_netns();
@@ -115,7 +119,7 @@ fn one(
     rules: &dyn CaptureBackend,
     pod: &PodRef,
     mode: DataplaneMode,
-    policy_of: &mut dyn FnMut(&PodRef, DataplaneMode, &[IpAddr]) -> Result<PodPolicy, PolicyError>,
+    policy_of: &mut PolicyOf<'_>,
 ) -> Result<(), HandBackError> {
     let ips = podnet::run_in(&pod.netns, |_| podnet::global_addresses())??;
     let policy = policy_of(pod, mode, &ips).map_err(HandBackError::Policy)?;
