@@ -341,3 +341,61 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         "released by a DEL"
     );
 }
+
+/// A pod that cannot be handed back (its object is gone from the pod source, so its policy
+/// cannot be found) keeps its kernel capture whole and gets none of Istio's rules; the command
+/// fails naming it and why, and the programs stay for it.
+#[test]
+fn a_pod_that_cannot_be_handed_back_keeps_its_kernel_capture_and_is_named() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let pods = ManifestDir::new();
+    let mut agent = Agent::start(
+        Backend::Ebpf,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pods.0.to_str().expect("utf-8"),
+        ],
+        &[],
+    )
+    .expect("agent");
+    let ebpf_config = agent.ebpf_config().expect("eBPF agent");
+    let wired = Wired::new(&agent);
+    let _servers = wired.servers();
+    let name = unique_name("web");
+    write_manifest(&pods.0, &sidecar_pod("shop", &name, &[]));
+    let sandbox = Sandbox::new("shop", &name, &wired.pod);
+    let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}");
+    agent.kill().expect("kill the agent");
+    std::fs::remove_file(pods.0.join(format!("{name}.json"))).expect("the pod's object gone");
+
+    let (ok, out) = finish(hand_back(&ebpf_config, &pods.0, &agent.state_dir(), &[]));
+    assert!(!ok, "a pod not handed back fails the command: {out}");
+    assert!(
+        out.contains(&format!("shop/{name}: its policy cannot be found")),
+        "names the pod and why: {out}"
+    );
+    assert_eq!(
+        istio_only(leftovers(&wired.pod).expect("netns state")),
+        Vec::<String>::new(),
+        "none of Istio's rules written"
+    );
+    assert_eq!(
+        ebpf::Pins::new(&ebpf_config.bpffs_dir).pinned_pods().len(),
+        1,
+        "its kernel capture kept"
+    );
+    assert_eq!(
+        (outbound(&wired), inbound(&wired)),
+        (
+            ("envoy".to_owned(), Some("10.0.0.1:80".to_owned())),
+            ("envoy".to_owned(), Some("10.0.0.2:8080".to_owned()))
+        ),
+        "still captured in the kernel, both ways"
+    );
+}
