@@ -17,6 +17,7 @@ use meshcap_agent::{
         CaptureBackend, PodPolicy,
         ebpf::{self, EbpfConfig},
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+        nftables::{NftablesBackend, NftablesConfig},
     },
     crashpoint,
     pod::PodRef,
@@ -81,16 +82,33 @@ fn sidecar_policy(manifest: &Value) -> PodPolicy {
     }
 }
 
-/// What the iptables backend writes for `policy` in a fresh netns of its own: the rules
-/// Istio's plugin writes (held to Istio's goldens), as `leftovers` lists them.
-fn rendered(policy: &PodPolicy) -> Vec<String> {
+/// The rules backend keeping its records under `state_dir`: Istio's iptables rules, or with
+/// `nftables` (`global.nativeNftables`) its native nftables ones.
+fn rules_backend(state_dir: &Path, nftables: bool) -> Box<dyn CaptureBackend> {
+    if nftables {
+        Box::new(
+            NftablesBackend::new(&NftablesConfig {
+                state_dir: state_dir.to_owned(),
+            })
+            .expect("nftables backend"),
+        )
+    } else {
+        Box::new(
+            IptablesBackend::new(&IptablesConfig {
+                state_dir: state_dir.to_owned(),
+                flavour: FlavourChoice::Auto,
+            })
+            .expect("iptables backend"),
+        )
+    }
+}
+
+/// What the rules backend writes for `policy` in a fresh netns of its own: the rules Istio's
+/// plugin writes (held to Istio's goldens), as `leftovers` lists them.
+fn rendered(policy: &PodPolicy, nftables: bool) -> Vec<String> {
     let scratch = ManifestDir::new();
     let netns = Netns::new("mc-handback-ref").expect("reference netns");
-    let backend = IptablesBackend::new(&IptablesConfig {
-        state_dir: scratch.0.clone(),
-        flavour: FlavourChoice::Auto,
-    })
-    .expect("iptables backend");
+    let backend = rules_backend(&scratch.0, nftables);
     let pod = PodRef {
         namespace: "ref".into(),
         name: "ref".into(),
@@ -101,6 +119,15 @@ fn rendered(policy: &PodPolicy) -> Vec<String> {
     let rules = leftovers(&netns).expect("reference rules");
     backend.remove(&pod).expect("releasing the reference");
     rules
+}
+
+/// Stops a dial loop when dropped.
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Who answers a connection from upstream to the pod's 10.0.0.2:8080, and the original
@@ -141,11 +168,27 @@ fn istio_only(lines: Vec<String>) -> Vec<String> {
 }
 
 #[test]
-fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_meshcap_stays() {
+fn a_sidecar_pod_handed_back_to_istios_iptables_rules_stays_captured_and_nothing_of_meshcap_stays()
+{
     require_root();
-    if !meshcap_tests::ebpf_runs_here() {
-        return;
+    if meshcap_tests::ebpf_runs_here() {
+        handed_back(false);
     }
+}
+
+/// The same with `global.nativeNftables`: Istio's native nftables rules.
+#[test]
+fn a_sidecar_pod_handed_back_to_istios_nftables_rules_stays_captured_and_nothing_of_meshcap_stays()
+{
+    require_root();
+    if meshcap_tests::ebpf_runs_here() {
+        handed_back(true);
+    }
+}
+
+/// A sidecar pod captured in the kernel handed back, with a dialer running all along; Istio's
+/// rules in their nftables form with `nftables`.
+fn handed_back(nftables: bool) {
     let pods = ManifestDir::new();
     let mut agent = Agent::start(
         Backend::Ebpf,
@@ -186,6 +229,8 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
     // 0: before the hand-back, 1: while it runs, 2: after it.
     let phase = AtomicU8::new(0);
     let ((ok, out), both, (captured, bypassed)) = thread::scope(|scope| {
+        // The dialer stops however this ends (a failed step panics before the end).
+        let _stop = Stop(&done);
         let dials = scope.spawn(|| {
             let (mut captured, mut bypassed) = (0u32, Vec::new());
             while !done.load(Ordering::Relaxed) {
@@ -209,14 +254,25 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
             &ebpf_config,
             &pods.0,
             &state_dir,
-            &[(crashpoint::PAUSE_ENV, &pause_at)],
+            &[
+                (crashpoint::PAUSE_ENV, &pause_at),
+                (
+                    "MESHCAP_NATIVE_NFTABLES",
+                    if nftables { "true" } else { "false" },
+                ),
+            ],
         );
         let mut child = child;
         if let Err(err) = eventually("the hand-back pauses with both captures", || {
             pause.exists() || child.try_wait().is_ok_and(|exited| exited.is_some())
         })
         .and_then(|()| {
-            anyhow::ensure!(pause.exists(), "it exited");
+            anyhow::ensure!(
+                pause.exists(),
+                "it exited without pausing (an agent binary built without the crash-points \
+                 feature? `cargo build -p meshcap-agent -p meshcap-cni -p meshcap-tests --bins` \
+                 builds it with)"
+            );
             Ok(())
         }) {
             let (_, out) = finish(child);
@@ -235,7 +291,7 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         (result, both, dials.join().expect("the dial loop"))
     });
     let policy = sidecar_policy(&manifest);
-    let istio = rendered(&policy);
+    let istio = rendered(&policy, nftables);
     assert_eq!(
         both,
         (
@@ -281,11 +337,7 @@ fn a_sidecar_pod_handed_back_keeps_every_connection_captured_and_nothing_of_mesh
         "the netns holds exactly the rules Istio's plugin writes for the pod"
     );
     // Recorded as the rules backend records its own: a later agent's CHECK and DEL know them.
-    let rules = IptablesBackend::new(&IptablesConfig {
-        state_dir: state_dir.clone(),
-        flavour: FlavourChoice::Auto,
-    })
-    .expect("the state directory's iptables backend");
+    let rules = rules_backend(&state_dir, nftables);
     let recorded = rules.list(DataplaneMode::Sidecar).expect("records");
     assert_eq!(
         recorded
