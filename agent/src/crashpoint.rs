@@ -84,6 +84,10 @@ pub const AMBIENT_ADD_PROBED: &str = "ambient-add-probed";
 pub const AMBIENT_REMOVE_PROBES: &str = "ambient-remove-probes";
 /// Ambient DEL: ztunnel told, the in-pod rules and the records still there.
 pub const AMBIENT_REMOVE_TOLD: &str = "ambient-remove-told";
+/// Hand back (`meshcap-agent uninstall --hand-back`): Istio's rules written for a pod, its
+/// kernel capture not yet released (both in place). Not in [`POINTS`]: the agent never
+/// reaches it.
+pub const HAND_BACK_BOTH: &str = "hand-back-both";
 
 /// Dies here (SIGKILL to itself: nothing runs on the way out) when `MESHCAP_CRASH_AT` names
 /// `point`; pauses here when `MESHCAP_PAUSE_AT` does ([`PAUSE_ENV`]).

@@ -16,9 +16,16 @@ use std::{
 };
 
 use meshcap_agent::{
+    backend::{
+        AmbientCapture, CaptureBackend, PodPolicy,
+        iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
+    },
     crashpoint,
     ipset::{self, Entry, IpSets},
+    pod::PodRef,
     policy::{
+        self, DataplaneMode, Decision, NodeSettings,
+        ambient::{AmbientConfig, EnablementSelector},
         hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
         nftables::hostprobe::NODE_TABLE,
     },
@@ -2554,4 +2561,102 @@ fn deleted_whole(
             .any(|p| p.captured.pod.name == "web"),
         "no capture listed after DEL"
     );
+}
+
+/// Hand back (docs/install.md, "Uninstalling"): an ambient pod captured in the kernel, once the
+/// agent is gone, is given Istio's in-pod rules by `meshcap-agent uninstall --hand-back` (its
+/// policy from ambient mode's record of its enrollment) and its kernel capture released: it
+/// stays captured for ztunnel as Istio captures it, the rules are exactly those meshcap's
+/// rules way writes for it (that backend's CHECK, on its record), and nothing is pinned.
+#[test]
+fn an_ambient_pod_captured_in_the_kernel_is_handed_back_to_istios_in_pod_rules() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let Scene {
+        mut node,
+        pod,
+        pods,
+        sockets,
+        mut agent,
+        sandbox,
+        conf,
+    } = Scene::in_kernel();
+    node.forward().expect("forwarding");
+    let other = node.add_pod(false).expect("another pod");
+    let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
+    let _zt = ztunnel(&node, &sockets.socket(), &[]);
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let has_rules = || {
+        leftovers(&pod.netns)
+            .expect("the pod's netns")
+            .iter()
+            .any(|l| l.contains("ISTIO"))
+    };
+    assert!(!has_rules(), "captured in the kernel");
+    captured_as_istio_does(&node, &pod, &other);
+    let ebpf = agent.ebpf_config().expect("eBPF");
+    let state_dir = agent.state_dir();
+    agent.kill().expect("the agent gone");
+
+    let out = std::process::Command::new(meshcap_tests::agent::binaries().join("meshcap-agent"))
+        .args(["uninstall", "--pins-only", "--hand-back", "--pods", "dir"])
+        .arg("--pod-dir")
+        .arg(&pods.0)
+        .arg("--bpffs-dir")
+        .arg(&ebpf.bpffs_dir)
+        .arg("--cgroup-root")
+        .arg(&ebpf.cgroup_root)
+        .arg("--state-dir")
+        .arg(&state_dir)
+        .env("MESHCAP_AMBIENT_ENABLED", "true")
+        .output()
+        .expect("meshcap-agent uninstall --hand-back");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("handed back shop/web"), "{said}");
+    assert!(has_rules(), "Istio's in-pod rules written: {said}");
+    assert!(!ebpf.bpffs_dir.exists(), "nothing pinned: {said}");
+    captured_as_istio_does(&node, &pod, &other);
+
+    let rules = IptablesBackend::new(&IptablesConfig {
+        state_dir: state_dir.join("ambient"),
+        flavour: FlavourChoice::Auto,
+    })
+    .expect("the in-pod rules' backend");
+    let recorded = rules.list(DataplaneMode::Ambient).expect("records");
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    let manifest = fixtures::ambient_pod("shop", "web");
+    let object = policy::parse_pod_manifest(&manifest.to_string()).expect("manifest");
+    let mut config = AmbientConfig::new(EnablementSelector::istio_defaults()).expect("selectors");
+    (config.dns_capture, config.ipv6) = (true, true);
+    let ips = [IpAddr::V4(pod.v4())];
+    let node_settings = NodeSettings {
+        ambient: Some(config),
+        ..NodeSettings::default()
+    };
+    let Ok(Decision::Ambient { policy, .. }) =
+        policy::decide(&object, &ips, &Default::default(), &node_settings)
+    else {
+        panic!("an ambient decision");
+    };
+    let capture = PodPolicy::Ambient(Box::new(AmbientCapture {
+        policy,
+        ips: ips.to_vec(),
+        uid: "uid-web".into(),
+        service_account: "web".into(),
+    }));
+    let handed = PodRef {
+        netns: pod.netns.path(),
+        ..recorded[0].pod.clone()
+    };
+    rules
+        .check(&handed, &capture)
+        .expect("exactly the in-pod rules meshcap's rules way writes");
 }

@@ -26,6 +26,7 @@
 
 mod adopt;
 mod error;
+mod handback;
 mod kubelet;
 mod probes;
 mod records;
@@ -41,6 +42,7 @@ use std::{
 
 pub use adopt::{Adopted, IstioEnrolled};
 pub use error::AmbientError;
+pub use handback::recorded_capture;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 pub use kubelet::KubeletNotFound;

@@ -2,21 +2,18 @@
 //! records of pods whose netns went while no agent ran dropped, pods an earlier agent captured
 //! the other way (`ambient.inKernel` switched since) moved to this one's, and, with
 //! `ambient.reconcileIptablesOnStartup`, every enrolled pod's capture made this build's.
-use std::{net::IpAddr, sync::Arc};
+use std::sync::Arc;
 
 use tracing::{info, warn};
 
 use super::{
-    AmbientError,
+    AmbientError, handback,
     records::{self, Records},
 };
 use crate::{
-    backend::{AmbientCapture, CaptureBackend, PodPolicy},
+    backend::{CaptureBackend, PodPolicy},
     pod::PodRef,
-    policy::{
-        DataplaneMode,
-        ambient::{AmbientConfig, InpodPolicy},
-    },
+    policy::{DataplaneMode, ambient::AmbientConfig},
 };
 
 /// Drops the ambient captures `backend` holds whose netns is gone; returns those pods.
@@ -56,7 +53,7 @@ pub(super) fn drop_left(
 /// already that; a failure is logged and leaves the pod as it was, as in Istio.
 pub(super) fn reconcile(backend: &dyn CaptureBackend, records: &Records, config: &AmbientConfig) {
     for held in held_by(backend, records, config, "reconciling in-pod rules", true) {
-        let Some(policy) = held.policy() else {
+        let Some(policy) = held.capture.clone() else {
             continue;
         };
         if let Err(err) = backend.add(&held.pod, &policy) {
@@ -79,7 +76,7 @@ pub(super) fn move_captures(
     let (from, to) = (earlier.name(), now.name());
     // Pods adopted from istio-cni keep Istio's rules until they go.
     for held in held_by(earlier, records, config, "moving captures", false) {
-        let Some(policy) = held.policy() else {
+        let Some(policy) = held.capture.clone() else {
             warn!(pod = %held.pod, from, "an enrolled pod's record has no policy (an older build's): it keeps the capture it has");
             continue;
         };
@@ -103,24 +100,8 @@ pub(super) fn move_captures(
 /// An enrolled pod a backend holds.
 struct Held {
     pod: PodRef,
-    /// The policy it was enrolled with, under the node's settings now (none in records of
-    /// builds before it was kept).
-    policy: Option<InpodPolicy>,
-    ips: Vec<IpAddr>,
-    uid: String,
-    service_account: String,
-}
-
-impl Held {
-    /// The pod's capture, where its record says how.
-    fn policy(&self) -> Option<PodPolicy> {
-        Some(PodPolicy::Ambient(Box::new(AmbientCapture {
-            policy: self.policy.clone()?,
-            ips: self.ips.clone(),
-            uid: self.uid.clone(),
-            service_account: self.service_account.clone(),
-        })))
-    }
+    /// Its capture, as enrolled (none in records of builds before the policy was kept).
+    capture: Option<PodPolicy>,
 }
 
 /// The enrolled pods `backend` holds (those adopted from istio-cni only with `adopted`); none
@@ -148,14 +129,7 @@ fn held_by(
         .filter(|(_, w)| captured.contains(&w.container_id))
         .map(|(_, w)| Held {
             pod: w.pod(),
-            policy: w.policy.map(|mut policy| {
-                policy.ipv6 = config.ipv6;
-                policy.host_probe_snat = config.host_probe_snat;
-                policy
-            }),
-            ips: w.ips,
-            uid: w.uid,
-            service_account: w.service_account,
+            capture: handback::capture_of(w, config),
         })
         .collect()
 }

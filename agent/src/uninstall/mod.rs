@@ -15,6 +15,7 @@ use crate::{
     policy::ambient::HostProbeSnat,
 };
 
+pub mod handback;
 pub mod placement;
 pub mod verdict;
 pub mod witness;

@@ -17,6 +17,8 @@ use meshcap_agent::{
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
 
+use crate::handback::HandBackArgs;
+
 /// How `meshcap-agent policy` prints a pod's policy.
 #[derive(Clone, Copy, Default, clap::ValueEnum)]
 pub enum PolicyFormat {
@@ -43,7 +45,17 @@ pub fn verify() -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
+pub fn uninstall(
+    bpffs_dir: &Path,
+    pins_only: bool,
+    hand_back: &HandBackArgs,
+) -> anyhow::Result<()> {
+    // First, while meshcap's plugin still makes new mesh pods wait for an agent.
+    let handed_back = if hand_back.hand_back {
+        crate::handback::hand_back(hand_back, bpffs_dir)
+    } else {
+        Ok(())
+    };
     let config = if pins_only {
         None
     } else {
@@ -75,6 +87,7 @@ pub fn uninstall(bpffs_dir: &Path, pins_only: bool) -> anyhow::Result<()> {
             dir.display()
         );
     }
+    handed_back?;
     if !removed.kept.is_empty() {
         let kept: Vec<String> = removed
             .kept

@@ -5,6 +5,7 @@
 mod choice;
 mod commands;
 mod explain;
+mod handback;
 mod lifecycle;
 mod run;
 mod standing;
@@ -43,7 +44,8 @@ enum Command {
     /// A real uninstall (restarts and upgrades never do this): remove meshcap's plugin entry
     /// and binary from this node's CNI set-up, then detach and unpin the eBPF programs of every
     /// layout version, except those still capturing a live pod (it then fails, naming them:
-    /// restart those pods and run it again). Reads the same MESHCAP_* settings as `run`.
+    /// restart those pods and run it again; or give them Istio's rules first, `--hand-back`).
+    /// Reads the same MESHCAP_* settings as `run`.
     Uninstall {
         /// The eBPF layout directory; other versions beside it (`…/v<N>`) are removed too.
         #[arg(long, env = settings::BPFFS_DIR_ENV, default_value = ebpf::DEFAULT_BPFFS_DIR)]
@@ -52,6 +54,8 @@ enum Command {
         /// pins go (a private agent's, which installed no plugin).
         #[arg(long)]
         pins_only: bool,
+        #[command(flatten)]
+        hand_back: Box<handback::HandBackArgs>,
     },
     /// Run the node agent: serve the CNI plugin, capture pods.
     Run(Box<RunArgs>),
@@ -123,7 +127,8 @@ fn main() -> ExitCode {
         Command::Uninstall {
             bpffs_dir,
             pins_only,
-        } => commands::uninstall(&bpffs_dir, pins_only),
+            hand_back,
+        } => commands::uninstall(&bpffs_dir, pins_only, &hand_back),
         Command::Run(args) => {
             // Before the runtime starts its threads: they inherit it.
             if let Err(err) = meshcap_agent::sched::ask_for_short_slice() {
