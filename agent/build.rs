@@ -53,15 +53,20 @@ fn main() -> anyhow::Result<()> {
 /// aya-build still copies the object into this `OUT_DIR`. Where no target directory is found
 /// above `OUT_DIR` (it carries cargo's `CACHEDIR.TAG`), the build stays aya-build's own.
 fn share_programs_build(out: &Path) -> anyhow::Result<()> {
+    let link = out.join("aya-build").join("target").join("meshcap-ebpf");
     let Some(target_dir) = out
         .ancestors()
         .find(|dir| dir.join("CACHEDIR.TAG").is_file())
     else {
+        // A link made in another target directory (this one copied from it) would build this
+        // tree's programs there, where that tree's builds overwrite them.
+        if link.is_symlink() {
+            fs::remove_file(&link).with_context(|| format!("removing {}", link.display()))?;
+        }
         return Ok(());
     };
     let arch = env::var("CARGO_CFG_TARGET_ARCH").context("CARGO_CFG_TARGET_ARCH not set")?;
     let shared = target_dir.join("ebpf").join(arch);
-    let link = out.join("aya-build").join("target").join("meshcap-ebpf");
     if fs::read_link(&link).is_ok_and(|to| to == shared) {
         return Ok(());
     }
