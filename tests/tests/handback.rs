@@ -34,6 +34,42 @@ use meshcap_tests::{
 };
 use serde_json::Value;
 
+/// A running `meshcap-agent uninstall --hand-back`: killed if the test ends before
+/// [`HandBack::finish`] (a failed step must not leave it paused forever).
+struct HandBack(Option<std::process::Child>);
+
+impl HandBack {
+    /// Whether it has exited.
+    fn exited(&mut self) -> bool {
+        self.0
+            .as_mut()
+            .is_some_and(|child| child.try_wait().is_ok_and(|status| status.is_some()))
+    }
+
+    /// Waits for it: whether it succeeded, and what it said.
+    fn finish(mut self) -> (bool, String) {
+        let child = self.0.take().expect("running");
+        let out = child.wait_with_output().expect("meshcap-agent uninstall");
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    }
+}
+
+impl Drop for HandBack {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// `meshcap-agent uninstall --pins-only --hand-back` for an agent's layout, pods and state,
 /// with `env`, started.
 fn hand_back(
@@ -41,8 +77,8 @@ fn hand_back(
     pod_dir: &Path,
     state_dir: &Path,
     env: &[(&str, &str)],
-) -> std::process::Child {
-    Command::new(binaries().join("meshcap-agent"))
+) -> HandBack {
+    let child = Command::new(binaries().join("meshcap-agent"))
         .args(["uninstall", "--pins-only", "--hand-back", "--pods", "dir"])
         .arg("--pod-dir")
         .arg(pod_dir)
@@ -56,20 +92,8 @@ fn hand_back(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("running meshcap-agent uninstall --hand-back")
-}
-
-/// Whether it succeeded, and what it said.
-fn finish(child: std::process::Child) -> (bool, String) {
-    let out = child.wait_with_output().expect("meshcap-agent uninstall");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+        .expect("running meshcap-agent uninstall --hand-back");
+    HandBack(Some(child))
 }
 
 /// The sidecar policy meshcap decides for `manifest` at address 10.0.0.2.
@@ -264,7 +288,7 @@ fn handed_back(nftables: bool) {
         );
         let mut child = child;
         if let Err(err) = eventually("the hand-back pauses with both captures", || {
-            pause.exists() || child.try_wait().is_ok_and(|exited| exited.is_some())
+            pause.exists() || child.exited()
         })
         .and_then(|()| {
             anyhow::ensure!(
@@ -275,7 +299,7 @@ fn handed_back(nftables: bool) {
             );
             Ok(())
         }) {
-            let (_, out) = finish(child);
+            let (_, out) = child.finish();
             panic!("{err}: {out}");
         }
         let both = (
@@ -284,7 +308,7 @@ fn handed_back(nftables: bool) {
             ebpf::Pins::new(&ebpf_config.bpffs_dir).pinned_pods().len(),
         );
         std::fs::remove_file(&pause).expect("resume the hand-back");
-        let result = finish(child);
+        let result = child.finish();
         phase.store(2, Ordering::Relaxed);
         thread::sleep(Duration::from_millis(300));
         done.store(true, Ordering::Relaxed);
@@ -426,7 +450,7 @@ fn a_pod_that_cannot_be_handed_back_keeps_its_kernel_capture_and_is_named() {
     agent.kill().expect("kill the agent");
     std::fs::remove_file(pods.0.join(format!("{name}.json"))).expect("the pod's object gone");
 
-    let (ok, out) = finish(hand_back(&ebpf_config, &pods.0, &agent.state_dir(), &[]));
+    let (ok, out) = hand_back(&ebpf_config, &pods.0, &agent.state_dir(), &[]).finish();
     assert!(!ok, "a pod not handed back fails the command: {out}");
     assert!(
         out.contains(&format!("shop/{name}: its policy cannot be found")),
