@@ -182,19 +182,17 @@ impl Pods {
             }
         }
         self.verify_stubs(visit, cookie, &config, &ifaces, verify, &mut check)?;
-        if self.handoff.is_some() {
-            let pins = self.pins.pod(cookie);
-            if sys::obj_get(&pins.handoff_link()).is_ok() {
-                check
-                    .installed
-                    .push("socket lookup program on its netns".to_owned());
-            } else {
-                check.drift.push(verify.handle(
-                    DriftKind::Handoff,
-                    "no socket lookup program on its netns",
-                    || self.attach_handoff(&pins),
-                ));
-            }
+        let pins = self.pins.pod(cookie);
+        if sys::obj_get(&pins.handoff_link()).is_ok() {
+            check
+                .installed
+                .push("socket lookup program on its netns".to_owned());
+        } else {
+            check.drift.push(verify.handle(
+                DriftKind::Handoff,
+                "no socket lookup program on its netns",
+                || self.attach_handoff(&pins),
+            ));
         }
         Ok(check)
     }
