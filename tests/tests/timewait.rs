@@ -8,10 +8,20 @@
 //! On the eBPF backend, TC lets packets of a 4-tuple a socket holds reach that socket, and the
 //! pod's `TIME_WAIT` socket takes the new SYN (`tcp_timewait_state_process`: `TCP_TW_SYN`) and
 //! has the kernel look a listener up for it by the packet's own destination, the app's port:
-//! without more, the connection would bypass the proxy.
+//! without more, the connection would bypass the proxy. TC hands such a SYN to the pod's socket
+//! lookup program, which that listener lookup runs (docs/ebpf.md); a pod captured by an agent
+//! that gave the program only to kernels before Linux 6.5 gets it from the verifier.
 use std::{thread, time::Duration};
 
-use meshcap_agent::pod::PodRef;
+use aya::maps::{HashMap, Map, MapData};
+use meshcap_agent::{
+    backend::{
+        CaptureBackend as _, DriftKind, DriftOutcome, Verify,
+        ebpf::{Pins, unpin_link},
+    },
+    pod::PodRef,
+};
+use meshcap_common::{PodConfig, flags, maps};
 use meshcap_tests::{
     TcpSocket, dial, dial_after_close_with, require_root,
     scenario::{Backend, EbpfUnderTest, IptablesUnderTest, NftablesUnderTest, default_policy},
@@ -135,4 +145,63 @@ fn nftables_a_reused_client_port_reaches_the_proxy_past_time_wait() {
     let mut node = Node::new().expect("node");
     let backend = NftablesUnderTest::new().expect("nftables backend");
     the_proxy_keeps_a_reused_client_port(&mut node, &backend);
+}
+
+/// The pod entries of the pinned `MESHCAP_PODS` under `dir`.
+fn pod_entries(dir: &std::path::Path) -> HashMap<MapData, u64, PodConfig> {
+    let data = MapData::from_pin(Pins::new(dir).map(maps::PODS)).expect("pinned map");
+    HashMap::try_from(Map::HashMap(data)).expect("a hash map")
+}
+
+/// A pod captured by an earlier agent on Linux 6.5 or later has neither the socket lookup
+/// program nor its flag (there it was only for kernels before 6.5): the verifier attaches the
+/// program, then sets the flag, and a reused client port reaches the proxy.
+#[test]
+fn ebpf_a_pod_captured_without_the_socket_lookup_gets_it_from_the_verifier() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let mut node = Node::new().expect("node");
+    let dir = EbpfUnderTest::unique_dir();
+    let earlier = EbpfUnderTest::at(&node.cgroup, &dir).expect("eBPF backend");
+    let mut pod = node.add_pod(false).expect("pod");
+    pod.start_servers(&node, PROXY, false).expect("servers");
+    let r = pod_ref(&pod);
+    earlier
+        .add(&r, &default_policy("timewait", pod.ips(false)))
+        .expect("add");
+    // What the earlier agent left: no link, no flag.
+    let cookie = pod.netns.cookie().expect("cookie");
+    let link = Pins::new(&dir).pod(cookie).handoff_link();
+    unpin_link(&link).expect("detaching the socket lookup");
+    let mut entries = pod_entries(&dir);
+    let mut config = entries.get(&cookie, 0).expect("the pod's entry");
+    config.flags &= !flags::HANDOFF;
+    entries.insert(cookie, config, 0).expect("the pod's entry");
+    let dir = earlier.leave();
+    let backend = EbpfUnderTest::at(&node.cgroup, &dir).expect("adopting backend");
+    // One difference a pass: the link, then the flag (set only where the link is).
+    let mut found = Vec::new();
+    for _ in 0..3 {
+        backend.get().verify_node(Verify::Repair);
+        let check = backend.get().verify(&r, Verify::Repair).expect("verify");
+        found.extend(check.drift.into_iter().map(|d| (d.kind, d.what, d.outcome)));
+    }
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found
+            .iter()
+            .all(|(kind, _, outcome)| *kind == DriftKind::Handoff
+                && *outcome == DriftOutcome::Repaired),
+        "{found:?}"
+    );
+    let config = pod_entries(&dir).get(&cookie, 0).expect("the pod's entry");
+    assert!(
+        config.flags & flags::HANDOFF != 0,
+        "flags {:#x} after the verifier",
+        config.flags
+    );
+    dial_twice_from_one_port(&node, &pod, false, 41303);
+    backend.remove(&r).expect("remove");
 }
