@@ -1,16 +1,20 @@
 //! The real uninstall (restarts and upgrades never run it): the plugin leaves the CNI set-up at
-//! once, but the eBPF programs stay attached for as long as a pod they captured is alive, so
-//! that no pod's traffic bypasses its sidecar; once those pods are gone a second run detaches
-//! and unpins everything. By hand (`meshcap-agent uninstall`), or by the agent itself when it
-//! is stopped because meshcap is being deleted (when it concludes so: `tests/tests/leaving.rs`).
+//! once; the eBPF programs stay attached for as long as a pod they capture is alive, so that no
+//! pod's traffic bypasses its sidecar, until that pod is handed back to Istio's own rules or is
+//! gone. By hand (`meshcap-agent uninstall`: a second run once the pods are gone detaches and
+//! unpins everything), or by the agent itself when it is stopped because meshcap is being
+//! deleted (when it concludes so: `tests/tests/leaving.rs`), which hands the pods back first.
+
 use std::{fs, path::Path, process::Command};
 
 use meshcap_agent::backend::ebpf;
 use meshcap_tests::{
+    Placement,
     agent::{Agent, Backend, binaries},
     apiserver::{ApiServer, DAEMON_SET, SYSTEM_NAMESPACE},
     cluster::ClusterNode,
-    fixtures::{ManifestDir, eventually, sidecar_pod, write_manifest},
+    dial,
+    fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     wired::Wired,
@@ -128,6 +132,85 @@ fn uninstall_keeps_the_programs_while_a_captured_pod_lives_then_removes_everythi
         .filter(|(_, n)| *n > 0)
         .collect();
     assert_eq!(attached, Vec::new(), "every program detached");
+}
+
+/// Deleting the DaemonSet with a pod captured in the kernel: the stopping agent removes the CNI
+/// set-up, hands the pod back to Istio's own rules (written by the iptables backend, held to
+/// Istio's goldens), and then detaches and unpins every program: nothing of meshcap's kernel
+/// objects outlives the agent, and the pod's connections still reach its proxy, both ways, with
+/// their original destination.
+#[test]
+fn deleting_the_daemon_set_hands_captured_pods_back_and_removes_every_program() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let api = ApiServer::start();
+    let node = ClusterNode::new(&api);
+    let mut agent = node.start_agent(Backend::Ebpf, &[]);
+    let ebpf_config = agent.ebpf_config().expect("eBPF");
+    let wired = Wired::new(&agent);
+    let _servers = wired.servers();
+    let name = unique_name("web");
+    api.apply_pod(sidecar_pod("shop", &name, &[]));
+    let sandbox = Sandbox::new("shop", &name, &wired.pod);
+    let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
+    assert!(add.success, "ADD failed: {add:?}\n{}", agent.log());
+    let captured = || {
+        let inbound = dial(
+            Placement {
+                netns: &wired.upstream,
+                cgroup: None,
+                uid: 0,
+                gid: 0,
+            },
+            "tcp:10.0.0.2:8080",
+            None,
+        )
+        .expect("dial")
+        .map(|r| (r.server, r.listener, r.original_dst.map(|a| a.to_string())));
+        (wired.app_dial(), inbound)
+    };
+    let expected = (
+        ("envoy".to_owned(), Some("10.0.0.1:80".to_owned())),
+        Some(("envoy".to_owned(), 15006, Some("10.0.0.2:8080".to_owned()))),
+    );
+    assert_eq!(captured(), expected, "captured in the kernel");
+    let before = leftovers(&wired.pod).expect("rules");
+    assert!(
+        before.iter().all(|l| !l.contains("ISTIO")),
+        "no rules of Istio's before: {before:#?}"
+    );
+
+    api.mark_deleting("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
+    let status = agent.terminate().expect("SIGTERM");
+    assert!(status.success(), "{status}\n{}", agent.log());
+    assert!(node.clean(), "{}", agent.log());
+    assert!(
+        agent.log().contains("handed back: Istio's rules in place"),
+        "{}",
+        agent.log()
+    );
+    assert!(
+        !ebpf_config.bpffs_dir.exists(),
+        "the pins are left\n{}",
+        agent.log()
+    );
+    let attached: Vec<_> = ebpf::cgroup_attachments(&ebpf_config.cgroup_root)
+        .expect("query the cgroup")
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert_eq!(attached, Vec::new(), "every program detached");
+    let rules = leftovers(&wired.pod).expect("rules");
+    for rule in [
+        "-A OUTPUT -j ISTIO_OUTPUT",
+        "-A PREROUTING -p tcp -j ISTIO_INBOUND",
+        "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+    ] {
+        assert!(rules.iter().any(|l| l.contains(rule)), "{rule}: {rules:#?}");
+    }
+    assert_eq!(captured(), expected, "captured by Istio's rules");
 }
 
 /// With the eBPF backend the uninstall also detaches the programs and removes the pins when

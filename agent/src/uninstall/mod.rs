@@ -1,5 +1,7 @@
 //! A real uninstall: meshcap's plugin entry, binaries and kubeconfig removed from the node's CNI
-//! set-up, and its eBPF programs detached with their pins once no pod they capture lives.
+//! set-up, and its eBPF programs detached with their pins once no pod they capture lives — the
+//! pods still captured first handed back to Istio's own rules ([`handback`]) when the caller
+//! can find their policies.
 //! Never on a restart, an upgrade, a drain or a crash: pods created before the next agent runs
 //! would start uncaptured. Run by `meshcap-agent uninstall`, and by the agent itself when it is
 //! stopped because meshcap is being deleted ([`verdict`], from what [`witness`] observed).

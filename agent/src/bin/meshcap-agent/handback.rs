@@ -19,7 +19,7 @@ use meshcap_agent::{
     paths::AgentPaths,
     pod::PodRef,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
-    policy::{self, DataplaneMode, Decision, NodeSettings, SelectConfig},
+    policy::{self, DataplaneMode, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig},
     settings,
     uninstall::handback::{self, HandedBack, PolicyError},
 };
@@ -81,61 +81,124 @@ pub fn hand_back(args: &HandBackArgs, bpffs_dir: &std::path::Path) -> anyhow::Re
         Some(root) => root.clone(),
         None => meshcap_agent::cgroup::cgroup2_mount().context("finding the cgroup2 mount")?,
     };
-    let kernel = EbpfBackend::open(EbpfConfig {
-        cgroup_root,
-        bpffs_dir: bpffs_dir.to_owned(),
-        tc_attach: meshcap_agent::backend::ebpf::TcAttach::default(),
-        handoff: meshcap_agent::backend::ebpf::Handoff::default(),
-    })
-    .context("opening the eBPF backend's pinned layout")?;
-    // What the programs log while pods are handed back (a refused SYN) is this command's.
-    kernel.forward_kernel_logs()?;
-    let nftables = run::native_nftables()?;
-    let sidecar_rules = rules_backend(state_dir.clone(), args.iptables_flavour, nftables)?;
     let ambient = run::ambient_config()?;
-    let ambient_rules = match ambient {
-        Some(_) => Some(rules_backend(
-            state_dir.join("ambient"),
-            args.iptables_flavour,
-            nftables,
-        )?),
-        None => None,
-    };
-    let node = NodeSettings {
+    let settings = NodeSettings {
         select: SelectConfig {
             exclude_namespaces: args.exclude_namespaces.clone(),
         },
         ambient: ambient.clone(),
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
+    // Multi-threaded, so that its handle can drive the API client's requests from here.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
         .context("starting a runtime for pod lookups")?;
     let source = pod_source(args, &runtime)?;
-    let rules = |mode: DataplaneMode| -> Option<&dyn CaptureBackend> {
-        match mode {
-            DataplaneMode::Sidecar => Some(sidecar_rules.as_ref()),
-            DataplaneMode::Ambient => ambient_rules.as_deref(),
-        }
+    let node = Node {
+        kernel: EbpfConfig {
+            cgroup_root,
+            bpffs_dir: bpffs_dir.to_owned(),
+            tc_attach: meshcap_agent::backend::ebpf::TcAttach::default(),
+            handoff: meshcap_agent::backend::ebpf::Handoff::default(),
+        },
+        state_dir,
+        flavour: args.iptables_flavour,
+        ambient,
     };
-    let mut policy_of =
-        |pod: &PodRef, mode: DataplaneMode, ips: &[IpAddr]| -> Result<PodPolicy, PolicyError> {
-            match (mode, &ambient) {
-                (DataplaneMode::Ambient, Some(config)) => {
-                    ambient::recorded_capture(&state_dir, config, pod)?
-                        .ok_or_else(|| "ambient mode has no record of its enrollment".into())
-                }
-                (DataplaneMode::Ambient, None) => {
-                    Err("captured for ambient mode, which this node's settings turn off".into())
-                }
-                (DataplaneMode::Sidecar, _) => {
-                    runtime.block_on(sidecar_policy(&source, &node, pod, ips))
-                }
+    let done = node.hand_back(
+        &Sidecars {
+            source: &source,
+            settings: &settings,
+            runtime: runtime.handle(),
+        },
+        Logs::Forward,
+    )?;
+    report(&done)
+}
+
+/// What a hand-back opens and writes on this node.
+pub struct Node {
+    /// The kernel capture's layout, as the agent opened it.
+    pub kernel: EbpfConfig,
+    /// The agent's state directory: where the rules' records are written (as the agent's rules
+    /// backend writes them) and ambient mode's records are read.
+    pub state_dir: PathBuf,
+    /// The iptables implementation Istio's rules are written with.
+    pub flavour: FlavourChoice,
+    /// Ambient mode's settings, when the node runs it.
+    pub ambient: Option<AmbientConfig>,
+}
+
+/// Where sidecar pods' objects are found, and the node's settings they are decided with: the
+/// pod source's store first (it keeps the pods it has seen even once the API server refuses
+/// the agent), then a GET.
+pub struct Sidecars<'a> {
+    pub source: &'a PodSource,
+    pub settings: &'a NodeSettings,
+    /// Where the lookups run, from a thread outside it.
+    pub runtime: &'a tokio::runtime::Handle,
+}
+
+/// Who forwards what the kernel programs log while pods are handed back (a refused SYN).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Logs {
+    /// This process, which has not yet.
+    Forward,
+    /// The agent's backend, already.
+    Forwarded,
+}
+
+impl Node {
+    /// Hands back every live pod the kernel programs capture: sidecar pods with the policies
+    /// `sidecars` decide, ambient pods with their enrollments' records. Blocking: called from
+    /// outside `sidecars.runtime`.
+    ///
+    /// # Errors
+    /// When the layout, the rules backends or the node's settings cannot be opened, or the
+    /// kernel's captures cannot be listed; each pod's own failure is in the result.
+    pub fn hand_back(&self, sidecars: &Sidecars<'_>, logs: Logs) -> anyhow::Result<HandedBack> {
+        let kernel = EbpfBackend::open(self.kernel.clone())
+            .context("opening the eBPF backend's pinned layout")?;
+        if logs == Logs::Forward {
+            kernel.forward_kernel_logs()?;
+        }
+        let nftables = run::native_nftables()?;
+        let sidecar_rules = rules_backend(self.state_dir.clone(), self.flavour, nftables)?;
+        let ambient_rules = match self.ambient {
+            Some(_) => Some(rules_backend(
+                self.state_dir.join("ambient"),
+                self.flavour,
+                nftables,
+            )?),
+            None => None,
+        };
+        let rules = |mode: DataplaneMode| -> Option<&dyn CaptureBackend> {
+            match mode {
+                DataplaneMode::Sidecar => Some(sidecar_rules.as_ref()),
+                DataplaneMode::Ambient => ambient_rules.as_deref(),
             }
         };
-    let done = handback::hand_back(&kernel, &rules, &mut policy_of)?;
-    drop(kernel);
-    report(&done)
+        let mut policy_of =
+            |pod: &PodRef, mode: DataplaneMode, ips: &[IpAddr]| -> Result<PodPolicy, PolicyError> {
+                match (mode, &self.ambient) {
+                    (DataplaneMode::Ambient, Some(config)) => {
+                        ambient::recorded_capture(&self.state_dir, config, pod)?
+                            .ok_or_else(|| "ambient mode has no record of its enrollment".into())
+                    }
+                    (DataplaneMode::Ambient, None) => {
+                        Err("captured for ambient mode, which this node's settings turn off".into())
+                    }
+                    (DataplaneMode::Sidecar, _) => sidecars.runtime.block_on(sidecar_policy(
+                        sidecars.source,
+                        sidecars.settings,
+                        pod,
+                        ips,
+                    )),
+                }
+            };
+        Ok(handback::hand_back(&kernel, &rules, &mut policy_of)?)
+    }
 }
 
 /// A rules backend writing Istio's rules and its records under `state_dir`.

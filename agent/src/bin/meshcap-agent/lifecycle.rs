@@ -12,6 +12,8 @@ use meshcap_agent::{
         self,
         watch::{InstallStatus, Pass},
     },
+    pods::PodSource,
+    policy::NodeSettings,
     settings, taint,
     uninstall::{
         verdict::Verdict,
@@ -22,22 +24,26 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::{
+    handback::{Logs, Sidecars},
     run::{PodSourceKind, RunArgs},
     standing::Features,
 };
 
 /// At SIGTERM: removes meshcap from this node when it is being deleted from the cluster
 /// (docs/install.md, "Uninstalling", and [`meshcap_agent::uninstall::verdict`]), so new pods no
-/// longer wait for an agent that will never come back, and the eBPF programs once no pod they
-/// capture lives. On a restart, an update, an eviction or a drain, and whenever nothing proves
-/// an uninstall, nothing is removed. `features` say what the agent was given; with ambient mode
-/// on, `probes` (the node's netns and iptables) says where its probe rule and sets go from.
+/// longer wait for an agent that will never come back; then hands every pod the kernel
+/// programs still capture back to Istio's own rules (`hand_back`: what the hand-back opens, the
+/// pod source and the node's settings its sidecar pods are decided with), so that no program,
+/// link or pin of meshcap's outlives the agent. On a restart, an update, an eviction or a
+/// drain, and whenever nothing proves an uninstall, nothing is removed. `features` say what the
+/// agent was given; with ambient mode on, `probes` (the node's netns and iptables) says where
+/// its probe rule and sets go from.
 pub async fn uninstall_if_deleted(
     client: &kube::Client,
     departure: &Departure,
     features: &Features,
     config: install::InstallConfig,
-    bpffs_dir: PathBuf,
+    hand_back: HandBack,
     probes: Option<(Option<PathBuf>, FlavourChoice)>,
 ) {
     let plugin = match &config.plugin.kubeconfig {
@@ -75,23 +81,58 @@ pub async fn uninstall_if_deleted(
         }
     };
     info!(%why, "meshcap is being deleted: uninstalling it from this node");
-    let removed = tokio::task::spawn_blocking(move || {
+    let runtime = tokio::runtime::Handle::current();
+    let removed = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         if let Some((netns, flavour)) = probes {
             meshcap_agent::uninstall::probes(netns.as_deref(), flavour)?;
         }
-        meshcap_agent::uninstall::node(Some(&config), &bpffs_dir)
+        // The CNI set-up first: it is what new pods meet, and a hand-back cut short by the
+        // grace period must not leave it behind.
+        let removed =
+            meshcap_agent::uninstall::node(Some(&config), &hand_back.node.kernel.bpffs_dir)?;
+        if removed.kept.is_empty() {
+            return Ok(removed);
+        }
+        let done = hand_back.node.hand_back(
+            &Sidecars {
+                source: &hand_back.source,
+                settings: &hand_back.settings,
+                runtime: &runtime,
+            },
+            Logs::Forwarded,
+        )?;
+        info!(
+            pods = done.pods.len(),
+            dropped = done.dropped.len(),
+            failed = done.failed.len(),
+            "handed back to Istio's rules"
+        );
+        Ok(meshcap_agent::uninstall::node(
+            None,
+            &hand_back.node.kernel.bpffs_dir,
+        )?)
     })
     .await;
     match removed {
         Ok(Ok(removed)) => {
             for (dir, pods) in &removed.kept {
-                warn!(layout = %dir.display(), pods = %pods.join(", "), "eBPF programs kept: pods they capture still run (restart them; a node reboot or `meshcap-agent uninstall` then removes the programs)");
+                warn!(layout = %dir.display(), pods = %pods.join(", "), "eBPF programs kept: pods they capture were not handed back (restart them; a node reboot or `meshcap-agent uninstall` then removes the programs)");
             }
             info!(layouts = removed.layouts.len(), "uninstalled");
         }
         Ok(Err(err)) => warn!(error = %err, "uninstalling"),
         Err(err) => warn!(error = %err, "uninstalling"),
     }
+}
+
+/// What the stopping agent hands its kernel-captured pods back with.
+pub struct HandBack {
+    /// The layout, the state directory and the settings the rules are written with.
+    pub node: crate::handback::Node,
+    /// The pod source the agent ran with (its store still holds the node's pods).
+    pub source: Arc<PodSource>,
+    /// The node's settings the pods were decided with.
+    pub settings: NodeSettings,
 }
 
 /// How long a stopping agent may take to decide whether it is being uninstalled: within the

@@ -68,9 +68,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let events = kube_node
         .as_ref()
         .map(|(client, node)| EventSink::new(client.clone(), node));
+    let source = Arc::new(source);
     let hub = Arc::new(Hub::new(
         Parts {
-            source: Arc::new(source),
+            source: source.clone(),
             router: node.router,
             backend_reason: node.reason,
             probe: node.probe,
@@ -108,6 +109,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(installed)
     } else {
         None
+    };
+    let hand_back = lifecycle::HandBack {
+        node: crate::handback::Node {
+            kernel: ebpf_config(&args, &paths),
+            state_dir: paths.state_dir.clone(),
+            flavour: args.iptables_flavour,
+            ambient: ambient_config()?,
+        },
+        source,
+        settings: node.settings.clone(),
     };
     let mut standing = None;
     if let (Some((client, node_name)), Some(events), Some(holds)) = (&kube_node, events, holds) {
@@ -165,15 +176,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         let probes = node
             .ambient_on
             .then(|| (args.node_netns.clone(), args.iptables_flavour));
-        lifecycle::uninstall_if_deleted(
-            &client,
-            &departure,
-            &features,
-            config,
-            paths.bpffs_dir,
-            probes,
-        )
-        .await;
+        lifecycle::uninstall_if_deleted(&client, &departure, &features, config, hand_back, probes)
+            .await;
     }
     info!("stopped");
     Ok(())
@@ -224,6 +228,16 @@ async fn pod_source(
     })
 }
 
+/// Where the eBPF backend's layout is and how its programs attach, as the agent's settings say.
+fn ebpf_config(args: &RunArgs, paths: &Paths) -> EbpfConfig {
+    EbpfConfig {
+        cgroup_root: paths.cgroup_root.clone(),
+        bpffs_dir: paths.bpffs_dir.clone(),
+        tc_attach: args.tc_attach.unwrap_or_default(),
+        handoff: args.handoff.unwrap_or_default(),
+    }
+}
+
 /// What the node captures with, and how it decides.
 struct Node {
     router: Router,
@@ -250,12 +264,7 @@ async fn open_node(
         flavour: args.iptables_flavour,
         nftables: native_nftables()?,
     };
-    let ebpf = EbpfConfig {
-        cgroup_root: paths.cgroup_root.clone(),
-        bpffs_dir: paths.bpffs_dir.clone(),
-        tc_attach: args.tc_attach.unwrap_or_default(),
-        handoff: args.handoff.unwrap_or_default(),
-    };
+    let ebpf = ebpf_config(args, paths);
     let ambient_config = ambient_config()?;
     // Before anything is served: the sidecar pods istio-cni captured are adopted before the
     // first request about one of them.
