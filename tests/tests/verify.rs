@@ -293,6 +293,100 @@ fn drift_of_a_sidecar_capture_is_put_back(backend: Backend) {
     assert!(del.success, "DEL: {del:?}");
 }
 
+/// A restarted agent's first pass (issue 47): what the verifier last found whole outlives the
+/// agent (`<state dir>/iptables-baselines`), so an untouched pod is not read again rule by rule
+/// — with nft iptables its netns's nf_tables generation is compared, with legacy iptables one
+/// `iptables-save` — while a rule deleted while no agent ran is still found and put back.
+fn a_restarted_agent_reads_only_what_changed(flavour: &str, unchanged: &str, delete: &[&str]) {
+    require_root();
+    let dir = ManifestDir::new();
+    write_manifest(&dir.0, &sidecar_pod("shop", "web", &[]));
+    let pod_dir = dir.0.to_str().expect("utf-8");
+    let mut agent = Agent::start(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            pod_dir,
+            "--iptables-flavour",
+            flavour,
+        ],
+        &[EVERY],
+    )
+    .expect("agent");
+    let wired = Wired::new(&agent);
+    let _servers = wired.servers();
+    let sandbox = Sandbox::new("shop", "web", &wired.pod);
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD: {add:?}");
+    let captured = ("envoy".to_owned(), Some("10.0.0.1:80".to_owned()));
+    let baselines = agent.state_dir().join("iptables-baselines");
+    wait_for("a pass found the rules whole", &agent, || {
+        std::fs::read_dir(&baselines).is_ok_and(|mut d| d.next().is_some())
+    });
+
+    agent.kill().expect("kill");
+    agent.restart().expect("restart");
+    let explained = agent.explain("shop/web");
+    assert!(
+        explained.contains(unchanged),
+        "{unchanged:?} in\n{explained}"
+    );
+
+    agent.kill().expect("kill");
+    let mut args = vec!["netns", "exec", wired.pod.name()];
+    args.extend_from_slice(delete);
+    run("ip", &args).expect("a rule deleted while no agent runs");
+    assert_eq!(wired.app_dial().0, "upstream", "no longer captured");
+    agent.restart().expect("restart");
+    wait_for("the restarted agent put it back", &agent, || {
+        drift(&agent, "rules", "repaired") > 0
+    });
+    assert_eq!(wired.app_dial(), captured, "captured again");
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL: {del:?}");
+    assert!(
+        std::fs::read_dir(&baselines).is_ok_and(|mut d| d.next().is_none()),
+        "kept only while the pod is recorded"
+    );
+}
+
+#[test]
+fn a_restarted_agent_reads_only_what_changed_with_nft_iptables() {
+    a_restarted_agent_reads_only_what_changed(
+        "nft",
+        "nf_tables unchanged since last found whole",
+        &[
+            "iptables-nft",
+            "-t",
+            "nat",
+            "-D",
+            "OUTPUT",
+            "-j",
+            "ISTIO_OUTPUT",
+        ],
+    );
+}
+
+#[test]
+fn a_restarted_agent_reads_only_what_changed_with_legacy_iptables() {
+    a_restarted_agent_reads_only_what_changed(
+        "legacy",
+        "tables unchanged since last found whole",
+        &[
+            "iptables-legacy",
+            "-t",
+            "nat",
+            "-D",
+            "OUTPUT",
+            "-j",
+            "ISTIO_OUTPUT",
+        ],
+    );
+}
+
 /// With `meshcap.verifyIntervalSeconds: 0` no pass runs: drift stays until CHECK finds it (and
 /// an ADD puts it back), as before the verifier.
 fn with_verification_off_nothing_is_touched(backend: Backend) {

@@ -20,6 +20,7 @@
 //! - **TPROXY**: the policy route over netlink ([`crate::podnet::route`]).
 //! - **The node's rules** (ambient mode's probe SNAT): [`node`].
 mod adopt;
+mod baseline;
 mod flavour;
 mod inpod;
 pub mod node;
@@ -29,13 +30,12 @@ mod verify;
 mod xtables;
 
 use std::{
-    collections::HashMap,
     fs,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
-    sync::Mutex,
 };
 
+use baseline::Baselines;
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
 use records::Applied;
@@ -79,7 +79,7 @@ pub struct IptablesBackend {
     locks: PathBuf,
     flavour: FlavourChoice,
     /// The verifier's view of each pod's tables when its rules were last found whole.
-    baselines: Mutex<HashMap<String, verify::Baseline>>,
+    baselines: Baselines,
 }
 
 impl IptablesBackend {
@@ -106,7 +106,7 @@ impl IptablesBackend {
             records,
             locks,
             flavour: config.flavour,
-            baselines: Mutex::default(),
+            baselines: Baselines::open(&config.state_dir),
         })
     }
 
@@ -275,7 +275,7 @@ impl CaptureBackend for IptablesBackend {
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        self.records.release(pod, |target, record| {
+        let released = self.records.release(pod, |target, record| {
             self.in_netns(target, |ctx| {
                 let removed = if record.replacing.is_empty() {
                     ctx.swap(record.flavour, Some(&record.owned(&record.rules)), &nothing())
@@ -296,7 +296,9 @@ impl CaptureBackend for IptablesBackend {
                 }
                 Ok(())
             })
-        })
+        });
+        self.baselines.retain(|id| self.records.get(id).is_some());
+        released
     }
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]

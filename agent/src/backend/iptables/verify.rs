@@ -5,14 +5,13 @@
 //! so it runs only when the pod's tables changed since the rules were last found whole: with
 //! nft iptables, while the namespace's nf_tables generation ([`crate::podnet::nftgen`]) is the
 //! same, nothing is read at all; otherwise one `iptables-save` per family, compared with what it
-//! said then (counters left out). Rules found missing are put back in one
+//! said then (counters left out). That view outlives the agent ([`super::baseline`]): a
+//! restarted agent's first pass reads no more than a steady one. Rules found missing are put back in one
 //! `iptables-restore --noflush` transaction per table: the chains the rules create are declared
 //! (which creates them, or empties them inside the transaction) and filled again, and only the
 //! missing rules of the kernel's own chains are added, so that no instant sees less of the
 //! capture than before the repair. A missing policy route is added.
-use std::collections::HashMap;
-
-use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
+use super::{Flavour, IptablesBackend, baseline::Baseline, inpod::Ctx, records::Applied, restore};
 use crate::{
     backend::{
         BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
@@ -21,15 +20,6 @@ use crate::{
     podnet::nftgen,
     policy::IptablesRules,
 };
-
-/// A pod's tables as they were when its rules were last found whole.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(super) struct Baseline {
-    /// The namespace's nf_tables generation then (nft iptables only).
-    generation: Option<u32>,
-    /// What `iptables-save` said of the rules' tables then, per family, without counters.
-    saved: Vec<String>,
-}
 
 /// One recorded rule not in place: its family, its table and its line.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,30 +41,20 @@ impl IptablesBackend {
             Ok(found) => found,
             Err(check) => return Ok(check),
         };
-        let baseline = self.baseline(&id);
+        let baseline = self.baselines.get(&id);
         let (found, now) = self.in_netns(&record.pod, |ctx| {
             ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
         })?;
         check.extend(found);
-        let mut baselines = self.baselines();
         if let Some(now) = now {
-            baselines.insert(id, now);
+            self.baselines.set(&id, now);
         }
-        // Those of pods released since go (rarely more than a pass's DELs).
-        if baselines.len() > self.records.count() {
-            baselines.retain(|id, _| self.records.get(id).is_some());
+        // Those of pods released since go (rarely more than a pass's DELs; after a start, those
+        // of pods gone while no agent ran).
+        if self.baselines.count() > self.records.count() {
+            self.baselines.retain(|id| self.records.get(id).is_some());
         }
         Ok(check)
-    }
-
-    fn baseline(&self, id: &str) -> Option<Baseline> {
-        self.baselines().get(id).cloned()
-    }
-
-    fn baselines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Baseline>> {
-        self.baselines
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -107,25 +87,24 @@ impl Ctx<'_> {
         verify: Verify,
     ) -> Result<(PodCheck, Option<Baseline>), BackendError> {
         let mut check = PodCheck::default();
+        // Read before the tables are: a change made while they are compared shows next time.
         let generation = if flavour == Flavour::Nft {
             nftgen::generation().ok()
         } else {
             None
         };
-        if let (Some(now), Some(then)) = (generation, baseline)
-            && then.generation == Some(now)
-        {
+        if baseline.is_some_and(|then| then.same_generation(rules, generation)) {
             check.installed.push(
                 "every rule in place (nf_tables unchanged since last found whole)".to_owned(),
             );
             return Ok((check, None));
         }
         let saved = self.saved(flavour, rules)?;
-        if baseline.is_some_and(|then| then.saved == saved) {
+        if baseline.is_some_and(|then| then.same_tables(rules, &saved)) {
             check
                 .installed
                 .push("every rule in place (tables unchanged since last found whole)".to_owned());
-            return Ok((check, Some(Baseline { generation, saved })));
+            return Ok((check, Some(Baseline::new(rules, generation, &saved))));
         }
         let missing = self.missing(flavour, rules)?;
         if missing.is_empty() {
@@ -149,6 +128,9 @@ impl Ctx<'_> {
             &rules.routes,
             verify,
         )?);
+        if check.drift.is_empty() {
+            return Ok((check, Some(Baseline::new(rules, generation, &saved))));
+        }
         if check
             .drift
             .iter()
@@ -157,17 +139,14 @@ impl Ctx<'_> {
             // Found only, or not put back: compared again from scratch next time.
             return Ok((check, None));
         }
+        // Put back: the tables as the repair left them.
         let generation = if flavour == Flavour::Nft {
             nftgen::generation().ok()
         } else {
             None
         };
-        let saved = if check.drift.is_empty() {
-            saved
-        } else {
-            self.saved(flavour, rules)?
-        };
-        Ok((check, Some(Baseline { generation, saved })))
+        let saved = self.saved(flavour, rules)?;
+        Ok((check, Some(Baseline::new(rules, generation, &saved))))
     }
 
     /// What `iptables-save` says of the tables `rules` use, per family, without counters.
