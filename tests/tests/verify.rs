@@ -297,24 +297,18 @@ fn drift_of_a_sidecar_capture_is_put_back(backend: Backend) {
 /// agent (`<state dir>/iptables-baselines`), so an untouched pod is not read again rule by rule
 /// — with nft iptables its netns's nf_tables generation is compared, with legacy iptables one
 /// `iptables-save` — while a rule deleted while no agent ran is still found and put back.
-fn a_restarted_agent_reads_only_what_changed(flavour: &str, unchanged: &str, delete: &[&str]) {
+fn a_restarted_agent_reads_only_what_changed(
+    backend: Backend,
+    flavour: &[&str],
+    unchanged: &str,
+    delete: &[&str],
+) {
     require_root();
     let dir = ManifestDir::new();
     write_manifest(&dir.0, &sidecar_pod("shop", "web", &[]));
-    let pod_dir = dir.0.to_str().expect("utf-8");
-    let mut agent = Agent::start(
-        Backend::Iptables,
-        &[
-            "--pods",
-            "dir",
-            "--pod-dir",
-            pod_dir,
-            "--iptables-flavour",
-            flavour,
-        ],
-        &[EVERY],
-    )
-    .expect("agent");
+    let mut args = vec!["--pods", "dir", "--pod-dir", dir.0.to_str().expect("utf-8")];
+    args.extend_from_slice(flavour);
+    let mut agent = Agent::start(backend, &args, &[EVERY]).expect("agent");
     let wired = Wired::new(&agent);
     let _servers = wired.servers();
     let sandbox = Sandbox::new("shop", "web", &wired.pod);
@@ -322,7 +316,9 @@ fn a_restarted_agent_reads_only_what_changed(flavour: &str, unchanged: &str, del
     let add = cni("ADD", &sandbox, &conf).expect("ADD");
     assert!(add.success, "ADD: {add:?}");
     let captured = ("envoy".to_owned(), Some("10.0.0.1:80".to_owned()));
-    let baselines = agent.state_dir().join("iptables-baselines");
+    let baselines = agent
+        .state_dir()
+        .join(format!("{}-baselines", backend.name()));
     wait_for("a pass found the rules whole", &agent, || {
         std::fs::read_dir(&baselines).is_ok_and(|mut d| d.next().is_some())
     });
@@ -356,7 +352,8 @@ fn a_restarted_agent_reads_only_what_changed(flavour: &str, unchanged: &str, del
 #[test]
 fn a_restarted_agent_reads_only_what_changed_with_nft_iptables() {
     a_restarted_agent_reads_only_what_changed(
-        "nft",
+        Backend::Iptables,
+        &["--iptables-flavour", "nft"],
         "nf_tables unchanged since last found whole",
         &[
             "iptables-nft",
@@ -373,7 +370,8 @@ fn a_restarted_agent_reads_only_what_changed_with_nft_iptables() {
 #[test]
 fn a_restarted_agent_reads_only_what_changed_with_legacy_iptables() {
     a_restarted_agent_reads_only_what_changed(
-        "legacy",
+        Backend::Iptables,
+        &["--iptables-flavour", "legacy"],
         "tables unchanged since last found whole",
         &[
             "iptables-legacy",
@@ -384,6 +382,16 @@ fn a_restarted_agent_reads_only_what_changed_with_legacy_iptables() {
             "-j",
             "ISTIO_OUTPUT",
         ],
+    );
+}
+
+#[test]
+fn a_restarted_agent_reads_only_what_changed_with_native_nftables() {
+    a_restarted_agent_reads_only_what_changed(
+        Backend::Nftables,
+        &[],
+        "nf_tables unchanged since last found so",
+        &["nft", "flush", "chain", "inet", "istio-proxy-nat", "output"],
     );
 }
 

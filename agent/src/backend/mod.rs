@@ -20,6 +20,7 @@ use crate::{
     policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy},
 };
 
+mod baseline;
 mod drift;
 pub mod ebpf;
 pub mod found;

@@ -20,7 +20,6 @@
 //! - **TPROXY**: the policy route over netlink ([`crate::podnet::route`]).
 //! - **The node's rules** (ambient mode's probe SNAT): [`node`].
 mod adopt;
-mod baseline;
 mod flavour;
 mod inpod;
 pub mod node;
@@ -35,7 +34,6 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use baseline::Baselines;
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
 use records::Applied;
@@ -44,6 +42,7 @@ use xtables::Xtables;
 
 use super::{
     BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
+    baseline::Baselines,
     records::{Record as _, Records},
     rules_backend::not_captured,
 };
@@ -106,7 +105,7 @@ impl IptablesBackend {
             records,
             locks,
             flavour: config.flavour,
-            baselines: Baselines::open(&config.state_dir),
+            baselines: Baselines::open(&config.state_dir, "iptables"),
         })
     }
 

@@ -5,16 +5,17 @@
 //! so it runs only when the pod's tables changed since the rules were last found whole: with
 //! nft iptables, while the namespace's nf_tables generation ([`crate::podnet::nftgen`]) is the
 //! same, nothing is read at all; otherwise one `iptables-save` per family, compared with what it
-//! said then (counters left out). That view outlives the agent ([`super::baseline`]): a
+//! said then (counters left out). That view outlives the agent ([`crate::backend::baseline`]): a
 //! restarted agent's first pass reads no more than a steady one. Rules found missing are put back in one
 //! `iptables-restore --noflush` transaction per table: the chains the rules create are declared
 //! (which creates them, or empties them inside the transaction) and filled again, and only the
 //! missing rules of the kernel's own chains are added, so that no instant sees less of the
 //! capture than before the repair. A missing policy route is added.
-use super::{Flavour, IptablesBackend, baseline::Baseline, inpod::Ctx, records::Applied, restore};
+use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
     backend::{
-        BackendError, DriftKind, PodCheck, Verify, records::Record as _, rules_backend::route_drift,
+        BackendError, DriftKind, PodCheck, Verify, baseline::Baseline, records::Record as _,
+        rules_backend::route_drift,
     },
     pod::PodRef,
     podnet::nftgen,

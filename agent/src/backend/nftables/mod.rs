@@ -36,6 +36,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     BackendError, CaptureBackend, CapturedPod, PodCheck, PodPolicy, Verify,
+    baseline::Baselines,
     records::{Record as _, Records},
     rules_backend::not_captured,
 };
@@ -57,6 +58,8 @@ pub struct NftablesConfig {
 #[derive(Debug)]
 pub struct NftablesBackend {
     records: Records<Applied>,
+    /// The verifier's view of each pod's tables when they were last found as applied.
+    baselines: Baselines,
 }
 
 impl NftablesBackend {
@@ -87,7 +90,10 @@ impl NftablesBackend {
             })?;
         let records = Records::open(&config.state_dir)?;
         info!(adopted = records.count(), %version, "nftables backend ready");
-        Ok(Self { records })
+        Ok(Self {
+            records,
+            baselines: Baselines::open(&config.state_dir, "nftables"),
+        })
     }
 
     /// The rules a policy renders, its interception mode, and whether they are ambient
@@ -301,7 +307,7 @@ impl CaptureBackend for NftablesBackend {
 
     #[tracing::instrument(name = "nftables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        self.records.release(pod, |target, record| {
+        let released = self.records.release(pod, |target, record| {
             self.in_netns(target, |nft, visit| {
                 nft.apply(&deletion(
                     record.rule_sets().flat_map(NftablesRules::tables),
@@ -317,7 +323,9 @@ impl CaptureBackend for NftablesBackend {
                 }
                 Ok(())
             })
-        })
+        });
+        self.baselines.retain(|id| self.records.get(id).is_some());
+        released
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {

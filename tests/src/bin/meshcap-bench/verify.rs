@@ -4,12 +4,13 @@
 //! CPU and that of the commands it ran, user and system). A running `meshcap-agent` per backend
 //! captures every pod through the real plugin, verifying every [`EVERY`] seconds: the passes
 //! after the last ADD are the steady state. Then the agent restarts twice: first with what the
-//! verifier last found whole taken from its state directory (`iptables-baselines`), so that
-//! its first pass meets every pod with nothing remembered of its tables (the iptables backend
-//! asks CHECK's `-C` of every rule, as every first pass did before issue 47), then as an agent
-//! restarts (the baselines kept: a pod whose tables did not change is not read rule by rule).
-//! Both restarts walk the node's namespaces for the pods' netns (eBPF). Legacy iptables is
-//! measured too: there nothing but `iptables-legacy-save` says the tables did not change.
+//! verifier last found whole taken away from its state directory (`<backend>-baselines`), so
+//! that its first pass meets every pod with nothing remembered of its tables (the iptables
+//! backend asks CHECK's `-C` of every rule, the nftables backend lists every table, as every
+//! first pass did before issue 47); then as an agent restarts, the baselines kept: a pod whose
+//! tables did not change is not read again. Both restarts walk the node's namespaces for the
+//! pods' netns (eBPF). Legacy iptables is measured too: there nothing but
+//! `iptables-legacy-save` says the tables did not change.
 use std::{
     fmt::Write as _,
     fs, thread,
@@ -68,7 +69,7 @@ pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
          wall / CPU | steady pass: wall / CPU | per pod CPU | one core, {NODE_PODS:.0} pods \
          every {DEFAULT_INTERVAL:.0} s |\n|---|---|---|---|---|---|\n"
     );
-    let runs: [(&'static str, Backend, &[&str]); 3] = [
+    let runs: [(&'static str, Backend, &[&str]); 4] = [
         ("eBPF", Backend::Ebpf, &[]),
         (
             "iptables (nft)",
@@ -80,6 +81,7 @@ pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
             Backend::Iptables,
             &["--iptables-flavour", "legacy"],
         ),
+        ("nftables (native)", Backend::Nftables, &[]),
     ];
     for (label, backend, args) in runs {
         eprintln!("  {label}");
@@ -161,7 +163,9 @@ fn measure(
         steady.push(wait_for_pass(&agent, after_adds + 2 + n as u64)?);
     }
     agent.kill()?;
-    let baselines = agent.state_dir().join("iptables-baselines");
+    let baselines = agent
+        .state_dir()
+        .join(format!("{}-baselines", backend.name()));
     if baselines.exists() {
         fs::remove_dir_all(&baselines)?;
     }

@@ -1,8 +1,9 @@
-//! The verifier's view of each pod's tables when its rules were last found whole
-//! ([`Baseline`]), kept in memory and in `<state dir>/iptables-baselines/<container id>.json`,
-//! so that a restarted agent's first pass costs what a steady one does: with nft iptables one
-//! netlink request per pod (its nf_tables generation unchanged), with legacy iptables one
-//! `iptables-save` per family, instead of a `-C` fork per rule for every pod.
+//! What the verifier last found whole in a pod's tables ([`Baseline`]), for both rules
+//! backends, kept in memory and in `<state dir>/<backend>-baselines/<record id>.json`, so that a
+//! restarted agent's first pass costs what a steady one does: one netlink request per pod while
+//! its nf_tables generation is unchanged (nft iptables, native nftables); with legacy iptables
+//! one `iptables-save` per family — instead of CHECK's whole comparison for every pod (a `-C`
+//! fork per iptables rule, an `nft list` per table).
 //!
 //! What a baseline proves: the tables held the rules recorded then (hashed with it), and they
 //! are unchanged since: the namespace's nf_tables generation is the same (the kernel counts
@@ -20,39 +21,36 @@ use std::{
 use serde::{Deserialize, Serialize};
 use tracing::debug;
 
-use crate::policy::IptablesRules;
-
 /// A pod's tables as they were when its rules were last found whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct Baseline {
     /// The rules found whole (hashed).
     rules: u64,
-    /// The namespace's nf_tables generation then (nft iptables only).
+    /// The namespace's nf_tables generation then (with nf_tables only).
     generation: Option<u32>,
-    /// What `iptables-save` said of the rules' tables then, per family, without counters
-    /// (hashed).
+    /// What the tables' listing said then, counters left out (hashed; with legacy iptables).
     saved: u64,
 }
 
 impl Baseline {
-    /// `rules` found whole, at `generation`, in tables that `saved` says.
-    pub(super) fn new(rules: &IptablesRules, generation: Option<u32>, saved: &[String]) -> Self {
+    /// `rules` found whole, at `generation`, in tables `saved` lists.
+    pub(super) fn new(rules: &impl Serialize, generation: Option<u32>, saved: &impl Hash) -> Self {
         Self {
             rules: hash(&serde_json::to_string(rules).unwrap_or_default()),
             generation,
-            saved: hash(&saved),
+            saved: hash(saved),
         }
     }
 
     /// Whether it is of `rules` and the generation is still `generation`.
-    pub(super) fn same_generation(&self, rules: &IptablesRules, generation: Option<u32>) -> bool {
+    pub(super) fn same_generation(&self, rules: &impl Serialize, generation: Option<u32>) -> bool {
         generation.is_some()
             && self.generation == generation
-            && self.rules == Self::new(rules, None, &[]).rules
+            && self.rules == Self::new(rules, None, &()).rules
     }
 
-    /// Whether it is of `rules` and `iptables-save` still says `saved`.
-    pub(super) fn same_tables(&self, rules: &IptablesRules, saved: &[String]) -> bool {
+    /// Whether it is of `rules` and the tables' listing still says `saved`.
+    pub(super) fn same_tables(&self, rules: &impl Serialize, saved: &impl Hash) -> bool {
         *self == Self::new(rules, self.generation, saved)
     }
 }
@@ -71,10 +69,10 @@ pub(super) struct Baselines {
 }
 
 impl Baselines {
-    /// The baselines an earlier agent left under `state_dir` (none when unreadable: a full
-    /// comparison each).
-    pub(super) fn open(state_dir: &Path) -> Self {
-        let dir = state_dir.join("iptables-baselines");
+    /// The baselines an earlier agent's `backend` left under `state_dir` (none when
+    /// unreadable: a full comparison each).
+    pub(super) fn open(state_dir: &Path, backend: &str) -> Self {
+        let dir = state_dir.join(format!("{backend}-baselines"));
         let mut known = HashMap::new();
         for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
             let path = entry.path();
@@ -143,7 +141,7 @@ impl Baselines {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::PolicyRoutes;
+    use crate::policy::{IptablesRules, PolicyRoutes};
 
     fn rules(v4: &str) -> IptablesRules {
         IptablesRules {
@@ -176,12 +174,12 @@ mod tests {
     #[test]
     fn baselines_outlive_the_agent_and_go_with_their_pods() {
         let dir = std::env::temp_dir().join(format!("meshcap-baselines-{}", std::process::id()));
-        let baseline = Baseline::new(&rules("*nat\n"), Some(3), &[]);
-        let first = Baselines::open(&dir);
+        let baseline = Baseline::new(&rules("*nat\n"), Some(3), &());
+        let first = Baselines::open(&dir, "iptables");
         first.set("kept", baseline);
         first.set("gone", baseline);
         first.retain(|id| id == "kept");
-        let next = Baselines::open(&dir);
+        let next = Baselines::open(&dir, "iptables");
         assert_eq!(next.get("kept"), Some(baseline));
         assert_eq!(next.get("gone"), None);
         assert_eq!(next.count(), 1);
