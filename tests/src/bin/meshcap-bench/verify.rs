@@ -42,11 +42,23 @@ struct Pass {
     cpu: f64,
 }
 
+/// A restart with the baselines kept: from the restart until `/readyz` answers 200, the
+/// agent's CPU until then, its peak resident memory (`VmHWM`) once its first pass ran, and an
+/// ADD sent as soon as it is ready (while that pass may run).
+#[derive(Clone, Copy, Debug, Default)]
+struct Restart {
+    ready: f64,
+    ready_cpu: f64,
+    peak_mib: f64,
+    add: f64,
+}
+
 /// What one agent's run measured.
 struct Measured {
     label: &'static str,
-    /// A restarted agent's first pass.
+    /// A restarted agent's first pass, and what its start cost.
     first: Pass,
+    restart: Restart,
     /// The same with no baseline kept.
     cold: Pass,
     steady: Vec<Pass>,
@@ -54,7 +66,8 @@ struct Measured {
 
 /// Runs the section over `pods` pods and returns its Markdown.
 pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
-    let sandboxes = setup::sandboxes(pods)?;
+    let mut sandboxes = setup::sandboxes(pods + 1)?;
+    let extra = sandboxes.pop().context("the pod ADDed at a restart")?;
     let mut out = format!(
         "\n## Verification pass\n\nEvery capture compared with its record, once per \
          `meshcap.verifyIntervalSeconds` (30 s by default): the cost of one pass over {pods} \
@@ -83,9 +96,17 @@ pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
         ),
         ("nftables (native)", Backend::Nftables, &[]),
     ];
+    let mut restarts = format!(
+        "\nThe same restarts with the baselines kept, {pods} pods: from the restart until \
+         `/readyz` answers 200, the agent's CPU until then (user and system), its peak resident \
+         memory (`VmHWM`) once the first pass ran, and the plugin's wall time for a pod ADDed \
+         as soon as the agent is ready (the first pass may run meanwhile).\n\n| backend | to \
+         Ready | CPU to Ready | peak memory | ADD after Ready | first pass: wall / CPU \
+         |\n|---|---|---|---|---|---|\n"
+    );
     for (label, backend, args) in runs {
         eprintln!("  {label}");
-        match measure(label, backend, args, &sandboxes) {
+        match measure(label, backend, args, &sandboxes, &extra) {
             Ok(m) => {
                 let wall = Samples(m.steady.iter().map(|p| p.wall).collect()).median();
                 let cpu = Samples(m.steady.iter().map(|p| p.cpu).collect()).median();
@@ -103,12 +124,25 @@ pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
                     ms(cpu),
                     per_pod * 1e6,
                 );
+                let r = m.restart;
+                let _ = writeln!(
+                    restarts,
+                    "| {} | {} | {} | {:.0} MiB | {} | {} / {} |",
+                    m.label,
+                    ms(r.ready),
+                    ms(r.ready_cpu),
+                    r.peak_mib,
+                    ms(r.add),
+                    ms(m.first.wall),
+                    ms(m.first.cpu),
+                );
             }
             Err(err) => {
                 let _ = writeln!(out, "| {label} | n/a: {err:#} | | | | |");
             }
         }
     }
+    out.push_str(&restarts);
     Ok(out)
 }
 
@@ -121,6 +155,7 @@ fn measure(
     backend: Backend,
     more: &[&str],
     sandboxes: &[Netns],
+    extra: &Netns,
 ) -> anyhow::Result<Measured> {
     let cgroup = TestCgroup::new("mcb-verify")?;
     let pods = ManifestDir::new();
@@ -170,7 +205,40 @@ fn measure(
         fs::remove_dir_all(&baselines)?;
     }
     let cold = first_pass(label, &mut agent)?;
-    let first = first_pass(label, &mut agent)?;
+    agent.kill()?;
+    let restart = Instant::now();
+    agent.restart()?;
+    while !agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200) {
+        ensure!(
+            restart.elapsed() < FIRST_PASS_BOUND,
+            "{label}: not ready after a restart"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    let ready = restart.elapsed().as_secs_f64();
+    let ready_cpu = cpu_seconds(agent.pid())?;
+    let extra_pod = Sandbox {
+        container_id: "sandbox-extra".to_owned(),
+        ..Sandbox::new("bench", "extra", extra)
+    };
+    let manifest = pods.0.join("extra.json");
+    fs::write(&manifest, sidecar_pod("bench", "extra", &[]).to_string())?;
+    let conf = config("1.1.0", &agent.socket, "10.0.0.2");
+    let sent = Instant::now();
+    let add = kubelet::cni("ADD", &extra_pod, &conf)?;
+    let add_took = sent.elapsed().as_secs_f64();
+    fs::remove_file(&manifest)?;
+    ensure!(add.success, "{label}: ADD after a restart: {}", add.msg());
+    let first = wait_for_pass_within(&agent, 1, FIRST_PASS_BOUND)?;
+    untouched(label, &agent)?;
+    let restart = Restart {
+        ready,
+        ready_cpu,
+        peak_mib: peak_kib(agent.pid()) / 1024.0,
+        add: add_took,
+    };
+    let del = kubelet::cni("DEL", &extra_pod, &conf)?;
+    ensure!(del.success, "{label}: DEL of bench/extra: {}", del.msg());
     for (i, netns) in sandboxes.iter().enumerate() {
         let name = format!("pod-{i}");
         let sandbox = Sandbox {
@@ -183,6 +251,7 @@ fn measure(
     Ok(Measured {
         label,
         first,
+        restart,
         cold,
         steady,
     })
@@ -192,12 +261,49 @@ fn measure(
 fn first_pass(label: &str, agent: &mut Agent) -> anyhow::Result<Pass> {
     agent.restart()?;
     let first = wait_for_pass_within(agent, 1, FIRST_PASS_BOUND)?;
+    untouched(label, agent)?;
+    Ok(first)
+}
+
+/// Whether the verifier found the untouched node so.
+fn untouched(label: &str, agent: &Agent) -> anyhow::Result<()> {
     let (_, metrics) = agent.http_get("/metrics")?;
     ensure!(
         !metrics.contains("meshcap_capture_drift_total{"),
         "{label}: the verifier found drift on an untouched node"
     );
-    Ok(first)
+    Ok(())
+}
+
+/// The CPU `pid` has used, user and system, in seconds.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // After the command's `(name)`: state is field 3, utime 14 and stime 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("/proc/PID/stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields
+        .get(11..13)
+        .context("utime and stime")?
+        .iter()
+        .map(|f| f.parse::<f64>().unwrap_or_default())
+        .sum();
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks / per_second)
+}
+
+/// `pid`'s peak resident memory (`VmHWM`), KiB.
+fn peak_kib(pid: u32) -> f64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 /// The agent's count of passes.
