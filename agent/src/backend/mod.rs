@@ -315,6 +315,20 @@ pub trait CaptureBackend: Send + Sync {
         Ok(())
     }
 
+    /// Moves `pod`, captured by a backend this one keeps in front of (its rules adopted from
+    /// istio-cni), to this backend's own capture in place, as `policy` says: the new capture
+    /// first, then the earlier one removed, so no new connection is uncaptured in between and
+    /// established ones keep their NAT (conntrack outlives the rules); never both left in
+    /// place (a failed removal takes the new capture away again). Whether it moved: a backend
+    /// with nothing in front of it, or a pod it does not hold behind, has nothing to move.
+    ///
+    /// # Errors
+    /// When the new capture cannot be applied, or the earlier one cannot be removed (the pod
+    /// then stays as it was).
+    fn take_in(&self, _pod: &PodRef, _policy: &PodPolicy) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
     /// Adopts what another agent (istio-cni) left in a running pod's netns that this backend
     /// writes too ([`found`]): rules exactly as `policy` renders them are recorded as this
     /// backend's capture; rules in another form are replaced with `policy`'s (one transaction
