@@ -53,6 +53,10 @@ const PORTS: [u16; 12] = [
     53, 80, 443, 3306, 5555, 8080, 15001, 15006, 15008, 15020, 15021, 15090,
 ];
 const IDS: [u32; 4] = [0, 1000, 1337, 1_000_670_000];
+/// What a new connection's SYN can find under its 4-tuple in the pod: nothing, the listener,
+/// or the pod's end of an earlier connection in `TIME_WAIT`. Istio's rules decide all three
+/// alike (conntrack reopens a connection in `TIME_WAIT` on a SYN and NATs it again).
+const SYN_FINDS: [Existing; 3] = [Existing::Nothing, Existing::Listener, Existing::TimeWait];
 const CIDRS: [&str; 12] = [
     "127.0.0.0/8",
     "127.0.0.1/32",
@@ -283,17 +287,19 @@ fn ebpf_decision_agrees_with_istios_rules() {
                 };
                 let packet = Packet::inbound_tcp(src, own, port, "eth0");
                 let want = rules.evaluate(&packet).verdict;
-                let c = Inbound {
-                    src: addr(src),
-                    dst_port: port,
-                    mark: 0,
-                    iface: 0,
-                    syn: true,
-                    ack: false,
-                    existing: Existing::Nothing,
-                };
-                let got = decide_inbound(&pod, &c, &tables);
-                disagree(&mut disagreements, &policy, &packet, got, want);
+                for existing in SYN_FINDS {
+                    let c = Inbound {
+                        src: addr(src),
+                        dst_port: port,
+                        mark: 0,
+                        iface: 0,
+                        syn: true,
+                        ack: false,
+                        existing,
+                    };
+                    let got = decide_inbound(&pod, &c, &tables);
+                    disagree(&mut disagreements, &policy, &packet, got, want);
+                }
                 continue;
             }
             let udp = g.chance(30);
@@ -412,20 +418,22 @@ fn ebpf_ambient_decision_agrees_with_istios_inpod_rules() {
                 let mut packet = Packet::inbound_tcp(src, own, port, iface);
                 packet.mark = mark;
                 let want = rules.evaluate(&packet).verdict;
-                let c = Inbound {
-                    src: addr(src),
-                    dst_port: port,
-                    mark,
-                    iface: ifaces
-                        .iter()
-                        .find(|(name, _)| name == iface)
-                        .map_or(0, |(_, f)| *f),
-                    syn: true,
-                    ack: false,
-                    existing: Existing::Nothing,
-                };
-                let got = decide_inbound(&pod, &c, &tables);
-                disagree(&mut disagreements, &policy, &packet, got, want);
+                for existing in SYN_FINDS {
+                    let c = Inbound {
+                        src: addr(src),
+                        dst_port: port,
+                        mark,
+                        iface: ifaces
+                            .iter()
+                            .find(|(name, _)| name == iface)
+                            .map_or(0, |(_, f)| *f),
+                        syn: true,
+                        ack: false,
+                        existing,
+                    };
+                    let got = decide_inbound(&pod, &c, &tables);
+                    disagree(&mut disagreements, &policy, &packet, got, want);
+                }
                 continue;
             }
             let dst = g.pick(&dsts);

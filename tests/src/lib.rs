@@ -317,6 +317,8 @@ impl Netns {
 pub struct TcpSocket {
     /// The local port.
     pub local_port: u16,
+    /// The remote port (0 for a listener).
+    pub remote_port: u16,
     /// The TCP state (`0x0A`: `TCP_LISTEN`).
     pub state: u8,
     /// The active timer (`3`: the time-wait timer, which a time-wait socket runs).
@@ -326,16 +328,22 @@ pub struct TcpSocket {
 impl TcpSocket {
     /// `TCP_LISTEN`.
     pub const LISTEN: u8 = 0x0A;
+    /// `TCP_TIME_WAIT`.
+    pub const TIME_WAIT: u8 = 0x06;
     /// The timer a time-wait socket runs (a full socket's close makes one, in `FIN_WAIT2` or
     /// `TIME_WAIT`).
     pub const TIME_WAIT_TIMER: u8 = 3;
 
     fn parse(line: &str) -> Option<Self> {
         let fields: Vec<&str> = line.split_whitespace().collect();
-        let port = fields.get(1)?.rsplit(':').next()?;
+        let port = |field: usize| {
+            let hex = fields.get(field)?.rsplit(':').next()?;
+            u16::from_str_radix(hex, 16).ok()
+        };
         let timer = fields.get(5)?.split(':').next()?;
         Some(Self {
-            local_port: u16::from_str_radix(port, 16).ok()?,
+            local_port: port(1)?,
+            remote_port: port(2)?,
             state: u8::from_str_radix(fields.get(3)?, 16).ok()?,
             timer: u8::from_str_radix(timer, 16).ok()?,
         })
@@ -818,15 +826,23 @@ pub fn dial_after_close(
     target: &str,
     closed: impl FnOnce(),
 ) -> anyhow::Result<Report> {
+    dial_after_close_with(at, target, &[], closed)
+}
+
+/// [`dial_after_close`] with more of `meshcap-dial`'s options (`--bind ADDR:PORT`).
+///
+/// # Errors
+/// As [`dial_after_close`].
+pub fn dial_after_close_with(
+    at: Placement<'_>,
+    target: &str,
+    options: &[&str],
+    closed: impl FnOnce(),
+) -> anyhow::Result<Report> {
     use std::io::Write as _;
-    let mut proc = Proc::spawn_inner(
-        at,
-        &bin::dial(),
-        &[target, "--after-close"],
-        false,
-        Stdio::piped(),
-        None,
-    )?;
+    let mut args = vec![target, "--after-close"];
+    args.extend_from_slice(options);
+    let mut proc = Proc::spawn_inner(at, &bin::dial(), &args, false, Stdio::piped(), None)?;
     let line = proc.wait_line()?;
     ensure!(line == "closed", "dial said {line:?} instead of closed");
     closed();

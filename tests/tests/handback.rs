@@ -210,31 +210,63 @@ fn a_sidecar_pod_handed_back_to_istios_nftables_rules_stays_captured_and_nothing
     }
 }
 
+/// A sidecar pod (its object in a manifest directory) captured in the kernel by an eBPF agent
+/// reading that directory, with its proxy and app running.
+struct Captured {
+    pods: ManifestDir,
+    agent: Agent,
+    wired: Wired,
+    _servers: (Proc, Proc),
+    name: String,
+    manifest: Value,
+}
+
+impl Captured {
+    fn new() -> Self {
+        let pods = ManifestDir::new();
+        let agent = Agent::start(
+            Backend::Ebpf,
+            &[
+                "--pods",
+                "dir",
+                "--pod-dir",
+                pods.0.to_str().expect("utf-8"),
+            ],
+            &[],
+        )
+        .expect("agent");
+        let wired = Wired::new(&agent);
+        let servers = wired.servers();
+        let name = unique_name("web");
+        let manifest = sidecar_pod("shop", &name, &[]);
+        write_manifest(&pods.0, &manifest);
+        let sandbox = Sandbox::new("shop", &name, &wired.pod);
+        let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
+        assert!(add.success, "ADD failed: {add:?}");
+        Self {
+            pods,
+            agent,
+            wired,
+            _servers: servers,
+            name,
+            manifest,
+        }
+    }
+}
+
 /// A sidecar pod captured in the kernel handed back, with a dialer running all along; Istio's
 /// rules in their nftables form with `nftables`.
 fn handed_back(nftables: bool) {
-    let pods = ManifestDir::new();
-    let mut agent = Agent::start(
-        Backend::Ebpf,
-        &[
-            "--pods",
-            "dir",
-            "--pod-dir",
-            pods.0.to_str().expect("utf-8"),
-        ],
-        &[],
-    )
-    .expect("agent");
+    let Captured {
+        pods,
+        mut agent,
+        wired,
+        _servers,
+        name,
+        manifest,
+    } = Captured::new();
     let ebpf_config = agent.ebpf_config().expect("eBPF agent");
     let state_dir = agent.state_dir();
-    let wired = Wired::new(&agent);
-    let _servers = wired.servers();
-    let name = unique_name("web");
-    let manifest = sidecar_pod("shop", &name, &[]);
-    write_manifest(&pods.0, &manifest);
-    let sandbox = Sandbox::new("shop", &name, &wired.pod);
-    let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
-    assert!(add.success, "ADD failed: {add:?}");
     let before = leftovers(&wired.pod).expect("netns state");
     assert!(
         !before
@@ -427,26 +459,15 @@ fn a_pod_that_cannot_be_handed_back_keeps_its_kernel_capture_and_is_named() {
     if !meshcap_tests::ebpf_runs_here() {
         return;
     }
-    let pods = ManifestDir::new();
-    let mut agent = Agent::start(
-        Backend::Ebpf,
-        &[
-            "--pods",
-            "dir",
-            "--pod-dir",
-            pods.0.to_str().expect("utf-8"),
-        ],
-        &[],
-    )
-    .expect("agent");
+    let Captured {
+        pods,
+        mut agent,
+        wired,
+        _servers,
+        name,
+        ..
+    } = Captured::new();
     let ebpf_config = agent.ebpf_config().expect("eBPF agent");
-    let wired = Wired::new(&agent);
-    let _servers = wired.servers();
-    let name = unique_name("web");
-    write_manifest(&pods.0, &sidecar_pod("shop", &name, &[]));
-    let sandbox = Sandbox::new("shop", &name, &wired.pod);
-    let add = cni("ADD", &sandbox, &config("1.0.0", &agent.socket, "10.0.0.2")).expect("ADD");
-    assert!(add.success, "ADD failed: {add:?}");
     agent.kill().expect("kill the agent");
     std::fs::remove_file(pods.0.join(format!("{name}.json"))).expect("the pod's object gone");
 

@@ -264,10 +264,12 @@ fn insert_istio(file: &Path) {
 }
 
 /// A node's conf and bin dirs with Calico's configuration, and the agent installing into them.
+/// The agent is declared first so that it stops before its directories are removed (fields
+/// drop in order): a running agent puts its plugin binary back into a removed bin dir.
 struct Node {
+    agent: Option<Agent>,
     root: Scratch,
     pods: ManifestDir,
-    agent: Option<Agent>,
 }
 
 impl Node {
@@ -284,9 +286,9 @@ impl Node {
         )
         .expect("primary conflist");
         Self {
+            agent: None,
             root,
             pods: ManifestDir::new(),
-            agent: None,
         }
     }
 

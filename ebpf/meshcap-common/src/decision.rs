@@ -62,8 +62,30 @@ pub enum Existing {
     Nothing,
     /// Only a listener on the destination port.
     Listener,
-    /// A connection (established, in handshake, or time-wait): it keeps its packets.
+    /// A connection (established or in handshake): it keeps its packets.
     Connection,
+    /// A `TIME_WAIT` socket, the pod's end of a connection it closed first: it keeps the
+    /// packets of that connection, but a SYN (the client reusing its port at once) opens a
+    /// new connection, decided as one. Let through, the kernel's `TIME_WAIT` handling would
+    /// take the SYN (`tcp_timewait_state_process`: `TCP_TW_SYN`) and look a listener up by
+    /// the packet's own destination, the app's port: a bypass of the proxy. Istio's rules
+    /// capture it: conntrack reopens a connection in `TIME_WAIT` on a SYN, and the NAT table
+    /// redirects it again (`tests/tests/timewait.rs`).
+    TimeWait,
+}
+
+impl Existing {
+    /// Whether the socket keeps a packet (a SYN if `syn`): a connection's, or a `TIME_WAIT`
+    /// socket's that is not a SYN.
+    #[inline(always)]
+    #[must_use]
+    pub const fn keeps(self, syn: bool) -> bool {
+        match self {
+            Self::Connection => true,
+            Self::TimeWait => !syn,
+            Self::Nothing | Self::Listener => false,
+        }
+    }
 }
 
 /// An inbound TCP packet arriving on one of the pod's interfaces.
@@ -214,14 +236,15 @@ pub fn decide_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Ve
 /// `PREROUTING` / `ISTIO_INBOUND` chains (nat in REDIRECT mode, mangle in TPROXY mode) order
 /// them. Only new connections are captured; packets of existing connections keep reaching
 /// their sockets. A packet with no socket that is not a SYN (a SYN cookie's ACK) is captured
-/// like a SYN, so a flooded listener never hands a captured connection to the app.
+/// like a SYN, so a flooded listener never hands a captured connection to the app; so is a
+/// SYN whose 4-tuple a `TIME_WAIT` socket holds ([`Existing::TimeWait`]).
 #[inline(always)]
 #[must_use]
 pub fn decide_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verdict {
     if pod.has(flags::AMBIENT) {
         return ambient_inbound(pod, c, t);
     }
-    if matches!(c.existing, Existing::Connection) || c.iface & iface_flags::EXCLUDED != 0 {
+    if c.existing.keeps(c.syn) || c.iface & iface_flags::EXCLUDED != 0 {
         return Verdict::Pass;
     }
     // PREROUTING -i <reroute-virtual-interfaces> -j ISTIO_REDIRECT (inserted first).
@@ -295,11 +318,12 @@ fn ambient_outbound<T: PodTables>(pod: &PodConfig, c: &Outbound, t: &T) -> Verdi
 /// Ambient mode's inbound decision, as Istio's in-pod `nat ISTIO_PRERT` orders it: new
 /// connections only (NAT sees a connection's first packet), rerouted interfaces to 15001,
 /// kubelet's probes (from the node's SNAT address) and HBONE (15008) left to the pod's
-/// address, ztunnel's own marked packets left alone, the rest to 15006. (`! -d 127.0.0.1` is
+/// address, ztunnel's own marked packets left alone, the rest to 15006 (a SYN on a 4-tuple in
+/// `TIME_WAIT` too: conntrack reopens it, [`Existing::TimeWait`]). (`! -d 127.0.0.1` is
 /// moot: the kernel drops a loopback destination arriving on any other interface.)
 #[inline(always)]
 fn ambient_inbound<T: PodTables>(pod: &PodConfig, c: &Inbound, t: &T) -> Verdict {
-    if matches!(c.existing, Existing::Connection) {
+    if c.existing.keeps(c.syn) {
         return Verdict::Pass;
     }
     if matches!(c.src, Addr::V6(_)) && !pod.has(flags::IPV6) {

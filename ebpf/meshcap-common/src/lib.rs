@@ -178,7 +178,9 @@ pub mod flags {
     pub const BYPASS_INBOUND: u32 = 1 << 12;
     /// The pod's netns has meshcap's socket lookup program ([`crate::programs::HANDOFF`]):
     /// an inbound connection whose proxy listener `bpf_sk_assign` refuses (`SO_REUSEPORT`,
-    /// before Linux 6.5) is handed to it instead of dropped.
+    /// before Linux 6.5), or whose SYN finds the pod's end of an earlier connection in
+    /// `TIME_WAIT` ([`crate::Existing::TimeWait`]), is handed to it instead of dropped. Every
+    /// pod captured by an agent since the latter gets it.
     pub const HANDOFF: u32 = 1 << 13;
     /// The pod's only IPv4 address in its [`crate::CidrKind::Local`] list is the IPv4 address
     /// of its [`crate::maps::POD_ADDRS`] entry (nonzero): connect compares with that entry,

@@ -4,15 +4,21 @@
 //! lookup hook (`sk_lookup`, Linux 5.9) takes them: there the kernel assigns the connection to
 //! the listener given and then picks among its reuseport group itself.
 //!
+//! On every kernel, a captured SYN whose 4-tuple the pod's end of an earlier connection holds
+//! in `TIME_WAIT` (the client reusing its port at once after the proxy closed first) comes
+//! here too: the kernel's `TIME_WAIT` handling frees the 4-tuple and then looks a listener up,
+//! which runs this hook; `bpf_sk_assign` from TC would give the listener a request socket
+//! under a 4-tuple still held, which Linux 6.10 and later refuse (the SYN is dropped).
+//!
 //! Two parts:
 //! - the TC classifier, for a SYN it decided to capture and whose listener `bpf_sk_assign`
-//!   refused ([`hand_off`]): the listener it found goes into [`LISTENERS`] under the pod's
-//!   netns, port and family, and the connection's 4-tuple into [`HANDOFFS`] with that key;
-//!   the SYN goes on to the socket lookup;
-//! - [`meshcap_handoff`], attached to the pod's netns by the agent (and only then does the pod's
-//!   config carry [`flags::HANDOFF`](meshcap_common::flags::HANDOFF)): a listener lookup whose
-//!   4-tuple is in [`HANDOFFS`] gets that listener, or the SYN is dropped (fail closed, as
-//!   TC's own refusal).
+//!   refused, or which finds a `TIME_WAIT` socket ([`hand_off`]): the listener it found goes
+//!   into [`LISTENERS`] under the pod's netns, port and family, and the connection's 4-tuple
+//!   into [`HANDOFFS`] with that key; the SYN goes on to the socket lookup;
+//! - [`meshcap_handoff`], attached to every captured pod's netns by the agent (and only then
+//!   does the pod's config carry [`flags::HANDOFF`](meshcap_common::flags::HANDOFF)): a
+//!   listener lookup whose 4-tuple is in [`HANDOFFS`] gets that listener, or the SYN is
+//!   dropped (fail closed, as TC's own refusal).
 //!
 //! The decision and the choice of listener stay TC's (it sees the packet's mark and interface,
 //! which the socket lookup does not, and its lookup finds the listener the kernel would);

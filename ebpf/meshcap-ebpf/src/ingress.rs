@@ -5,7 +5,9 @@
 //! gets the stub too: there ztunnel's connections to the app are marked so that the app's
 //! replies go back to ztunnel ([`ztunnel_connection_on_lo`]). Where the kernel's
 //! `bpf_sk_assign` refuses the proxy's `SO_REUSEPORT` listener (before Linux 6.5), the SYN is
-//! handed to the pod's socket lookup program instead ([`crate::handoff`]).
+//! handed to the pod's socket lookup program instead ([`crate::handoff`]); so is a SYN whose
+//! 4-tuple the pod's end of an earlier connection holds in `TIME_WAIT` (the client reusing its
+//! port at once), which the kernel's `TIME_WAIT` handling must see first.
 //!
 //! The classifier is loaded and verified once, into [`TC_PROG`]. Each pod's interfaces get a
 //! tiny stub the agent assembles itself (agent/src/backend/ebpf/stub.rs): it stores the pod's
@@ -44,6 +46,7 @@ const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
 const IPPROTO_TCP: u8 = 6;
 const TCP_LISTEN: u32 = 10;
+const TCP_TIME_WAIT: u32 = 6;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
 /// `lo`'s index in every network namespace (`LOOPBACK_IFINDEX`).
@@ -166,10 +169,10 @@ fn existing(ctx: &TcContext, p: &Packet, dport: u16) -> Existing {
     unsafe {
         let state = core::ptr::read_volatile(&raw const (*sk).state);
         bpf_sk_release(sk.cast());
-        if state == TCP_LISTEN {
-            Existing::Listener
-        } else {
-            Existing::Connection
+        match state {
+            TCP_LISTEN => Existing::Listener,
+            TCP_TIME_WAIT => Existing::TimeWait,
+            _ => Existing::Connection,
         }
     }
 }
@@ -191,7 +194,9 @@ enum Refused {
 struct Handoff {
     /// The pod's netns.
     netns: u64,
-    /// [`flags::HANDOFF_ALWAYS`]: every captured SYN goes through it (benchmarks only).
+    /// Without `bpf_sk_assign`: the socket lookup takes the SYN. Every captured SYN with
+    /// [`flags::HANDOFF_ALWAYS`] (benchmarks only); a SYN on a 4-tuple in `TIME_WAIT`
+    /// ([`Existing::TimeWait`]) always.
     always: bool,
 }
 
@@ -310,12 +315,30 @@ fn ingress(ctx: &TcContext) -> Option<i32> {
             // pod moving from Istio's rules to the kernel, or back): its socket holds the
             // 4-tuple on the proxy's port, and conntrack's NAT entry, which outlives the rules,
             // takes the packet there. Only a SYN opens a connection, so nothing new gets by.
-            if !c.syn && existing(ctx, &p, port) == Existing::Connection {
+            if !c.syn
+                && matches!(
+                    existing(ctx, &p, port),
+                    Existing::Connection | Existing::TimeWait
+                )
+            {
                 return Some(TC_ACT_OK);
+            }
+            // A SYN on a 4-tuple in TIME_WAIT: only the kernel's TIME_WAIT handling may give it
+            // to a listener (it frees the 4-tuple first; a request socket under a 4-tuple in
+            // TIME_WAIT is refused since Linux 6.10, and the SYN dropped until the TIME_WAIT
+            // ends), and the listener it looks up is the pod's socket lookup's to choose.
+            let reused = matches!(c.existing, Existing::TimeWait);
+            if reused && !pod.has(flags::HANDOFF) {
+                aya_log_ebpf::warn!(
+                    ctx,
+                    "inbound TCP to port {} dropped: a TIME_WAIT socket holds its 4-tuple and the pod has no socket lookup program",
+                    p.dport
+                );
+                return Some(TC_ACT_SHOT);
             }
             let handoff = pod.has(flags::HANDOFF).then_some(Handoff {
                 netns,
-                always: pod.has(flags::HANDOFF_ALWAYS),
+                always: reused || pod.has(flags::HANDOFF_ALWAYS),
             });
             match assign(ctx, &p, port, handoff) {
                 Ok(()) => {}

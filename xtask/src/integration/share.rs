@@ -132,6 +132,11 @@ const EBPF: &[(&str, &str)] = &[
         "a SYN no proxy takes answered as a closed port answers it, with and without offload",
     ),
     (
+        "timewait::ebpf_",
+        "a client port reused while the pod's end is in TIME_WAIT reaches the proxy through the \
+         socket lookup, before 6.5 and before 6.10's refusal of a request socket under it",
+    ),
+    (
         "streams::edge_cases_through_ebpf",
         "half-closes, resets and large writes through the kernel programs",
     ),

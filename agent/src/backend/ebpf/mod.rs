@@ -65,7 +65,8 @@ pub struct EbpfConfig {
     pub bpffs_dir: PathBuf,
     /// How pods' inbound stubs attach: netlink TC ([`TcAttach::default`]) unless asked for TCX.
     pub tc_attach: TcAttach,
-    /// Which pods get the socket lookup hand-off ([`Handoff::Auto`]: by the kernel).
+    /// Which captured SYNs go through the pods' socket lookup ([`Handoff::Auto`]: by the
+    /// kernel).
     pub handoff: Handoff,
 }
 
@@ -143,21 +144,16 @@ impl EbpfBackend {
         // buffer has one reader.
         let kernel_log = klog::reader(&mut ebpf);
         let tables = tables::Tables::open(&mut ebpf, &pins)?;
-        let handoff = match config.handoff {
-            Handoff::Auto if assigns_to_reuseport_listeners().unwrap_or(false) => None,
-            Handoff::Auto => {
-                tracing::info!(
-                    "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
-                );
-                Some(node::load_handoff(&mut ebpf)?)
-            }
-            Handoff::Always => {
-                tracing::warn!(
-                    "--handoff always (benchmarks only): every captured inbound connection reaches the proxy through the socket lookup"
-                );
-                Some(node::load_handoff(&mut ebpf)?)
-            }
-        };
+        match config.handoff {
+            Handoff::Auto if assigns_to_reuseport_listeners().unwrap_or(false) => {}
+            Handoff::Auto => tracing::info!(
+                "this kernel's bpf_sk_assign refuses SO_REUSEPORT listeners (before Linux 6.5): pods' inbound connections reach the proxy through the socket lookup"
+            ),
+            Handoff::Always => tracing::warn!(
+                "--handoff always (benchmarks only): every captured inbound connection reaches the proxy through the socket lookup"
+            ),
+        }
+        let handoff = node::load_handoff(&mut ebpf)?;
         Ok(Self {
             pods: Pods::new(
                 pins,

@@ -7,9 +7,9 @@
 /// with bpf_sk_assign"). The agent's one answer that is the kernel's version, not the kernel's
 /// own behaviour: the symbol that series exported (`inet_lookup_reuseport`) was tried first and
 /// is in Debian's 6.1 as well, whose `bpf_sk_assign` still refuses (found in the 6.1 VM). A
-/// kernel with the support backported is answered no: the safe side (its pods' inbound goes
-/// through the socket lookup, which takes such listeners on every kernel). The classifier
-/// logs a refusal by name whatever this says.
+/// kernel with the support backported is answered no: the safe side (only the agent's log line
+/// says it; every pod gets the socket lookup, which takes such listeners on every kernel, and
+/// the classifier falls back on it when `bpf_sk_assign` refuses, whatever this says).
 ///
 /// # Errors
 /// When `/proc/sys/kernel/osrelease` cannot be read or does not start with a version.
@@ -24,30 +24,27 @@ pub fn assigns_to_reuseport_listeners() -> std::io::Result<bool> {
     Ok(version >= (6, 5))
 }
 
-/// Which captured pods get the socket lookup program (`sk_lookup`) that takes inbound
-/// connections to the proxy where `bpf_sk_assign` cannot.
+/// Which captured SYNs go through the socket lookup program (`sk_lookup`) that every captured
+/// pod's netns gets, which takes inbound connections to the proxy where `bpf_sk_assign` cannot.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Handoff {
-    /// Every pod where this kernel's `bpf_sk_assign` refuses `SO_REUSEPORT` listeners
-    /// ([`assigns_to_reuseport_listeners`]), none elsewhere.
+    /// Those `bpf_sk_assign` cannot hand over: to a `SO_REUSEPORT` listener before Linux 6.5
+    /// ([`assigns_to_reuseport_listeners`]; the classifier finds out by the refusal), and on
+    /// every kernel a SYN whose 4-tuple a `TIME_WAIT` socket holds.
     #[default]
     Auto,
-    /// Every pod, and every captured SYN goes through it: for benchmarks only (the agent's
+    /// Every captured SYN: for benchmarks only (the agent's
     /// hidden `--handoff always`), so that the hand-off's cost can be measured on a kernel
     /// that never needs it.
     Always,
 }
 
 impl Handoff {
-    /// The flags a pod's config gets, with the socket lookup program `loaded` or not: none
-    /// without it.
-    pub(super) const fn pod_flags(self, loaded: bool) -> u32 {
-        match (loaded, self) {
-            (false, _) => 0,
-            (true, Self::Auto) => meshcap_common::flags::HANDOFF,
-            (true, Self::Always) => {
-                meshcap_common::flags::HANDOFF | meshcap_common::flags::HANDOFF_ALWAYS
-            }
+    /// The flags a pod's config gets.
+    pub(super) const fn pod_flags(self) -> u32 {
+        match self {
+            Self::Auto => meshcap_common::flags::HANDOFF,
+            Self::Always => meshcap_common::flags::HANDOFF | meshcap_common::flags::HANDOFF_ALWAYS,
         }
     }
 }

@@ -82,10 +82,11 @@ pub struct RunArgs {
     /// that path covered.
     #[arg(long, env = "MESHCAP_TC_ATTACH", value_enum, hide = true)]
     pub(crate) tc_attach: Option<ebpf::TcAttach>,
-    /// Which pods get the socket lookup hand-off of inbound connections (default: where the
-    /// kernel's bpf_sk_assign refuses SO_REUSEPORT listeners, before Linux 6.5); `always`
-    /// sends every captured inbound connection through it, for benchmarks only (`cargo xtask
-    /// bench --only inbound` measures its cost on a kernel that never needs it).
+    /// Which captured inbound connections go through the socket lookup hand-off, which every
+    /// captured pod gets (default: those bpf_sk_assign cannot hand over: to SO_REUSEPORT
+    /// listeners before Linux 6.5, and a SYN on a 4-tuple in TIME_WAIT); `always` sends every
+    /// captured inbound connection through it, for benchmarks only (`cargo xtask bench --only
+    /// inbound` measures its cost on a kernel that never needs it for every connection).
     #[arg(long, env = "MESHCAP_HANDOFF", value_enum, hide = true)]
     pub(crate) handoff: Option<ebpf::Handoff>,
     /// Install `meshcap-cni` into the CNI bin dir and chain it into the runtime's conflist,

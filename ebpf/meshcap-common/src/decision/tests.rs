@@ -358,6 +358,30 @@ fn inbound_default_and_lists() {
         ..inbound(8080)
     };
     assert_eq!(dec(&pod, &t, established), PASS);
+    let reused = Inbound {
+        existing: Existing::TimeWait,
+        ..inbound(8080)
+    };
+    assert_eq!(
+        dec(&pod, &t, reused),
+        IN,
+        "a SYN on a 4-tuple in TIME_WAIT opens a new connection, captured"
+    );
+    let late = Inbound {
+        syn: false,
+        ack: true,
+        ..reused
+    };
+    assert_eq!(
+        dec(&pod, &t, late),
+        PASS,
+        "the TIME_WAIT socket keeps the old connection's packets"
+    );
+    let uncaptured = Inbound {
+        existing: Existing::TimeWait,
+        ..inbound(15020)
+    };
+    assert_eq!(dec(&pod, &t, uncaptured), PASS, "not captured: let through");
     let cookie_ack = Inbound {
         syn: false,
         ack: true,
@@ -536,6 +560,17 @@ fn ambient_inbound_as_the_inpod_golden() {
         ..inbound(8080)
     };
     assert_eq!(dec(&pod, established), PASS);
+    let reused = Inbound {
+        existing: Existing::TimeWait,
+        ..inbound(8080)
+    };
+    assert_eq!(dec(&pod, reused), IN, "a SYN on a 4-tuple in TIME_WAIT");
+    let late = Inbound {
+        syn: false,
+        ack: true,
+        ..reused
+    };
+    assert_eq!(dec(&pod, late), PASS, "the TIME_WAIT socket's packets");
     let reroute = Inbound {
         iface: iface_flags::REROUTE,
         ..probe

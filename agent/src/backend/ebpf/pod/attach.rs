@@ -94,12 +94,10 @@ impl Pods {
         Ok(())
     }
 
-    /// Attaches the socket lookup program to the visited netns, where this kernel needs it
+    /// Attaches the socket lookup program to the visited netns
     /// (ebpf/meshcap-ebpf/src/handoff.rs), unless its pinned link is there already.
     pub(super) fn attach_handoff(&self, pins: &PodPins) -> Result<(), EbpfError> {
-        let Some(prog) = &self.handoff else {
-            return Ok(());
-        };
+        let prog = &self.handoff;
         let pin = pins.handoff_link();
         if sys::obj_get(&pin).is_ok() {
             return Ok(());

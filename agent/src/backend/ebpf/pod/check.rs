@@ -58,10 +58,10 @@ impl Pods {
         if records.is_empty() {
             return Err(EbpfError::pod(pod, "no inbound TC program attached"));
         }
-        if handoff != 0 && sys::obj_get(&pins.handoff_link()).is_err() {
+        if sys::obj_get(&pins.handoff_link()).is_err() {
             return Err(EbpfError::pod(
                 pod,
-                "no socket lookup program on its netns (inbound to a SO_REUSEPORT proxy listener would be dropped)",
+                "no socket lookup program on its netns (a SYN reusing a 4-tuple in TIME_WAIT, or before Linux 6.5 any SYN to a SO_REUSEPORT proxy listener, would be dropped)",
             ));
         }
         podnet::run_in(&pod.netns, |visit| {

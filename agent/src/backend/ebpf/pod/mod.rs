@@ -94,10 +94,11 @@ pub(super) struct Pods {
     tables: Mutex<Tables>,
     /// The pinned `MESHCAP_TC_PROG`, which every pod's stub tail-calls through.
     tc_prog: OwnedFd,
-    /// The socket lookup program, loaded where `bpf_sk_assign` refuses `SO_REUSEPORT`
-    /// listeners (or with [`Handoff::Always`]): every captured pod's netns gets it
-    /// (ebpf/meshcap-ebpf/src/handoff.rs).
-    handoff: Option<OwnedFd>,
+    /// The socket lookup program, which every captured pod's netns gets
+    /// (ebpf/meshcap-ebpf/src/handoff.rs): inbound SYNs reach the proxy through it where
+    /// `bpf_sk_assign` refuses `SO_REUSEPORT` listeners, or when a `TIME_WAIT` socket holds
+    /// their 4-tuple.
+    handoff: OwnedFd,
     /// The flags every pod's config gets for it ([`Handoff::pod_flags`]).
     handoff_flags: u32,
     /// How stubs attach.
@@ -119,7 +120,7 @@ impl Pods {
         pins: Pins,
         tables: Tables,
         tc_prog: OwnedFd,
-        handoff: Option<OwnedFd>,
+        handoff: OwnedFd,
         handoff_mode: Handoff,
         tc_attach: TcAttach,
     ) -> Self {
@@ -127,7 +128,7 @@ impl Pods {
             pins,
             tables: Mutex::new(tables),
             tc_prog,
-            handoff_flags: handoff_mode.pod_flags(handoff.is_some()),
+            handoff_flags: handoff_mode.pod_flags(),
             handoff,
             tc_attach,
             found_gone: Mutex::default(),

@@ -6,7 +6,7 @@
 //! sysctl added; nothing is removed first.
 use std::path::PathBuf;
 
-use meshcap_common::{flags, iface_flags};
+use meshcap_common::{PodConfig, flags, iface_flags};
 
 use super::{Pods, attach::FWMARK_ACCEPT, check};
 use crate::{
@@ -182,19 +182,33 @@ impl Pods {
             }
         }
         self.verify_stubs(visit, cookie, &config, &ifaces, verify, &mut check)?;
-        if self.handoff.is_some() {
-            let pins = self.pins.pod(cookie);
-            if sys::obj_get(&pins.handoff_link()).is_ok() {
-                check
-                    .installed
-                    .push("socket lookup program on its netns".to_owned());
-            } else {
-                check.drift.push(verify.handle(
-                    DriftKind::Handoff,
-                    "no socket lookup program on its netns",
-                    || self.attach_handoff(&pins),
-                ));
-            }
+        let pins = self.pins.pod(cookie);
+        let handoff = self.handoff_flags;
+        if sys::obj_get(&pins.handoff_link()).is_err() {
+            check.drift.push(verify.handle(
+                DriftKind::Handoff,
+                "no socket lookup program on its netns",
+                || self.attach_handoff(&pins),
+            ));
+        } else if config.flags & handoff != handoff {
+            // Captured by an agent that gave the program only to pods whose kernel needed it
+            // for every SYN (before Linux 6.5): TC hands a SYN on a 4-tuple in TIME_WAIT over
+            // only where the flag says the program is there, and drops it elsewhere.
+            check.drift.push(verify.handle(
+                DriftKind::Handoff,
+                format!("its pod entry lacks the socket lookup's flags {handoff:#x}"),
+                || {
+                    let config = PodConfig {
+                        flags: config.flags | handoff,
+                        ..config
+                    };
+                    self.lock().set_pod(cookie, config)
+                },
+            ));
+        } else {
+            check
+                .installed
+                .push("socket lookup program on its netns".to_owned());
         }
         Ok(check)
     }
