@@ -11,13 +11,13 @@ use std::{
 };
 
 use meshcap_tests::{
-    APP_UID, Held, PROXY_UID, Report,
+    APP_UID, ENVOY_OPTIONS, Held, PROXY_UID, Proc, Report,
     agent::{Agent, Backend},
     apiserver::ApiServer,
     dial,
     fixtures::{eventually, fed_in_netns, sidecar_pod, unique_ip},
     kubelet::{Sandbox, cni, config},
-    require_root, unique_name,
+    require_root, start_server_with, unique_name,
     world::{Node, Pod},
 };
 use serde_json::{Value, json};
@@ -69,6 +69,21 @@ fn injected_pod_running() -> (Node, Pod, String) {
         .expect("its Envoy and app");
     let ip = unique_address(&pod);
     (node, pod, ip)
+}
+
+/// The stand-in Envoy of [`Pod::start_servers`] holding each outbound connection open
+/// (`+hold`), as Envoy does a proxied one (the default stand-in answers and closes), and the
+/// app: a connection made before a move is exchanged on after it.
+fn start_holding_servers(node: &Node, pod: &mut Pod) -> Proc {
+    let envoy = start_server_with(
+        pod.at(node, PROXY_UID, PROXY_UID),
+        "envoy",
+        &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
+        ENVOY_OPTIONS,
+    )
+    .expect("the stand-in Envoy");
+    pod.start_app(node).expect("the app");
+    envoy
 }
 
 /// Pod `shop/<name>` as the API server has it once it runs: injected, on node-1, at `ip`.
@@ -375,8 +390,7 @@ fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
     }
     let mut node = Node::new().expect("node");
     let mut pod = node.add_pod(false).expect("pod");
-    pod.start_servers(&node, PROXY_UID, false)
-        .expect("its Envoy and app");
+    let _envoy = start_holding_servers(&node, &mut pod);
     let ip = unique_address(&pod);
     let manifest = running("web", &ip, &[]);
     as_istio_cni_wrote(&pod, &manifest, false);

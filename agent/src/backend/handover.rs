@@ -129,8 +129,8 @@ impl CaptureBackend for Handover {
         if !self.earlier_holds(pod)? {
             return Ok(false);
         }
-        self.now.add(pod, policy)?;
-        if let Err(err) = self.earlier.remove(pod) {
+        self.now.add_moving(pod, policy)?;
+        if let Err(err) = self.earlier.hand_over(pod) {
             if let Err(undo) = self.now.remove(pod) {
                 tracing::error!(%pod, error = %undo, "taking back the capture added to move the pod: both are in place");
             }
