@@ -384,6 +384,18 @@ fn a_sidecar_pod_whose_rules_istio_writes_differently_now_is_left_and_reported(b
 /// the pod is the eBPF backend's alone (no Istio rule left in its netns) until its DEL.
 #[test]
 fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
+    moves_to_the_kernel(false);
+}
+
+/// The same from Istio's native nftables rules (`global.nativeNftables`).
+#[test]
+fn an_adopted_sidecar_pod_moves_to_the_kernel_from_native_nftables() {
+    moves_to_the_kernel(true);
+}
+
+/// A pod istio-cni captured with its iptables rules, or its native nftables rules
+/// (`nftables`), moved to the kernel programs.
+fn moves_to_the_kernel(nftables: bool) {
     require_root();
     if !meshcap_tests::ebpf_runs_here() {
         return;
@@ -393,7 +405,7 @@ fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
     let _envoy = start_holding_servers(&node, &mut pod);
     let ip = unique_address(&pod);
     let manifest = running("web", &ip, &[]);
-    as_istio_cni_wrote(&pod, &manifest, false);
+    as_istio_cni_wrote(&pod, &manifest, nftables);
     let api = ApiServer::start();
     api.apply_pod(manifest);
     let scratch = Scratch::new();
@@ -418,7 +430,13 @@ fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
             &node,
             &api,
             &scratch,
-            &[("MESHCAP_TAKEOVER_TO_KERNEL", "true")],
+            &[
+                ("MESHCAP_TAKEOVER_TO_KERNEL", "true"),
+                (
+                    "MESHCAP_NATIVE_NFTABLES",
+                    if nftables { "true" } else { "false" },
+                ),
+            ],
         );
         thread::sleep(Duration::from_millis(300));
         done.store(true, Ordering::Relaxed);
@@ -449,8 +467,11 @@ fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
         .map(|p| p.captured.backend.clone())
         .collect();
     assert_eq!(listed, ["ebpf"], "{}", agent.log());
-    let rules = istio_state(&pod, false);
-    assert!(!rules.contains("ISTIO_"), "Istio's rules are gone: {rules}");
+    let rules = istio_state(&pod, nftables);
+    assert!(
+        !rules.to_ascii_lowercase().contains("istio"),
+        "Istio's rules are gone: {rules}"
+    );
     assert_eq!(
         held.exchange("after the move")
             .expect("the established connection"),

@@ -82,7 +82,7 @@ const KEEP_CONNTRACK: &str = "*nat\n-N MESHCAP_CONNTRACK\n-A MESHCAP_CONNTRACK -
 /// and those rules were its only users there: without one, the kernel stops tracking the
 /// netns once they go (after an RCU grace period), and an established connection's next
 /// packet goes to its original destination (the app's, on inbound; a peer that answers RST,
-/// on outbound).
+/// on outbound). NAT itself goes on: iptables never deletes the `nat` table's base chains.
 fn keeping_conntrack(rules: &IptablesRules) -> IptablesRules {
     IptablesRules {
         v4: KEEP_CONNTRACK.to_owned(),
