@@ -186,6 +186,16 @@ pub const AMBIENT_IN_KERNEL: Setting = Setting {
     default: "auto",
 };
 
+/// `meshcap.takeover.toKernel`: on a node whose sidecar pods go to the kernel programs, the
+/// sidecar pods whose istio-cni rules the agent adopts at start are moved to the kernel
+/// programs in place (the kernel capture first, then Istio's rules removed); `false` (the
+/// default) keeps Istio's rules until each pod goes.
+pub const TAKEOVER_TO_KERNEL: Setting = Setting {
+    key: "meshcap.takeover.toKernel",
+    env: "MESHCAP_TAKEOVER_TO_KERNEL",
+    default: "false",
+};
+
 /// `ambient.reconcileIptablesOnStartup`: a starting agent rewrites the in-pod rules of pods
 /// enrolled before it started where they differ from its own (an upgrade, or rules changed
 /// behind its back).
@@ -245,7 +255,7 @@ pub const NOT_SUPPORTED: [(Setting, &str); 1] = [(
 )];
 
 /// Every ConfigMap setting, in the ConfigMap's order.
-pub const ALL: [Setting; 28] = [
+pub const ALL: [Setting; 29] = [
     CNI_BIN_DIR,
     CNI_CONF_DIR,
     CNI_CONF_FILE_NAME,
@@ -270,6 +280,7 @@ pub const ALL: [Setting; 28] = [
     AMBIENT_IN_KERNEL,
     AMBIENT_RECONCILE_IPTABLES_ON_STARTUP,
     AMBIENT_ENABLEMENT_SELECTORS,
+    TAKEOVER_TO_KERNEL,
     ISTIO_OWNED_CNI_CONFIG,
     ISTIO_OWNED_CNI_CONFIG_FILE_NAME,
     NATIVE_NFTABLES,

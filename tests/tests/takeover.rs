@@ -4,14 +4,20 @@
 //! app in it, and a new agent (its pods from the API server, no record of the pod) starts on
 //! the node. Each test runs on every backend: on the eBPF one the rules backend serves the
 //! adopted pod in front of the kernel programs.
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    thread,
+    time::Duration,
+};
+
 use meshcap_tests::{
-    APP_UID, PROXY_UID, Report,
+    APP_UID, ENVOY_OPTIONS, Held, PROXY_UID, Proc, Report,
     agent::{Agent, Backend},
     apiserver::ApiServer,
     dial,
     fixtures::{eventually, fed_in_netns, sidecar_pod, unique_ip},
     kubelet::{Sandbox, cni, config},
-    require_root, unique_name,
+    require_root, start_server_with, unique_name,
     world::{Node, Pod},
 };
 use serde_json::{Value, json};
@@ -65,6 +71,21 @@ fn injected_pod_running() -> (Node, Pod, String) {
     (node, pod, ip)
 }
 
+/// The stand-in Envoy of [`Pod::start_servers`] holding each outbound connection open
+/// (`+hold`), as Envoy does a proxied one (the default stand-in answers and closes), and the
+/// app: a connection made before a move is exchanged on after it.
+fn start_holding_servers(node: &Node, pod: &mut Pod) -> Proc {
+    let envoy = start_server_with(
+        pod.at(node, PROXY_UID, PROXY_UID),
+        "envoy",
+        &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
+        ENVOY_OPTIONS,
+    )
+    .expect("the stand-in Envoy");
+    pod.start_app(node).expect("the app");
+    envoy
+}
+
 /// Pod `shop/<name>` as the API server has it once it runs: injected, on node-1, at `ip`.
 fn running(name: &str, ip: &str, annotations: &[(&str, &str)]) -> Value {
     let mut manifest = sidecar_pod("shop", name, annotations);
@@ -113,15 +134,28 @@ fn istio_state(pod: &Pod, nftables: bool) -> String {
 
 /// An agent with its pods from `api`, as node `node-1`.
 fn kube_agent(backend: Backend, node: &Node, api: &ApiServer, scratch: &Scratch) -> Agent {
+    kube_agent_with(backend, node, api, scratch, &[])
+}
+
+/// [`kube_agent`] with more settings.
+fn kube_agent_with(
+    backend: Backend,
+    node: &Node,
+    api: &ApiServer,
+    scratch: &Scratch,
+    more: &[(&str, &str)],
+) -> Agent {
     let kubeconfig = api.kubeconfig(&scratch.0);
+    let mut env = vec![
+        ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
+        ("MESHCAP_STARTUP_TAINT", ""),
+        ("MESHCAP_VERIFY_INTERVAL_SECONDS", "1"),
+    ];
+    env.extend_from_slice(more);
     Agent::start_in(
         backend,
         &["--pods", "kube", "--node-name", "node-1"],
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().expect("utf-8")),
-            ("MESHCAP_STARTUP_TAINT", ""),
-            ("MESHCAP_VERIFY_INTERVAL_SECONDS", "1"),
-        ],
+        &env,
         Some(node.cgroup.path()),
     )
     .expect("agent")
@@ -340,5 +374,125 @@ fn a_sidecar_pod_whose_rules_istio_writes_differently_now_is_left_and_reported(b
         outbound_and_inbound(&node, &pod),
         to_envoy(&pod),
         "still Istio's"
+    );
+}
+
+/// Issue 48, item 3: with `meshcap.takeover.toKernel`, a pod istio-cni captured is adopted and
+/// then moved to the kernel programs in place while its app connects all along and the node
+/// connects to it: every connection reaches Envoy with its original destination, a connection
+/// established through Istio's rules before the agent started keeps working, and afterwards
+/// the pod is the eBPF backend's alone (no Istio rule left in its netns) until its DEL.
+#[test]
+fn an_adopted_sidecar_pod_moves_to_the_kernel_with_no_connection_missed() {
+    moves_to_the_kernel(false);
+}
+
+/// The same from Istio's native nftables rules (`global.nativeNftables`).
+#[test]
+fn an_adopted_sidecar_pod_moves_to_the_kernel_from_native_nftables() {
+    moves_to_the_kernel(true);
+}
+
+/// A pod istio-cni captured with its iptables rules, or its native nftables rules
+/// (`nftables`), moved to the kernel programs.
+fn moves_to_the_kernel(nftables: bool) {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    let mut node = Node::new().expect("node");
+    let mut pod = node.add_pod(false).expect("pod");
+    let _envoy = start_holding_servers(&node, &mut pod);
+    let ip = unique_address(&pod);
+    let manifest = running("web", &ip, &[]);
+    as_istio_cni_wrote(&pod, &manifest, nftables);
+    let api = ApiServer::start();
+    api.apply_pod(manifest);
+    let scratch = Scratch::new();
+    let peer = format!("{}:80", pod.peer_v4());
+    let mut held = Held::connect(pod.at(&node, APP_UID, APP_UID), peer.parse().expect("addr"))
+        .expect("a connection through Istio's rules");
+    let first = held.first().clone();
+    assert_eq!(first.server, "envoy", "{first:?}");
+
+    let done = AtomicBool::new(false);
+    let (answers, agent) = thread::scope(|scope| {
+        let dials = scope.spawn(|| {
+            let mut answers = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                answers.push(outbound_and_inbound(&node, &pod));
+            }
+            answers
+        });
+        thread::sleep(Duration::from_millis(300));
+        let agent = kube_agent_with(
+            Backend::Ebpf,
+            &node,
+            &api,
+            &scratch,
+            &[
+                ("MESHCAP_TAKEOVER_TO_KERNEL", "true"),
+                (
+                    "MESHCAP_NATIVE_NFTABLES",
+                    if nftables { "true" } else { "false" },
+                ),
+            ],
+        );
+        thread::sleep(Duration::from_millis(300));
+        done.store(true, Ordering::Relaxed);
+        (dials.join().expect("the dial loop"), agent)
+    });
+    let missed: Vec<_> = answers.iter().filter(|a| **a != to_envoy(&pod)).collect();
+    assert!(
+        missed.is_empty(),
+        "{} of {} rounds not captured with their original destination: {missed:?}\n{}",
+        missed.len(),
+        answers.len(),
+        agent.log()
+    );
+    assert!(answers.len() > 5, "the loop ran: {} rounds", answers.len());
+    assert!(
+        agent
+            .log()
+            .contains("moved from Istio's rules to the kernel programs in place"),
+        "{}",
+        agent.log()
+    );
+    let listed: Vec<_> = agent
+        .status()
+        .expect("status")
+        .pods
+        .iter()
+        .filter(|p| p.captured.pod.name == "web")
+        .map(|p| p.captured.backend.clone())
+        .collect();
+    assert_eq!(listed, ["ebpf"], "{}", agent.log());
+    let rules = istio_state(&pod, nftables);
+    assert!(
+        !rules.to_ascii_lowercase().contains("istio"),
+        "Istio's rules are gone: {rules}"
+    );
+    assert_eq!(
+        held.exchange("after the move")
+            .expect("the established connection"),
+        first,
+        "the connection made through Istio's rules still reaches its proxy"
+    );
+    assert_eq!(
+        outbound_and_inbound(&node, &pod),
+        to_envoy(&pod),
+        "in the kernel"
+    );
+
+    let sandbox = Sandbox::new("shop", "web", &pod.netns);
+    let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
+    let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
+    assert!(check.success, "CHECK: {check:?}\n{}", agent.log());
+    let del = cni("DEL", &sandbox, &conf).expect("DEL");
+    assert!(del.success, "DEL: {del:?}\n{}", agent.log());
+    assert_eq!(outbound_and_inbound(&node, &pod)[0].0, "peer", "released");
+    assert_eq!(
+        agent.ebpf_leftovers().expect("the eBPF backend's pins"),
+        Vec::<String>::new()
     );
 }

@@ -125,6 +125,20 @@ impl CaptureBackend for Handover {
         self.now.verify_node(verify)
     }
 
+    fn take_in(&self, pod: &PodRef, policy: &PodPolicy) -> Result<bool, BackendError> {
+        if !self.earlier_holds(pod)? {
+            return Ok(false);
+        }
+        self.now.add_moving(pod, policy)?;
+        if let Err(err) = self.earlier.hand_over(pod) {
+            if let Err(undo) = self.now.remove(pod) {
+                tracing::error!(%pod, error = %undo, "taking back the capture added to move the pod: both are in place");
+            }
+            return Err(err);
+        }
+        Ok(true)
+    }
+
     /// By the backend whose kind of rules the netns holds (the one chosen now first).
     fn adopt(
         &self,

@@ -10,7 +10,7 @@
 //! Every method is blocking (they enter network namespaces, fork `iptables-restore`, talk
 //! netlink or BPF): the agent calls them through `tokio::task::block_in_place` (or the
 //! blocking pool), never as plain async work.
-use std::{net::IpAddr, path::PathBuf, sync::Arc};
+use std::{net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,8 +28,10 @@ pub mod handover;
 pub mod iptables;
 pub mod nftables;
 mod records;
+mod router;
 mod rules_backend;
 pub use drift::{Drift, DriftKind, Outcome as DriftOutcome, PodCheck, Verify};
+pub use router::Router;
 
 /// What a backend is asked to capture a pod as: the mode is the variant.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -316,6 +318,38 @@ pub trait CaptureBackend: Send + Sync {
         Ok(())
     }
 
+    /// Moves `pod` from the capture of a backend this one keeps in front of (rules adopted from
+    /// istio-cni) to its own, as `policy` says: [`Self::add_moving`] first, then the earlier
+    /// capture handed over ([`Self::hand_over`]; a failure takes the new one away again), so
+    /// established connections keep their NAT. Whether it moved (false: nothing in front of
+    /// it, or a pod not held there).
+    ///
+    /// # Errors
+    /// When the new capture cannot be applied or the earlier one removed (nothing changes).
+    fn take_in(&self, _pod: &PodRef, _policy: &PodPolicy) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// [`Self::remove`] for a pod the backend in front of this one takes in place
+    /// ([`Self::take_in`]): what the connections this capture made still need stays (Istio's
+    /// rules: conntrack kept on in the netns, so that their NAT goes on).
+    ///
+    /// # Errors
+    /// As [`Self::remove`].
+    fn hand_over(&self, pod: &PodRef) -> Result<(), BackendError> {
+        self.remove(pod)
+    }
+
+    /// [`Self::add`] for a pod whose netns keeps netfilter NAT hooks (Istio's `nat` rules being
+    /// removed, their empty base chains left): the kernel programs then hand every captured
+    /// SYN to the socket lookup, as the kernel's NAT drops a listener `bpf_sk_assign` chose.
+    ///
+    /// # Errors
+    /// As [`Self::add`].
+    fn add_moving(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        self.add(pod, policy)
+    }
+
     /// Adopts what another agent (istio-cni) left in a running pod's netns that this backend
     /// writes too ([`found`]): rules exactly as `policy` renders them are recorded as this
     /// backend's capture; rules in another form are replaced with `policy`'s (one transaction
@@ -331,95 +365,6 @@ pub trait CaptureBackend: Send + Sync {
         _reconcile: bool,
     ) -> Result<Adoption, BackendError> {
         Ok(Adoption::Nothing)
-    }
-}
-
-/// Which backend serves each data plane mode, chosen at start: the node's backend (the kernel
-/// programs, or Istio's rules) serves sidecar pods; ambient pods, when the node runs ambient
-/// mode, go to ambient mode's own layer around the backend that captures them (the same kernel
-/// programs with `ambient.inKernel`, else Istio's in-pod rules). A request that knows its mode
-/// (ADD, CHECK) goes to the one backend; one that does not (DEL) to each.
-#[derive(Clone)]
-pub struct Router {
-    sidecar: Arc<dyn CaptureBackend>,
-    ambient: Option<Arc<dyn CaptureBackend>>,
-}
-
-impl Router {
-    /// `sidecar` serves sidecar pods; `ambient`, when the node runs ambient mode, ambient ones.
-    #[must_use]
-    pub fn new(sidecar: Arc<dyn CaptureBackend>, ambient: Option<Arc<dyn CaptureBackend>>) -> Self {
-        Self { sidecar, ambient }
-    }
-
-    /// The node's backend: the one that serves sidecar pods, whose name, programs and
-    /// warnings the agent reports.
-    #[must_use]
-    pub fn node_backend(&self) -> &Arc<dyn CaptureBackend> {
-        &self.sidecar
-    }
-
-    /// The backend serving `mode`, if the node captures pods of that mode.
-    #[must_use]
-    pub fn serving(&self, mode: DataplaneMode) -> Option<&Arc<dyn CaptureBackend>> {
-        match mode {
-            DataplaneMode::Sidecar => Some(&self.sidecar),
-            DataplaneMode::Ambient => self.ambient.as_ref(),
-        }
-    }
-
-    /// The modes served, each with its backend: ambient mode's first, so that a pod leaving
-    /// is taken from ztunnel before anything else of it goes.
-    pub fn modes(&self) -> impl Iterator<Item = (DataplaneMode, &Arc<dyn CaptureBackend>)> {
-        self.ambient
-            .iter()
-            .map(|ambient| (DataplaneMode::Ambient, ambient))
-            .chain([(DataplaneMode::Sidecar, &self.sidecar)])
-    }
-
-    fn backend_for(&self, policy: &PodPolicy) -> Result<&Arc<dyn CaptureBackend>, BackendError> {
-        let mode = policy.dataplane();
-        self.serving(mode).ok_or(BackendError::NotServed(mode))
-    }
-
-    /// Captures `pod` as `policy` says, with the backend serving its mode.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::add`]; [`BackendError::NotServed`] when no backend serves the mode.
-    pub fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        self.backend_for(policy)?.add(pod, policy)
-    }
-
-    /// Whether `pod` is captured as `policy` says, by the backend serving its mode.
-    ///
-    /// # Errors
-    /// As [`CaptureBackend::check`]; [`BackendError::NotServed`] when no backend serves the
-    /// mode.
-    pub fn check(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
-        self.backend_for(policy)?.check(pod, policy)
-    }
-
-    /// Releases whatever captures `pod`, in every mode (a DEL does not say which).
-    ///
-    /// # Errors
-    /// The first backend that holds a capture of `pod` it cannot remove.
-    pub fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        for (_, backend) in self.modes() {
-            backend.remove(pod)?;
-        }
-        Ok(())
-    }
-
-    /// Every capture, sidecar pods first.
-    ///
-    /// # Errors
-    /// When a backend's state cannot be read.
-    pub fn list(&self) -> Result<Vec<CapturedPod>, BackendError> {
-        let mut captured = self.sidecar.list(DataplaneMode::Sidecar)?;
-        if let Some(ambient) = &self.ambient {
-            captured.extend(ambient.list(DataplaneMode::Ambient)?);
-        }
-        Ok(captured)
     }
 }
 

@@ -1,14 +1,20 @@
 //! istio-cni's sidecar captures found at start, made the hub's ([`crate::takeover`]): each
 //! pod adopted under its request lock by the node's sidecar backend before the plugin's socket
 //! is served, counted (`meshcap_sidecar_adoptions_total`), and a pod left as it is reported:
-//! logged, a Warning Event on it, and `explain` until its DEL.
+//! logged, a Warning Event on it, and `explain` until its DEL. With `meshcap.takeover.toKernel`
+//! an adopted pod is then moved to the kernel programs in place
+//! ([`crate::backend::CaptureBackend::take_in`]), except one whose capture needs a policy
+//! route (`TPROXY` mode, rerouted interfaces): Istio's rules own that route, and removing them
+//! would take it from under the kernel capture; it keeps Istio's rules, logged.
 use std::sync::Arc;
 
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{CaptureError, Hub, request::off_the_runtime};
 use crate::{
-    policy::DataplaneMode,
+    backend::PodPolicy,
+    pod::PodRef,
+    policy::{DataplaneMode, RedirectPolicy},
     takeover::{self, IstioCaptured, Taken},
 };
 
@@ -16,8 +22,9 @@ use crate::{
 const LEFT: &str = "IstioCaptureNotAdopted";
 
 impl Hub {
-    /// Adopts the sidecar pods istio-cni captured (found at start, [`IstioCaptured::on_node`]).
-    pub async fn adopt_istio_sidecars(&self, pods: Vec<IstioCaptured>) {
+    /// Adopts the sidecar pods istio-cni captured (found at start, [`IstioCaptured::on_node`]);
+    /// `to_kernel`: then moves each to the kernel programs where they serve the node.
+    pub async fn adopt_istio_sidecars(&self, pods: Vec<IstioCaptured>, to_kernel: bool) {
         if pods.is_empty() {
             return;
         }
@@ -30,6 +37,7 @@ impl Hub {
         };
         for pod in pods {
             let (backend, held) = (backend.clone(), held.clone());
+            let moving = to_kernel.then(|| (pod.pod.clone(), pod.policy.clone()));
             let (id, name, uid) = (
                 pod.pod.container_id.clone(),
                 pod.pod.pod_name(),
@@ -42,7 +50,12 @@ impl Hub {
                 Err(err) => Err(err),
             };
             match taken {
-                Ok(Taken::Adopted(_)) => self.metrics.sidecar_adoption("adopted"),
+                Ok(Taken::Adopted(_)) => {
+                    self.metrics.sidecar_adoption("adopted");
+                    if let Some((pod, policy)) = moving {
+                        self.take_in(pod, policy).await;
+                    }
+                }
                 Ok(Taken::Known) => {}
                 Ok(Taken::Left(why)) => {
                     self.metrics.sidecar_adoption("left");
@@ -66,5 +79,33 @@ impl Hub {
             self.metrics.sidecar_adoption("failed");
         }
         warn!(pods = count, error = %err, "listing this agent's captures to adopt istio-cni's sidecar pods failed: they keep Istio's rules as they are");
+    }
+
+    /// Moves an adopted pod to the node's backend's own capture (the kernel programs), under
+    /// its lock, unless its capture needs a policy route.
+    async fn take_in(&self, pod: PodRef, policy: Box<RedirectPolicy>) {
+        if policy.routes().mark_route.is_some() {
+            info!(%pod, "meshcap.takeover.toKernel: keeps Istio's rules, which own its policy route (TPROXY or rerouted interfaces), until it goes");
+            return;
+        }
+        let backend = self.captures.router().node_backend().clone();
+        let id = pod.container_id.clone();
+        let who = pod.to_string();
+        let policy = PodPolicy::Sidecar(policy);
+        let work = off_the_runtime(move || backend.take_in(&pod, &policy));
+        let moved = match self.locks.run(&id, work).await {
+            Ok(moved) => moved.map_err(CaptureError::from),
+            Err(err) => Err(err),
+        };
+        match moved {
+            Ok(true) => info!(
+                pod = who,
+                "moved from Istio's rules to the kernel programs in place (meshcap.takeover.toKernel)"
+            ),
+            Ok(false) => {}
+            Err(err) => {
+                warn!(pod = who, error = %err, "moving an adopted pod to the kernel programs failed: it keeps Istio's rules");
+            }
+        }
     }
 }

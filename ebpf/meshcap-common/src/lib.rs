@@ -187,9 +187,12 @@ pub mod flags {
     /// which it reads anyway for a redirected socket's source, instead of looking the list up.
     /// Set by the agent from the pod's netns, like [`EXCLUDED_ROUTES`].
     pub const LOCAL4_IS_POD_ADDR: u32 = 1 << 14;
-    /// With [`HANDOFF`], for benchmarks only (the agent's hidden `--handoff always`): every
-    /// captured SYN goes through the socket lookup, also where `bpf_sk_assign` would take the
-    /// listener, so that the hand-off's cost can be measured on a kernel that never needs it.
+    /// With [`HANDOFF`]: every captured SYN goes through the socket lookup, also where
+    /// `bpf_sk_assign` would take the listener. For a pod moved in place from Istio's `nat`
+    /// rules, whose netns keeps netfilter's NAT hooks: with conntrack on, the NAT hook at
+    /// `LOCAL_IN` drops a listener `bpf_sk_assign` chose (agent/src/backend/ebpf/pod, `add_moving`).
+    /// Else for benchmarks only (the agent's hidden `--handoff always`), so that the
+    /// hand-off's cost can be measured on a kernel that never needs it.
     pub const HANDOFF_ALWAYS: u32 = 1 << 15;
 }
 

@@ -63,10 +63,29 @@ pub struct IptablesConfig {
 }
 
 /// Nothing: what a removed capture is swapped for.
-fn nothing() -> IptablesRules {
+fn nothing(_: &IptablesRules) -> IptablesRules {
     IptablesRules {
         v4: String::new(),
         v6: None,
+        routes: PolicyRoutes::default(),
+    }
+}
+
+/// What keeps conntrack on in a pod's netns: a chain no rule jumps to (no packet crosses it)
+/// with one conntrack match, which the kernel counts as a user of the netns' conntrack.
+const KEEP_CONNTRACK: &str = "*nat\n-N MESHCAP_CONNTRACK\n-A MESHCAP_CONNTRACK -m conntrack --ctstate INVALID -j RETURN\nCOMMIT\n";
+
+/// What `rules` are swapped for when the kernel programs take their pod in place
+/// ([`CaptureBackend::hand_over`]): [`KEEP_CONNTRACK`] in each family they cover. The
+/// connections their `REDIRECT`s made keep their NAT only while conntrack runs in the netns,
+/// and those rules were its only users there: without one, the kernel stops tracking the
+/// netns once they go (after an RCU grace period), and an established connection's next
+/// packet goes to its original destination (the app's, on inbound; a peer that answers RST,
+/// on outbound). NAT itself goes on: iptables never deletes the `nat` table's base chains.
+fn keeping_conntrack(rules: &IptablesRules) -> IptablesRules {
+    IptablesRules {
+        v4: KEEP_CONNTRACK.to_owned(),
+        v6: rules.v6.as_ref().map(|_| KEEP_CONNTRACK.to_owned()),
         routes: PolicyRoutes::default(),
     }
 }
@@ -219,6 +238,41 @@ impl IptablesBackend {
         }
     }
 
+    /// Releases `pod`'s capture, swapping its rules for what `after` makes of them in one
+    /// transaction per table.
+    fn release(
+        &self,
+        pod: &PodRef,
+        after: fn(&IptablesRules) -> IptablesRules,
+    ) -> Result<(), BackendError> {
+        let released = self.records.release(pod, |target, record| {
+            self.in_netns(target, |ctx| {
+                let replaced = after(&record.rules);
+                let removed = if record.replacing.is_empty() {
+                    ctx.swap(record.flavour, Some(&record.owned(&record.rules)), &replaced)
+                } else {
+                    Err(ctx.xt.failed(
+                        "an earlier ADD".into(),
+                        "did not finish: the netns may hold more than one rule set",
+                    ))
+                };
+                if let Err(err) = removed {
+                    // Part of the capture is already gone (removed behind meshcap's back, or by
+                    // an interrupted call), or more than one rule set may be there: remove what
+                    // is left of each, whatever it is.
+                    warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
+                    for set in record.rule_sets() {
+                        ctx.scrub(record.flavour, &record.owned(set))?;
+                    }
+                    ctx.swap(record.flavour, None, &replaced)?;
+                }
+                Ok(())
+            })
+        });
+        self.baselines.retain(|id| self.records.get(id).is_some());
+        released
+    }
+
     fn in_netns<T: Send>(
         &self,
         pod: &PodRef,
@@ -274,30 +328,12 @@ impl CaptureBackend for IptablesBackend {
 
     #[tracing::instrument(name = "iptables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let released = self.records.release(pod, |target, record| {
-            self.in_netns(target, |ctx| {
-                let removed = if record.replacing.is_empty() {
-                    ctx.swap(record.flavour, Some(&record.owned(&record.rules)), &nothing())
-                } else {
-                    Err(ctx.xt.failed(
-                        "an earlier ADD".into(),
-                        "did not finish: the netns may hold more than one rule set",
-                    ))
-                };
-                if let Err(err) = removed {
-                    // Part of the capture is already gone (removed behind meshcap's back, or by
-                    // an interrupted call), or more than one rule set may be there: remove what
-                    // is left of each, whatever it is.
-                    warn!(error = %err, "the pod's rules are not as recorded: removing what is left");
-                    for set in record.rule_sets() {
-                        ctx.scrub(record.flavour, &record.owned(set))?;
-                    }
-                }
-                Ok(())
-            })
-        });
-        self.baselines.retain(|id| self.records.get(id).is_some());
-        released
+        self.release(pod, nothing)
+    }
+
+    #[tracing::instrument(name = "iptables_hand_over", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn hand_over(&self, pod: &PodRef) -> Result<(), BackendError> {
+        self.release(pod, keeping_conntrack)
     }
 
     #[tracing::instrument(name = "iptables_check", skip_all, fields(pod = %pod, container = %pod.container_id))]

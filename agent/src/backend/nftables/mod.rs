@@ -289,6 +289,47 @@ fn missing_route(
     podnet::route::missing(visit.netlink()?, routes)
 }
 
+/// What keeps conntrack and NAT running in a pod's netns once Istio's tables leave it for the
+/// kernel programs ([`CaptureBackend::hand_over`]), in the same transaction: a table with an
+/// empty `nat` base chain (the kernel translates a NATed connection's packets only while the
+/// netns has a `nat` chain) holding one conntrack match (the kernel tracks the netns only
+/// while something there uses conntrack; `inet`: both families). The connections Istio's
+/// `redirect`s made keep their NAT only so, and Istio's tables were the only `nat` chains and
+/// conntrack users there: without them, an established connection's next packet goes to its
+/// original destination. iptables leaves its `nat` base chains behind, so its rules backend
+/// keeps conntrack only.
+const KEEP_CONNTRACK: &str = "add table inet meshcap-conntrack
+add chain inet meshcap-conntrack nat { type nat hook prerouting priority dstnat; }
+flush chain inet meshcap-conntrack nat
+add rule inet meshcap-conntrack nat ct state invalid return
+";
+
+impl NftablesBackend {
+    /// Releases `pod`'s capture: its tables deleted, with `then` (more of the same
+    /// transaction), and its routes.
+    fn release(&self, pod: &PodRef, then: &str) -> Result<(), BackendError> {
+        let released = self.records.release(pod, |target, record| {
+            self.in_netns(target, |nft, visit| {
+                let mut transaction = deletion(record.rule_sets().flat_map(NftablesRules::tables));
+                transaction.push_str(then);
+                nft.apply(&transaction)?;
+                for set in record.rule_sets() {
+                    let owned = record.owned(&set.routes);
+                    update_routes(visit, &[owned], &NO_ROUTES).map_err(|source| {
+                        BackendError::PodNet {
+                            pod: target.to_string(),
+                            source,
+                        }
+                    })?;
+                }
+                Ok(())
+            })
+        });
+        self.baselines.retain(|id| self.records.get(id).is_some());
+        released
+    }
+}
+
 impl CaptureBackend for NftablesBackend {
     fn name(&self) -> &'static str {
         "nftables"
@@ -307,25 +348,12 @@ impl CaptureBackend for NftablesBackend {
 
     #[tracing::instrument(name = "nftables_remove", skip_all, fields(pod = %pod, container = %pod.container_id))]
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
-        let released = self.records.release(pod, |target, record| {
-            self.in_netns(target, |nft, visit| {
-                nft.apply(&deletion(
-                    record.rule_sets().flat_map(NftablesRules::tables),
-                ))?;
-                for set in record.rule_sets() {
-                    let owned = record.owned(&set.routes);
-                    update_routes(visit, &[owned], &NO_ROUTES).map_err(|source| {
-                        BackendError::PodNet {
-                            pod: target.to_string(),
-                            source,
-                        }
-                    })?;
-                }
-                Ok(())
-            })
-        });
-        self.baselines.retain(|id| self.records.get(id).is_some());
-        released
+        self.release(pod, "")
+    }
+
+    #[tracing::instrument(name = "nftables_hand_over", skip_all, fields(pod = %pod, container = %pod.container_id))]
+    fn hand_over(&self, pod: &PodRef) -> Result<(), BackendError> {
+        self.release(pod, KEEP_CONNTRACK)
     }
 
     fn list(&self, mode: DataplaneMode) -> Result<Vec<CapturedPod>, BackendError> {

@@ -233,6 +233,15 @@ pub(crate) fn native_nftables() -> anyhow::Result<bool> {
     Ok(settings::bool_setting(&lookup, settings::NATIVE_NFTABLES)?)
 }
 
+/// `meshcap.takeover.toKernel`: adopted sidecar pods moved to the kernel programs.
+pub(crate) fn takeover_to_kernel() -> anyhow::Result<bool> {
+    let lookup = |name: &str| std::env::var(name).ok();
+    Ok(settings::bool_setting(
+        &lookup,
+        settings::TAKEOVER_TO_KERNEL,
+    )?)
+}
+
 /// Where this agent keeps what it owns, every path resolved.
 pub(crate) struct Paths {
     pub(crate) socket: PathBuf,

@@ -31,7 +31,7 @@ use crate::{
     lifecycle::{self, ShutdownSignal},
     run::{
         Paths, PodSourceKind, RunArgs, ambient_config, in_kernel_ambient, native_nftables,
-        netns_dir, warn_not_supported,
+        netns_dir, takeover_to_kernel, warn_not_supported,
     },
     standing::{self, Features, Holds},
 };
@@ -92,7 +92,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             socket: paths.socket.clone(),
         },
     ));
-    hub.adopt_istio_sidecars(node.istio_sidecars).await;
+    hub.adopt_istio_sidecars(node.istio_sidecars, takeover_to_kernel()?)
+        .await;
     tokio::spawn(lifecycle::log_warnings(hub.clone()));
     tokio::spawn(lifecycle::drop_gone(
         hub.clone(),

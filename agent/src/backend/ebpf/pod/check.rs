@@ -37,8 +37,9 @@ impl Pods {
             .get(&cookie, 0)
             .map_err(|_| EbpfError::pod(pod, "not captured: no entry for its netns"))?;
         let handoff = self.handoff_flags;
-        // What the pod's netns adds is not in `entries`.
-        let from_netns = flags::EXCLUDED_ROUTES | flags::LOCAL4_IS_POD_ADDR;
+        // What the pod's netns adds is not in `entries` (nor is the hand-off of every SYN a
+        // pod moved from Istio's `nat` rules keeps).
+        let from_netns = flags::EXCLUDED_ROUTES | flags::LOCAL4_IS_POD_ADDR | flags::HANDOFF_ALWAYS;
         let want = (entries.config.flags | handoff) & !from_netns;
         if config.flags & !from_netns != want
             || config.proxy_uid != entries.config.proxy_uid

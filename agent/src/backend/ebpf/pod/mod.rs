@@ -23,7 +23,7 @@ use std::{
     sync::Mutex,
 };
 
-use meshcap_common::{PodConfig, maps};
+use meshcap_common::{PodConfig, flags, maps};
 
 use super::{
     EbpfBackend, EbpfError, Handoff,
@@ -152,12 +152,23 @@ impl Pods {
     /// When the pod's netns cannot be entered or the kernel refuses; a pod this agent did not
     /// capture yet then loses what this call attached (an update keeps its capture as it was).
     pub(super) fn capture(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), EbpfError> {
+        self.capture_with(pod, policy, 0)
+    }
+
+    /// [`Self::capture`] with `extra` flags in the pod's entry ([`flags::HANDOFF_ALWAYS`] for a
+    /// pod moving in from Istio's `nat` rules); an update keeps that flag once given.
+    pub(super) fn capture_with(
+        &self,
+        pod: &PodRef,
+        policy: &PodPolicy,
+        extra: u32,
+    ) -> Result<(), EbpfError> {
         let policy = &*node_ids(pod, policy)?;
         let known = self.lock().cookie(&record_name(pod)).is_some();
         let with_routes = !encode::interfaces(policy).0.is_empty();
         let visited = podnet::run_in(&pod.netns, |visit| -> Result<Plan, EbpfError> {
             let net = podnet::inspect(visit, with_routes)?;
-            let plan = Plan::new(policy, net, self.handoff_flags);
+            let plan = Plan::new(policy, net, self.handoff_flags | extra);
             self.attach(visit, pod, &plan)?;
             Ok(plan)
         });
@@ -183,6 +194,11 @@ impl Pods {
         let mut tables = self.lock();
         tables.set_cookie(record_name(pod), cookie);
         let old = tables.current_id(cookie);
+        // Its netns keeps the NAT hooks that made the SYNs go through the socket lookup.
+        let kept = tables
+            .pods
+            .get(&cookie, 0)
+            .map_or(0, |config| config.flags & flags::HANDOFF_ALWAYS);
         let pod_id = tables.allocate_id();
         let written = tables
             .write_lists(pod_id, entries)
@@ -197,6 +213,7 @@ impl Pods {
                     cookie,
                     PodConfig {
                         pod_id,
+                        flags: entries.config.flags | kept,
                         ..entries.config
                     },
                 )
@@ -262,6 +279,17 @@ impl CaptureBackend for EbpfBackend {
 
     fn add(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
         Ok(self.pods.capture(pod, policy)?)
+    }
+
+    /// With the socket lookup for every captured SYN ([`flags::HANDOFF_ALWAYS`]): while
+    /// conntrack tracks the pod's connections and the netns has an `ip nat` base chain (the
+    /// empty ones iptables-nft leaves, or Istio's rules still there), the kernel's NAT hook at
+    /// `LOCAL_IN` (`nf_nat_ipv4_local_in`) orphans a SYN that `bpf_sk_assign` gave the proxy's
+    /// listener (its `sk_dport` is not the conntrack entry's), and the SYN goes to the port
+    /// it was sent to: the app. The socket lookup chooses the listener at lookup time instead,
+    /// where netfilter has no say. Kept for the pod's life (its NAT hooks stay too).
+    fn add_moving(&self, pod: &PodRef, policy: &PodPolicy) -> Result<(), BackendError> {
+        Ok(self.pods.capture_with(pod, policy, flags::HANDOFF_ALWAYS)?)
     }
 
     fn remove(&self, pod: &PodRef) -> Result<(), BackendError> {
