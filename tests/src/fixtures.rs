@@ -14,6 +14,20 @@ use serde_json::{Value, json};
 
 use crate::{Netns, unique_name};
 
+/// meshcap's cgroup programs still attached to `cgroup_root`, each with how many: empty once
+/// every program is detached.
+///
+/// # Panics
+/// When the cgroup cannot be queried.
+#[must_use]
+pub fn attached_programs(cgroup_root: &Path) -> Vec<(&'static str, u32)> {
+    meshcap_agent::backend::ebpf::cgroup_attachments(cgroup_root)
+        .expect("query the cgroup")
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
 /// The iptables state of a netns that mentions Istio (chains or jumps), from both
 /// implementations, its nftables tables named `istio-*` (the native nftables backend's), its
 /// ip rules for tables 133 (TPROXY) and 100 (ambient mode), its clsact

@@ -27,7 +27,9 @@ use meshcap_tests::{
     APP_UID, Netns, Placement, Proc, Report,
     agent::{Agent, Backend, binaries},
     bin,
-    fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
+    fixtures::{
+        ManifestDir, attached_programs, eventually, leftovers, sidecar_pod, write_manifest,
+    },
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     wired::Wired,
@@ -416,12 +418,11 @@ fn handed_back(nftables: bool) {
         "every pin removed: {:?}",
         std::fs::read_dir(&ebpf_config.bpffs_dir).map(|d| d.count())
     );
-    let attached: Vec<_> = ebpf::cgroup_attachments(&ebpf_config.cgroup_root)
-        .expect("query the cgroup")
-        .into_iter()
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    assert_eq!(attached, Vec::new(), "every program detached");
+    assert_eq!(
+        attached_programs(&ebpf_config.cgroup_root),
+        Vec::new(),
+        "every program detached"
+    );
     let tc = meshcap_tests::run(
         "ip",
         &[

@@ -7,14 +7,15 @@
 
 use std::{fs, path::Path, process::Command};
 
-use meshcap_agent::backend::ebpf;
 use meshcap_tests::{
     Placement,
     agent::{Agent, Backend, binaries},
     apiserver::{ApiServer, DAEMON_SET, SYSTEM_NAMESPACE},
     cluster::ClusterNode,
     dial,
-    fixtures::{ManifestDir, eventually, leftovers, sidecar_pod, write_manifest},
+    fixtures::{
+        ManifestDir, attached_programs, eventually, leftovers, sidecar_pod, write_manifest,
+    },
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     wired::Wired,
@@ -38,6 +39,15 @@ fn uninstall(conf_dir: &Path, bin_dir: &Path, bpffs_dir: &Path) -> (bool, String
             String::from_utf8_lossy(&out.stderr)
         ),
     )
+}
+
+/// Marks meshcap's DaemonSet as being deleted and stops `agent` as kubelet then does; the agent
+/// must exit cleanly, leaving the node's CNI set-up without meshcap.
+fn delete_daemon_set(api: &ApiServer, node: &ClusterNode, agent: &mut Agent) {
+    api.mark_deleting("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
+    let status = agent.terminate().expect("SIGTERM");
+    assert!(status.success(), "{status}\n{}", agent.log());
+    assert!(node.clean(), "{}", agent.log());
 }
 
 fn meshcap_entries(conflist: &Path) -> usize {
@@ -126,12 +136,11 @@ fn uninstall_keeps_the_programs_while_a_captured_pod_lives_then_removes_everythi
     let (ok, out) = uninstall(&conf_dir, &bin_dir, &ebpf_config.bpffs_dir);
     assert!(ok, "nothing captured is left: {out}");
     assert!(!ebpf_config.bpffs_dir.exists(), "every pin removed: {out}");
-    let attached: Vec<_> = ebpf::cgroup_attachments(&ebpf_config.cgroup_root)
-        .expect("query the cgroup")
-        .into_iter()
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    assert_eq!(attached, Vec::new(), "every program detached");
+    assert_eq!(
+        attached_programs(&ebpf_config.cgroup_root),
+        Vec::new(),
+        "every program detached"
+    );
 }
 
 /// Deleting the DaemonSet with a pod captured in the kernel: the stopping agent removes the CNI
@@ -182,10 +191,7 @@ fn deleting_the_daemon_set_hands_captured_pods_back_and_removes_every_program() 
         "no rules of Istio's before: {before:#?}"
     );
 
-    api.mark_deleting("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
-    let status = agent.terminate().expect("SIGTERM");
-    assert!(status.success(), "{status}\n{}", agent.log());
-    assert!(node.clean(), "{}", agent.log());
+    delete_daemon_set(&api, &node, &mut agent);
     assert!(
         agent.log().contains("handed back: Istio's rules in place"),
         "{}",
@@ -196,12 +202,11 @@ fn deleting_the_daemon_set_hands_captured_pods_back_and_removes_every_program() 
         "the pins are left\n{}",
         agent.log()
     );
-    let attached: Vec<_> = ebpf::cgroup_attachments(&ebpf_config.cgroup_root)
-        .expect("query the cgroup")
-        .into_iter()
-        .filter(|(_, n)| *n > 0)
-        .collect();
-    assert_eq!(attached, Vec::new(), "every program detached");
+    assert_eq!(
+        attached_programs(&ebpf_config.cgroup_root),
+        Vec::new(),
+        "every program detached"
+    );
     let rules = leftovers(&wired.pod).expect("rules");
     for rule in [
         "-A OUTPUT -j ISTIO_OUTPUT",
@@ -226,9 +231,6 @@ fn deleting_the_daemon_set_removes_the_programs_too() {
     let mut agent = node.start_agent(Backend::Ebpf, &[]);
     let pins = agent.ebpf_config().expect("eBPF").bpffs_dir;
     assert!(pins.exists());
-    api.mark_deleting("DaemonSet", SYSTEM_NAMESPACE, DAEMON_SET);
-    let status = agent.terminate().expect("SIGTERM");
-    assert!(status.success(), "{status}\n{}", agent.log());
-    assert!(node.clean(), "{}", agent.log());
+    delete_daemon_set(&api, &node, &mut agent);
     assert!(!pins.exists(), "the pins are left\n{}", agent.log());
 }
