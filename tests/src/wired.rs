@@ -92,8 +92,8 @@ impl Wired {
         }
     }
 
-    /// Servers: the stand-in Envoy in the pod (uid 1337; its outbound listener holds
-    /// connections open, see [`crate::Held`]) and the upstream.
+    /// Servers: the stand-in Envoy in the pod (uid 1337; its listeners hold connections open,
+    /// see [`crate::Held`]) and the upstream.
     /// # Panics
     /// When a server cannot start.
     #[must_use]
@@ -101,7 +101,7 @@ impl Wired {
         let envoy = start_server_with(
             self.in_pod(PROXY_UID),
             "envoy",
-            &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006"],
+            &["tcp:0.0.0.0:15001+hold", "tcp:0.0.0.0:15006+hold"],
             ENVOY_OPTIONS,
         )
         .expect("stand-in envoy");

@@ -24,7 +24,7 @@ use meshcap_agent::{
     policy::{self, DataplaneMode, Decision, NodeSettings},
 };
 use meshcap_tests::{
-    APP_UID, Netns, Placement, Proc, Report,
+    APP_UID, Held, Netns, Placement, Proc, Report,
     agent::{Agent, Backend, binaries},
     bin,
     fixtures::{
@@ -159,13 +159,17 @@ impl Drop for Stop<'_> {
 /// Who answers a connection from upstream to the pod's 10.0.0.2:8080, and the original
 /// destination the proxy saw.
 fn inbound(wired: &Wired) -> (String, Option<String>) {
-    let upstream = Placement {
+    answer(upstream(wired), "tcp:10.0.0.2:8080")
+}
+
+/// Where the upstream's processes run.
+const fn upstream(wired: &Wired) -> Placement<'_> {
+    Placement {
         netns: &wired.upstream,
         cgroup: None,
         uid: 0,
         gid: 0,
-    };
-    answer(upstream, "tcp:10.0.0.2:8080")
+    }
 }
 
 /// Who answers the app's connection to 10.0.0.1:80, and the original destination the proxy
@@ -278,6 +282,24 @@ fn handed_back(nftables: bool) {
     );
     // The DaemonSet is gone (the agent with it); the pod lives on, captured in the kernel.
     agent.kill().expect("kill the agent");
+    // Connections the kernel capture carried, held open across the hand-back both ways: their
+    // packets after it must still reach the ends they were opened with.
+    let mut held = [
+        Held::connect(wired.in_pod(APP_UID), "10.0.0.1:80".parse().expect("addr")),
+        Held::connect(upstream(&wired), "10.0.0.2:8080".parse().expect("addr")),
+    ]
+    .map(|held| held.expect("a connection the kernel captured"));
+    assert_eq!(
+        held.each_ref().map(|h| (
+            h.first().server.clone(),
+            h.first().original_dst.map(|a| a.to_string())
+        )),
+        [
+            ("envoy".to_owned(), Some("10.0.0.1:80".to_owned())),
+            ("envoy".to_owned(), Some("10.0.0.2:8080".to_owned()))
+        ],
+        "the held connections are captured"
+    );
 
     // Paused with both captures in place: Istio's rules written, the kernel capture not yet
     // released.
@@ -376,6 +398,13 @@ fn handed_back(nftables: bool) {
         captured as usize + bypassed.len()
     );
     assert!(captured > 5, "the loop ran: {captured} connections");
+    for (held, way) in held.iter_mut().zip(["outbound", "inbound"]) {
+        let after = held.exchange("after the hand-back");
+        assert!(
+            after.as_ref().is_ok_and(|r| r.server == "envoy"),
+            "the {way} connection opened before the hand-back goes on with the proxy: {after:?}"
+        );
+    }
     assert_eq!(
         (outbound(&wired), inbound(&wired)),
         (

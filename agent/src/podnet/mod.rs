@@ -5,14 +5,15 @@
 //! every log line of the visit stays in the caller's span and names the pod. The closure gets
 //! a [`Visit`], whose one netlink socket ([`Netlink`], synchronous, opened on first use)
 //! serves every request of the visit: [`inspect`] (the netns cookie, interfaces,
-//! addresses and routes), [`route`] (the policy routes) and [`clsact`] (the inbound TC filter
-//! on the clsact qdisc). [`find`] finds a running pod's namespace by its address, for the
+//! addresses and routes), [`route`] (the policy routes), [`clsact`] (the inbound TC filter
+//! on the clsact qdisc) and [`conntrack`] (loose pickup, off under handed-back rules). [`find`] finds a running pod's namespace by its address, for the
 //! controllers that capture pods in place; [`userns`] the user namespace that owns a pod's
 //! network namespace (`hostUsers: false`) and the ids it maps.
 //!
 //! Below the backends, above nothing of meshcap's but the policy model: it knows namespaces,
 //! netlink and sockets, not BPF maps, pins or iptables.
 pub mod clsact;
+pub mod conntrack;
 pub mod find;
 pub mod nftgen;
 pub mod route;

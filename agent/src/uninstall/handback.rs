@@ -124,7 +124,19 @@ fn one(
     let ips = podnet::run_in(&pod.netns, |_| podnet::global_addresses())??;
     let policy = policy_of(pod, mode, &ips).map_err(HandBackError::Policy)?;
     kernel.check(pod, &policy).map_err(HandBackError::Differs)?;
+    // Istio's `nat` rules start conntrack and netfilter's NAT hooks in the netns (the hooks
+    // while the rules' transaction is still being prepared): from then on the NAT hook at
+    // `LOCAL_IN` drops a listener TC assigned to a SYN. Every captured SYN goes through the
+    // socket lookup instead, after netfilter, until the release.
+    kernel
+        .add_moving(pod, &policy)
+        .map_err(HandBackError::Rules)?;
+    // The connections the kernel carried are not tracked: not taken up mid-stream by the rules.
+    let loose_off = podnet::run_in(&pod.netns, |_| podnet::conntrack::no_loose_pickup())??;
     rules.add(pod, &policy).map_err(HandBackError::Rules)?;
+    if !loose_off {
+        podnet::run_in(&pod.netns, |_| podnet::conntrack::no_loose_pickup())??;
+    }
     crate::crashpoint::here(crate::crashpoint::HAND_BACK_BOTH);
     kernel.remove(pod).map_err(HandBackError::Release)?;
     rules
