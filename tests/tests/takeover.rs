@@ -10,6 +10,9 @@ use std::{
     time::Duration,
 };
 
+use aya::maps::{HashMap, Map, MapData};
+use meshcap_agent::podnet;
+use meshcap_common::{PodConfig, flags, maps};
 use meshcap_tests::{
     APP_UID, ENVOY_OPTIONS, Held, PROXY_UID, Proc, Report,
     agent::{Agent, Backend},
@@ -488,6 +491,28 @@ fn moves_to_the_kernel(nftables: bool) {
     let conf = config("1.0.0", &agent.socket, &pod.v4().to_string());
     let check = cni("CHECK", &sandbox, &conf).expect("CHECK");
     assert!(check.success, "CHECK: {check:?}\n{}", agent.log());
+
+    // Its entry deleted behind meshcap's back and written again by an ADD: the netns still
+    // keeps the NAT hooks, so every captured SYN must still go through the socket lookup.
+    let pins = agent.ebpf_config().expect("eBPF agent").pins();
+    let cookie = podnet::cookie_of(&pod.netns.path()).expect("cookie");
+    let mut entries: HashMap<_, u64, PodConfig> = HashMap::try_from(Map::HashMap(
+        MapData::from_pin(pins.map(maps::PODS)).expect("pinned MESHCAP_PODS"),
+    ))
+    .expect("a hash map");
+    entries.remove(&cookie).expect("removing the entry");
+    let add = cni("ADD", &sandbox, &conf).expect("ADD");
+    assert!(add.success, "ADD: {add:?}\n{}", agent.log());
+    assert_ne!(
+        entries.get(&cookie, 0).expect("the entry").flags & flags::HANDOFF_ALWAYS,
+        0,
+        "written again with the socket lookup for every SYN"
+    );
+    assert_eq!(
+        outbound_and_inbound(&node, &pod),
+        to_envoy(&pod),
+        "in the kernel after the repair"
+    );
     let del = cni("DEL", &sandbox, &conf).expect("DEL");
     assert!(del.success, "DEL: {del:?}\n{}", agent.log());
     assert_eq!(outbound_and_inbound(&node, &pod)[0].0, "peer", "released");

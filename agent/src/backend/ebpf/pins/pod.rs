@@ -20,6 +20,9 @@ pub(super) const AMBIENT_MARKER: &str = "ambient";
 const FWMARK_ACCEPT_PREFIX: &str = "fwmark-accept@";
 const ROUTE_FOUND_PREFIX: &str = "route-found@";
 const HANDOFF: &str = "handoff";
+/// The directory marking a pod whose netns keeps netfilter's NAT hooks (moved in from Istio's
+/// rules, or being handed back to them): every captured SYN goes through the socket lookup.
+const NAT_HOOKS: &str = "nat-hooks";
 
 /// The pins of the pod with one netns cookie.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +62,22 @@ impl PodPins {
     /// When bpffs refuses the directory.
     pub fn mark_ambient(&self) -> io::Result<()> {
         fs::create_dir_all(self.dir.join(AMBIENT_MARKER))
+    }
+
+    /// Marks the pod's netns as keeping netfilter's NAT hooks: an entry written again later (an
+    /// update, or a repair of an entry deleted behind meshcap's back) keeps the socket lookup
+    /// for every captured SYN, which the map entry alone cannot tell once it is gone.
+    ///
+    /// # Errors
+    /// When bpffs refuses the directory.
+    pub fn mark_nat_hooks(&self) -> io::Result<()> {
+        fs::create_dir_all(self.dir.join(NAT_HOOKS))
+    }
+
+    /// Whether [`Self::mark_nat_hooks`] marked the pod.
+    #[must_use]
+    pub fn keeps_nat_hooks(&self) -> bool {
+        self.dir.join(NAT_HOOKS).exists()
     }
 
     /// The pod's `net.ipv4.tcp_fwmark_accept` before meshcap set it, if recorded.

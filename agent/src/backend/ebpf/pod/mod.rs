@@ -170,6 +170,11 @@ impl Pods {
             let net = podnet::inspect(visit, with_routes)?;
             let plan = Plan::new(policy, net, self.handoff_flags | extra);
             self.attach(visit, pod, &plan)?;
+            if extra & flags::HANDOFF_ALWAYS != 0 {
+                let pins = self.pins.pod(plan.net.cookie);
+                pins.mark_nat_hooks()
+                    .map_err(|e| EbpfError::io(&format!("creating {}", pins.dir().display()), e))?;
+            }
             Ok(plan)
         });
         let plan = match visited {
@@ -194,11 +199,19 @@ impl Pods {
         let mut tables = self.lock();
         tables.set_cookie(record_name(pod), cookie);
         let old = tables.current_id(cookie);
-        // Its netns keeps the NAT hooks that made the SYNs go through the socket lookup.
-        let kept = tables
-            .pods
-            .get(&cookie, 0)
-            .map_or(0, |config| config.flags & flags::HANDOFF_ALWAYS);
+        // Its netns keeps the NAT hooks that made the SYNs go through the socket lookup: as its
+        // pins say (also when its entry was deleted behind meshcap's back), or its entry (a
+        // pod an earlier build moved, before the mark).
+        let marked = if self.pins.pod(cookie).keeps_nat_hooks() {
+            flags::HANDOFF_ALWAYS
+        } else {
+            0
+        };
+        let kept = marked
+            | tables
+                .pods
+                .get(&cookie, 0)
+                .map_or(0, |config| config.flags & flags::HANDOFF_ALWAYS);
         let pod_id = tables.allocate_id();
         let written = tables
             .write_lists(pod_id, entries)
