@@ -7,6 +7,7 @@ use std::{
     io::Write as _,
     path::PathBuf,
     process::{Command, Stdio},
+    sync::OnceLock,
 };
 
 use tracing::debug;
@@ -102,16 +103,52 @@ impl Xtables {
             FlavourChoice::Nft => return Flavour::Nft,
             FlavourChoice::Auto => {}
         }
+        // Legacy rules need a legacy table, and the kernel lists every one it made in the
+        // namespace: with none (a new pod's netns), nothing is run to know it.
         let has_rules = |ipv6| {
-            self.run(&Flavour::Legacy.binary(ipv6, "-save"), &[])
-                .is_ok_and(|out| out.lines().any(|l| l.starts_with("-A ")))
+            legacy_tables_here(ipv6)
+                && self
+                    .run(&Flavour::Legacy.binary(ipv6, "-save"), &[])
+                    .is_ok_and(|out| out.lines().any(|l| l.starts_with("-A ")))
         };
         if has_rules(false) || has_rules(true) {
             Flavour::Legacy
-        } else if self.run(&Flavour::Nft.binary(false, "-save"), &[]).is_ok() {
+        } else if self.nft_works() {
             Flavour::Nft
         } else {
             Flavour::Plain
         }
     }
+
+    /// Whether `iptables-nft-save` runs: asked until it has once (its binary and the kernel's
+    /// nf_tables are the node's, the same for every namespace).
+    fn nft_works(&self) -> bool {
+        if NFT_WORKED.get().is_some() {
+            return true;
+        }
+        let works = self.run(&Flavour::Nft.binary(false, "-save"), &[]).is_ok();
+        if works {
+            let _ = NFT_WORKED.set(());
+        }
+        works
+    }
+}
+
+/// Set once `iptables-nft-save` has run in this process.
+static NFT_WORKED: OnceLock<()> = OnceLock::new();
+
+/// Whether the calling thread's namespace holds any legacy table of the family
+/// (`ip_tables_names`, `ip6_tables_names`: absent until the module is loaded, which no
+/// namespace's table can be without).
+fn legacy_tables_here(ipv6: bool) -> bool {
+    let names = if ipv6 {
+        "/proc/thread-self/net/ip6_tables_names"
+    } else {
+        "/proc/thread-self/net/ip_tables_names"
+    };
+    std::fs::read_to_string(names).map_or_else(
+        // Unreadable for another reason than its absence: ask iptables, as before.
+        |err| err.kind() != std::io::ErrorKind::NotFound,
+        |listed| !listed.trim().is_empty(),
+    )
 }
