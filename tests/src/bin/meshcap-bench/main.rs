@@ -13,6 +13,7 @@ use std::{net::SocketAddr, path::PathBuf};
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 
+mod churn;
 mod cost;
 mod pods;
 mod repair;

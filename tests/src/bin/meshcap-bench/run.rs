@@ -38,6 +38,8 @@ pub(crate) struct Plan {
     pub(crate) repair_pods: usize,
     /// Captured pods a verification pass goes over, per backend.
     pub(crate) verify_pods: usize,
+    /// Kubelet's parallelism: pods on the node, new pods per batch, rounds per concurrency.
+    pub(crate) churn: (usize, usize, usize),
 }
 
 impl Plan {
@@ -79,6 +81,7 @@ impl Plan {
                 setup_pods: 100,
                 repair_pods: 20,
                 verify_pods: 100,
+                churn: (20, 16, 1),
             }
         } else {
             Self {
@@ -117,6 +120,7 @@ impl Plan {
                 setup_pods: 1_000,
                 repair_pods: 100,
                 verify_pods: 1_000,
+                churn: (250, 64, 2),
             }
         }
     }
@@ -144,6 +148,8 @@ pub enum Section {
     Repair,
     /// One verification pass over every capture of a node.
     Verify,
+    /// New pods ADDed and DELeted 8 at a time and one at a time beside a node's pods.
+    Churn,
 }
 
 /// What `meshcap-bench run` was asked for.
@@ -242,6 +248,11 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
             plan.verify_pods
         );
         report.push_str(&crate::verify::section(plan.verify_pods)?);
+    }
+    if opts.wants(Section::Churn) {
+        let (node, churn, rounds) = plan.churn;
+        eprintln!("meshcap-bench: kubelet's parallelism, {node} pods on the node, {churn} new");
+        report.push_str(&crate::churn::section(node, churn, rounds)?);
     }
     let _ = writeln!(
         report,
