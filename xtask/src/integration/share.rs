@@ -165,6 +165,16 @@ const EBPF: &[(&str, &str)] = &[
         "a sidecar pod istio-cni captured adopted by the rules in front of the kernel programs, \
          a new pod beside it captured in the kernel",
     ),
+    (
+        "takeover::an_adopted_sidecar_pod_moves_to_the_kernel",
+        "a pod moved live from Istio's rules to the kernel programs: this kernel's NAT hook \
+         against TC's assignment, conntrack after the rules, the socket lookup before 6.5",
+    ),
+    (
+        "handback::a_",
+        "a pod handed back live from the kernel programs to Istio's rules: the same NAT hook \
+         while the rules arrive, conntrack's loose pickup off, held connections kept",
+    ),
 ];
 
 /// Another architecture: the kernel programs through its JIT and on its kernel's own
