@@ -320,7 +320,7 @@ impl Agent {
         })
     }
 
-    /// Waits until the agent's socket exists and it answers /healthz.
+    /// Waits until the agent listens on its socket and answers /healthz.
     ///
     /// # Errors
     /// When it exits first, or does not come up in [`ready_within`].
@@ -333,7 +333,8 @@ impl Agent {
                     self.log()
                 );
             }
-            if self.socket.exists() && self.http_get("/healthz").is_ok_and(|(code, _)| code == 200)
+            if listening(&self.socket)
+                && self.http_get("/healthz").is_ok_and(|(code, _)| code == 200)
             {
                 return Ok(());
             }
@@ -586,6 +587,27 @@ impl Agent {
             .unwrap_or_default();
         Ok((code, body))
     }
+}
+
+/// Whether a socket listens at `path`: the kernel's list of Unix sockets says so
+/// (`/proc/net/unix`, `__SO_ACCEPTCON` in its flags), without connecting to it. The file alone
+/// is not enough: it exists from `bind`, and a request sent before the `listen` right after is
+/// refused (a test's first request failed so once in CI, on a busy machine).
+fn listening(path: &Path) -> bool {
+    const ACCEPTING: u32 = 0x0001_0000;
+    let Some(path) = path.to_str() else {
+        return false;
+    };
+    std::fs::read_to_string("/proc/net/unix").is_ok_and(|table| {
+        table.lines().skip(1).any(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            fields.get(7) == Some(&path)
+                && fields
+                    .get(3)
+                    .and_then(|flags| u32::from_str_radix(flags, 16).ok())
+                    .is_some_and(|flags| flags & ACCEPTING != 0)
+        })
+    })
 }
 
 fn signal(child: &Child, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
