@@ -67,50 +67,33 @@ fn chosen(before: &[&[&str]]) -> Vec<String> {
     saves
 }
 
+/// A legacy rule that matches nothing (protocol 255), as istio-cni's detection adds (`-A`) and
+/// deletes (`-D`) it, in `table`.
+fn no_op_rule<'a>(table: &'a str, op: &'a str) -> [&'a str; 9] {
+    [
+        "iptables-legacy",
+        "-t",
+        table,
+        op,
+        "INPUT",
+        "-p",
+        "255",
+        "-j",
+        "RETURN",
+    ]
+}
+
 #[test]
 fn a_new_netns_gets_nft_and_one_with_legacy_rules_gets_legacy() {
     require_root();
     assert_eq!(chosen(&[]), ["iptables-nft-save"], "a new netns");
     assert_eq!(
-        chosen(&[&[
-            "iptables-legacy",
-            "-t",
-            "filter",
-            "-A",
-            "INPUT",
-            "-p",
-            "255",
-            "-j",
-            "RETURN"
-        ]]),
+        chosen(&[&no_op_rule("filter", "-A")]),
         ["iptables-legacy-save"],
         "a netns already holding a legacy rule"
     );
     assert_eq!(
-        chosen(&[
-            &[
-                "iptables-legacy",
-                "-t",
-                "nat",
-                "-A",
-                "INPUT",
-                "-p",
-                "255",
-                "-j",
-                "RETURN"
-            ],
-            &[
-                "iptables-legacy",
-                "-t",
-                "nat",
-                "-D",
-                "INPUT",
-                "-p",
-                "255",
-                "-j",
-                "RETURN"
-            ],
-        ]),
+        chosen(&[&no_op_rule("nat", "-A"), &no_op_rule("nat", "-D")]),
         ["iptables-nft-save"],
         "a netns whose legacy nat table is there but empty, as istio-cni's detection leaves it"
     );

@@ -213,12 +213,12 @@ fn istio(node: &[Netns], churn: usize, rounds: usize, full: bool) -> anyhow::Res
         if full {
             in_netns(netns, ISTIO_DETECTION, "")?;
         }
-        in_netns(netns, "iptables-nft-restore --noflush", &rules)?;
+        in_netns(netns, RESTORE, &rules)?;
         Ok(start.elapsed().as_secs_f64() * 1e3)
     };
     let result = (|| {
         for netns in node {
-            in_netns(netns, "iptables-nft-restore --noflush", &rules)?;
+            in_netns(netns, RESTORE, &rules)?;
         }
         let mut m = Measured::default();
         for _ in 0..rounds {
@@ -234,6 +234,9 @@ fn istio(node: &[Netns], churn: usize, rounds: usize, full: bool) -> anyhow::Res
     }
     result
 }
+
+/// How istio-cni's plugin writes the rules (its detection chose nft in a new netns).
+const RESTORE: &str = "iptables-nft-restore --noflush";
 
 /// What istio-cni's plugin runs in a new pod's netns before its rules, for an IPv4 pod with
 /// no rules yet (`tools/istio-iptables/pkg/dependencies/implementation.go`,
