@@ -6,12 +6,11 @@
 //! that runs ambient mode, a pod ambient mode enrolls is the mesh's as well.
 use std::net::IpAddr;
 
+use meshcap_policy as policy;
+use meshcap_policy::{Decision, NodeSettings, PodName};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    pods::{PodSource, PodSourceError, Retry},
-    policy::{self, Decision, NodeSettings, PodName},
-};
+use crate::pods::{PodSource, PodSourceError, Retry};
 
 /// What the plugin knows of the pod, and the node's settings it passes.
 #[derive(Clone, Debug)]

@@ -8,8 +8,7 @@ use kube::{
     Api,
     runtime::events::{Event, EventType, Recorder, Reporter},
 };
-
-use crate::policy::PodName;
+use meshcap_policy::PodName;
 
 /// Publishes events as `meshcap-agent` on this node.
 #[derive(Clone)]

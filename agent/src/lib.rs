@@ -2,6 +2,10 @@
 //! pods for their Envoy and ambient pods for ztunnel, in the kernel (eBPF) or with Istio's own
 //! rules.
 //!
+//! Istio's semantics are not here: the pod's decision, its sidecar's policy or ambient mode's
+//! in-pod policy, Istio's exact rules and an evaluator of them are the pure crate
+//! `meshcap-policy` (policy/), which every module may use.
+//!
 //! Layout, one concern per module:
 //! - [`access`]: what the agent and the plugin may do in the cluster, checked at start
 //!   against what the enabled features ask, and the watches the API server refuses;
@@ -37,9 +41,6 @@
 //!   cookie, interfaces and addresses, its netlink socket; routes; TC filters), and finding a
 //!   running pod's namespace by its address;
 //! - [`pods`]: pod sources (Kubernetes API watch, manifest directory);
-//! - [`policy`]: Istio's semantics, pure: the pod's decision ([`policy::decide`]: left alone,
-//!   its sidecar's [`policy::RedirectPolicy`] or ambient mode's in-pod policy), Istio's exact
-//!   rules and an evaluator of them;
 //! - [`privilege`]: which capability a refused operation lacks (an `EPERM` named), and what
 //!   every backend needs, checked at start;
 //! - [`probe`]: can this kernel run the eBPF backend;
@@ -57,7 +58,7 @@
 //! - [`ztunnel`]: ZDS, the socket on which ambient pods are handed to ztunnel.
 //!
 //! An ADD, end to end: `meshcap-cni` sends it over the socket ([`api`]), which hands the hub
-//! a [`pod::Sandbox`]. The [`hub`] looks the pod up ([`pods`]), asks [`policy::decide`] what
+//! a [`pod::Sandbox`]. The [`hub`] looks the pod up ([`pods`]), asks [`meshcap_policy::decide`] what
 //! happens to it, and gives the policy to the [`backend::Router`], on the request's own worker
 //! thread (`block_in_place`). The router sends a sidecar pod to the node's backend and an
 //! ambient pod to [`ambient`], which records it, has its backend capture it and hands it to
@@ -65,11 +66,11 @@
 //! to its network namespace ([`podnet::run_in`]) observes it (cookie, interfaces, addresses),
 //! plans its map entries and attaches its inbound TC stub, then it writes the pod's lists and,
 //! last, its `MESHCAP_PODS` entry, which makes the node-wide programs act on it. The iptables
-//! backend renders Istio's rules ([`policy::RedirectPolicy::render`]) and restores them in the
-//! same kind of visit. docs/development.md maps where each decision and each record lives.
-//! Dependencies point one way: api → hub → ambient → backend → podnet, pod and policy; every
-//! module's layer is in docs/development.md ("Layers"), which `agent/tests/layering.rs` holds
-//! the imports to.
+//! backend renders Istio's rules ([`meshcap_policy::RedirectPolicy::render`]) and restores them
+//! in the same kind of visit. docs/development.md maps where each decision and each record
+//! lives. Dependencies point one way: api → hub → ambient → backend → podnet and pod, and down
+//! to `meshcap-policy`; every module's layer is in docs/development.md ("Layers"), which
+//! `agent/tests/layering.rs` holds the imports to.
 
 pub mod access;
 pub mod ambient;
@@ -92,7 +93,6 @@ pub mod pending;
 pub mod pod;
 pub mod podnet;
 pub mod pods;
-pub mod policy;
 pub mod privilege;
 pub mod probe;
 pub mod repair;

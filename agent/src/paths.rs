@@ -15,7 +15,7 @@ pub const CNI_CONF_DIR: &str = "/etc/cni/net.d";
 pub const RUN_DIR: &str = "/var/run/meshcap";
 
 /// The plugin ⇄ agent socket, inside [`RUN_DIR`].
-pub const AGENT_SOCKET: &str = "/var/run/meshcap/agent.sock";
+pub const AGENT_SOCKET: &str = meshcap_cni::cni::DEFAULT_AGENT_SOCKET;
 
 /// The host's bpffs, where programs, maps and links are pinned so they outlive the agent.
 pub const BPFFS: &str = "/sys/fs/bpf";

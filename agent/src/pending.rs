@@ -13,9 +13,8 @@ use std::{
 };
 
 use futures::Stream;
+use meshcap_policy::PodName;
 use serde::{Deserialize, Serialize};
-
-use crate::policy::PodName;
 
 /// The first wait after a failed attempt; it doubles with each further failure.
 const FIRST_WAIT: Duration = Duration::from_secs(1);

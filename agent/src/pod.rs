@@ -10,9 +10,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use meshcap_policy::PodName;
 use serde::{Deserialize, Serialize};
-
-use crate::policy::PodName;
 
 /// A captured pod: its name and its sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -24,13 +24,14 @@ use std::{
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::{Api, api::ListParams};
+use meshcap_policy as policy;
+use meshcap_policy::{Decision, NodeSettings, PodName, RedirectPolicy, keys};
 use tracing::{info, warn};
 
 use crate::{
     backend::{Adoption, BackendError, CaptureBackend, CapturedPod, PodPolicy, found},
     pod::{InPlace, PodRef},
     podnet,
-    policy::{self, Decision, NodeSettings, PodName, RedirectPolicy, keys},
 };
 
 /// How long the listing at start may take before the agent goes on without it.

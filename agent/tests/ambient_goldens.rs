@@ -5,7 +5,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use meshcap_agent::policy::ambient::{self, Enrollment, HostProbeSnat};
+use meshcap_policy::ambient::{self, Enrollment, HostProbeSnat};
 
 #[path = "support/inpod_cases.rs"]
 mod inpod_cases;

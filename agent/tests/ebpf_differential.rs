@@ -7,15 +7,15 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use meshcap_agent::{
     backend::ebpf::{Entries, encode, encode_ambient},
     podnet::PodNet,
-    policy::{
-        CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodName, PortSelection,
-        RedirectPolicy, RuleEvaluator, Verdict as RuleVerdict,
-        ambient::{HostProbeSnat, InpodPolicy},
-    },
 };
 use meshcap_common::{
     Addr, CidrKind, Existing, Inbound, Outbound, PodTables, PortKind, Proto, Verdict,
     decide_inbound, decide_outbound,
+};
+use meshcap_policy::{
+    CidrSet, InterceptionMode, IpPrefix, IpRanges, Packet, PodName, PortSelection, RedirectPolicy,
+    RuleEvaluator, Verdict as RuleVerdict,
+    ambient::{HostProbeSnat, InpodPolicy},
 };
 
 /// A small deterministic generator (xorshift64*): reproducible failures, no dependencies.

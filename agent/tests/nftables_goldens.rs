@@ -8,7 +8,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use meshcap_agent::policy::{
+use meshcap_policy::{
     CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
     ambient::{self, Enrollment, HostProbeSnat},
     nftables::sidecar::{DnsRedirect, OwnerGroups, SidecarCapture},
@@ -418,12 +418,11 @@ fn the_policy_command_prints_the_transaction() {
     let pods = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/testdata/pods");
     let manifest = pods.join("custom-uid-tproxy.yaml");
     let text = std::fs::read_to_string(&manifest).unwrap();
-    let pod = meshcap_agent::policy::parse_pod_manifest(&text).unwrap();
-    let ips = meshcap_agent::policy::status_pod_ips(&pod);
+    let pod = meshcap_policy::parse_pod_manifest(&text).unwrap();
+    let ips = meshcap_policy::status_pod_ips(&pod);
     let selection =
-        meshcap_agent::policy::select(&pod, &ips, &meshcap_agent::policy::SelectConfig::default())
-            .unwrap();
-    let meshcap_agent::policy::Selection::Capture { policy } = selection else {
+        meshcap_policy::select(&pod, &ips, &meshcap_policy::SelectConfig::default()).unwrap();
+    let meshcap_policy::Selection::Capture { policy } = selection else {
         panic!("not captured: {selection:?}");
     };
     let printed = run_policy_command(&[], &manifest);

@@ -4,9 +4,9 @@
 
 use std::net::IpAddr;
 
-use meshcap_agent::policy::{
-    self, CtState, InterceptionMode, IpRanges, Packet, PolicyError, PortSelection, RedirectPolicy,
-    RuleEvaluator, SelectConfig, Selection, SkipReason, Verdict,
+use meshcap_policy::{
+    self as policy, CtState, InterceptionMode, IpRanges, Packet, PolicyError, PortSelection,
+    RedirectPolicy, RuleEvaluator, SelectConfig, Selection, SkipReason, Verdict,
 };
 use serde_json::{Value, json};
 

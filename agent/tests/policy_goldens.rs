@@ -3,7 +3,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf, process::Command};
 
-use meshcap_agent::policy::{self, Family, Selection};
+use meshcap_policy::{self as policy, Family, Selection};
 
 /// (pod manifest, golden) pairs; `custom-uid-zero` (runAsUser: 0) must give `basic`.
 const CASES: [(&str, &str); 9] = [

@@ -5,9 +5,9 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use k8s_openapi::api::core::v1::Pod;
-use meshcap_agent::policy::{
-    self, CtState, Direction, Packet, Protocol, RedirectPolicy, RuleEvaluator, SelectConfig,
-    Selection, keys,
+use meshcap_policy::{
+    self as policy, CtState, Direction, Packet, Protocol, RedirectPolicy, RuleEvaluator,
+    SelectConfig, Selection, keys,
 };
 use proptest::{collection::vec, prelude::*, sample::select};
 use serde_json::json;

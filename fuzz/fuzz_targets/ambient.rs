@@ -15,7 +15,7 @@ use libfuzzer_sys::{
     arbitrary::{self, Arbitrary},
     fuzz_target,
 };
-use meshcap_agent::policy::{
+use meshcap_policy::{
     PolicyError,
     ambient::{self, AmbientConfig, EnablementSelector, Enrollment, ambient_keys},
     keys,

@@ -11,11 +11,10 @@
 use std::{path::PathBuf, time::Duration};
 
 use libfuzzer_sys::fuzz_target;
-use meshcap_agent::install::{
-    PluginSettings,
+use meshcap_cni::cni::{
+    NetConf, PluginSettings, check_version,
     conflist::{self, ConfFile},
 };
-use meshcap_cni::cni::{NetConf, check_version};
 use serde_json::Value;
 
 const NAMES: [&str; 4] = [

@@ -7,10 +7,7 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use libfuzzer_sys::fuzz_target;
-use meshcap_agent::{
-    pods::dir::pods_in,
-    policy::{self, RuleEvaluator, SelectConfig, Selection, manifest},
-};
+use meshcap_policy::{self as policy, RuleEvaluator, SelectConfig, Selection, manifest};
 use serde_json::Value;
 
 fuzz_target!(|data: &[u8]| {
@@ -26,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = manifest::parse_pod_manifest(text);
-    let pods = pods_in(text);
+    let pods = manifest::pods(text);
     let Ok(value) = serde_json::from_str::<Value>(text) else {
         return;
     };

@@ -15,8 +15,8 @@ use libfuzzer_sys::{
     arbitrary::{self, Arbitrary},
     fuzz_target,
 };
-use meshcap_agent::policy::{
-    self, CtState, Direction, Packet, Protocol, RuleEvaluator, SelectConfig, Selection,
+use meshcap_policy::{
+    self as policy, CtState, Direction, Packet, Protocol, RuleEvaluator, SelectConfig, Selection,
     annotations, keys,
 };
 use serde_json::json;

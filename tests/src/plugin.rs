@@ -5,12 +5,11 @@
 use std::{collections::HashMap, path::Path, sync::Mutex};
 
 use anyhow::{Context as _, ensure};
-use meshcap_agent::{
-    pod::PodRef,
-    policy::{
-        self, CidrSet, InterceptionMode, IpRanges, PodName, PortSelection, RedirectPolicy,
-        SelectConfig, Selection, keys,
-    },
+use meshcap_agent::pod::PodRef;
+use meshcap_policy as policy;
+use meshcap_policy::{
+    CidrSet, InterceptionMode, IpRanges, PodName, PortSelection, RedirectPolicy, SelectConfig,
+    Selection, keys,
 };
 use serde_json::{Value, json};
 

@@ -15,9 +15,9 @@ use meshcap_agent::{
         nftables::{NftablesBackend, NftablesConfig},
     },
     pod::PodRef,
-    policy::{
-        CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
-    },
+};
+use meshcap_policy::{
+    CidrSet, InterceptionMode, IpPrefix, IpRanges, PodName, PortSelection, RedirectPolicy,
 };
 
 use crate::{

@@ -23,12 +23,13 @@ use meshcap_agent::{
     crashpoint,
     ipset::{self, Entry, IpSets},
     pod::PodRef,
-    policy::{
-        self, DataplaneMode, Decision, NodeSettings,
-        ambient::{AmbientConfig, EnablementSelector},
-        hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
-        nftables::hostprobe::NODE_TABLE,
-    },
+};
+use meshcap_policy as policy;
+use meshcap_policy::{
+    DataplaneMode, Decision, NodeSettings,
+    ambient::{AmbientConfig, EnablementSelector},
+    hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+    nftables::hostprobe::NODE_TABLE,
 };
 use meshcap_tests::{
     APP_UID, Netns, PROXY_UID, Placement, Proc, Report, TcpSocket,
@@ -2349,8 +2350,8 @@ enum IstioRules {
 /// (`iptables-nft-restore --noflush`, or `nft -f`), and the reply route (`ip rule` and `ip
 /// route`, as `cni/pkg/iptables` adds them).
 fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules) {
-    use meshcap_agent::policy::{
-        self, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig,
+    use meshcap_policy::{
+        self as policy, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig,
     };
     let found = policy::manifest::parse_pod_manifest(&manifest.to_string()).expect("the pod");
     let settings = NodeSettings {
@@ -2384,8 +2385,8 @@ fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules
         .expect("ambient mode's reply route");
     for family in &route.families {
         let family = match family {
-            meshcap_agent::policy::Family::V4 => "-4",
-            meshcap_agent::policy::Family::V6 => "-6",
+            meshcap_policy::Family::V4 => "-4",
+            meshcap_policy::Family::V6 => "-6",
         };
         pod.netns
             .ip(&[

@@ -14,9 +14,9 @@ use meshcap_agent::{
         ebpf::{Pins, TcAttach},
     },
     pod::PodRef,
-    policy::RedirectPolicy,
 };
 use meshcap_common::{Dialing, FlowKey, OrigDst, PodConfig, maps};
+use meshcap_policy::RedirectPolicy;
 use meshcap_tests::{
     TcpSocket, dial, require_root,
     scenario::{EbpfUnderTest, default_policy, tcx_where_supported},

@@ -11,8 +11,9 @@ use meshcap_agent::{
         iptables::{FlavourChoice, IptablesBackend, IptablesConfig},
     },
     pod::PodRef,
-    policy::{self, Decision, NodeSettings},
 };
+use meshcap_policy as policy;
+use meshcap_policy::{Decision, NodeSettings};
 use meshcap_tests::{
     Netns,
     fixtures::{ManifestDir, leftovers, sidecar_pod},

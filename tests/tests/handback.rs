@@ -21,8 +21,9 @@ use meshcap_agent::{
     },
     crashpoint,
     pod::PodRef,
-    policy::{self, DataplaneMode, Decision, NodeSettings},
 };
+use meshcap_policy as policy;
+use meshcap_policy::{DataplaneMode, Decision, NodeSettings};
 use meshcap_tests::{
     APP_UID, Held, Netns, Placement, Proc, Report,
     agent::{Agent, Backend, binaries},

@@ -4,11 +4,8 @@
 //! through the agent and the real plugin binary.
 use std::net::IpAddr;
 
-use meshcap_agent::{
-    backend::ebpf::unpin_link,
-    pod::PodRef,
-    policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy},
-};
+use meshcap_agent::{backend::ebpf::unpin_link, pod::PodRef};
+use meshcap_policy::{InterceptionMode, IpRanges, PortSelection, RedirectPolicy};
 use meshcap_tests::{
     agent::Backend as AgentBackend,
     plugin::{PluginUnderTest, ensure_exact, pod_manifest},
@@ -587,7 +584,7 @@ fn iptables_backend_makes_istios_decisions() {
 /// The same table, unchanged, through Istio's native nftables rules (`global.nativeNftables`):
 /// a pod captured with nftables behaves as with iptables in every row, the `TPROXY` rows with
 /// no proxy listening too (meshcap's one rule after Istio's `tproxy` rules:
-/// `agent/src/policy/nftables/sidecar/unclaimed.rs`).
+/// `policy/src/nftables/sidecar/unclaimed.rs`).
 #[test]
 fn nftables_backend_makes_istios_decisions() {
     require_root();

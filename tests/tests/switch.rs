@@ -18,12 +18,8 @@ use std::{
     time::Duration,
 };
 
-use meshcap_agent::{
-    ambient::remove_from_node,
-    backend::iptables::FlavourChoice,
-    ipset::IpSets,
-    policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4},
-};
+use meshcap_agent::{ambient::remove_from_node, backend::iptables::FlavourChoice, ipset::IpSets};
+use meshcap_policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4};
 use meshcap_tests::{
     APP_UID, Proc,
     agent::{Agent, Backend},

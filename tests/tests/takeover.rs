@@ -100,7 +100,7 @@ fn running(name: &str, ip: &str, annotations: &[(&str, &str)]) -> Value {
 /// renders for it (held to Istio's goldens), applied as Istio applies them
 /// (`iptables-nft-restore --noflush`, or `nft -f` with `global.nativeNftables`).
 fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, nftables: bool) {
-    use meshcap_agent::policy::{self, Decision, NodeSettings};
+    use meshcap_policy::{self as policy, Decision, NodeSettings};
     let found = policy::manifest::parse_pod_manifest(&manifest.to_string()).expect("the pod");
     let ips = policy::status_pod_ips(&found);
     let Ok(Decision::Sidecar { policy, .. }) =

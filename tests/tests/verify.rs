@@ -26,9 +26,11 @@ use meshcap_agent::{
     },
     ipset::IpSets,
     podnet,
-    policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4, nftables::hostprobe::NODE_TABLE},
 };
 use meshcap_common::{PodConfig, maps, programs};
+use meshcap_policy::{
+    ambient::HostProbeSnat, hostprobe::PROBE_SET_V4, nftables::hostprobe::NODE_TABLE,
+};
 use meshcap_tests::{
     APP_UID, Held, Proc,
     agent::{Agent, Backend},

@@ -79,12 +79,11 @@ pub fn run(host_only: bool) -> anyhow::Result<()> {
         )
     })?;
     phase("clippy (fuzz targets)".into(), &mut || {
-        // Nightly, as cargo-fuzz builds them; the kernel programs are not needed to lint.
+        // Nightly, as cargo-fuzz builds them.
         command(
             Command::new("cargo")
                 .current_dir(root.join("fuzz"))
                 .env_remove("RUSTUP_TOOLCHAIN")
-                .env("AYA_BUILD_SKIP", "1")
                 .args([
                     "+nightly",
                     "clippy",

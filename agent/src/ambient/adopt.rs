@@ -11,15 +11,15 @@
 use std::{net::IpAddr, path::Path};
 
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy as policy;
+use meshcap_policy::{Decision, NodeSettings, PodName, ambient::ambient_keys};
 use tracing::{info, warn};
 
 use super::{Ambient, AmbientError, records::Workload};
 use crate::{
     backend::{Adoption, AmbientCapture, CaptureBackend, PodPolicy},
     pod::{InPlace, PodRef},
-    podnet,
-    policy::{self, Decision, NodeSettings, PodName, ambient::ambient_keys},
-    takeover,
+    podnet, takeover,
 };
 
 /// A running pod Istio's agent enrolled: annotated, and decided into ambient mode now.

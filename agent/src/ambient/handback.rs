@@ -3,6 +3,8 @@
 //! Istio's in-pod rules for it can be written without the API server.
 use std::path::Path;
 
+use meshcap_policy::ambient::AmbientConfig;
+
 use super::{
     AmbientError,
     records::{Records, Workload},
@@ -10,7 +12,6 @@ use super::{
 use crate::{
     backend::{AmbientCapture, PodPolicy},
     pod::PodRef,
-    policy::ambient::AmbientConfig,
 };
 
 /// The capture `workload` was enrolled with, under the node's settings now (`config`): none
@@ -48,8 +49,9 @@ pub fn recorded_capture(
 mod tests {
     use std::net::{IpAddr, Ipv4Addr};
 
+    use meshcap_policy::ambient::{EnablementSelector, HostProbeSnat, InpodPolicy};
+
     use super::*;
-    use crate::policy::ambient::{EnablementSelector, HostProbeSnat, InpodPolicy};
 
     fn workload(policy: Option<InpodPolicy>) -> Workload {
         Workload {

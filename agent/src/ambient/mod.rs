@@ -46,6 +46,10 @@ pub use handback::recorded_capture;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 pub use kubelet::KubeletNotFound;
+use meshcap_policy::{
+    DataplaneMode, PodName,
+    ambient::{AmbientConfig, ambient_keys},
+};
 pub use probes::{HostProbes, ProbeWay, remove_from_node};
 use records::{Records, Workload};
 use tracing::{info, warn};
@@ -58,10 +62,6 @@ use crate::{
     crashpoint,
     pod::PodRef,
     podnet,
-    policy::{
-        DataplaneMode, PodName,
-        ambient::{AmbientConfig, ambient_keys},
-    },
     ztunnel::ZtunnelServer,
 };
 

@@ -12,13 +12,13 @@ use std::{
     sync::{Arc, Mutex, MutexGuard, PoisonError},
 };
 
+use meshcap_policy::ambient::InpodPolicy;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use super::AmbientError;
 use crate::{
     pod::{PodRef, record_file_name, same_netns},
-    policy::ambient::InpodPolicy,
     ztunnel::{Enrolled, proto::WorkloadInfo},
 };
 

@@ -4,6 +4,7 @@
 //! `ambient.reconcileIptablesOnStartup`, every enrolled pod's capture made this build's.
 use std::sync::Arc;
 
+use meshcap_policy::{DataplaneMode, ambient::AmbientConfig};
 use tracing::{info, warn};
 
 use super::{
@@ -13,7 +14,6 @@ use super::{
 use crate::{
     backend::{CaptureBackend, PodPolicy},
     pod::PodRef,
-    policy::{DataplaneMode, ambient::AmbientConfig},
 };
 
 /// Drops the ambient captures `backend` holds whose netns is gone; returns those pods.

@@ -17,6 +17,7 @@ use meshcap_cni::protocol::{
     self, ErrorKind, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, Op, Outcome, PodAttachment,
     ProtocolError, Reply, Response,
 };
+use meshcap_policy::PodName;
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{UnixListener, UnixStream},
@@ -28,7 +29,6 @@ use tracing::{debug, info, warn};
 use crate::{
     hub::{CaptureError, Done, ErrorClass, Hub},
     pod::{PodRef, Sandbox},
-    policy::PodName,
 };
 
 /// Socket settings.
@@ -334,8 +334,9 @@ const fn kind(class: ErrorClass) -> ErrorKind {
 
 #[cfg(test)]
 mod tests {
+    use meshcap_policy::SkipReason;
+
     use super::*;
-    use crate::policy::SkipReason;
 
     /// The metrics count failures and outcomes by the names the plugin's protocol gives them.
     #[test]

@@ -140,8 +140,9 @@ impl Baselines {
 
 #[cfg(test)]
 mod tests {
+    use meshcap_policy::{IptablesRules, PolicyRoutes};
+
     use super::*;
-    use crate::policy::{IptablesRules, PolicyRoutes};
 
     fn rules(v4: &str) -> IptablesRules {
         IptablesRules {

@@ -8,11 +8,13 @@
 //! at start go to both. Once the last earlier pod has gone, only its empty state is left.
 use std::sync::Arc;
 
+use meshcap_policy::DataplaneMode;
+
 use super::{
     Adoption, AttachedProgram, BackendError, CaptureBackend, CapturedPod, OtherProgram, PodCheck,
     PodPolicy, Verify,
 };
-use crate::{pod::PodRef, policy::DataplaneMode};
+use crate::pod::PodRef;
 
 /// The backend chosen now, in front of the one that captured pods before.
 pub struct Handover {

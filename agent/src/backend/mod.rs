@@ -12,13 +12,10 @@
 //! blocking pool), never as plain async work.
 use std::{net::IpAddr, path::PathBuf};
 
+use meshcap_policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    pod::PodRef,
-    podnet::PodNetError,
-    policy::{DataplaneMode, RedirectPolicy, ambient::InpodPolicy},
-};
+use crate::{pod::PodRef, podnet::PodNetError};
 
 mod baseline;
 mod drift;

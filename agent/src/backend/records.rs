@@ -17,6 +17,7 @@ use std::{
     sync::Mutex,
 };
 
+use meshcap_policy::{DataplaneMode, Family, InterceptionMode};
 use serde::{Serialize, de::DeserializeOwned};
 use tracing::{info, warn};
 
@@ -24,7 +25,6 @@ use super::BackendError;
 use crate::{
     crashpoint,
     pod::{PodRef, record_file_name},
-    policy::{DataplaneMode, Family, InterceptionMode},
 };
 
 /// One pod's record, as a rules backend writes it.

@@ -1,8 +1,10 @@
 //! Which backend serves each data plane mode ([`Router`]).
 use std::sync::Arc;
 
+use meshcap_policy::DataplaneMode;
+
 use super::{BackendError, CaptureBackend, CapturedPod, PodPolicy};
-use crate::{pod::PodRef, policy::DataplaneMode};
+use crate::pod::PodRef;
 
 /// Which backend serves each data plane mode, chosen at start: the node's backend (the kernel
 /// programs, or Istio's rules) serves sidecar pods; ambient pods, when the node runs ambient

@@ -12,6 +12,7 @@
 //!
 //! What each backend does inside the netns (iptables' swaps, nftables' transactions) is its
 //! own.
+use meshcap_policy::{DataplaneMode, PolicyRoutes};
 use tracing::{debug, info};
 
 use super::{
@@ -22,7 +23,6 @@ use crate::{
     crashpoint,
     pod::PodRef,
     podnet::{Visit, route},
-    policy::{DataplaneMode, PolicyRoutes},
 };
 
 /// CHECK's error: `pod` is not captured as its policy says, `missing` saying how.

@@ -2,8 +2,9 @@
 //! first.
 use std::sync::{Arc, Mutex};
 
+use meshcap_policy::ambient::InpodPolicy;
+
 use super::*;
-use crate::policy::ambient::InpodPolicy;
 
 /// A backend that notes, in the log both share, what it is asked.
 struct Noting {
@@ -85,17 +86,17 @@ fn router(ambient: bool) -> (Router, Arc<Mutex<Vec<String>>>) {
 
 fn sidecar() -> PodPolicy {
     PodPolicy::from(RedirectPolicy {
-        pod: crate::policy::PodName {
+        pod: meshcap_policy::PodName {
             namespace: "shop".to_owned(),
             name: "web".to_owned(),
         },
         pod_ips: Vec::new(),
         ipv6: false,
         dual_stack: false,
-        mode: crate::policy::InterceptionMode::Redirect,
-        include_outbound_ip_ranges: crate::policy::IpRanges::All,
-        exclude_outbound_ip_ranges: crate::policy::CidrSet::default(),
-        include_inbound_ports: crate::policy::PortSelection::All,
+        mode: meshcap_policy::InterceptionMode::Redirect,
+        include_outbound_ip_ranges: meshcap_policy::IpRanges::All,
+        exclude_outbound_ip_ranges: meshcap_policy::CidrSet::default(),
+        include_inbound_ports: meshcap_policy::PortSelection::All,
         exclude_inbound_ports: Vec::new(),
         include_outbound_ports: Vec::new(),
         exclude_outbound_ports: Vec::new(),
@@ -115,7 +116,7 @@ fn ambient() -> PodPolicy {
             dns: true,
             virtual_interfaces: Vec::new(),
             ipv6: false,
-            host_probe_snat: crate::policy::ambient::HostProbeSnat::default(),
+            host_probe_snat: meshcap_policy::ambient::HostProbeSnat::default(),
         },
         ips: Vec::new(),
         uid: "u1".to_owned(),

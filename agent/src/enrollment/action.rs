@@ -3,11 +3,10 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy as policy;
+use meshcap_policy::{DataplaneMode, Decision, DecisionError, NodeSettings, ambient::ambient_keys};
 
-use crate::{
-    pod::PodRef,
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings, ambient::ambient_keys},
-};
+use crate::pod::PodRef;
 
 /// What to do with one pod.
 #[derive(Debug, PartialEq, Eq)]
@@ -68,12 +67,10 @@ mod tests {
         api::core::v1::{PodIP, PodStatus},
         apimachinery::pkg::apis::meta::v1::Time,
     };
+    use meshcap_policy::{SelectConfig, ambient::AmbientConfig};
 
     use super::*;
-    use crate::{
-        pod::InPlace,
-        policy::{SelectConfig, ambient::AmbientConfig},
-    };
+    use crate::pod::InPlace;
 
     /// A pod of namespace `shop` with `labels`, in `phase`, with an address unless `None`.
     fn pod(labels: &[(&str, &str)], phase: &str, ip: Option<&str>) -> Pod {

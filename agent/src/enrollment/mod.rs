@@ -37,6 +37,8 @@ use kube::{
     Api,
     runtime::{WatchStreamExt as _, watcher},
 };
+use meshcap_policy as policy;
+use meshcap_policy::{NodeSettings, PodName};
 use tracing::{info, warn};
 
 use self::action::{Action, decide};
@@ -46,7 +48,6 @@ use crate::{
     pending,
     pod::{InPlace, PodRef, Sandbox},
     podnet::{self, find::FindError},
-    policy::{self, NodeSettings, PodName},
 };
 
 /// The controller.

@@ -1,10 +1,11 @@
 //! Live enrollment's retries: an enrollment that failed stays pending ([`crate::pending`])
 //! and is tried again once due, until it is done or the pod should not be enrolled any more.
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy::PodName;
 use tracing::info;
 
 use super::{LiveEnrollment, LiveError};
-use crate::{hub::CaptureError, policy::PodName};
+use crate::hub::CaptureError;
 
 impl LiveEnrollment {
     /// Reconciles the pods whose pending enrollment is due, as last seen.

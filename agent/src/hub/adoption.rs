@@ -8,13 +8,13 @@
 //! would take it from under the kernel capture; it keeps Istio's rules, logged.
 use std::sync::Arc;
 
+use meshcap_policy::{DataplaneMode, RedirectPolicy};
 use tracing::{info, warn};
 
 use super::{CaptureError, Hub, request::off_the_runtime};
 use crate::{
     backend::PodPolicy,
     pod::PodRef,
-    policy::{DataplaneMode, RedirectPolicy},
     takeover::{self, IstioCaptured, Taken},
 };
 

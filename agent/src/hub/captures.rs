@@ -6,6 +6,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use meshcap_policy::{DataplaneMode, RedirectPolicy};
 use tracing::{error, warn};
 
 use super::{
@@ -16,7 +17,6 @@ use crate::{
     ambient::{Adopted, Ambient, IstioEnrolled},
     backend::{AmbientCapture, CapturedPod, PodPolicy, Router},
     pod::{PodRef, made_in_place},
-    policy::{DataplaneMode, RedirectPolicy},
     probe::ProbeReport,
     status::metrics::Metrics,
 };

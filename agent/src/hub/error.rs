@@ -1,11 +1,12 @@
 //! Why a request to the hub failed ([`CaptureError`]), with the class it is counted and
 //! answered under ([`ErrorClass`]); `api` turns the class into the plugin's protocol.
+use meshcap_policy::{DecisionError, PodName};
+
 use crate::{
     ambient::AmbientError,
     backend::BackendError,
     podnet::PodNetError,
     pods::{NamespaceError, PodSourceError},
-    policy::{DecisionError, PodName},
 };
 
 /// Why a request failed, naming the pod and what is wrong.

@@ -5,6 +5,8 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy as policy;
+use meshcap_policy::{Decision, PodName};
 
 use super::{
     CaptureError, Done, Hub,
@@ -13,7 +15,6 @@ use super::{
 use crate::{
     backend::Verify,
     pods::Retry,
-    policy::{self, Decision, PodName},
     verify::{CaptureNow, Explanation},
 };
 

@@ -4,6 +4,8 @@
 use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy as policy;
+use meshcap_policy::{DataplaneMode, Decision, DecisionError, NodeSettings};
 use tracing::warn;
 
 use super::{CaptureError, request::off_the_runtime};
@@ -11,7 +13,6 @@ use crate::{
     pod::{Sandbox, made_in_place},
     podnet,
     pods::{PodSource, Retry},
-    policy::{self, DataplaneMode, Decision, DecisionError, NodeSettings},
 };
 
 /// Looks pods up and decides them, with the node's settings.

@@ -4,7 +4,7 @@
 //! [`CaptureError`].
 //!
 //! - the request path (here): ADD looks the pod up (with its namespace's labels where the
-//!   decision reads them, and its addresses) and asks [`crate::policy::decide`] what happens
+//!   decision reads them, and its addresses) and asks [`meshcap_policy::decide`] what happens
 //!   to it, then captures it for its sidecar or enrolls it in ambient
 //!   mode; DEL releases; CHECK re-decides and asks whether the capture is in place. Requests
 //!   for one container run one at a time, their blocking work on the request's own worker
@@ -29,6 +29,7 @@ use std::{path::PathBuf, sync::Arc};
 
 pub use error::{CaptureError, ErrorClass};
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy::{DataplaneMode, Decision, NodeSettings, ambient::InpodPolicy};
 pub use readiness::Readiness;
 pub use request::Done;
 use tokio::sync::watch;
@@ -46,7 +47,6 @@ use crate::{
     pending::Pending,
     pod::{PodRef, Sandbox},
     pods::{PodSource, Retry},
-    policy::{DataplaneMode, Decision, NodeSettings, ambient::InpodPolicy},
     probe::ProbeReport,
     status::{PodStatus, StatusReport, metrics::Metrics},
     takeover::LeftAlone,

@@ -9,11 +9,12 @@ use std::{
     time::Instant,
 };
 
+use meshcap_policy::SkipReason;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tracing::{Instrument as _, info, info_span, warn};
 
 use super::{CaptureError, ErrorClass, Hub};
-use crate::{pod::PodRef, policy::SkipReason, status::StatusReport, verify::Explanation};
+use crate::{pod::PodRef, status::StatusReport, verify::Explanation};
 
 /// What a request did.
 #[derive(Debug)]

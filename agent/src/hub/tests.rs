@@ -3,11 +3,12 @@
 //! themselves are tested against the real kernel (`tests/`).
 use std::sync::Mutex;
 
+use meshcap_policy::{DataplaneMode, SelectConfig};
+
 use super::*;
 use crate::{
     backend::{BackendError, CaptureBackend, CapturedPod},
     pods::dir::DirPods,
-    policy::{DataplaneMode, SelectConfig},
 };
 
 /// What the backend was asked, in order.

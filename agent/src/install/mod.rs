@@ -26,17 +26,16 @@ use crate::paths;
 
 pub mod binary;
 pub mod conflist;
-mod entry;
 mod error;
 pub mod istio;
 pub mod kubeconfig;
 pub mod owned;
 pub mod watch;
 
-pub use entry::PluginSettings;
+pub use meshcap_cni::cni::PluginSettings;
 
 /// The plugin's CNI `type`.
-pub const PLUGIN_TYPE: &str = "meshcap-cni";
+pub const PLUGIN_TYPE: &str = meshcap_cni::cni::PLUGIN_TYPE;
 
 /// The plugin binary's file name in the CNI bin dir.
 pub const PLUGIN_BINARY: &str = "meshcap-cni";

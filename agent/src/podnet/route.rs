@@ -9,6 +9,7 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
+use meshcap_policy::{Family, IpPrefix, MarkRoute, PolicyRoutes};
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL};
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
@@ -21,7 +22,6 @@ use netlink_packet_route::{
 };
 
 use super::{Interface, Netlink, PodNetError, errno};
-use crate::policy::{Family, IpPrefix, MarkRoute, PolicyRoutes};
 
 /// `lo` is always interface 1 in a network namespace.
 const LOOPBACK_INDEX: u32 = 1;

@@ -7,12 +7,11 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy::{ManifestError, manifest};
 use serde_json::Value;
 use tracing::warn;
 
 use super::Lookup;
-use crate::policy::{ManifestError, manifest};
 
 /// What went wrong reading the manifest directory.
 #[derive(Debug, thiserror::Error)]
@@ -29,18 +28,9 @@ pub enum ManifestDirError {
     /// A manifest file cannot be read.
     #[error("{0}")]
     Read(#[from] io::Error),
-    /// A manifest is not YAML or JSON.
+    /// A manifest is not YAML or JSON, or a `Pod` document in it is not a pod.
     #[error("{0}")]
     Manifest(#[from] ManifestError),
-    /// A `Pod` document does not parse as a pod.
-    #[error("pod {name}: {source}")]
-    Pod {
-        /// The document's `metadata.name`.
-        name: String,
-        /// Why.
-        #[source]
-        source: serde_json::Error,
-    },
     /// A `Namespace` document's labels do not parse.
     #[error("namespace {namespace} in {path}: labels: {source}")]
     Labels {
@@ -92,44 +82,6 @@ impl DirPods {
             .await
             .unwrap_or_else(|e| Lookup::Failed(format!("reading manifests: {e}")))
     }
-}
-
-/// Every pod in one manifest file's text (JSON read as JSON, see
-/// [`crate::policy::manifest`]).
-///
-/// # Errors
-/// When the text is not YAML/JSON, or a `Pod` document does not parse as one.
-pub fn pods_in(text: &str) -> Result<Vec<Pod>, ManifestDirError> {
-    let mut pods = Vec::new();
-    for document in manifest::documents(text)? {
-        collect(document, &mut pods)?;
-    }
-    Ok(pods)
-}
-
-fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), ManifestDirError> {
-    match value.get("kind").and_then(Value::as_str) {
-        Some("Pod") => {
-            let name = value
-                .pointer("/metadata/name")
-                .and_then(Value::as_str)
-                .unwrap_or("<unnamed>")
-                .to_owned();
-            pods.push(
-                serde_json::from_value(value)
-                    .map_err(|source| ManifestDirError::Pod { name, source })?,
-            );
-        }
-        Some("List" | "PodList") => {
-            if let Some(Value::Array(items)) = value.get("items").cloned() {
-                for item in items {
-                    collect(item, pods)?;
-                }
-            }
-        }
-        _ => {}
-    }
-    Ok(())
 }
 
 /// The manifest files of `dir`, in name order.
@@ -193,7 +145,7 @@ fn find(dir: &Path, namespace: &str, name: &str) -> Lookup {
     for path in paths {
         let parsed = std::fs::read_to_string(&path)
             .map_err(ManifestDirError::from)
-            .and_then(|text| pods_in(&text));
+            .and_then(|text| manifest::pods(&text).map_err(ManifestDirError::from));
         match parsed {
             Ok(pods) => {
                 if let Some(pod) = pods.into_iter().find(|p| {
@@ -220,39 +172,6 @@ fn find(dir: &Path, namespace: &str, name: &str) -> Lookup {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn several_documents_and_lists() {
-        let text = "
-apiVersion: v1
-kind: Pod
-metadata: {name: a, namespace: x}
-spec: {containers: [{name: app, image: busybox}]}
----
-apiVersion: v1
-kind: ConfigMap
-metadata: {name: ignored}
----
-apiVersion: v1
-kind: List
-items:
-- {apiVersion: v1, kind: Pod, metadata: {name: b}, spec: {containers: []}}
-";
-        let pods = pods_in(text).unwrap();
-        let names: Vec<_> = pods
-            .iter()
-            .map(|p| p.metadata.name.clone().unwrap())
-            .collect();
-        assert_eq!(names, ["a", "b"]);
-    }
-
-    #[test]
-    fn a_broken_pod_is_named() {
-        let err = pods_in("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("pod web"), "{err}");
-    }
 
     #[test]
     fn namespace_labels_come_from_namespace_manifests() {

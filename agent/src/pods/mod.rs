@@ -5,9 +5,8 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
+use meshcap_policy::{NodeSettings, PodName, reads_namespace_labels};
 use tracing::debug;
-
-use crate::policy::{NodeSettings, PodName, reads_namespace_labels};
 
 pub mod dir;
 pub mod kube;

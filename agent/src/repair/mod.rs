@@ -32,6 +32,7 @@ use kube::{
     api::{DeleteParams, Patch, PatchParams, Preconditions},
     runtime::{WatchStreamExt as _, watcher},
 };
+use meshcap_policy::PodName;
 use tracing::{info, warn};
 
 use crate::{
@@ -39,7 +40,6 @@ use crate::{
     hub::{CaptureError, Done, Hub},
     pod::{InPlace, Sandbox},
     podnet::{self, find::FindError},
-    policy::PodName,
     settings::{self, SettingsError},
 };
 
@@ -258,7 +258,7 @@ impl Repairer {
 
     /// Captures the running pod in place, as an ADD captures it: Ok(note) when captured.
     async fn repair(&self, pod: &Pod) -> Result<Option<String>, RepairError> {
-        let ips = crate::policy::status_pod_ips(pod);
+        let ips = meshcap_policy::status_pod_ips(pod);
         let dir = self.netns_dir.clone();
         let search = ips.clone();
         let netns =

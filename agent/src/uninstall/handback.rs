@@ -18,11 +18,12 @@
 //! given rules other than those of the capture it had.
 use std::{error::Error, net::IpAddr};
 
+use meshcap_policy::DataplaneMode;
+
 use crate::{
     backend::{BackendError, CaptureBackend, PodPolicy, ebpf::EbpfBackend},
     pod::PodRef,
     podnet::{self, PodNetError},
-    policy::DataplaneMode,
 };
 
 /// Why the caller found no policy for a pod.

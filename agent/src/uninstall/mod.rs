@@ -7,6 +7,8 @@
 //! stopped because meshcap is being deleted ([`verdict`], from what [`witness`] observed).
 use std::path::{Path, PathBuf};
 
+use meshcap_policy::ambient::HostProbeSnat;
+
 use crate::{
     ambient::{self, AmbientError},
     backend::{
@@ -14,7 +16,6 @@ use crate::{
         iptables::FlavourChoice,
     },
     install::{self, InstallConfig, InstallError},
-    policy::ambient::HostProbeSnat,
 };
 
 pub mod handback;

@@ -4,14 +4,12 @@
 //! put back lately.
 use std::fmt::Write as _;
 
+use meshcap_policy::{DataplaneMode, PodName};
 use serde::{Deserialize, Serialize};
 
 use super::{Verified, ledger::now};
+use crate::backend::{Drift, DriftOutcome};
 pub use crate::pending::PendingEnrollment;
-use crate::{
-    backend::{Drift, DriftOutcome},
-    policy::{DataplaneMode, PodName},
-};
 
 /// The answer.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

@@ -7,9 +7,10 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use meshcap_policy::PodName;
 use serde::{Deserialize, Serialize};
 
-use crate::{backend::Drift, policy::PodName};
+use crate::backend::Drift;
 
 /// How many repairs are kept per capture (and node-wide): the latest.
 const KEPT: usize = 8;

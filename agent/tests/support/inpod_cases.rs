@@ -4,7 +4,7 @@
 //! make.
 
 use k8s_openapi::api::core::v1::Pod;
-use meshcap_agent::policy::ambient::AmbientConfig;
+use meshcap_policy::ambient::AmbientConfig;
 
 /// Pod annotations, as (name, value) pairs.
 pub type Annotations = &'static [(&'static str, &'static str)];

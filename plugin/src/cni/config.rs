@@ -6,6 +6,8 @@ use serde_json::Value;
 
 use super::{CniError, check_version, code};
 
+/// The plugin's CNI `type`: its binary's name in the CNI bin dir.
+pub const PLUGIN_TYPE: &str = "meshcap-cni";
 /// The agent's socket when the configuration names none.
 pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/meshcap/agent.sock";
 /// The namespace of meshcap's own DaemonSet pods when the configuration names none: the one

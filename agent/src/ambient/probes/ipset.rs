@@ -12,6 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use meshcap_policy::{
+    ambient::HostProbeSnat,
+    hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+};
 use tracing::info;
 
 use super::{ProbeSets, failed};
@@ -20,10 +24,6 @@ use crate::{
     backend::iptables::{FlavourChoice, node},
     ipset::{self, Entry, Family, IpSets},
     podnet,
-    policy::{
-        ambient::HostProbeSnat,
-        hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
-    },
 };
 
 /// The node's probe sets and rule in IP sets and iptables.

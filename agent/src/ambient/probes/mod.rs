@@ -29,10 +29,11 @@ use std::{
     time::Duration,
 };
 
+use meshcap_policy::ambient::HostProbeSnat;
 use tracing::{info, warn};
 
 use super::{AmbientError, kubelet};
-use crate::{backend::iptables::FlavourChoice, policy::ambient::HostProbeSnat};
+use crate::backend::iptables::FlavourChoice;
 
 /// How many times kubelet is looked for before ambient mode fails to start, and how long
 /// apart: as Istio's node agent retries its host rules (`cni/pkg/nodeagent/server_linux.go`,

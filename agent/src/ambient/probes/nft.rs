@@ -12,17 +12,18 @@
 //! uid only: a connection from another local process to an enrolled pod is not SNAT-ed.
 use std::{collections::BTreeMap, fmt::Write as _, net::IpAddr, path::PathBuf};
 
+use meshcap_policy::{
+    ambient::HostProbeSnat,
+    hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
+    nftables::hostprobe::NODE_TABLE,
+};
+
 use super::{ProbeSets, failed};
 use crate::{
     ambient::AmbientError,
     backend::{BackendError, nftables::nft::Nft},
     ipset::{Entry, Family},
     podnet,
-    policy::{
-        ambient::HostProbeSnat,
-        hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
-        nftables::hostprobe::NODE_TABLE,
-    },
 };
 
 /// The sets' comment (Istio's).

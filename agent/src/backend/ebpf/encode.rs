@@ -9,15 +9,12 @@ use meshcap_common::{
     Addr, CIDR_KEY_PREFIX_BITS, Cidr4Data, Cidr6Data, CidrKind, PodAddrs, PodConfig, PortKind,
     flags, iface_flags,
 };
-
-use crate::{
-    backend::PodPolicy,
-    podnet::PodNet,
-    policy::{
-        CidrSet, InterceptionMode, IpRanges, MarkRoute, PolicyRoutes, PortSelection,
-        RedirectPolicy, ambient::InpodPolicy,
-    },
+use meshcap_policy::{
+    CidrSet, InterceptionMode, IpRanges, MarkRoute, PolicyRoutes, PortSelection, RedirectPolicy,
+    ambient::InpodPolicy,
 };
+
+use crate::{backend::PodPolicy, podnet::PodNet};
 
 /// Everything the maps hold for one pod, before a pod id is assigned.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -7,13 +7,13 @@
 //! (ambient mode's reconciliation), replaced with the rendered ones in one `iptables-restore`
 //! transaction per table (the found chains and jumps removed and the new ones written
 //! together: never a moment without a capture) and recorded.
+use meshcap_policy::{IptablesRules, PolicyRoutes};
 use tracing::info;
 
 use super::{IptablesBackend, PodPolicy, inpod::Ctx, records::Applied, restore};
 use crate::{
     backend::{Adoption, BackendError},
     pod::PodRef,
-    policy::{IptablesRules, PolicyRoutes},
 };
 
 impl IptablesBackend {

@@ -1,13 +1,13 @@
 //! Rules applied inside a pod's network namespace (under the netns's own xtables lock):
 //! swapping one rule set for another with rollback, removing what is left of one, and checking
 //! that every rule is in place.
+use meshcap_policy::{IptablesRules, PolicyRoutes};
 use tracing::warn;
 
 use super::{Flavour, restore, xtables::Xtables};
 use crate::{
     backend::BackendError,
     podnet::{self, Visit},
-    policy::{IptablesRules, PolicyRoutes},
 };
 
 /// What every command run in a pod's netns needs.
@@ -127,7 +127,7 @@ impl Ctx<'_> {
     pub(super) fn found_routes(
         &mut self,
         routes: &PolicyRoutes,
-    ) -> Result<Vec<crate::policy::Family>, BackendError> {
+    ) -> Result<Vec<meshcap_policy::Family>, BackendError> {
         if routes.mark_route.is_none() {
             return Ok(Vec::new());
         }

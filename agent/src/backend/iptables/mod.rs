@@ -36,6 +36,7 @@ use std::{
 
 pub use flavour::{Flavour, FlavourChoice};
 use inpod::Ctx;
+use meshcap_policy::{DataplaneMode, InterceptionMode, IptablesRules, PolicyRoutes};
 use records::Applied;
 use tracing::{debug, info, warn};
 use xtables::Xtables;
@@ -46,12 +47,7 @@ use super::{
     records::{Record as _, Records},
     rules_backend::not_captured,
 };
-use crate::{
-    crashpoint,
-    pod::PodRef,
-    podnet,
-    policy::{DataplaneMode, InterceptionMode, IptablesRules, PolicyRoutes},
-};
+use crate::{crashpoint, pod::PodRef, podnet};
 
 /// Backend configuration.
 #[derive(Clone, Debug)]
@@ -138,7 +134,7 @@ impl IptablesBackend {
     }
 
     /// The rules a policy renders: Istio's sidecar rules, or ambient mode's in-pod rules
-    /// ([`crate::policy::ambient::InpodPolicy::render`]), with their interception mode and
+    /// ([`meshcap_policy::ambient::InpodPolicy::render`]), with their interception mode and
     /// whether they are ambient mode's. Both get the same records, rollback and crash
     /// consistency.
     fn rules(policy: &PodPolicy) -> (IptablesRules, InterceptionMode, bool) {

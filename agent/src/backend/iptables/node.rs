@@ -9,8 +9,10 @@
 //! leaves exactly one set, in front.
 use std::path::Path;
 
+use meshcap_policy::IptablesRules;
+
 use super::{Flavour, FlavourChoice, restore, xtables::Xtables};
-use crate::{backend::BackendError, podnet, policy::IptablesRules};
+use crate::{backend::BackendError, podnet};
 
 /// How the node is named in errors.
 const NODE: &str = "the node's network namespace";

@@ -2,15 +2,11 @@
 //! store ([`crate::backend::records`]) in `<state dir>/iptables/<container id>.json`: the rules,
 //! the rule sets an unfinished ADD or update may have left besides them, and the iptables they
 //! were written with.
+use meshcap_policy::{Family, InterceptionMode, IptablesRules};
 use serde::{Deserialize, Serialize};
 
 use super::Flavour;
-use crate::{
-    backend::records::Record,
-    crashpoint,
-    pod::PodRef,
-    policy::{Family, InterceptionMode, IptablesRules},
-};
+use crate::{backend::records::Record, crashpoint, pod::PodRef};
 
 /// What was applied to a pod: the record, written before the rules are applied.
 #[derive(Clone, Debug, Serialize, Deserialize)]

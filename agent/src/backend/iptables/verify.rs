@@ -11,6 +11,8 @@
 //! (which creates them, or empties them inside the transaction) and filled again, and only the
 //! missing rules of the kernel's own chains are added, so that no instant sees less of the
 //! capture than before the repair. A missing policy route is added.
+use meshcap_policy::IptablesRules;
+
 use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
 use crate::{
     backend::{
@@ -19,7 +21,6 @@ use crate::{
     },
     pod::PodRef,
     podnet::nftgen,
-    policy::IptablesRules,
 };
 
 /// One recorded rule not in place: its family, its table and its line.

@@ -81,7 +81,7 @@ impl NftablesBackend {
                     pod: pod.to_string(),
                     source,
                 })?,
-                &crate::policy::PolicyRoutes::default(),
+                &meshcap_policy::PolicyRoutes::default(),
                 &rules.routes,
             )
             .map_err(|source| BackendError::PodNet {

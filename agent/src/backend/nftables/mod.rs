@@ -1,5 +1,5 @@
 //! Istio's native nftables rules (`global.nativeNftables`): the transaction the policy module
-//! renders ([`crate::policy::nftables`]), run whole with `nft -f -` in the pod's network
+//! renders ([`meshcap_policy::nftables`]), run whole with `nft -f -` in the pod's network
 //! namespace, a sidecar's or ambient mode's in-pod one.
 //!
 //! - **Atomic**: each ADD, update, repair and DEL is one `nft -f -` transaction, which the
@@ -28,6 +28,7 @@ mod verify;
 
 use std::path::PathBuf;
 
+use meshcap_policy::{DataplaneMode, InterceptionMode, PolicyRoutes};
 use nft::Nft;
 use records::Applied;
 pub use tables::NftablesRules;
@@ -44,7 +45,6 @@ use crate::{
     crashpoint,
     pod::PodRef,
     podnet::{self, Visit},
-    policy::{DataplaneMode, InterceptionMode, PolicyRoutes},
 };
 
 /// Backend configuration.

@@ -3,15 +3,11 @@
 //! transaction and routes, the rule sets whose tables an unfinished ADD or update may have left
 //! besides them, and the tables' listing once applied (what CHECK and the verifier compare
 //! with).
+use meshcap_policy::{Family, InterceptionMode, PolicyRoutes};
 use serde::{Deserialize, Serialize};
 
 use super::NftablesRules;
-use crate::{
-    backend::records::Record,
-    crashpoint,
-    pod::PodRef,
-    policy::{Family, InterceptionMode, PolicyRoutes},
-};
+use crate::{backend::records::Record, crashpoint, pod::PodRef};
 
 /// What was applied to a pod: the record, written before the transaction runs.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -92,8 +88,10 @@ impl Record for Applied {
 
 #[cfg(test)]
 mod tests {
+    use meshcap_policy::DataplaneMode;
+
     use super::*;
-    use crate::{backend::records::Records, policy::DataplaneMode};
+    use crate::backend::records::Records;
 
     /// A record as the agent has written it since the nftables backend recorded the tables'
     /// listing (main `cee8836`), byte for byte: an ambient pod's in-pod tables.

@@ -1,10 +1,11 @@
 //! The `inet` tables a pod's transaction writes: their names, one transaction deleting them,
 //! their listing as the kernel holds them, and how a listing differs from the one recorded
 //! when they were applied.
+use meshcap_policy::PolicyRoutes;
 use serde::{Deserialize, Serialize};
 
 use super::nft::Nft;
-use crate::{backend::BackendError, policy::PolicyRoutes};
+use crate::backend::BackendError;
 
 /// A pod's capture as the nftables backend applies it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

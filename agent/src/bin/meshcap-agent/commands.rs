@@ -11,11 +11,12 @@ use clap::Args;
 use meshcap_agent::{
     bpf, decide,
     pods::{PodSource, dir::DirPods, kube::KubePods},
-    policy::{self, PodName},
     probe, settings,
     status::StatusReport,
 };
 use meshcap_cni::protocol::{self, Op, Reply, Request};
+use meshcap_policy as policy;
+use meshcap_policy::PodName;
 
 use crate::handback::HandBackArgs;
 

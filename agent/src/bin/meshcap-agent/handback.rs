@@ -19,10 +19,11 @@ use meshcap_agent::{
     paths::AgentPaths,
     pod::PodRef,
     pods::{PodSource, Retry, dir::DirPods, kube::KubePods},
-    policy::{self, DataplaneMode, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig},
     settings,
     uninstall::handback::{self, HandedBack, PolicyError},
 };
+use meshcap_policy as policy;
+use meshcap_policy::{DataplaneMode, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig};
 
 use crate::run::{self, PodSourceKind};
 

@@ -13,13 +13,13 @@ use meshcap_agent::{
         watch::{InstallStatus, Pass},
     },
     pods::PodSource,
-    policy::NodeSettings,
     settings, taint,
     uninstall::{
         verdict::Verdict,
         witness::{self, Departure},
     },
 };
+use meshcap_policy::NodeSettings;
 use tokio::sync::watch;
 use tracing::{info, warn};
 

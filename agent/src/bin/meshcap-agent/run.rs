@@ -10,12 +10,12 @@ use meshcap_agent::{
     backend::{BackendChoice, ebpf, iptables::FlavourChoice},
     paths::{AgentPaths, Endpoints},
     pods::Retry,
-    policy::{
-        NodeSettings, SelectConfig,
-        ambient::{AmbientConfig, EnablementSelector},
-    },
     settings::{self, InKernel},
     ztunnel,
+};
+use meshcap_policy::{
+    NodeSettings, SelectConfig,
+    ambient::{AmbientConfig, EnablementSelector},
 };
 use tracing::{info, warn};
 

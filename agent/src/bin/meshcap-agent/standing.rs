@@ -10,11 +10,11 @@ use meshcap_agent::{
     access::{self, Need, RepairWrites, WatchHealth},
     events::EventSink,
     install::watch::InstallStatus,
-    policy::PodName,
     repair::Mode,
     settings,
     uninstall::witness::{self, Departure, Owner},
 };
+use meshcap_policy::PodName;
 use tokio::sync::watch;
 
 /// The settings that decide what the agent asks of the API server.

@@ -17,12 +17,12 @@ use meshcap_agent::{
     hub::{Hub, Parts, Settings},
     install::watch::InstallStatus,
     pods::{PodSource, dir::DirPods, kube::KubePods},
-    policy::NodeSettings,
     privilege,
     probe::ProbeReport,
     repair::{RepairConfig, Repairer},
     takeover::IstioCaptured,
 };
+use meshcap_policy::NodeSettings;
 use tokio::sync::watch;
 use tracing::info;
 

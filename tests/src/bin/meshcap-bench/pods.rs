@@ -10,10 +10,9 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use aya::maps::MapData;
-use meshcap_agent::{
-    backend::ebpf::Pins,
-    policy::{self, RedirectPolicy, SelectConfig, Selection},
-};
+use meshcap_agent::backend::ebpf::Pins;
+use meshcap_policy as policy;
+use meshcap_policy::{RedirectPolicy, SelectConfig, Selection};
 use meshcap_tests::{
     Netns, PROXY_UID, Placement, Proc, TestCgroup,
     agent::{self, Backend},

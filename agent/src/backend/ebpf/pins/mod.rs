@@ -29,10 +29,11 @@ use std::{
 
 mod pod;
 
+use meshcap_policy::DataplaneMode;
 pub use pod::{PodPins, RecordError, TcRecord, record_name};
 
 use super::sys;
-use crate::{pod::PodRef, policy::DataplaneMode};
+use crate::pod::PodRef;
 
 /// A pod the backend captures, as the pins record it.
 #[derive(Clone, Debug, PartialEq, Eq)]

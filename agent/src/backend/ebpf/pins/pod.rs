@@ -7,8 +7,10 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use meshcap_policy::Family;
+
 use super::{list_dir, remove_tree, sys, unpin_link};
-use crate::{pod::PodRef, podnet::clsact::Filter, policy::Family};
+use crate::{pod::PodRef, podnet::clsact::Filter};
 
 /// The directory in a netlink TC record that says, until the filter's own record is pinned,
 /// that meshcap may have added the interface's clsact qdisc (written ahead of the netlink

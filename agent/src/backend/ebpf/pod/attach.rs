@@ -1,12 +1,13 @@
 //! A pod's capture attached in its netns, in the transaction's one visit: its pins, its
 //! policy route, `tcp_fwmark_accept`, its stubs and the socket lookup program.
+use meshcap_policy::PolicyRoutes;
+
 use super::{Pods, check};
 use crate::{
     backend::ebpf::{EbpfError, encode::Plan, pins::PodPins, stub, sys},
     crashpoint,
     pod::PodRef,
     podnet::{self, Visit},
-    policy::PolicyRoutes,
 };
 
 impl Pods {

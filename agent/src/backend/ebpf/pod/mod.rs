@@ -24,6 +24,7 @@ use std::{
 };
 
 use meshcap_common::{PodConfig, flags, maps};
+use meshcap_policy::DataplaneMode;
 
 use super::{
     EbpfBackend, EbpfError, Handoff,
@@ -40,7 +41,6 @@ use crate::{
     crashpoint,
     pod::PodRef,
     podnet,
-    policy::DataplaneMode,
 };
 
 /// `policy` with the proxy's uid and gid as the programs see them: the node's ids, which

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 
 use meshcap_common::flags;
+use meshcap_policy::{DataplaneMode, MarkRoute, PolicyRoutes};
 
 use super::{Pods, attach::restore_fwmark_accept};
 use crate::{
@@ -11,7 +12,6 @@ use crate::{
     crashpoint,
     pod::PodRef,
     podnet,
-    policy::{DataplaneMode, MarkRoute, PolicyRoutes},
 };
 
 impl Pods {

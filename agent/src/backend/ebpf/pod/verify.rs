@@ -7,6 +7,7 @@
 use std::path::PathBuf;
 
 use meshcap_common::{PodConfig, flags, iface_flags};
+use meshcap_policy::PolicyRoutes;
 
 use super::{Pods, attach::FWMARK_ACCEPT, check};
 use crate::{
@@ -16,7 +17,6 @@ use crate::{
     },
     pod::PodRef,
     podnet::{self, PodNetError, Visit},
-    policy::PolicyRoutes,
 };
 
 impl Pods {

@@ -146,7 +146,7 @@ impl Selector {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::ambient::AmbientConfig;
+    use crate::ambient::AmbientConfig;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs

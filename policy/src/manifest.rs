@@ -46,6 +46,44 @@ pub fn parse_pod_manifest(text: &str) -> Result<Pod, ManifestError> {
     }
 }
 
+/// Every pod in one manifest file's text: its `Pod` documents and the pods of its `List`s
+/// (`PodList`s).
+///
+/// # Errors
+/// When the text is not YAML/JSON, or a `Pod` document does not parse as one.
+pub fn pods(text: &str) -> Result<Vec<Pod>, ManifestError> {
+    let mut pods = Vec::new();
+    for document in documents(text)? {
+        collect(document, &mut pods)?;
+    }
+    Ok(pods)
+}
+
+fn collect(value: Value, pods: &mut Vec<Pod>) -> Result<(), ManifestError> {
+    match value.get("kind").and_then(Value::as_str) {
+        Some("Pod") => {
+            let name = value
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("<unnamed>")
+                .to_owned();
+            pods.push(
+                serde_json::from_value(value)
+                    .map_err(|source| ManifestError::Pod { name, source })?,
+            );
+        }
+        Some("List" | "PodList") => {
+            if let Some(Value::Array(items)) = value.get("items").cloned() {
+                for item in items {
+                    collect(item, pods)?;
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +131,38 @@ mod tests {
             parse_pod_manifest("kind: [unclosed"),
             Err(ManifestError::Yaml(_))
         ));
+    }
+
+    #[test]
+    fn several_documents_and_lists() {
+        let text = "
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x}
+spec: {containers: [{name: app, image: busybox}]}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: ignored}
+---
+apiVersion: v1
+kind: List
+items:
+- {apiVersion: v1, kind: Pod, metadata: {name: b}, spec: {containers: []}}
+";
+        let pods = pods(text).unwrap();
+        let names: Vec<_> = pods
+            .iter()
+            .map(|p| p.metadata.name.clone().unwrap())
+            .collect();
+        assert_eq!(names, ["a", "b"]);
+    }
+
+    #[test]
+    fn a_broken_pod_is_named() {
+        let err = pods("kind: Pod\nmetadata: {name: web}\nspec: {containers: 7}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pod web"), "{err}");
     }
 }

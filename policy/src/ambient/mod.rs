@@ -217,7 +217,7 @@ pub struct InpodPolicy {
 /// [`enroll`] asks this first, and [`super::reads_namespace_labels`] before the namespace is
 /// looked up.
 #[must_use]
-pub(in crate::policy) fn never_enrolled(
+pub(crate) fn never_enrolled(
     pod: &Pod,
     exclude_namespaces: &[String],
     config: &AmbientConfig,

@@ -6,7 +6,7 @@ use super::{
     HOST_LOOPBACK, ISTIO_OUTPUT, IptablesRules, MANGLE, NAT, OUTPUT, PREROUTING, RAW,
     builder::{BOTH, Builder, IP, restore_text},
 };
-use crate::policy::{
+use crate::{
     MarkRoute, PolicyRoutes,
     ambient::{
         CONNECTION_MARK, CONNECTION_MARK_MASK, InpodPolicy, ZTUNNEL_DNS_PORT,

@@ -15,7 +15,7 @@
 use std::fmt::Write as _;
 
 use super::{MANGLE_TABLE, SidecarCapture, TPROXY};
-use crate::policy::model::{InterceptionMode, RedirectPolicy};
+use crate::model::{InterceptionMode, RedirectPolicy};
 
 impl RedirectPolicy {
     /// What meshcap's nftables backend applies to the pod: Istio's transaction

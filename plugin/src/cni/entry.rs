@@ -1,13 +1,17 @@
-//! meshcap's entry in the CNI configuration: what the plugin is told (the keys of
-//! `meshcap_cni::cni::PluginConfig`), from the agent's settings.
+//! meshcap's entry in the CNI configuration, as the agent writes it from its settings: what the
+//! plugin is told, the keys [`PluginConfig`] reads.
 use std::{path::PathBuf, time::Duration};
 
 use serde_json::{Value, json};
 
-use super::{AGENT_POD_NAMESPACE, AGENT_POD_PREFIX, PLUGIN_TYPE};
-use crate::paths;
+#[cfg(doc)]
+use super::PluginConfig;
+use super::{
+    DEFAULT_AGENT_POD_NAMESPACE, DEFAULT_AGENT_POD_PREFIX, DEFAULT_AGENT_SOCKET,
+    DEFAULT_TIMEOUT_SECONDS, PLUGIN_TYPE,
+};
 
-/// What the plugin is told in its entry: the keys of `meshcap_cni::cni::PluginConfig`.
+/// What the plugin is told in its entry: the keys of [`PluginConfig`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PluginSettings {
     /// The agent's socket (`agent_socket`).
@@ -35,12 +39,12 @@ pub struct PluginSettings {
 impl Default for PluginSettings {
     fn default() -> Self {
         Self {
-            agent_socket: PathBuf::from(paths::AGENT_SOCKET),
+            agent_socket: PathBuf::from(DEFAULT_AGENT_SOCKET),
             exclude_namespaces: vec!["kube-system".to_owned()],
-            agent_pod_namespace: AGENT_POD_NAMESPACE.to_owned(),
-            agent_pod_prefix: AGENT_POD_PREFIX.to_owned(),
+            agent_pod_namespace: DEFAULT_AGENT_POD_NAMESPACE.to_owned(),
+            agent_pod_prefix: DEFAULT_AGENT_POD_PREFIX.to_owned(),
             log_level: "info".to_owned(),
-            timeout: Duration::from_secs(meshcap_cni::cni::DEFAULT_TIMEOUT_SECONDS),
+            timeout: Duration::from_secs(DEFAULT_TIMEOUT_SECONDS),
             kubeconfig: None,
             pod_dir: None,
             ambient_selectors: None,
@@ -92,17 +96,12 @@ mod tests {
         conf["cniVersion"] = "1.0.0".into();
         conf["name"] = "k8s-pod-network".into();
         let bytes = serde_json::to_vec(&conf).expect("JSON");
-        let parsed = meshcap_cni::cni::NetConf::parse(&bytes).expect("the plugin accepts it");
+        let parsed = super::super::NetConf::parse(&bytes).expect("the plugin accepts it");
         let plugin = parsed.meshcap;
         assert_eq!(plugin.agent_socket, settings.agent_socket);
         assert_eq!(plugin.exclude_namespaces, settings.exclude_namespaces);
-        assert_eq!(plugin.agent_pod_namespace, AGENT_POD_NAMESPACE);
-        assert_eq!(plugin.agent_pod_prefix, AGENT_POD_PREFIX);
+        assert_eq!(plugin.agent_pod_namespace, DEFAULT_AGENT_POD_NAMESPACE);
+        assert_eq!(plugin.agent_pod_prefix, DEFAULT_AGENT_POD_PREFIX);
         assert_eq!(plugin.timeout(), Duration::from_secs(7));
-        assert_eq!(
-            paths::AGENT_SOCKET,
-            meshcap_cni::cni::DEFAULT_AGENT_SOCKET,
-            "the plugin's default socket is the agent's"
-        );
     }
 }

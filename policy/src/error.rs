@@ -95,4 +95,13 @@ pub enum ManifestError {
     /// YAML that does not parse.
     #[error("not a pod manifest (YAML): {0}")]
     Yaml(#[from] yaml_serde::Error),
+    /// A `Pod` document does not parse as a pod.
+    #[error("pod {name}: {source}")]
+    Pod {
+        /// The document's `metadata.name`.
+        name: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
 }

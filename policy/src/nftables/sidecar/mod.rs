@@ -8,7 +8,7 @@ mod unclaimed;
 pub use config::{DnsRedirect, OwnerGroups, SidecarCapture};
 
 use super::transaction::{Builder, TableSpec, base, chain};
-use crate::policy::model::{
+use crate::model::{
     DNS_CAPTURE_PORT, DNS_PORT, INBOUND_CAPTURE_PORT, INBOUND_TUNNEL_PORT, InterceptionMode,
     IpRanges, OUTBOUND_CAPTURE_PORT, OUTBOUND_MARK, PortSelection, RedirectPolicy, TPROXY_MARK,
 };

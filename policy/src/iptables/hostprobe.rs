@@ -7,7 +7,7 @@ use super::{
     IptablesRules, NAT,
     builder::{BOTH, Builder, V4, V6, restore_text},
 };
-use crate::policy::{PolicyRoutes, ambient::HostProbeSnat};
+use crate::{PolicyRoutes, ambient::HostProbeSnat};
 
 /// The node's chain, jumped to first from `nat POSTROUTING`.
 pub const ISTIO_POSTRT: &str = "ISTIO_POSTRT";

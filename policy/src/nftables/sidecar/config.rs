@@ -3,7 +3,7 @@
 //! owner groups, the host's loopback range), which the CNI plugin always leaves at its default.
 use std::net::{IpAddr, Ipv4Addr};
 
-use crate::policy::model::{IpPrefix, RedirectPolicy};
+use crate::model::{IpPrefix, RedirectPolicy};
 
 /// Which DNS traffic goes to the agent's DNS proxy (`REDIRECT_DNS`, `CAPTURE_ALL_DNS` and the
 /// resolvers of `istio-nftables`).

@@ -1,7 +1,6 @@
 //! What a policy needs besides packet rules, set up over netlink in the pod's netns: a
 //! policy route by packet mark (TPROXY's, or ambient mode's for replies to ztunnel) and
-//! addresses on `lo`. Both backends install it (through
-//! `crate::podnet::route`); the iptables backend's rules rely on it exactly as Istio's do.
+//! addresses on `lo`. Both of the agent's backends install it (its `podnet::route`); the iptables backend's rules rely on it exactly as Istio's do.
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};

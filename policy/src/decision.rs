@@ -185,7 +185,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
-    use crate::policy::ambient::ambient_keys;
+    use crate::ambient::ambient_keys;
 
     /// A pod of namespace `shop` named `web`, from `spec` and `metadata` (merged into Istio's
     /// injected shape when `injected`).

@@ -2,7 +2,7 @@
 //! `AppendInpodRules`): the same rules, in the same order, in the same three `inet` tables.
 
 use super::transaction::{Builder, TableSpec, base, chain};
-use crate::policy::ambient::{
+use crate::ambient::{
     CONNECTION_MARK, CONNECTION_MARK_MASK, InpodPolicy, ZTUNNEL_DNS_PORT,
     ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
     ZTUNNEL_OUTBOUND_PORT,

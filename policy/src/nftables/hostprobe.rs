@@ -4,7 +4,7 @@
 //! address, which the pod's in-pod rules let through to the app uncaptured.
 
 use super::transaction::{Builder, TableSpec, base};
-use crate::policy::{
+use crate::{
     ambient::HostProbeSnat,
     hostprobe::{PROBE_SET_V4, PROBE_SET_V6},
 };
