@@ -175,6 +175,31 @@ const EBPF: &[(&str, &str)] = &[
         "a pod handed back live from the kernel programs to Istio's rules: the same NAT hook \
          while the rules arrive, conntrack's loose pickup off, held connections kept",
     ),
+    (
+        "takeover::a_sidecar_pod_whose_rules_istio_writes_differently_now_is_left_and_reported",
+        "rules istio-cni wrote that this kernel's netfilter lists back otherwise than Istio's \
+         now are left untouched, never stacked on",
+    ),
+    (
+        "ambient::a_pod_istio_cni_enrolled_is_adopted_where_the_kernel_captures",
+        "an ambient pod istio-cni enrolled keeps Istio's in-pod rules and its ztunnel, and this \
+         kernel's programs never also capture it",
+    ),
+    (
+        "ambient::an_enrollment_in_the_kernel_before_ztunnel_connects_is_retried",
+        "an enrollment rolled back takes only the kernel capture and routes meshcap added on \
+         this kernel, and is retried until ztunnel takes the pod",
+    ),
+    (
+        "ambient::an_ambient_pod_captured_in_the_kernel_is_handed_back",
+        "an ambient pod handed back from this kernel's programs to Istio's in-pod rules, \
+         staying in ztunnel",
+    ),
+    (
+        "switch::istio_cnis_exit_on_the_node_is_survived",
+        "istio-cni's exit clean-up (its host rules and probe sets on this kernel) survived by \
+         the node meshcap took over",
+    ),
 ];
 
 /// Another architecture: the kernel programs through its JIT and on its kernel's own
