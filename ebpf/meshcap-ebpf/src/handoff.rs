@@ -10,11 +10,16 @@
 //! which runs this hook; `bpf_sk_assign` from TC would give the listener a request socket
 //! under a 4-tuple still held, which Linux 6.10 and later refuse (the SYN is dropped).
 //!
+//! And on every kernel, a captured SYN that `bpf_sk_assign` gave the proxy's listener but whose
+//! assignment netfilter's NAT hook took back (a nat rule in the pod's netns: docs/ebpf.md)
+//! comes here to be given that listener again.
+//!
 //! Two parts:
 //! - the TC classifier, for a SYN it decided to capture and whose listener `bpf_sk_assign`
-//!   refused, or which finds a `TIME_WAIT` socket ([`hand_off`]): the listener it found goes
-//!   into [`LISTENERS`] under the pod's netns, port and family, and the connection's 4-tuple
-//!   into [`HANDOFFS`] with that key; the SYN goes on to the socket lookup;
+//!   refused, or which finds a `TIME_WAIT` socket, or which it assigned ([`hand_off`]): the
+//!   listener it found goes into [`LISTENERS`] under the pod's netns, port and family, and the
+//!   connection's 4-tuple into [`HANDOFFS`] with that key; a SYN not assigned goes on to the
+//!   socket lookup, an assigned one only where netfilter undid the assignment;
 //! - [`meshcap_handoff`], attached to every captured pod's netns by the agent (and only then
 //!   does the pod's config carry [`flags::HANDOFF`](meshcap_common::flags::HANDOFF)): a
 //!   listener lookup whose 4-tuple is in [`HANDOFFS`] gets that listener, or the SYN is
@@ -62,15 +67,30 @@ pub unsafe fn hand_off(
         pad: 0,
     };
     let map = core::ptr::from_ref(&LISTENERS).cast_mut().cast::<c_void>();
+    // A listener already recorded under the key stays: the socket lookup's assignment picks
+    // among its reuseport group, and the kernel takes a closed listener out of the map itself.
+    // An update costs several times a lookup (the socket's psock, the bucket's lock), and TC
+    // records every inbound SYN it assigns.
+    // SAFETY: a sockhash lookup returns a referenced socket or null; released once.
+    let known = unsafe {
+        let found = bpf_map_lookup_elem(map, core::ptr::from_ref(&key).cast()).cast::<bpf_sock>();
+        if found.is_null() {
+            false
+        } else {
+            bpf_sk_release(found.cast());
+            true
+        }
+    };
     // SAFETY: a sockhash takes a socket as its value (the caller's referenced listener).
-    let recorded = unsafe {
-        bpf_map_update_elem(
-            map,
-            core::ptr::from_ref(&key).cast(),
-            listener.cast::<c_void>(),
-            0,
-        )
-    } == 0;
+    let recorded = known
+        || unsafe {
+            bpf_map_update_elem(
+                map,
+                core::ptr::from_ref(&key).cast(),
+                listener.cast::<c_void>(),
+                0,
+            )
+        } == 0;
     recorded
         && HANDOFFS
             .insert(flow((src, dst), (sport, dport)), key, 0)

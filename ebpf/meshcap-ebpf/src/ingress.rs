@@ -203,6 +203,14 @@ struct Handoff {
 /// Hands the packet to the listener on `port`; a `SO_REUSEPORT` listener this kernel's
 /// `bpf_sk_assign` refuses through the socket lookup instead when the pod has one (`handoff`;
 /// with [`Handoff::always`] every listener).
+///
+/// A SYN `bpf_sk_assign` gave the listener is also recorded for the pod's socket lookup:
+/// netfilter's NAT hook at `LOCAL_IN` (`nf_nat_ipv4_local_in`, `nf_nat_ipv6_local_in`) takes
+/// the assignment back wherever the pod's netns has NAT hooks and conntrack (a NAT table an
+/// app, a debug container or an operator made after the capture), since a listener's port is
+/// never the connection's reply port; the kernel then looks a listener up for the SYN, which
+/// runs the socket lookup, and the record gives it this listener instead of the app's port.
+/// Where the assignment stands, the socket lookup does not run.
 #[inline(always)]
 fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<Handoff>) -> Result<(), Refused> {
     let (mut t, len) = tuple(p, port, Source::Zeroed);
@@ -220,7 +228,16 @@ fn assign(ctx: &TcContext, p: &Packet, port: u16, handoff: Option<Handoff>) -> R
                 _ => bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0),
             };
             match assigned {
-                0 => Ok(()),
+                0 => {
+                    if let Some(h) = handoff
+                        && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+                    {
+                        // SAFETY: `sk` is the referenced listener of this lookup. A map that
+                        // refuses leaves the assignment as the only way, as before.
+                        let _ = hand_off(h.netns, (p.src, p.dst), (p.sport, p.dport), port, sk);
+                    }
+                    Ok(())
+                }
                 ESOCKTNOSUPPORT => match handoff {
                     // SAFETY: `sk` is the referenced listener of this lookup.
                     Some(h) if hand_off(h.netns, (p.src, p.dst), (p.sport, p.dport), port, sk) => {

@@ -171,6 +171,11 @@ const EBPF: &[(&str, &str)] = &[
          against TC's assignment, conntrack after the rules, the socket lookup before 6.5",
     ),
     (
+        "natchain::",
+        "a nat rule added in a captured pod's netns: this kernel's NAT hook takes TC's \
+         assignment back, and the socket lookup gives the SYN the proxy's listener",
+    ),
+    (
         "handback::a_",
         "a pod handed back live from the kernel programs to Istio's rules: the same NAT hook \
          while the rules arrive, conntrack's loose pickup off, held connections kept",

@@ -152,21 +152,29 @@ impl Node {
         })
     }
 
-    /// A node for inbound capture: [`Self::new`]'s agents and one more eBPF agent whose pods
-    /// get the socket lookup hand-off for every captured connection (`--handoff always`).
-    pub(crate) fn inbound() -> anyhow::Result<Self> {
-        let mut node = Self::new(None)?;
+    /// A node for inbound capture: [`Self::new`]'s agents (the A/B baseline's among them) and
+    /// one more eBPF agent whose pods get the socket lookup hand-off for every captured
+    /// connection (`--handoff always`).
+    pub(crate) fn inbound(baseline: Option<&Baseline>) -> anyhow::Result<Self> {
+        let mut node = Self::new(baseline)?;
         node.handoff =
             Some(Agent::start_handoff(node.handoff_root.path()).map_err(|e| format!("{e:#}")));
         Ok(node)
     }
 
     /// The inbound modes: no capture (the client dials the proxy's port), Istio's rules, the
-    /// kernel with `bpf_sk_assign` and with the hand-off.
+    /// kernel with `bpf_sk_assign` (and the A/B baseline's build of it) and with the hand-off.
     pub(crate) fn inbound_modes(&self) -> Vec<Mode> {
         let mut modes = vec![Mode::Direct, Mode::Iptables];
         if self.ebpf.is_ok() {
             modes.push(Mode::Ebpf);
+        }
+        if self
+            .baseline
+            .as_ref()
+            .is_some_and(|(_, agent)| agent.is_ok())
+        {
+            modes.push(Mode::EbpfBaseline);
         }
         if self.handoff.as_ref().is_some_and(Result::is_ok) {
             modes.push(Mode::EbpfHandoff);

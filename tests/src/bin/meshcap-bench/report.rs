@@ -14,7 +14,7 @@ use meshcap_tests::agent::Backend;
 
 use crate::{
     cost::{self, Costs},
-    pods::{Mode, Node, Pod, exclude_ranges, istio_rules},
+    pods::{Baseline, Mode, Node, Pod, exclude_ranges, istio_rules},
     run::Plan,
     setup::{self},
     stats::{Samples, Table, count, human},
@@ -603,8 +603,13 @@ pub(crate) fn repair_in_place(plan: &Plan) -> String {
 /// every captured connection handed off through the socket lookup as on kernels before 6.5
 /// (forced: this kernel never needs it). Short connections only: round trips and bulk of an
 /// established connection do not go near either.
-pub(crate) fn inbound(plan: &Plan, exe: &Path, cpu: usize) -> anyhow::Result<String> {
-    let node = Node::inbound()?;
+pub(crate) fn inbound(
+    plan: &Plan,
+    exe: &Path,
+    cpu: usize,
+    baseline: Option<&Baseline>,
+) -> anyhow::Result<String> {
+    let node = Node::inbound(baseline)?;
     let modes = node.inbound_modes();
     let pods: Vec<Pod> = modes
         .iter()
@@ -625,11 +630,12 @@ pub(crate) fn inbound(plan: &Plan, exe: &Path, cpu: usize) -> anyhow::Result<Str
         Some((&node, plan.cost, &mut costs)),
     )?;
     let mut ratios: Vec<(usize, usize)> = (1..modes.len()).map(|i| (i, 0)).collect();
-    if let (Some(kernel), Some(handoff)) = (
-        modes.iter().position(|&m| m == Mode::Ebpf),
-        modes.iter().position(|&m| m == Mode::EbpfHandoff),
-    ) {
+    let at = |mode| modes.iter().position(|&m| m == mode);
+    if let (Some(kernel), Some(handoff)) = (at(Mode::Ebpf), at(Mode::EbpfHandoff)) {
         ratios.push((handoff, kernel));
+    }
+    if let (Some(kernel), Some(baseline)) = (at(Mode::Ebpf), at(Mode::EbpfBaseline)) {
+        ratios.push((kernel, baseline));
     }
     let table = data_table_with(&modes, &results, ratios);
     let mut out = format!(

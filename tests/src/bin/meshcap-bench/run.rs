@@ -219,7 +219,7 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     }
     if opts.wants(Section::Inbound) {
         eprintln!("meshcap-bench: inbound, {} rounds", plan.rounds);
-        report.push_str(&inbound(&plan, &exe, cpu)?);
+        report.push_str(&inbound(&plan, &exe, cpu, opts.baseline.as_ref())?);
     }
     if let Some(node) = node.as_ref().filter(|_| opts.wants(Section::PolicyScale)) {
         eprintln!("meshcap-bench: policy scale, {} rounds", plan.scale_rounds);
