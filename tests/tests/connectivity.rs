@@ -157,7 +157,7 @@ fn node_results(agent: &Agent, captured: bool) -> NodeResults {
 }
 
 fn backends() -> Vec<Backend> {
-    let mut backends = vec![Backend::Iptables];
+    let mut backends = vec![Backend::Iptables, Backend::Nftables];
     if ebpf_runs_here() {
         backends.push(Backend::Ebpf);
     }
@@ -284,7 +284,7 @@ fn assert_valid(objects: &[Value]) {
         "{}: run `cargo xtask setup`",
         validate.display()
     );
-    let dir = tempfile::tempdir().expect("temp dir");
+    let dir = ManifestDir::new();
     let mut files = Vec::new();
     for (i, object) in objects.iter().enumerate() {
         let mut object = object.clone();
@@ -292,7 +292,7 @@ fn assert_valid(objects: &[Value]) {
         object["metadata"]
             .as_object_mut()
             .map(|m| ["uid", "resourceVersion"].map(|k| m.remove(k)));
-        let file = dir.path().join(format!("{i}.yaml"));
+        let file = dir.0.join(format!("{i}.yaml"));
         std::fs::write(&file, object.to_string()).expect("writing");
         files.push(file);
     }
@@ -314,8 +314,8 @@ fn assert_valid(objects: &[Value]) {
 #[test]
 fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
     let server = ApiServer::start();
-    let dir = tempfile::tempdir().expect("temp dir");
-    let kubeconfig = operator(&server, dir.path());
+    let dir = ManifestDir::new();
+    let kubeconfig = operator(&server, &dir.0);
     // What a killed run left, and a namespace of someone else's.
     for (name, labels) in [
         (

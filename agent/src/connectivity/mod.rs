@@ -117,8 +117,8 @@ pub fn connectivity_test(args: &ConnectivityArgs) -> anyhow::Result<bool> {
         let report = tokio::select! {
             report = run::run(&client, &plan, &options) => report?,
             _ = tokio::signal::ctrl_c() => {
-                let removed = run::remove_leftovers(&client).await?;
-                anyhow::bail!("interrupted; removed {}", removed.join(", "));
+                run::delete_namespace(&client, &plan.namespace).await?;
+                anyhow::bail!("interrupted; deleted namespace {}", plan.namespace);
             }
         };
         println!("{report}");

@@ -77,13 +77,21 @@ pub async fn remove_leftovers(client: &Client) -> Result<Vec<String>, RunError> 
         let Some(name) = ns.metadata.name else {
             continue;
         };
-        delete_namespace(&api, &name).await?;
+        delete(&api, &name).await?;
         removed.push(name);
     }
     Ok(removed)
 }
 
-async fn delete_namespace(api: &Api<Namespace>, name: &str) -> Result<(), RunError> {
+/// Deletes the namespace `name` (gone already is fine).
+///
+/// # Errors
+/// When the API server refuses.
+pub async fn delete_namespace(client: &Client, name: &str) -> Result<(), RunError> {
+    delete(&Api::all(client.clone()), name).await
+}
+
+async fn delete(api: &Api<Namespace>, name: &str) -> Result<(), RunError> {
     match api.delete(name, &DeleteParams::background()).await {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
@@ -116,10 +124,9 @@ async fn nodes(client: &Client, named: &[String]) -> Result<Vec<String>, RunErro
 /// # Errors
 /// When the cluster refuses what the test needs (it then still tries to delete the namespace).
 pub async fn run(client: &Client, plan: &Plan, options: &Options) -> Result<Report, RunError> {
-    let namespaces: Api<Namespace> = Api::all(client.clone());
     let outcome = checks(client, plan, options).await;
     if !options.keep {
-        let deleted = delete_namespace(&namespaces, &plan.namespace).await;
+        let deleted = delete_namespace(client, &plan.namespace).await;
         if outcome.is_ok() {
             deleted?;
         }
