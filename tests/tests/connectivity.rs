@@ -336,7 +336,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
     );
     for check in Check::ALL {
         let line = format!(
-            "{NODE}  {:16}  FAIL: pod server-0 has no address: not scheduled (no status)",
+            "{NODE}  {:16}  FAIL: pod server-0 is not running: not scheduled (no status)",
             check.title()
         );
         assert!(out.contains(&line), "{line:?} in:\n{out}");

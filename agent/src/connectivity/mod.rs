@@ -106,7 +106,9 @@ pub fn connectivity_test(args: &ConnectivityArgs) -> anyhow::Result<bool> {
             Some(image) => image.clone(),
             None => daemon_set_image(&client, args).await?,
         };
-        let plan = plan::Plan::new(suffix(), &image, args.timeout);
+        // The apps dial again only while their peer may not listen yet (a container of the
+        // same pod starting): a third of the run.
+        let plan = plan::Plan::new(suffix(), &image, (args.timeout / 3).max(5));
         let options = run::Options {
             nodes: args.nodes.clone(),
             image,

@@ -272,7 +272,7 @@ impl Round<'_> {
                     None if Instant::now() >= self.deadline => {
                         self.stuck.insert(
                             name.clone(),
-                            format!("pod {name} has no address: {}", state(&pod)),
+                            format!("pod {name} is not running: {}", state(&pod)),
                         );
                     }
                     None => still.push(name),
@@ -322,9 +322,18 @@ impl Round<'_> {
     }
 }
 
-/// The pod's address, once it has one.
+/// The pod's address, once its containers have started: a pod gets its address with its
+/// sandbox, before they run.
 fn address(pod: &Pod) -> Option<IpAddr> {
-    pod.status.as_ref()?.pod_ip.as_deref()?.parse().ok()
+    let status = pod.status.as_ref()?;
+    let started = matches!(
+        status.phase.as_deref(),
+        Some("Running" | "Succeeded" | "Failed")
+    );
+    if !started {
+        return None;
+    }
+    status.pod_ip.as_deref()?.parse().ok()
 }
 
 /// Whether the `app` container has exited.
