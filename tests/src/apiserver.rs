@@ -17,7 +17,7 @@
 //! watch of DaemonSets (one name, by field selector), a JSON patch of a Node, DELETE of a pod with
 //! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), creation and merge patch of
 //! `events.k8s.io/v1` Events, creation of Namespaces and pods, deletion of a Namespace with its
-//! pods, lists of Nodes and of Namespaces by label, with real JSON on the real paths; kube-rs is
+//! pods, lists of Nodes and of Namespaces by label, a pod's log ([`ApiServer::pod_logs`]), with real JSON on the real paths; kube-rs is
 //! the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
@@ -115,6 +115,9 @@ pub struct ApiServer {
     pub hold_namespace_gets: Arc<AtomicBool>,
     /// The GETs and lists of Namespaces that waited.
     pub held_namespace_gets: Arc<AtomicUsize>,
+    /// What `GET …/pods/NAME/log` answers, by namespace and pod (any container): a test
+    /// playing kubelet fills it.
+    pub pod_logs: Arc<Mutex<Vec<(String, String, String)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -175,6 +178,7 @@ impl ApiServer {
             watch_epoch: Arc::default(),
             hold_namespace_gets: Arc::default(),
             held_namespace_gets: Arc::default(),
+            pod_logs: Arc::default(),
             stop: Arc::default(),
         };
         server.install(objects);
@@ -192,6 +196,7 @@ impl ApiServer {
             watch_epoch: server.watch_epoch.clone(),
             hold_namespace_gets: server.hold_namespace_gets.clone(),
             held_namespace_gets: server.held_namespace_gets.clone(),
+            pod_logs: server.pod_logs.clone(),
             stop: server.stop.clone(),
         };
         thread::spawn(move || {
@@ -603,6 +608,7 @@ struct Served {
     watch_epoch: Arc<AtomicUsize>,
     hold_namespace_gets: Arc<AtomicBool>,
     held_namespace_gets: Arc<AtomicUsize>,
+    pod_logs: Arc<Mutex<Vec<(String, String, String)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -1046,6 +1052,25 @@ fn route_request(
             create(stream, state, route, "pods", pod, |s| {
                 (&*s.pods, &*s.changes)
             });
+        }
+        ["api", "v1", "namespaces", ns, "pods", name, "log"] => {
+            let log = state
+                .pod_logs
+                .lock()
+                .expect("logs")
+                .iter()
+                .find(|(n, p, _)| n == ns && p == name)
+                .map(|(_, _, log)| log.clone());
+            match log {
+                Some(log) => {
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{log}",
+                        log.len()
+                    );
+                }
+                None => not_found(stream, "pods", name),
+            }
         }
         ["api", "v1", "namespaces", name] if method == "DELETE" => {
             delete_namespace(stream, state, route, name);

@@ -411,3 +411,163 @@ fn every_pod_of_a_node_is_valid_for_kubernetes() {
         plan.outside(0, NODE, server, sidecar),
     ]);
 }
+
+/// Plays kubelet for the test's pods until `stop`: each new one gets an address and a status
+/// (its `app` ended), and its app's log the answers a node gives: the capture in place, except
+/// on `uncaptured`'s node, where the sidecar pod's outbound connection reaches the server
+/// itself. Each answer echoes the target the run wrote into the pod's command, so an address
+/// carried wrongly from one round of pods to the next fails a check.
+fn kubelet(server: &ApiServer, uncaptured: &str, stop: &std::sync::atomic::AtomicBool) {
+    use std::sync::atomic::Ordering;
+    let mut next = 1;
+    while !stop.load(Ordering::SeqCst) {
+        let new: Vec<Value> = server
+            .pods
+            .lock()
+            .expect("pods")
+            .iter()
+            .filter(|p| managed(p) && p["status"].is_null())
+            .cloned()
+            .collect();
+        for mut pod in new {
+            let ip = format!("10.9.0.{next}");
+            next += 1;
+            let name = pod["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let node = pod["spec"]["nodeName"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let statuses: Vec<Value> = pod["spec"]["containers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|c| {
+                    let state = if c["name"] == "app" {
+                        json!({"terminated": {"exitCode": 0}})
+                    } else {
+                        json!({"running": {}})
+                    };
+                    json!({"name": c["name"], "image": c["image"], "imageID": "", "ready": true,
+                           "restartCount": 0, "state": state})
+                })
+                .collect();
+            let log = app_log(&pod, &ip, node == uncaptured);
+            pod["status"] = json!({"phase": "Running", "podIP": ip, "containerStatuses": statuses});
+            let namespace = pod["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            server
+                .pod_logs
+                .lock()
+                .expect("logs")
+                .push((namespace, name, log));
+            server.apply_pod(pod);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// What the `app` of `pod` (at `ip`) prints on a node that captures as Istio would (the
+/// sidecar pod's outbound not captured when `uncaptured`).
+fn app_log(pod: &Value, ip: &str, uncaptured: bool) -> String {
+    let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+    let Some(app) = pod["spec"]["containers"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["name"] == "app"))
+    else {
+        return String::new();
+    };
+    let mut log = String::from("a line that is not a result\n");
+    for arg in app["command"].as_array().into_iter().flatten() {
+        let Some((target, to)) = arg.as_str().and_then(|a| a.split_once('=')) else {
+            continue;
+        };
+        let to: SocketAddr = to.parse().expect("a target address");
+        let (role, listener, original_dst) = match (name.split('-').next(), target) {
+            (Some("sidecar"), _) if !uncaptured => ("proxy", 15001, Some(to)),
+            (Some("outside"), "sidecar") => ("proxy", 15006, Some(to)),
+            _ => ("server", to.port(), None),
+        };
+        let answer = json!({"role": role, "listener": listener, "local": to,
+                            "peer": format!("{ip}:40000"), "original_dst": original_dst});
+        log += &format!("{}\n", json!({"name": target, "to": to, "answer": answer}));
+    }
+    log
+}
+
+#[test]
+fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
+    let server = ApiServer::start();
+    server.nodes.lock().expect("nodes").push(json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-2", "uid": "node-uid-2"}, "spec": {},
+    }));
+    let dir = ManifestDir::new();
+    let kubeconfig = operator(&server, &dir.0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (every, one) = std::thread::scope(|s| {
+        s.spawn(|| kubelet(&server, "node-2", &stop));
+        let every = connectivity_test(&kubeconfig, &["--timeout", "60"]);
+        let one = connectivity_test(&kubeconfig, &["--timeout", "60", "--node", NODE]);
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (every, one)
+    });
+
+    let (code, out) = every;
+    assert_eq!(code, Some(1), "{out}");
+    for check in Check::ALL {
+        let line = format!("{NODE}  {:16}  ok", check.title());
+        assert!(out.contains(&line), "{line:?} in:\n{out}");
+    }
+    assert!(
+        out.contains("node-2  sidecar outbound  FAIL: not captured: the server answered on port 8080 (original destination none)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAILED: 7 ok, 1 failed, 0 not checked"),
+        "{out}"
+    );
+    let (code, out) = one;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("PASSED: 4 ok, 0 failed, 0 not checked"),
+        "{out}"
+    );
+    assert!(!out.contains("node-2"), "{out}");
+
+    // The second round's pods dial the first round's server, the third's the sidecar pod.
+    let objects = created(&server);
+    let pod = |name: &str| {
+        objects
+            .iter()
+            .find(|o| o["metadata"]["name"] == name && o["kind"] == "Pod")
+            .unwrap_or_else(|| panic!("{name} created"))
+    };
+    assert_eq!(pod("sidecar-1")["spec"]["nodeName"], "node-2");
+    assert_eq!(
+        pod("excluded-0")["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeOutboundIPRanges"],
+        "10.9.0.1/32",
+        "the server of node-1 got the first address"
+    );
+    assert!(
+        pod("outside-0")["spec"]["containers"][0]["command"]
+            .to_string()
+            .contains("\"server=10.9.0.1:8080\"")
+    );
+    assert!(
+        server
+            .namespaces
+            .lock()
+            .expect("namespaces")
+            .iter()
+            .all(|n| !managed(n))
+    );
+    assert_eq!(
+        server.refused(),
+        Vec::new(),
+        "the documented permissions suffice"
+    );
+}
