@@ -11,6 +11,8 @@
 //! not scheduled, after creating the namespace and the servers as `plan` says (manifests valid
 //! for Kubernetes), removing a killed run's namespace by its label first, and deleting its own
 //! namespace at the end unless `--keep`; all with only the permissions docs/install.md lists.
+//! With the test playing kubelet (addresses, statuses and logs), the rounds carry each pod's
+//! address to the next, and the logs are read and judged per node.
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -262,6 +264,13 @@ fn managed(object: &Value) -> bool {
     object["metadata"]["labels"][MANAGED_BY.0] == MANAGED_BY.1
 }
 
+/// Whether a run created a pod on `node`.
+fn objects_on(server: &ApiServer, node: &str) -> bool {
+    created(server)
+        .iter()
+        .any(|o| o["spec"]["nodeName"] == node)
+}
+
 /// The objects the runs created (POSTs), in order.
 fn created(server: &ApiServer) -> Vec<Value> {
     let writes = server.writes.lock().expect("writes");
@@ -502,9 +511,15 @@ fn app_log(pod: &Value, ip: &str, uncaptured: bool) -> String {
 #[test]
 fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
     let server = ApiServer::start();
-    server.nodes.lock().expect("nodes").push(json!({
+    let mut nodes = server.nodes.lock().expect("nodes");
+    nodes.push(json!({
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-2", "uid": "node-uid-2"}, "spec": {},
     }));
+    nodes.push(json!({
+        "apiVersion": "v1", "kind": "Node", "spec": {},
+        "metadata": {"name": "windows-1", "uid": "node-uid-3", "labels": {"kubernetes.io/os": "windows"}},
+    }));
+    drop(nodes);
     let dir = ManifestDir::new();
     let kubeconfig = operator(&server, &dir.0);
     let stop = std::sync::atomic::AtomicBool::new(false);
@@ -537,6 +552,10 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
+    assert!(
+        !objects_on(&server, "windows-1"),
+        "no pod on a node of another system"
+    );
 
     // The second round's pods dial the first round's server, the third's the sidecar pod.
     let objects = created(&server);

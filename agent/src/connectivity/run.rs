@@ -99,7 +99,8 @@ async fn delete(api: &Api<Namespace>, name: &str) -> Result<(), RunError> {
     }
 }
 
-/// The nodes to check: the named ones, or every node of the cluster.
+/// The nodes to check: the named ones, or every Linux node of the cluster (a node labelled
+/// `kubernetes.io/os` with another system runs neither meshcap nor its image).
 async fn nodes(client: &Client, named: &[String]) -> Result<Vec<String>, RunError> {
     if !named.is_empty() {
         return Ok(named.to_vec());
@@ -111,6 +112,13 @@ async fn nodes(client: &Client, named: &[String]) -> Result<Vec<String>, RunErro
     let names: Vec<String> = list
         .items
         .into_iter()
+        .filter(|n| {
+            n.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("kubernetes.io/os"))
+                .is_none_or(|os| os == "linux")
+        })
         .filter_map(|n| n.metadata.name)
         .collect();
     if names.is_empty() {
