@@ -122,7 +122,8 @@ impl TestPod {
 
     /// The stand-in proxy in the pod, as Envoy's uid, on 15001 and 15006.
     fn proxy(&self) -> Proc {
-        let listen = ["0.0.0.0:15001".to_owned(), "0.0.0.0:15006".to_owned()];
+        let listen =
+            ["0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006"].map(str::to_owned);
         serve(self.wired.in_pod(PROXY_UID), "proxy", &listen)
     }
 }

@@ -44,6 +44,18 @@ const PROXY_UID: u32 = 1337;
 /// container is `istio-validation`).
 const SIDECAR_STATUS: &str = r#"{"initContainers":["istio-validation"],"containers":["istio-proxy"],"volumes":[],"imagePullSecrets":null,"revision":"default"}"#;
 
+/// `serve` as `role` on `ports`, of both families (Envoy's listeners are on `0.0.0.0` and
+/// `[::]`): whichever the pod's address is; a family the node's kernel lacks is skipped.
+fn serve(role: &str, ports: &[u16]) -> Vec<String> {
+    let mut args = vec!["serve".to_owned(), "--role".to_owned(), role.to_owned()];
+    for port in ports {
+        for addr in [format!("0.0.0.0:{port}"), format!("[::]:{port}")] {
+            args.extend(["--listen".to_owned(), addr]);
+        }
+    }
+    args
+}
+
 /// The pods of one node, by role.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -106,12 +118,7 @@ impl Plan {
     /// The server of node `node` (number `index`).
     #[must_use]
     pub fn server(&self, index: usize, node: &str) -> Value {
-        let listen = format!("0.0.0.0:{SERVER_PORT}");
-        let server = self.container(
-            "server",
-            APP_UID,
-            &["serve", "--role", "server", "--listen", &listen],
-        );
+        let server = self.container("server", APP_UID, &serve("server", &[SERVER_PORT]));
         self.pod(Role::Server, index, node, &json!({}), vec![server])
     }
 
@@ -157,16 +164,10 @@ impl Plan {
         for (key, value) in extra.as_object().into_iter().flatten() {
             annotations[key] = value.clone();
         }
-        let (outbound, inbound) = (
-            format!("0.0.0.0:{OUTBOUND_PORT}"),
-            format!("0.0.0.0:{INBOUND_PORT}"),
-        );
         let proxy = self.container(
             "istio-proxy",
             PROXY_UID,
-            &[
-                "serve", "--role", "proxy", "--listen", &outbound, "--listen", &inbound,
-            ],
+            &serve("proxy", &[OUTBOUND_PORT, INBOUND_PORT]),
         );
         let app = self.app(&[(target::SERVER, server)]);
         self.pod(role, index, node, &annotations, vec![app, proxy])
@@ -181,9 +182,9 @@ impl Plan {
     }
 
     /// A container running `meshcap-agent probe-pod ARGS` as `uid`, PodSecurity `restricted`.
-    fn container(&self, name: &str, uid: u32, args: &[&str]) -> Value {
+    fn container(&self, name: &str, uid: u32, args: &[impl AsRef<str>]) -> Value {
         let mut command = vec![AGENT_PATH, "probe-pod"];
-        command.extend_from_slice(args);
+        command.extend(args.iter().map(AsRef::as_ref));
         json!({
             "name": name, "image": self.image, "imagePullPolicy": "IfNotPresent",
             "command": command,
@@ -255,7 +256,9 @@ mod tests {
         assert_eq!(proxy["securityContext"]["runAsUser"], 1337);
         let command = proxy["command"].to_string();
         assert!(
-            command.contains("0.0.0.0:15001") && command.contains("0.0.0.0:15006"),
+            ["0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006"]
+                .iter()
+                .all(|a| command.contains(a)),
             "{command}"
         );
         let app = &pod["spec"]["containers"][0];

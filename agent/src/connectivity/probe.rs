@@ -66,6 +66,8 @@ pub enum ProbeError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("no address family of the listeners is supported here")]
+    NoListener,
     #[error("the target {0:?} is not NAME=ADDR:PORT")]
     Target(String),
     #[error("writing the results: {0}")]
@@ -86,15 +88,26 @@ pub fn target(text: &str) -> Result<(String, SocketAddr), ProbeError> {
     Ok((name.to_owned(), addr))
 }
 
-/// Listens on every address of `listen` and answers each connection with an [`Answer`] of
-/// `role`, until killed. Prints `ready` once every listener is bound.
+/// Listens on every address of `listen` (those of a family the kernel lacks skipped) and
+/// answers each connection with an [`Answer`] of `role`, until killed. Prints `ready` once
+/// every listener is bound.
 ///
 /// # Errors
-/// When a listener cannot be bound.
+/// When a listener cannot be bound, or none can.
 pub fn serve(role: &str, listen: &[SocketAddr]) -> Result<(), ProbeError> {
     let mut listeners = Vec::new();
     for &addr in listen {
-        listeners.push(bind(addr).map_err(|source| ProbeError::Bind { addr, source })?);
+        match bind(addr) {
+            Ok(listener) => listeners.push(listener),
+            // IPv6 (or IPv4) compiled out or disabled at boot: that family's pods do not exist.
+            Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
+                eprintln!("not listening on {addr}: {e}");
+            }
+            Err(source) => return Err(ProbeError::Bind { addr, source }),
+        }
+    }
+    if listeners.is_empty() {
+        return Err(ProbeError::NoListener);
     }
     let mut out = std::io::stdout();
     writeln!(out, "ready")?;
@@ -278,6 +291,21 @@ mod tests {
         assert_eq!(answer.listener, addr.port());
         assert_eq!(answer.local, addr);
         assert_eq!(answer.original_dst, None, "nothing redirected it");
+    }
+
+    #[test]
+    fn an_ipv6_server_answers_with_what_it_saw() {
+        let listener = bind("[::1]:0".parse().expect("addr")).expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = thread::spawn(move || {
+            let (stream, _) = listener.accept().expect("accept");
+            answer("proxy", addr.port(), &stream).expect("answer");
+        });
+        let dialled = dial_one("s", addr, Instant::now());
+        server.join().expect("server");
+        let answer = dialled.answer.expect("an answer");
+        assert_eq!((answer.role.as_str(), answer.local), ("proxy", addr));
+        assert!(answer.peer.is_ipv6(), "{answer:?}");
     }
 
     #[test]
