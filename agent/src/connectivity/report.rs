@@ -71,8 +71,7 @@ pub fn results(log: &str) -> Vec<Dialled> {
 }
 
 /// The result for the target `name` among `results`.
-#[must_use]
-pub fn find<'a>(results: &'a [Dialled], name: &str) -> Option<&'a Dialled> {
+fn find<'a>(results: &'a [Dialled], name: &str) -> Option<&'a Dialled> {
     results.iter().find(|d| d.name == name)
 }
 
@@ -203,16 +202,6 @@ impl Report {
             .iter()
             .flat_map(|(_, outcomes)| outcomes)
             .any(|(_, o)| matches!(o, Outcome::Fail(_)))
-    }
-
-    /// The outcome of `check` on `node`.
-    #[must_use]
-    pub fn outcome(&self, node: &str, check: Check) -> Option<&Outcome> {
-        self.nodes
-            .iter()
-            .find(|(n, _)| n == node)
-            .and_then(|(_, o)| o.iter().find(|(c, _)| *c == check))
-            .map(|(_, o)| o)
     }
 }
 

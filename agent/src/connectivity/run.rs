@@ -356,8 +356,7 @@ fn app_ended(pod: &Pod) -> bool {
 
 /// The pod's state in words: its phase and the reason a container waits, or that it was never
 /// scheduled.
-#[must_use]
-pub fn state(pod: &Pod) -> String {
+fn state(pod: &Pod) -> String {
     let Some(status) = &pod.status else {
         return "not scheduled (no status)".into();
     };
