@@ -19,6 +19,8 @@
 //!   backend chosen to serve it;
 //! - [`bpf`]: the embedded kernel programs and how they are loaded;
 //! - [`cgroup`]: finding the cgroup v2 hierarchy the programs attach to;
+//! - [`connectivity`]: `connectivity-test`, an operator's check of their cluster with pods of
+//!   Istio's injected shape and not, and `probe-pod`, the workload those pods run;
 //! - [`crashpoint`]: named points where the crash-consistency tests have the agent die;
 //! - [`decide`]: a pod's decision without the agent, for the plugin while the agent is down;
 //! - [`enrollment`]: ambient mode's live enrollment: running pods join and leave as their
@@ -78,6 +80,7 @@ pub mod api;
 pub mod backend;
 pub mod bpf;
 pub mod cgroup;
+pub mod connectivity;
 pub mod crashpoint;
 pub mod decide;
 pub mod enrollment;

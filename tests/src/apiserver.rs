@@ -16,7 +16,9 @@
 //! resourceVersion it asks from) and of namespaces ([`ApiServer::apply_namespace`]), GET of one pod, DaemonSet, Node or Namespace, list and
 //! watch of DaemonSets (one name, by field selector), a JSON patch of a Node, DELETE of a pod with
 //! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), creation and merge patch of
-//! `events.k8s.io/v1` Events, with real JSON on the real paths; kube-rs is the client.
+//! `events.k8s.io/v1` Events, creation of Namespaces and pods, deletion of a Namespace with its
+//! pods, lists of Nodes and of Namespaces by label, a pod's log ([`ApiServer::pod_logs`]), with real JSON on the real paths; kube-rs is
+//! the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{TcpListener, TcpStream},
@@ -93,8 +95,9 @@ pub struct ApiServer {
     pub nodes: Arc<Mutex<Vec<Value>>>,
     /// The Events created through it (POST), in order.
     pub events: Arc<Mutex<Vec<Value>>>,
-    /// The requests that changed pods (`DELETE …/pods/NAME` and `PATCH …/pods/NAME/status`):
-    /// method, path and body, in order.
+    /// The requests that changed pods (`DELETE …/pods/NAME` and `PATCH …/pods/NAME/status`)
+    /// and the creations (`POST`, with the object stored) and namespace deletions (`DELETE
+    /// /api/v1/namespaces/NAME`, body null): method, path and body, in order.
     pub writes: Arc<Mutex<Vec<(String, String, Value)>>>,
     /// Every change a watch streams (`ADDED`, `MODIFIED`, `DELETED` and the pod); a change's
     /// index + 1 is its resourceVersion.
@@ -112,6 +115,9 @@ pub struct ApiServer {
     pub hold_namespace_gets: Arc<AtomicBool>,
     /// The GETs and lists of Namespaces that waited.
     pub held_namespace_gets: Arc<AtomicUsize>,
+    /// What `GET …/pods/NAME/log` answers, by namespace and pod (any container): a test
+    /// playing kubelet fills it.
+    pub pod_logs: Arc<Mutex<Vec<(String, String, String)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -172,6 +178,7 @@ impl ApiServer {
             watch_epoch: Arc::default(),
             hold_namespace_gets: Arc::default(),
             held_namespace_gets: Arc::default(),
+            pod_logs: Arc::default(),
             stop: Arc::default(),
         };
         server.install(objects);
@@ -189,6 +196,7 @@ impl ApiServer {
             watch_epoch: server.watch_epoch.clone(),
             hold_namespace_gets: server.hold_namespace_gets.clone(),
             held_namespace_gets: server.held_namespace_gets.clone(),
+            pod_logs: server.pod_logs.clone(),
             stop: server.stop.clone(),
         };
         thread::spawn(move || {
@@ -600,6 +608,7 @@ struct Served {
     watch_epoch: Arc<AtomicUsize>,
     hold_namespace_gets: Arc<AtomicBool>,
     held_namespace_gets: Arc<AtomicUsize>,
+    pod_logs: Arc<Mutex<Vec<(String, String, String)>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -1031,9 +1040,64 @@ fn route_request(
                 );
             }
         }
+        ["api", "v1", "namespaces"] if method == "POST" => {
+            let namespace: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            create(stream, state, route, "namespaces", namespace, |s| {
+                (&*s.namespaces, &*s.namespace_changes)
+            });
+        }
+        ["api", "v1", "namespaces", ns, "pods"] if method == "POST" => {
+            let mut pod: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            pod["metadata"]["namespace"] = json!(ns);
+            create(stream, state, route, "pods", pod, |s| {
+                (&*s.pods, &*s.changes)
+            });
+        }
+        ["api", "v1", "namespaces", ns, "pods", name, "log"] => {
+            let log = state
+                .pod_logs
+                .lock()
+                .expect("logs")
+                .iter()
+                .find(|(n, p, _)| n == ns && p == name)
+                .map(|(_, _, log)| log.clone());
+            match log {
+                Some(log) => {
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{log}",
+                        log.len()
+                    );
+                }
+                None => not_found(stream, "pods", name),
+            }
+        }
+        ["api", "v1", "namespaces", name] if method == "DELETE" => {
+            delete_namespace(stream, state, route, name);
+        }
+        ["api", "v1", "nodes"] => {
+            let items = state.nodes.lock().expect("nodes").clone();
+            respond(
+                stream,
+                "200 OK",
+                &json!({"apiVersion": "v1", "kind": "NodeList", "metadata": {"resourceVersion": "1"}, "items": items}),
+            );
+        }
         ["api", "v1", "namespaces"] => {
             hold(state);
-            let items = state.namespaces.lock().expect("namespaces").clone();
+            let selected = labels_selected(query);
+            let items: Vec<Value> = state
+                .namespaces
+                .lock()
+                .expect("namespaces")
+                .iter()
+                .filter(|n| {
+                    selected
+                        .iter()
+                        .all(|(k, v)| n["metadata"]["labels"][k] == v.as_str())
+                })
+                .cloned()
+                .collect();
             let version = state
                 .namespace_changes
                 .lock()
@@ -1194,4 +1258,97 @@ fn route_request(
             &Value::Null,
         ),
     }
+}
+
+/// The `KEY=VALUE` terms of the label selector in `query` (URL-encoded or not).
+fn labels_selected(query: &str) -> Vec<(String, String)> {
+    let Some(value) = param(query, "labelSelector") else {
+        return Vec::new();
+    };
+    let value = value
+        .replace("%3D", "=")
+        .replace("%3d", "=")
+        .replace("%2F", "/")
+        .replace("%2f", "/")
+        .replace("%2C", ",")
+        .replace("%2c", ",");
+    value
+        .split(',')
+        .filter_map(|term| term.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// A POST creating `object` among the `resource` that `store` picks: 409 when its namesake
+/// exists, else stored with a uid (and logged in [`ApiServer::writes`]).
+fn create(
+    stream: &mut TcpStream,
+    state: &Served,
+    route: &str,
+    resource: &str,
+    mut object: Value,
+    store: impl Fn(&Served) -> (&Mutex<Vec<Value>>, &Mutex<Vec<(String, Value)>>),
+) {
+    let (objects, changes) = store(state);
+    let name = object["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let exists = objects.lock().expect("objects").iter().any(|o| {
+        o["metadata"]["name"] == name.as_str()
+            && o["metadata"]["namespace"] == object["metadata"]["namespace"]
+    });
+    if exists {
+        return status(
+            stream,
+            409,
+            "AlreadyExists",
+            &format!("{resource} \"{name}\" already exists"),
+            &json!({"name": name, "kind": resource}),
+        );
+    }
+    object["metadata"]["uid"] = json!(format!("{resource}-{name}"));
+    state
+        .writes
+        .lock()
+        .expect("writes")
+        .push(("POST".into(), route.to_owned(), object.clone()));
+    record(objects, changes, object.clone());
+    respond(stream, "201 Created", &object);
+}
+
+/// A namespace deleted, with its pods, at once (no finalizers here).
+fn delete_namespace(stream: &mut TcpStream, state: &Served, route: &str, name: &str) {
+    let mut namespaces = state.namespaces.lock().expect("namespaces");
+    let Some(index) = namespaces
+        .iter()
+        .position(|n| n["metadata"]["name"] == name)
+    else {
+        drop(namespaces);
+        return not_found(stream, "namespaces", name);
+    };
+    let namespace = namespaces.remove(index);
+    drop(namespaces);
+    state
+        .writes
+        .lock()
+        .expect("writes")
+        .push(("DELETE".into(), route.to_owned(), Value::Null));
+    state
+        .namespace_changes
+        .lock()
+        .expect("changes")
+        .push(("DELETED".into(), namespace.clone()));
+    let mut pods = state.pods.lock().expect("pods");
+    let (gone, kept): (Vec<Value>, Vec<Value>) = pods
+        .drain(..)
+        .partition(|p| p["metadata"]["namespace"] == name);
+    *pods = kept;
+    drop(pods);
+    let mut changes = state.changes.lock().expect("changes");
+    for pod in gone {
+        changes.push(("DELETED".into(), pod));
+    }
+    drop(changes);
+    respond(stream, "200 OK", &namespace);
 }

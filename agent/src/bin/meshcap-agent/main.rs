@@ -14,7 +14,7 @@ mod wiring;
 use std::{path::PathBuf, process::ExitCode};
 
 use clap::{Parser, Subcommand};
-use meshcap_agent::{backend::ebpf, logging, settings};
+use meshcap_agent::{backend::ebpf, connectivity, logging, settings};
 use run::RunArgs;
 
 #[derive(Parser)]
@@ -92,6 +92,13 @@ enum Command {
     /// redirect policy, or the exact iptables or nftables rules (a dry run, as
     /// `istio-iptables --dry-run`).
     Policy(commands::PolicyArgs),
+    /// Check the cluster with test pods on each node, as an operator (with a kubeconfig):
+    /// a sidecar-shaped pod's outbound and inbound capture, an excluded range, a pod outside
+    /// the mesh left alone. Prints a table; exits non-zero when a check fails.
+    ConnectivityTest(connectivity::ConnectivityArgs),
+    /// What the connectivity test's pods run.
+    #[command(hide = true, subcommand)]
+    ProbePod(connectivity::ProbeCommand),
 }
 
 fn main() -> ExitCode {
@@ -141,6 +148,12 @@ fn main() -> ExitCode {
         Command::Policy(args) => commands::show_policy(&args),
         Command::Probe => commands::probe_kernel(),
         Command::Decide(args) => commands::decide(&args),
+        Command::ConnectivityTest(args) => match connectivity::connectivity_test(&args) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::FAILURE,
+            Err(err) => Err(err),
+        },
+        Command::ProbePod(command) => connectivity::probe_pod(&command),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,382 @@
+//! What the connectivity test concludes from what its apps printed: each check's outcome on
+//! each node, the table and the verdict. Pure: the same judgement for a real cluster's pod
+//! logs and for the tests' processes in captured network namespaces.
+use std::{fmt, net::SocketAddr};
+
+use super::probe::{Answer, Dialled, INBOUND_PORT, OUTBOUND_PORT};
+
+/// One check on a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Check {
+    /// A sidecar pod's app connects to the server: redirected to its proxy's 15001, with the
+    /// server's address as the original destination.
+    Outbound,
+    /// A pod outside the mesh connects to the sidecar pod: redirected to its proxy's 15006,
+    /// with the dialled address as the original destination.
+    Inbound,
+    /// A sidecar pod with `traffic.sidecar.istio.io/excludeOutboundIPRanges` covering the
+    /// server reaches it directly.
+    Excluded,
+    /// A pod without the sidecar's shape reaches the server directly.
+    Untouched,
+}
+
+impl Check {
+    /// Every check, in the table's order.
+    pub const ALL: [Self; 4] = [
+        Self::Outbound,
+        Self::Inbound,
+        Self::Excluded,
+        Self::Untouched,
+    ];
+
+    /// The table's column heading.
+    #[must_use]
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::Outbound => "sidecar outbound",
+            Self::Inbound => "sidecar inbound",
+            Self::Excluded => "excluded range",
+            Self::Untouched => "outside the mesh",
+        }
+    }
+}
+
+/// A check's outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    /// It failed, and why.
+    Fail(String),
+    /// It could not be checked, and why.
+    NotChecked(String),
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Ok => write!(f, "ok"),
+            Self::Fail(why) => write!(f, "FAIL: {why}"),
+            Self::NotChecked(why) => write!(f, "not checked: {why}"),
+        }
+    }
+}
+
+/// The [`Dialled`] lines of an app's output (its container's log); other lines are ignored.
+#[must_use]
+pub fn results(log: &str) -> Vec<Dialled> {
+    log.lines()
+        .filter_map(|line| serde_json::from_str(line.trim()).ok())
+        .collect()
+}
+
+/// The result for the target `name` among `results`.
+fn find<'a>(results: &'a [Dialled], name: &str) -> Option<&'a Dialled> {
+    results.iter().find(|d| d.name == name)
+}
+
+/// The answer of `dialled`, or the failure that there was none.
+fn answered(dialled: Option<&Dialled>) -> Result<&Answer, Outcome> {
+    let dialled = dialled.ok_or_else(|| Outcome::Fail("the app printed no result".into()))?;
+    match (&dialled.answer, &dialled.error) {
+        (Some(answer), _) => Ok(answer),
+        (None, error) => Err(Outcome::Fail(format!(
+            "nothing answered {}: {}",
+            dialled.to,
+            error.as_deref().unwrap_or("no reason given")
+        ))),
+    }
+}
+
+/// Who answered, in words.
+fn who(answer: &Answer) -> String {
+    format!(
+        "the {} answered on port {} (original destination {})",
+        answer.role,
+        answer.listener,
+        answer
+            .original_dst
+            .map_or_else(|| "none".to_owned(), |a| a.to_string())
+    )
+}
+
+/// A connection redirected to the proxy's `port` with `dialled` as its original destination.
+fn redirected(dialled: Option<&Dialled>, port: u16, to: SocketAddr) -> Outcome {
+    let answer = match answered(dialled) {
+        Ok(answer) => answer,
+        Err(outcome) => return outcome,
+    };
+    if answer.role != "proxy" {
+        return Outcome::Fail(format!("not captured: {}", who(answer)));
+    }
+    if answer.listener != port {
+        return Outcome::Fail(format!("captured to the wrong port: {}", who(answer)));
+    }
+    if answer.original_dst != Some(to) {
+        return Outcome::Fail(format!(
+            "wrong original destination, {to} was dialled: {}",
+            who(answer)
+        ));
+    }
+    Outcome::Ok
+}
+
+/// A connection that reached the server itself, on the port dialled.
+fn direct(dialled: Option<&Dialled>, to: SocketAddr) -> Outcome {
+    let answer = match answered(dialled) {
+        Ok(answer) => answer,
+        Err(outcome) => return outcome,
+    };
+    if answer.role != "server" || answer.listener != to.port() {
+        return Outcome::Fail(format!("captured: {}", who(answer)));
+    }
+    Outcome::Ok
+}
+
+/// What one node's apps printed, and the addresses they dialled.
+#[derive(Clone, Debug, Default)]
+pub struct NodeResults {
+    /// The server's address.
+    pub server: Option<SocketAddr>,
+    /// The sidecar pod's address and the port dialled on it.
+    pub sidecar: Option<SocketAddr>,
+    /// The sidecar pod's app.
+    pub sidecar_app: Vec<Dialled>,
+    /// The excluded pod's app.
+    pub excluded_app: Vec<Dialled>,
+    /// The app of the pod outside the mesh (it also dials the sidecar pod).
+    pub outside_app: Vec<Dialled>,
+}
+
+/// The target names the apps dial.
+pub mod target {
+    /// The server.
+    pub const SERVER: &str = "server";
+    /// The sidecar pod.
+    pub const SIDECAR: &str = "sidecar";
+}
+
+/// Each check's outcome from `results`.
+#[must_use]
+pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
+    let missing = |what: &str| Outcome::NotChecked(format!("the {what} pod has no address"));
+    Check::ALL
+        .into_iter()
+        .map(|check| {
+            let outcome = match (check, results.server, results.sidecar) {
+                (_, None, _) => missing("server"),
+                (Check::Inbound, _, None) => missing("sidecar"),
+                (Check::Inbound, _, Some(sidecar)) => redirected(
+                    find(&results.outside_app, target::SIDECAR),
+                    INBOUND_PORT,
+                    sidecar,
+                ),
+                (Check::Outbound, Some(server), _) => redirected(
+                    find(&results.sidecar_app, target::SERVER),
+                    OUTBOUND_PORT,
+                    server,
+                ),
+                (Check::Excluded, Some(server), _) => {
+                    direct(find(&results.excluded_app, target::SERVER), server)
+                }
+                (Check::Untouched, Some(server), _) => {
+                    direct(find(&results.outside_app, target::SERVER), server)
+                }
+            };
+            (check, outcome)
+        })
+        .collect()
+}
+
+/// The whole run: each node's outcomes.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub nodes: Vec<(String, Vec<(Check, Outcome)>)>,
+}
+
+impl Report {
+    /// Whether any check failed.
+    #[must_use]
+    pub fn failed(&self) -> bool {
+        self.nodes
+            .iter()
+            .flat_map(|(_, outcomes)| outcomes)
+            .any(|(_, o)| matches!(o, Outcome::Fail(_)))
+    }
+}
+
+impl fmt::Display for Report {
+    /// One line per node and check (`NODE  CHECK  OUTCOME`, aligned), then the verdict.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let node_width = self
+            .nodes
+            .iter()
+            .map(|(n, _)| n.len())
+            .chain(["NODE".len()])
+            .max()
+            .unwrap_or_default();
+        let check_width = Check::ALL
+            .iter()
+            .map(|c| c.title().len())
+            .max()
+            .unwrap_or(0);
+        writeln!(
+            f,
+            "{:node_width$}  {:check_width$}  RESULT",
+            "NODE", "CHECK"
+        )?;
+        for (node, outcomes) in &self.nodes {
+            for (check, outcome) in outcomes {
+                writeln!(
+                    f,
+                    "{node:node_width$}  {:check_width$}  {outcome}",
+                    check.title()
+                )?;
+            }
+        }
+        let count = |ok: fn(&Outcome) -> bool| {
+            self.nodes
+                .iter()
+                .flat_map(|(_, o)| o)
+                .filter(|(_, o)| ok(o))
+                .count()
+        };
+        write!(
+            f,
+            "{}: {} ok, {} failed, {} not checked",
+            if self.failed() { "FAILED" } else { "PASSED" },
+            count(|o| *o == Outcome::Ok),
+            count(|o| matches!(o, Outcome::Fail(_))),
+            count(|o| matches!(o, Outcome::NotChecked(_))),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(text: &str) -> SocketAddr {
+        text.parse().expect("address")
+    }
+
+    fn answered_by(name: &str, to: &str, role: &str, listener: u16, dst: Option<&str>) -> Dialled {
+        Dialled {
+            name: name.into(),
+            to: addr(to),
+            answer: Some(Answer {
+                role: role.into(),
+                listener,
+                local: addr("10.0.0.2:1"),
+                peer: addr("10.0.0.3:2"),
+                original_dst: dst.map(addr),
+            }),
+            error: None,
+        }
+    }
+
+    fn captured_node() -> NodeResults {
+        let (server, sidecar) = ("10.1.0.1:8080", "10.1.0.2:9080");
+        NodeResults {
+            server: Some(addr(server)),
+            sidecar: Some(addr(sidecar)),
+            sidecar_app: vec![answered_by("server", server, "proxy", 15001, Some(server))],
+            excluded_app: vec![answered_by("server", server, "server", 8080, None)],
+            outside_app: vec![
+                answered_by("server", server, "server", 8080, None),
+                answered_by("sidecar", sidecar, "proxy", 15006, Some(sidecar)),
+            ],
+        }
+    }
+
+    #[test]
+    fn a_captured_node_passes_every_check() {
+        let outcomes = judge(&captured_node());
+        assert!(
+            outcomes.iter().all(|(_, o)| *o == Outcome::Ok),
+            "{outcomes:?}"
+        );
+    }
+
+    #[test]
+    fn each_wrong_answer_fails_its_check_naming_why() {
+        let mut node = captured_node();
+        node.sidecar_app = vec![answered_by("server", "10.1.0.1:8080", "server", 8080, None)];
+        node.excluded_app = vec![answered_by(
+            "server",
+            "10.1.0.1:8080",
+            "proxy",
+            15001,
+            Some("10.1.0.1:8080"),
+        )];
+        node.outside_app[1] = answered_by("sidecar", "10.1.0.2:9080", "proxy", 15006, None);
+        let outcomes = judge(&node);
+        let why = |check| match &outcomes.iter().find(|(c, _)| *c == check).expect("check").1 {
+            Outcome::Fail(why) => why.clone(),
+            other => panic!("{check:?}: {other:?}"),
+        };
+        assert!(why(Check::Outbound).starts_with("not captured: the server answered"));
+        assert!(why(Check::Excluded).starts_with("captured: the proxy answered on port 15001"));
+        assert!(why(Check::Inbound).starts_with("wrong original destination"));
+        assert_eq!(outcomes[3], (Check::Untouched, Outcome::Ok));
+    }
+
+    #[test]
+    fn no_answer_and_no_line_fail_and_no_address_is_not_checked() {
+        let mut node = captured_node();
+        node.sidecar_app = vec![Dialled {
+            name: "server".into(),
+            to: addr("10.1.0.1:8080"),
+            answer: None,
+            error: Some("connection refused".into()),
+        }];
+        node.outside_app.clear();
+        node.sidecar = None;
+        let outcomes = judge(&node);
+        assert_eq!(
+            outcomes,
+            vec![
+                (
+                    Check::Outbound,
+                    Outcome::Fail("nothing answered 10.1.0.1:8080: connection refused".into())
+                ),
+                (
+                    Check::Inbound,
+                    Outcome::NotChecked("the sidecar pod has no address".into())
+                ),
+                (Check::Excluded, Outcome::Ok),
+                (
+                    Check::Untouched,
+                    Outcome::Fail("the app printed no result".into())
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn results_are_read_from_a_log_among_other_lines() {
+        let line = serde_json::to_string(&captured_node().outside_app[1]).expect("json");
+        let log = format!("starting\n{line}\nnot json\n");
+        assert_eq!(results(&log), vec![captured_node().outside_app[1].clone()]);
+    }
+
+    #[test]
+    fn the_table_has_a_line_per_check_and_the_verdict() {
+        let mut report = Report {
+            nodes: vec![("node-a".into(), judge(&captured_node()))],
+        };
+        let text = report.to_string();
+        assert!(text.contains("node-a  sidecar outbound  ok"), "{text}");
+        assert!(
+            text.ends_with("PASSED: 4 ok, 0 failed, 0 not checked"),
+            "{text}"
+        );
+        report.nodes[0].1[0].1 = Outcome::Fail("x".into());
+        assert!(report.failed());
+        assert!(
+            report
+                .to_string()
+                .ends_with("FAILED: 3 ok, 1 failed, 0 not checked")
+        );
+    }
+}

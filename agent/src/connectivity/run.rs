@@ -1,0 +1,382 @@
+//! One run of the connectivity test against a cluster, with the operator's credentials: the
+//! leftovers of killed runs removed by label, the namespace and its pods created in three
+//! rounds (each round's pods need the addresses of the last's), the apps' logs read and
+//! judged, the namespace deleted. Each wait ends at the run's deadline: a pod that never runs
+//! (not scheduled, image not pulled, refused) fails the checks it serves, naming the pod and
+//! its state, instead of hanging the run.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    time::{Duration, Instant},
+};
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::{
+    Api, Client,
+    api::{DeleteParams, ListParams, LogParams, PostParams},
+};
+use serde_json::Value;
+
+use super::{
+    plan::{Plan, Role, SERVER_PORT, SIDECAR_PORT, selector},
+    report::{Check, NodeResults, Outcome, Report, judge, results},
+};
+
+/// How often pods are looked at while waiting.
+const POLL: Duration = Duration::from_secs(1);
+
+/// What the operator asked for.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The nodes to check (empty: every node).
+    pub nodes: Vec<String>,
+    /// meshcap's image.
+    pub image: String,
+    /// Leave the namespace in place.
+    pub keep: bool,
+    /// The whole run's deadline.
+    pub timeout: Duration,
+}
+
+/// Errors that end a run (a check failing is not one: it is in the [`Report`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{what}: {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the manifest of {what}: {source}")]
+    Manifest {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("no node to check")]
+    NoNodes,
+}
+
+fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> RunError {
+    let what = what.into();
+    move |source| RunError::Kube { what, source }
+}
+
+/// Deletes every namespace carrying the test's label (a killed run's); returns their names.
+///
+/// # Errors
+/// When they cannot be listed or deleted.
+pub async fn remove_leftovers(client: &Client) -> Result<Vec<String>, RunError> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let list = api
+        .list(&ListParams::default().labels(&selector()))
+        .await
+        .map_err(kube_err("listing the namespaces of earlier runs"))?;
+    let mut removed = Vec::new();
+    for ns in list.items {
+        let Some(name) = ns.metadata.name else {
+            continue;
+        };
+        delete(&api, &name).await?;
+        removed.push(name);
+    }
+    Ok(removed)
+}
+
+/// Deletes the namespace `name` (gone already is fine).
+///
+/// # Errors
+/// When the API server refuses.
+pub async fn delete_namespace(client: &Client, name: &str) -> Result<(), RunError> {
+    delete(&Api::all(client.clone()), name).await
+}
+
+async fn delete(api: &Api<Namespace>, name: &str) -> Result<(), RunError> {
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(e) => Err(kube_err(format!("deleting namespace {name}"))(e)),
+    }
+}
+
+/// The nodes to check: the named ones, or every Linux node of the cluster (a node labelled
+/// `kubernetes.io/os` with another system runs neither meshcap nor its image).
+async fn nodes(client: &Client, named: &[String]) -> Result<Vec<String>, RunError> {
+    if !named.is_empty() {
+        return Ok(named.to_vec());
+    }
+    let list = Api::<Node>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(kube_err("listing the nodes"))?;
+    let names: Vec<String> = list
+        .items
+        .into_iter()
+        .filter(|n| {
+            n.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("kubernetes.io/os"))
+                .is_none_or(|os| os == "linux")
+        })
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    if names.is_empty() {
+        return Err(RunError::NoNodes);
+    }
+    Ok(names)
+}
+
+/// Runs the test in the namespace of `plan`, and deletes it unless `options.keep`.
+///
+/// # Errors
+/// When the cluster refuses what the test needs (it then still tries to delete the namespace).
+pub async fn run(client: &Client, plan: &Plan, options: &Options) -> Result<Report, RunError> {
+    let outcome = checks(client, plan, options).await;
+    if !options.keep {
+        let deleted = delete_namespace(client, &plan.namespace).await;
+        if outcome.is_ok() {
+            deleted?;
+        }
+    }
+    outcome
+}
+
+async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Report, RunError> {
+    let deadline = Instant::now() + options.timeout;
+    let nodes = nodes(client, &options.nodes).await?;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &from_value("the namespace", plan.namespace())?,
+        )
+        .await
+        .map_err(kube_err(format!("creating namespace {}", plan.namespace)))?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &plan.namespace);
+    let mut run = Round {
+        pods: &pods,
+        deadline,
+        created: BTreeSet::new(),
+        stuck: BTreeMap::new(),
+    };
+
+    let servers = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (Role::Server.pod(i), plan.server(i, n)));
+    let server_ips = run.create_and_wait(servers.collect()).await?;
+    let server = |i: usize| {
+        server_ips
+            .get(&Role::Server.pod(i))
+            .map(|ip| SocketAddr::new(*ip, SERVER_PORT))
+    };
+
+    let mut meshed = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if let Some(server) = server(i) {
+            meshed.push((Role::Sidecar.pod(i), plan.sidecar(i, node, server)));
+            meshed.push((Role::Excluded.pod(i), plan.excluded(i, node, server)));
+        }
+    }
+    let meshed_ips = run.create_and_wait(meshed).await?;
+    let sidecar = |i: usize| {
+        meshed_ips
+            .get(&Role::Sidecar.pod(i))
+            .map(|ip| SocketAddr::new(*ip, SIDECAR_PORT))
+    };
+
+    let mut outside = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if let (Some(server), Some(sidecar)) = (server(i), sidecar(i)) {
+            outside.push((Role::Outside.pod(i), plan.outside(i, node, server, sidecar)));
+        }
+    }
+    run.create_and_wait(outside).await?;
+
+    let mut report = Report::default();
+    for (i, node) in nodes.iter().enumerate() {
+        let mut results = NodeResults {
+            server: server(i),
+            sidecar: sidecar(i),
+            ..NodeResults::default()
+        };
+        results.sidecar_app = run.app_results(&Role::Sidecar.pod(i)).await;
+        results.excluded_app = run.app_results(&Role::Excluded.pod(i)).await;
+        results.outside_app = run.app_results(&Role::Outside.pod(i)).await;
+        let outcomes = judge(&results)
+            .into_iter()
+            .map(|(check, outcome)| {
+                let stuck = roles(check)
+                    .iter()
+                    .find_map(|role| run.stuck.get(&role.pod(i)));
+                (
+                    check,
+                    stuck.map_or(outcome, |why| Outcome::Fail(why.clone())),
+                )
+            })
+            .collect();
+        report.nodes.push((node.clone(), outcomes));
+    }
+    Ok(report)
+}
+
+/// The pods a check needs, in the order they are created.
+fn roles(check: Check) -> &'static [Role] {
+    match check {
+        Check::Outbound => &[Role::Server, Role::Sidecar],
+        Check::Inbound => &[Role::Server, Role::Sidecar, Role::Outside],
+        Check::Excluded => &[Role::Server, Role::Excluded],
+        Check::Untouched => &[Role::Server, Role::Sidecar, Role::Outside],
+    }
+}
+
+fn from_value<T: serde::de::DeserializeOwned>(what: &str, value: Value) -> Result<T, RunError> {
+    serde_json::from_value(value).map_err(|source| RunError::Manifest {
+        what: what.to_owned(),
+        source,
+    })
+}
+
+/// The pods of one run and the deadline they share.
+struct Round<'a> {
+    pods: &'a Api<Pod>,
+    deadline: Instant,
+    /// The pods created.
+    created: BTreeSet<String>,
+    /// Each pod that did not get as far as it had to, and its state.
+    stuck: BTreeMap<String, String>,
+}
+
+impl Round<'_> {
+    /// Creates `pods` and waits until each has an address (or the deadline); returns the
+    /// addresses.
+    async fn create_and_wait(
+        &mut self,
+        pods: Vec<(String, Value)>,
+    ) -> Result<BTreeMap<String, IpAddr>, RunError> {
+        for (name, manifest) in &pods {
+            let pod: Pod = from_value(name, manifest.clone())?;
+            self.pods
+                .create(&PostParams::default(), &pod)
+                .await
+                .map_err(kube_err(format!("creating pod {name}")))?;
+            self.created.insert(name.clone());
+        }
+        let mut ips = BTreeMap::new();
+        let mut waiting: Vec<String> = pods.into_iter().map(|(name, _)| name).collect();
+        loop {
+            let mut still = Vec::new();
+            for name in waiting {
+                let pod = self
+                    .pods
+                    .get(&name)
+                    .await
+                    .map_err(kube_err(format!("reading pod {name}")))?;
+                match address(&pod) {
+                    Some(ip) => {
+                        ips.insert(name, ip);
+                    }
+                    None if Instant::now() >= self.deadline => {
+                        self.stuck.insert(
+                            name.clone(),
+                            format!("pod {name} is not running: {}", state(&pod)),
+                        );
+                    }
+                    None => still.push(name),
+                }
+            }
+            if still.is_empty() {
+                return Ok(ips);
+            }
+            waiting = still;
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// What the `app` container of `name` printed, once it has ended (or at the deadline);
+    /// nothing for a pod not created (what it needed was stuck) or already known stuck.
+    async fn app_results(&mut self, name: &str) -> Vec<super::probe::Dialled> {
+        if !self.created.contains(name) || self.stuck.contains_key(name) {
+            return Vec::new();
+        }
+        loop {
+            let pod = match self.pods.get(name).await {
+                Ok(pod) => pod,
+                Err(e) => {
+                    self.stuck
+                        .insert(name.to_owned(), format!("pod {name}: {e}"));
+                    return Vec::new();
+                }
+            };
+            if app_ended(&pod) || Instant::now() >= self.deadline {
+                let params = LogParams {
+                    container: Some("app".into()),
+                    ..LogParams::default()
+                };
+                return match self.pods.logs(name, &params).await {
+                    Ok(log) => results(&log),
+                    Err(e) => {
+                        self.stuck.insert(
+                            name.to_owned(),
+                            format!("pod {name}: its app's log: {e} ({})", state(&pod)),
+                        );
+                        Vec::new()
+                    }
+                };
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}
+
+/// The pod's address, once its containers have started: a pod gets its address with its
+/// sandbox, before they run.
+fn address(pod: &Pod) -> Option<IpAddr> {
+    let status = pod.status.as_ref()?;
+    let started = matches!(
+        status.phase.as_deref(),
+        Some("Running" | "Succeeded" | "Failed")
+    );
+    if !started {
+        return None;
+    }
+    status.pod_ip.as_deref()?.parse().ok()
+}
+
+/// Whether the `app` container has exited.
+fn app_ended(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.name == "app" && c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
+}
+
+/// The pod's state in words: its phase and the reason a container waits, or that it was never
+/// scheduled.
+fn state(pod: &Pod) -> String {
+    let Some(status) = &pod.status else {
+        return "not scheduled (no status)".into();
+    };
+    let phase = status.phase.as_deref().unwrap_or("no phase");
+    let waiting: Vec<String> = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .filter_map(|c| {
+            let waiting = c.state.as_ref()?.waiting.as_ref()?;
+            Some(format!(
+                "{} {}",
+                c.name,
+                waiting.reason.as_deref().unwrap_or("waiting")
+            ))
+        })
+        .collect();
+    if waiting.is_empty() {
+        phase.to_owned()
+    } else {
+        format!("{phase}, {}", waiting.join(", "))
+    }
+}
