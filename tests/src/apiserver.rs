@@ -17,7 +17,9 @@
 //! watch of DaemonSets (one name, by field selector), a JSON patch of a Node, DELETE of a pod with
 //! preconditions, merge PATCH of a pod's labels and annotations through `pods/status` (null removes), creation and merge patch of
 //! `events.k8s.io/v1` Events, creation of Namespaces and pods, deletion of a Namespace with its
-//! pods, lists of Nodes and of Namespaces by label, a pod's log ([`ApiServer::pod_logs`]), with real JSON on the real paths; kube-rs is
+//! pods, lists of Nodes and of Namespaces by label, of a namespace's pods by label, a pod's log
+//! ([`ApiServer::pod_logs`]), and `pods/proxy` (a GET relayed to the pod's `status.podIP` and
+//! the port named, as the API server proxies it), with real JSON on the real paths; kube-rs is
 //! the client.
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
@@ -1053,6 +1055,41 @@ fn route_request(
                 (&*s.pods, &*s.changes)
             });
         }
+        ["api", "v1", "namespaces", ns, "pods"] => {
+            let selected = labels_selected(query);
+            let items: Vec<Value> = pods
+                .lock()
+                .expect("pods")
+                .iter()
+                .filter(|p| {
+                    p["metadata"]["namespace"] == *ns
+                        && selected
+                            .iter()
+                            .all(|(k, v)| p["metadata"]["labels"][k] == v.as_str())
+                })
+                .cloned()
+                .collect();
+            let version = state.changes.lock().expect("changes").len().to_string();
+            respond(
+                stream,
+                "200 OK",
+                &json!({
+                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
+                }),
+            );
+        }
+        [
+            "api",
+            "v1",
+            "namespaces",
+            ns,
+            "pods",
+            target,
+            "proxy",
+            path @ ..,
+        ] => {
+            proxy(stream, state, ns, target, &path.join("/"));
+        }
         ["api", "v1", "namespaces", ns, "pods", name, "log"] => {
             let log = state
                 .pod_logs
@@ -1255,6 +1292,45 @@ fn route_request(
             404,
             "NotFound",
             "the server could not find the requested resource",
+            &Value::Null,
+        ),
+    }
+}
+
+/// `GET …/pods/NAME:PORT/proxy/PATH`, as the API server proxies it: `GET /PATH` on the pod's
+/// address (`status.podIP`) and port, its answer relayed; 503 when nothing answers there.
+fn proxy(stream: &mut TcpStream, state: &Served, ns: &str, target: &str, path: &str) {
+    let (name, port) = target.split_once(':').unwrap_or((target, "80"));
+    let ip = state
+        .pods
+        .lock()
+        .expect("pods")
+        .iter()
+        .find(|p| p["metadata"]["namespace"] == ns && p["metadata"]["name"] == name)
+        .map(|p| p["status"]["podIP"].as_str().unwrap_or_default().to_owned());
+    let Some(ip) = ip else {
+        return not_found(stream, "pods", name);
+    };
+    let answer = (|| {
+        let mut upstream = TcpStream::connect(format!("{ip}:{port}"))?;
+        upstream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+        write!(
+            upstream,
+            "GET /{path} HTTP/1.1\r\nHost: {ip}:{port}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut answer = Vec::new();
+        upstream.read_to_end(&mut answer)?;
+        std::io::Result::Ok(answer)
+    })();
+    match answer {
+        Ok(answer) => {
+            let _ = stream.write_all(&answer);
+        }
+        Err(e) => status(
+            stream,
+            503,
+            "ServiceUnavailable",
+            &format!("error trying to reach service: dial tcp {ip}:{port}: {e}"),
             &Value::Null,
         ),
     }

@@ -27,7 +27,7 @@ use meshcap_agent::connectivity::{
 use meshcap_tests::{
     APP_UID, PROXY_UID, Placement, Proc,
     agent::{Agent, Backend, binaries},
-    apiserver::{ApiServer, NODE},
+    apiserver::{AGENT_POD, ApiServer, NODE},
     ebpf_runs_here,
     fixtures::{ManifestDir, plain_pod, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
@@ -68,9 +68,22 @@ fn serve(at: Placement<'_>, role: &str, listen: &[String]) -> Proc {
 
 /// `probe-pod dial` at `at`: what it printed.
 fn dial(at: Placement<'_>, targets: &[(&str, SocketAddr)]) -> Vec<Dialled> {
+    dial_both(at, targets, &[])
+}
+
+/// `probe-pod dial` at `at` with TCP `targets` and `--udp` ones: what it printed.
+fn dial_both(
+    at: Placement<'_>,
+    targets: &[(&str, SocketAddr)],
+    udp: &[(&str, SocketAddr)],
+) -> Vec<Dialled> {
     let targets: Vec<String> = targets.iter().map(|(n, a)| format!("{n}={a}")).collect();
+    let udp: Vec<String> = udp.iter().map(|(n, a)| format!("{n}={a}")).collect();
     let mut args = vec!["probe-pod", "dial", "--deadline-seconds", DIAL_SECONDS];
     args.extend(targets.iter().map(String::as_str));
+    for target in &udp {
+        args.extend(["--udp", target.as_str()]);
+    }
     let out = Proc::spawn(at, &agent_binary(), &args)
         .expect("probe-pod dial")
         .finish()
@@ -126,6 +139,27 @@ impl TestPod {
             ["0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006"].map(str::to_owned);
         serve(self.wired.in_pod(PROXY_UID), "proxy", &listen)
     }
+
+    /// The stand-in proxy with Istio's DNS proxy: also on TCP and UDP `localhost:15053`.
+    fn dns_proxy(&self) -> Proc {
+        let mut owned = Vec::new();
+        for (flag, port) in [("--listen", 15001), ("--listen", 15006)] {
+            for addr in ["0.0.0.0", "[::]"] {
+                owned.extend([flag.to_owned(), format!("{addr}:{port}")]);
+            }
+        }
+        for flag in ["--listen", "--udp-listen"] {
+            for addr in ["127.0.0.1:15053", "[::1]:15053"] {
+                owned.extend([flag.to_owned(), addr.to_owned()]);
+            }
+        }
+        let mut args = vec!["probe-pod", "serve", "--role", "proxy"];
+        args.extend(owned.iter().map(String::as_str));
+        let mut proc =
+            Proc::spawn(self.wired.in_pod(PROXY_UID), &agent_binary(), &args).expect("proxy");
+        assert_eq!(proc.wait_line().expect("ready line"), "ready", "dns proxy");
+        proc
+    }
 }
 
 impl Drop for TestPod {
@@ -139,7 +173,8 @@ impl Drop for TestPod {
 
 /// One node's results as the command gathers them, from pods of `agent`: `sidecar` (of
 /// Istio's shape, captured when `captured`), `excluded` (its shape, the server's range
-/// excluded) and `outside` (no shape). The app of the pod outside the mesh dials the server
+/// excluded), `outside` (no shape) and `dns` (its shape with Istio's DNS capture on when
+/// `captured`; else `dns-off`, captured without it). The app of the pod outside the mesh dials the server
 /// from its own pod and the sidecar pod from the sidecar's upstream (no pod here reaches
 /// another's address; both are outside the mesh).
 fn node_results(agent: &Agent, captured: bool) -> NodeResults {
@@ -147,15 +182,22 @@ fn node_results(agent: &Agent, captured: bool) -> NodeResults {
     let sidecar = TestPod::new(agent, "sidecar", captured);
     let excluded = TestPod::new(agent, "excluded", true);
     let outside = TestPod::new(agent, "outside", true);
-    let _proxies = (sidecar.proxy(), excluded.proxy());
+    let dns = TestPod::new(agent, if captured { "dns" } else { "dns-off" }, true);
+    let _proxies = (sidecar.proxy(), excluded.proxy(), dns.dns_proxy());
     let mut outside_app = dial(outside.wired.in_pod(APP_UID), &[("server", server)]);
     outside_app.extend(dial(sidecar.upstream(), &[("sidecar", sidecar_addr)]));
+    let dns_to = SocketAddr::new(server.ip(), 53);
     NodeResults {
         server: Some(server),
         sidecar: Some(sidecar_addr),
         sidecar_app: dial(sidecar.wired.in_pod(APP_UID), &[("server", server)]),
         excluded_app: dial(excluded.wired.in_pod(APP_UID), &[("server", server)]),
         outside_app,
+        dns_app: dial_both(
+            dns.wired.in_pod(APP_UID),
+            &[("dns-tcp", dns_to)],
+            &[("dns-udp", dns_to)],
+        ),
     }
 }
 
@@ -178,6 +220,11 @@ fn manifests() -> ManifestDir {
     )];
     write_manifest(&dir.0, &sidecar_pod("conn", "excluded", &excluded));
     write_manifest(&dir.0, &plain_pod("conn", "outside"));
+    let mut dns = sidecar_pod("conn", "dns", &[]);
+    dns["spec"]["containers"][1]["env"] =
+        json!([{"name": "ISTIO_META_DNS_CAPTURE", "value": "true"}]);
+    write_manifest(&dir.0, &dns);
+    write_manifest(&dir.0, &sidecar_pod("conn", "dns-off", &[]));
     dir
 }
 
@@ -220,6 +267,14 @@ fn the_workload_passes_where_meshcap_captures_and_fails_where_it_does_not() {
         );
         assert_eq!(outcome(Check::Excluded), Some(Outcome::Ok), "{backend:?}");
         assert_eq!(outcome(Check::Untouched), Some(Outcome::Ok), "{backend:?}");
+        // Captured without DNS capture: port 53 is outbound like any other port.
+        assert!(
+            fail(Check::Dns).starts_with(
+                "TCP: captured to the wrong port: the proxy answered on port 15001 (original \
+                 destination 10.0.0.1:53)"
+            ),
+            "{backend:?}: {outcomes:#?}"
+        );
     }
 }
 
@@ -234,8 +289,8 @@ fn operator(server: &ApiServer, dir: &Path) -> PathBuf {
         "metadata": {"name": "meshcap-connectivity-test"},
         "rules": [
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "create", "delete"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get"]},
-            {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list"]},
+            {"apiGroups": [""], "resources": ["pods/log", "pods/proxy"], "verbs": ["get"]},
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
             {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get"]},
         ]}),
@@ -321,6 +376,15 @@ fn assert_valid(objects: &[Value]) {
     }
 }
 
+/// The check's line for the test API server's agent pod on [`NODE`]: no status (no kubelet
+/// runs it), no readiness probe.
+fn not_ready_agent() -> String {
+    format!(
+        "{NODE}  agent ready       FAIL: agent pod {AGENT_POD} is not ready (not scheduled (no \
+         status)); /readyz: the pod has no HTTP readiness probe to read"
+    )
+}
+
 #[test]
 fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
     let server = ApiServer::start();
@@ -344,15 +408,23 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
         out.contains("removed namespace meshcap-connectivity-0badc0de"),
         "{out}"
     );
-    for check in Check::ALL {
+    for check in Check::PODS {
         let line = format!(
             "{NODE}  {:16}  FAIL: pod server-0 is not running: not scheduled (no status)",
             check.title()
         );
         assert!(out.contains(&line), "{line:?} in:\n{out}");
     }
+    assert!(out.contains(&not_ready_agent()), "{out}");
     assert!(
-        out.contains("FAILED: 0 ok, 4 failed, 0 not checked"),
+        out.contains(&format!(
+            "{NODE}: agent pod {AGENT_POD}, backend unknown (the pod declares no port named \
+             metrics), kernel unknown"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAILED: 0 ok, 6 failed, 0 not checked"),
         "{out}"
     );
 
@@ -419,6 +491,7 @@ fn every_pod_of_a_node_is_valid_for_kubernetes() {
         plan.sidecar(0, NODE, server),
         plan.excluded(0, NODE, server),
         plan.outside(0, NODE, server, sidecar),
+        plan.dns(0, NODE, server),
     ]);
 }
 
@@ -499,6 +572,8 @@ fn app_log(pod: &Value, ip: &str, uncaptured: bool) -> String {
         let to: SocketAddr = to.parse().expect("a target address");
         let (role, listener, original_dst) = match (name.split('-').next(), target) {
             (Some("sidecar"), _) if !uncaptured => ("proxy", 15001, Some(to)),
+            // The kernel keeps no original destination of a datagram.
+            (Some("dns"), target) => ("proxy", 15053, (target == "dns-tcp").then_some(to)),
             (Some("outside"), "sidecar") => ("proxy", 15006, Some(to)),
             _ => ("server", to.port(), None),
         };
@@ -534,7 +609,7 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
 
     let (code, out) = every;
     assert_eq!(code, Some(1), "{out}");
-    for check in Check::ALL {
+    for check in Check::PODS {
         let line = format!("{NODE}  {:16}  ok", check.title());
         assert!(out.contains(&line), "{line:?} in:\n{out}");
     }
@@ -542,14 +617,22 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         out.contains("node-2  sidecar outbound  FAIL: not captured: the server answered on port 8080 (original destination none)"),
         "{out}"
     );
+    assert!(out.contains(&not_ready_agent()), "{out}");
     assert!(
-        out.contains("FAILED: 7 ok, 1 failed, 0 not checked"),
+        out.contains(
+            "node-2  agent ready       FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
+             this node (app.kubernetes.io/name=meshcap-agent)"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAILED: 9 ok, 3 failed, 0 not checked"),
         "{out}"
     );
     let (code, out) = one;
-    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("PASSED: 4 ok, 0 failed, 0 not checked"),
+        out.contains("FAILED: 5 ok, 1 failed, 0 not checked"),
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
@@ -584,6 +667,105 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
             .expect("namespaces")
             .iter()
             .all(|n| !managed(n))
+    );
+    assert_eq!(
+        server.refused(),
+        Vec::new(),
+        "the documented permissions suffice"
+    );
+}
+
+/// An agent pod of meshcap's DaemonSet on `node`, served by a real agent listening on `http`
+/// (`127.0.0.1:PORT`, the pod's address and its readiness and metrics port), ready as kubelet
+/// reports it when `ready`.
+fn agent_pod(server: &ApiServer, name: &str, node: &str, http: &str, ready: bool) {
+    let (ip, port) = http.split_once(':').expect("address:port");
+    let port: u16 = port.parse().expect("port");
+    let template = server.daemon_set()["spec"]["template"].clone();
+    let mut container = template["spec"]["containers"][0].clone();
+    container["readinessProbe"] = json!({"httpGet": {"path": "/readyz", "port": port}});
+    container["ports"] = json!([{"name": "metrics", "containerPort": port}]);
+    let ready = if ready { "True" } else { "False" };
+    server.apply_pod(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": server.namespace, "uid": format!("uid-{name}"),
+                     "labels": template["metadata"]["labels"]},
+        "spec": {"nodeName": node, "hostNetwork": true, "containers": [container]},
+        "status": {"phase": "Running", "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": ready}]},
+    }));
+}
+
+#[test]
+fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
+    require_root();
+    let server = ApiServer::start();
+    {
+        let mut nodes = server.nodes.lock().expect("nodes");
+        nodes[0]["status"] = json!({"nodeInfo": {"kernelVersion": "6.1.0-test"}});
+        for name in ["node-2", "node-3"] {
+            nodes.push(json!({"apiVersion": "v1", "kind": "Node", "spec": {},
+                              "metadata": {"name": name, "uid": format!("uid-{name}")}}));
+        }
+    }
+    let manifests = ManifestDir::new();
+    let pod_dir = manifests.0.to_str().expect("utf-8");
+    // node-1: an agent that captures; node-2: one whose plugin is not chained yet (no primary
+    // CNI configuration), which kubelet's probe reports not ready; node-3: none.
+    let ready = Agent::start(
+        Backend::Iptables,
+        &["--pods", "dir", "--pod-dir", pod_dir],
+        &[],
+    )
+    .expect("agent");
+    let (conf, bin) = (ManifestDir::new(), ManifestDir::new());
+    let unready = Agent::start(
+        Backend::Nftables,
+        &["--pods", "dir", "--pod-dir", pod_dir],
+        &[
+            ("MESHCAP_INSTALL_CNI", "true"),
+            ("MESHCAP_CNI_CONF_DIR", conf.0.to_str().expect("utf-8")),
+            ("MESHCAP_CNI_BIN_DIR", bin.0.to_str().expect("utf-8")),
+        ],
+    )
+    .expect("agent");
+    agent_pod(&server, AGENT_POD, NODE, &ready.http, true);
+    agent_pod(&server, "meshcap-agent-n2", "node-2", &unready.http, false);
+
+    let dir = ManifestDir::new();
+    let kubeconfig = operator(&server, &dir.0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (every, one) = std::thread::scope(|s| {
+        s.spawn(|| kubelet(&server, "none", &stop));
+        let every = connectivity_test(&kubeconfig, &["--timeout", "60"]);
+        let one = connectivity_test(&kubeconfig, &["--timeout", "60", "--node", NODE]);
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (every, one)
+    });
+
+    let (code, out) = every;
+    assert_eq!(code, Some(1), "{out}");
+    let lines = [
+        format!("{NODE}: agent pod {AGENT_POD}, backend iptables, kernel 6.1.0-test"),
+        "node-2: agent pod meshcap-agent-n2, backend nftables, kernel unknown".to_owned(),
+        format!("{NODE}  agent ready       ok"),
+        "node-2  agent ready       FAIL: agent pod meshcap-agent-n2 is not ready (Running); \
+         /readyz: answered 503: not ready: "
+            .to_owned(),
+        "node-3  agent ready       FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
+         this node (app.kubernetes.io/name=meshcap-agent)"
+            .to_owned(),
+        "FAILED: 16 ok, 2 failed, 0 not checked".to_owned(),
+    ];
+    for line in lines {
+        assert!(out.contains(&line), "{line:?} in:\n{out}");
+    }
+    assert!(out.contains("meshcap-cni is not in place"), "{out}");
+    let (code, out) = one;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("PASSED: 6 ok, 0 failed, 0 not checked"),
+        "{out}"
     );
     assert_eq!(
         server.refused(),

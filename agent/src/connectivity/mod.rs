@@ -3,15 +3,19 @@
 //! connections show whether meshcap captures what Istio's CNI would. One concern per module:
 //! - [`probe`]: the workload the pods run (`meshcap-agent probe-pod`): the stand-in proxy,
 //!   the server, the app;
+//! - [`agent`]: what each node runs, and whether meshcap's agent there says it is ready;
 //! - [`plan`]: the namespace and the pods' manifests;
 //! - [`run`]: one run against the cluster, with the operator's credentials;
-//! - [`report`]: each check's outcome from what the apps printed, the table and the verdict.
+//! - [`report`]: each check's outcome from what the apps printed;
+//! - [`table`]: the printout, with what each node runs, and the verdict.
 //!
 //! This module holds the two subcommands' arguments and entry points.
+pub mod agent;
 pub mod plan;
 pub mod probe;
 pub mod report;
 pub mod run;
+pub mod table;
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -50,17 +54,22 @@ pub enum ProbeCommand {
         /// `proxy` (the stand-in Envoy) or `server`.
         #[arg(long)]
         role: String,
-        /// An address to listen on (repeatable).
-        #[arg(long, required = true)]
+        /// A TCP address to listen on (repeatable).
+        #[arg(long)]
         listen: Vec<SocketAddr>,
+        /// A UDP address to answer datagrams on (repeatable).
+        #[arg(long)]
+        udp_listen: Vec<SocketAddr>,
     },
     /// Dial each `NAME=ADDR:PORT` and print what answered.
     Dial {
         /// How long to keep dialling a target nothing answers yet.
         #[arg(long, default_value_t = 60)]
         deadline_seconds: u64,
-        /// The targets.
-        #[arg(required = true)]
+        /// A `NAME=ADDR:PORT` to send a UDP datagram to (repeatable), after the TCP targets.
+        #[arg(long = "udp", value_name = "TARGET")]
+        udp: Vec<String>,
+        /// The TCP targets.
         targets: Vec<String>,
     },
 }
@@ -71,14 +80,21 @@ pub enum ProbeCommand {
 /// When a listener cannot be bound, a target is malformed, or stdout is gone.
 pub fn probe_pod(command: &ProbeCommand) -> anyhow::Result<()> {
     match command {
-        ProbeCommand::Serve { role, listen } => probe::serve(role, listen)?,
+        ProbeCommand::Serve {
+            role,
+            listen,
+            udp_listen,
+        } => probe::serve(role, listen, udp_listen)?,
         ProbeCommand::Dial {
             deadline_seconds,
+            udp,
             targets,
         } => {
-            let targets = targets
-                .iter()
-                .map(|t| probe::target(t))
+            let tcp = targets.iter().map(|t| (t, probe::Protocol::Tcp));
+            let udp = udp.iter().map(|t| (t, probe::Protocol::Udp));
+            let targets = tcp
+                .chain(udp)
+                .map(|(t, protocol)| probe::target(t).map(|(name, to)| (name, to, protocol)))
                 .collect::<Result<Vec<_>, _>>()?;
             probe::dial(&targets, Duration::from_secs(*deadline_seconds))?;
         }
@@ -96,15 +112,26 @@ pub fn connectivity_test(args: &ConnectivityArgs) -> anyhow::Result<bool> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let client = kube::Client::try_default()
+        let mut config = kube::Config::infer()
             .await
-            .context("connecting to the cluster (kubeconfig or in-cluster)")?;
+            .context("reading the kubeconfig (or the in-cluster configuration)")?;
+        // A 503 is an answer here (an agent's `/readyz` while it is not ready), which kube's
+        // default retry would repeat for minutes; the run has its own deadline.
+        config.default_retry = false;
+        let client = kube::Client::try_from(config).context("connecting to the cluster")?;
         for name in run::remove_leftovers(&client).await? {
             println!("removed namespace {name}, left by an earlier run");
         }
-        let image = match &args.image {
-            Some(image) => image.clone(),
-            None => daemon_set_image(&client, args).await?,
+        let daemon_set = read_daemon_set(&client, args).await?;
+        let image = match (&args.image, &daemon_set) {
+            (Some(image), _) => image.clone(),
+            (None, Some(daemon_set)) => daemon_set_image(daemon_set, args)?,
+            (None, None) => anyhow::bail!(
+                "DaemonSet {}/{} is not in the cluster: give --agent-namespace and --daemon-set, \
+                 or --image",
+                args.agent_namespace,
+                args.daemon_set
+            ),
         };
         // The apps dial again only while their peer may not listen yet (a container of the
         // same pod starting): a third of the run.
@@ -114,6 +141,11 @@ pub fn connectivity_test(args: &ConnectivityArgs) -> anyhow::Result<bool> {
             image,
             keep: args.keep,
             timeout: Duration::from_secs(args.timeout),
+            agent: (
+                args.agent_namespace.clone(),
+                args.daemon_set.clone(),
+                daemon_set,
+            ),
         };
         println!("namespace {} with image {}", plan.namespace, options.image);
         let report = tokio::select! {
@@ -131,22 +163,27 @@ pub fn connectivity_test(args: &ConnectivityArgs) -> anyhow::Result<bool> {
     })
 }
 
-/// The image of meshcap's DaemonSet's first container.
-async fn daemon_set_image(
+/// meshcap's DaemonSet, when it exists.
+async fn read_daemon_set(
     client: &kube::Client,
     args: &ConnectivityArgs,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<Option<DaemonSet>> {
     let api: kube::Api<DaemonSet> = kube::Api::namespaced(client.clone(), &args.agent_namespace);
-    let ds = api.get(&args.daemon_set).await.with_context(|| {
+    api.get_opt(&args.daemon_set).await.with_context(|| {
         format!(
-            "reading DaemonSet {}/{} for meshcap's image (or give --image)",
+            "reading DaemonSet {}/{} for meshcap's image and its pods",
             args.agent_namespace, args.daemon_set
         )
-    })?;
+    })
+}
+
+/// The image of meshcap's DaemonSet's first container.
+fn daemon_set_image(ds: &DaemonSet, args: &ConnectivityArgs) -> anyhow::Result<String> {
     ds.spec
-        .and_then(|s| s.template.spec)
-        .and_then(|s| s.containers.into_iter().next())
-        .and_then(|c| c.image)
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.image.clone())
         .with_context(|| {
             format!(
                 "DaemonSet {}/{} names no image",

@@ -7,7 +7,12 @@
 //! - `excluded-N`: the same with `traffic.sidecar.istio.io/excludeOutboundIPRanges` covering the
 //!   server's address;
 //! - `outside-N`: no sidecar's shape; its `app` dials the server and the sidecar pod's
-//!   [`SIDECAR_PORT`].
+//!   [`SIDECAR_PORT`];
+//! - `dns-N`: the sidecar's shape with Istio's DNS capture on (`ISTIO_META_DNS_CAPTURE` in
+//!   `istio-proxy`'s environment, as the injector renders the `proxy.istio.io/config`
+//!   annotation's `proxyMetadata`), its proxy also on `localhost:15053` (TCP and UDP, as
+//!   `pilot-agent`'s DNS proxy); its `app` sends a DNS-port datagram and connection to the server's address on
+//!   [`probe::DNS_PORT`], where nothing listens.
 //!
 //! The pods need no privilege: they meet PodSecurity's `restricted` level, which the
 //! namespace enforces. Every object carries [`MANAGED_BY`], by which a later run removes what a
@@ -17,7 +22,7 @@ use std::net::SocketAddr;
 use serde_json::{Value, json};
 
 use super::{
-    probe::{INBOUND_PORT, OUTBOUND_PORT},
+    probe::{self, INBOUND_PORT, OUTBOUND_PORT},
     report::target,
 };
 
@@ -63,6 +68,7 @@ pub enum Role {
     Sidecar,
     Excluded,
     Outside,
+    Dns,
 }
 
 impl Role {
@@ -74,6 +80,7 @@ impl Role {
             Self::Sidecar => "sidecar",
             Self::Excluded => "excluded",
             Self::Outside => "outside",
+            Self::Dns => "dns",
         };
         format!("{role}-{index}")
     }
@@ -150,6 +157,36 @@ impl Plan {
     ) -> Value {
         let app = self.app(&[(target::SERVER, server), (target::SIDECAR, sidecar)]);
         self.pod(Role::Outside, index, node, &json!({}), vec![app])
+    }
+
+    /// The sidecar-shaped pod with Istio's DNS capture on, whose app sends to `server`'s
+    /// address on [`probe::DNS_PORT`].
+    #[must_use]
+    pub fn dns(&self, index: usize, node: &str, server: SocketAddr) -> Value {
+        let to = SocketAddr::new(server.ip(), probe::DNS_PORT);
+        let annotations = json!({
+            "sidecar.istio.io/status": SIDECAR_STATUS,
+            "proxy.istio.io/config": "proxyMetadata:\n  ISTIO_META_DNS_CAPTURE: \"true\"\n",
+        });
+        // Istio's DNS proxy listens on `localhost:15053` (`DefaultDNSProxyAddr`,
+        // pkg/config/constants/constants.go; pkg/dns/client/dns.go), where the capture sends
+        // port 53 and whence its answers' source is restored.
+        let mut args = serve("proxy", &[OUTBOUND_PORT, INBOUND_PORT]);
+        for flag in ["--listen", "--udp-listen"] {
+            for host in ["127.0.0.1", "[::1]"] {
+                args.extend([
+                    flag.to_owned(),
+                    format!("{host}:{}", probe::DNS_CAPTURE_PORT),
+                ]);
+            }
+        }
+        let mut proxy = self.container("istio-proxy", PROXY_UID, &args);
+        proxy["env"] = json!([{"name": "ISTIO_META_DNS_CAPTURE", "value": "true"}]);
+        let mut app = self.app(&[(target::DNS_TCP, to)]);
+        if let Some(command) = app["command"].as_array_mut() {
+            command.extend([json!("--udp"), json!(format!("{}={to}", target::DNS_UDP))]);
+        }
+        self.pod(Role::Dns, index, node, &annotations, vec![app, proxy])
     }
 
     fn meshed(
@@ -285,5 +322,25 @@ mod tests {
                 .is_some_and(serde_json::Map::is_empty)
         );
         assert_eq!(pod["spec"]["containers"].as_array().map(Vec::len), Some(1));
+    }
+
+    #[test]
+    fn the_dns_pod_asks_for_dns_capture_as_the_injector_renders_it() {
+        let pod = plan().dns(1, "n", "10.1.0.1:8080".parse().expect("addr"));
+        assert_eq!(pod["metadata"]["name"], "dns-1");
+        let proxy = &pod["spec"]["containers"][1];
+        assert_eq!(proxy["env"][0]["name"], "ISTIO_META_DNS_CAPTURE");
+        assert_eq!(proxy["env"][0]["value"], "true");
+        let command = proxy["command"].to_string();
+        assert!(
+            command.contains("\"--listen\",\"127.0.0.1:15053\"")
+                && command.contains("\"--udp-listen\",\"[::1]:15053\""),
+            "{command}"
+        );
+        let app = pod["spec"]["containers"][0]["command"].to_string();
+        assert!(
+            app.contains("\"dns-tcp=10.1.0.1:53\",\"--udp\",\"dns-udp=10.1.0.1:53\""),
+            "{app}"
+        );
     }
 }

@@ -1,13 +1,15 @@
 //! What the connectivity test concludes from what its apps printed: each check's outcome on
-//! each node, the table and the verdict. Pure: the same judgement for a real cluster's pod
+//! each node. Pure: the same judgement for a real cluster's pod
 //! logs and for the tests' processes in captured network namespaces.
 use std::{fmt, net::SocketAddr};
 
-use super::probe::{Answer, Dialled, INBOUND_PORT, OUTBOUND_PORT};
+use super::probe::{Answer, DNS_CAPTURE_PORT, DNS_PORT, Dialled, INBOUND_PORT, OUTBOUND_PORT};
 
 /// One check on a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Check {
+    /// meshcap's agent runs on the node and its pod and its `/readyz` say it is ready.
+    AgentReady,
     /// A sidecar pod's app connects to the server: redirected to its proxy's 15001, with the
     /// server's address as the original destination.
     Outbound,
@@ -19,25 +21,42 @@ pub enum Check {
     Excluded,
     /// A pod without the sidecar's shape reaches the server directly.
     Untouched,
+    /// A sidecar pod with Istio's DNS capture on: its app's connection to port 53 reaches the
+    /// proxy's 15053 with the dialled address as the original destination, and its datagram
+    /// to port 53 is answered by the proxy's 15053 from the address it was sent to.
+    Dns,
 }
 
 impl Check {
     /// Every check, in the table's order.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 6] = [
+        Self::AgentReady,
         Self::Outbound,
         Self::Inbound,
         Self::Excluded,
         Self::Untouched,
+        Self::Dns,
+    ];
+
+    /// The checks the test's pods answer, judged by [`judge`].
+    pub const PODS: [Self; 5] = [
+        Self::Outbound,
+        Self::Inbound,
+        Self::Excluded,
+        Self::Untouched,
+        Self::Dns,
     ];
 
     /// The table's column heading.
     #[must_use]
     pub fn title(self) -> &'static str {
         match self {
+            Self::AgentReady => "agent ready",
             Self::Outbound => "sidecar outbound",
             Self::Inbound => "sidecar inbound",
             Self::Excluded => "excluded range",
             Self::Untouched => "outside the mesh",
+            Self::Dns => "DNS capture",
         }
     }
 }
@@ -121,6 +140,28 @@ fn redirected(dialled: Option<&Dialled>, port: u16, to: SocketAddr) -> Outcome {
     Outcome::Ok
 }
 
+/// A datagram answered by the proxy's `port`, from the address it was sent to (the probe's
+/// connected socket takes no other).
+fn redirected_datagram(dialled: Option<&Dialled>, port: u16) -> Outcome {
+    match answered(dialled) {
+        Ok(answer) if answer.role == "proxy" && answer.listener == port => Outcome::Ok,
+        Ok(answer) => Outcome::Fail(format!("not captured: {}", who(answer))),
+        Err(outcome) => outcome,
+    }
+}
+
+/// Both of the DNS pod's: the connection, then the datagram; the first that fails.
+fn dns(app: &[Dialled], to: SocketAddr) -> Outcome {
+    let tcp = redirected(find(app, target::DNS_TCP), DNS_CAPTURE_PORT, to);
+    let udp = redirected_datagram(find(app, target::DNS_UDP), DNS_CAPTURE_PORT);
+    match (tcp, udp) {
+        (Outcome::Ok, Outcome::Ok) => Outcome::Ok,
+        (Outcome::Fail(why), _) => Outcome::Fail(format!("TCP: {why}")),
+        (_, Outcome::Fail(why)) => Outcome::Fail(format!("UDP: {why}")),
+        (other, _) => other,
+    }
+}
+
 /// A connection that reached the server itself, on the port dialled.
 fn direct(dialled: Option<&Dialled>, to: SocketAddr) -> Outcome {
     let answer = match answered(dialled) {
@@ -146,6 +187,8 @@ pub struct NodeResults {
     pub excluded_app: Vec<Dialled>,
     /// The app of the pod outside the mesh (it also dials the sidecar pod).
     pub outside_app: Vec<Dialled>,
+    /// The app of the pod with DNS capture.
+    pub dns_app: Vec<Dialled>,
 }
 
 /// The target names the apps dial.
@@ -154,16 +197,21 @@ pub mod target {
     pub const SERVER: &str = "server";
     /// The sidecar pod.
     pub const SIDECAR: &str = "sidecar";
+    /// The DNS port of the server's address, over TCP.
+    pub const DNS_TCP: &str = "dns-tcp";
+    /// The same, over UDP.
+    pub const DNS_UDP: &str = "dns-udp";
 }
 
-/// Each check's outcome from `results`.
+/// Each of [`Check::PODS`]' outcome from `results`.
 #[must_use]
 pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
     let missing = |what: &str| Outcome::NotChecked(format!("the {what} pod has no address"));
-    Check::ALL
+    Check::PODS
         .into_iter()
         .map(|check| {
             let outcome = match (check, results.server, results.sidecar) {
+                (Check::AgentReady, ..) => Outcome::NotChecked("not from the test's pods".into()),
                 (_, None, _) => missing("server"),
                 (Check::Inbound, _, None) => missing("sidecar"),
                 (Check::Inbound, _, Some(sidecar)) => redirected(
@@ -182,74 +230,13 @@ pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
                 (Check::Untouched, Some(server), _) => {
                     direct(find(&results.outside_app, target::SERVER), server)
                 }
+                (Check::Dns, Some(server), _) => {
+                    dns(&results.dns_app, SocketAddr::new(server.ip(), DNS_PORT))
+                }
             };
             (check, outcome)
         })
         .collect()
-}
-
-/// The whole run: each node's outcomes.
-#[derive(Clone, Debug, Default)]
-pub struct Report {
-    pub nodes: Vec<(String, Vec<(Check, Outcome)>)>,
-}
-
-impl Report {
-    /// Whether any check failed.
-    #[must_use]
-    pub fn failed(&self) -> bool {
-        self.nodes
-            .iter()
-            .flat_map(|(_, outcomes)| outcomes)
-            .any(|(_, o)| matches!(o, Outcome::Fail(_)))
-    }
-}
-
-impl fmt::Display for Report {
-    /// One line per node and check (`NODE  CHECK  OUTCOME`, aligned), then the verdict.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let node_width = self
-            .nodes
-            .iter()
-            .map(|(n, _)| n.len())
-            .chain(["NODE".len()])
-            .max()
-            .unwrap_or_default();
-        let check_width = Check::ALL
-            .iter()
-            .map(|c| c.title().len())
-            .max()
-            .unwrap_or(0);
-        writeln!(
-            f,
-            "{:node_width$}  {:check_width$}  RESULT",
-            "NODE", "CHECK"
-        )?;
-        for (node, outcomes) in &self.nodes {
-            for (check, outcome) in outcomes {
-                writeln!(
-                    f,
-                    "{node:node_width$}  {:check_width$}  {outcome}",
-                    check.title()
-                )?;
-            }
-        }
-        let count = |ok: fn(&Outcome) -> bool| {
-            self.nodes
-                .iter()
-                .flat_map(|(_, o)| o)
-                .filter(|(_, o)| ok(o))
-                .count()
-        };
-        write!(
-            f,
-            "{}: {} ok, {} failed, {} not checked",
-            if self.failed() { "FAILED" } else { "PASSED" },
-            count(|o| *o == Outcome::Ok),
-            count(|o| matches!(o, Outcome::Fail(_))),
-            count(|o| matches!(o, Outcome::NotChecked(_))),
-        )
-    }
 }
 
 #[cfg(test)]
@@ -286,6 +273,16 @@ mod tests {
                 answered_by("server", server, "server", 8080, None),
                 answered_by("sidecar", sidecar, "proxy", 15006, Some(sidecar)),
             ],
+            dns_app: vec![
+                answered_by(
+                    "dns-tcp",
+                    "10.1.0.1:53",
+                    "proxy",
+                    15053,
+                    Some("10.1.0.1:53"),
+                ),
+                answered_by("dns-udp", "10.1.0.1:53", "proxy", 15053, None),
+            ],
         }
     }
 
@@ -310,6 +307,7 @@ mod tests {
             Some("10.1.0.1:8080"),
         )];
         node.outside_app[1] = answered_by("sidecar", "10.1.0.2:9080", "proxy", 15006, None);
+        node.dns_app[1] = answered_by("dns-udp", "10.1.0.1:53", "proxy", 15001, None);
         let outcomes = judge(&node);
         let why = |check| match &outcomes.iter().find(|(c, _)| *c == check).expect("check").1 {
             Outcome::Fail(why) => why.clone(),
@@ -319,6 +317,19 @@ mod tests {
         assert!(why(Check::Excluded).starts_with("captured: the proxy answered on port 15001"));
         assert!(why(Check::Inbound).starts_with("wrong original destination"));
         assert_eq!(outcomes[3], (Check::Untouched, Outcome::Ok));
+        assert!(why(Check::Dns).starts_with("UDP: not captured: the proxy answered on port 15001"));
+        node.dns_app[0] = answered_by("dns-tcp", "10.1.0.1:53", "proxy", 15053, None);
+        assert_eq!(
+            judge(&node)[4],
+            (
+                Check::Dns,
+                Outcome::Fail(
+                    "TCP: wrong original destination, 10.1.0.1:53 was dialled: the proxy \
+                     answered on port 15053 (original destination none)"
+                        .into()
+                )
+            )
+        );
     }
 
     #[test]
@@ -349,6 +360,7 @@ mod tests {
                     Check::Untouched,
                     Outcome::Fail("the app printed no result".into())
                 ),
+                (Check::Dns, Outcome::Ok),
             ]
         );
     }
@@ -358,25 +370,5 @@ mod tests {
         let line = serde_json::to_string(&captured_node().outside_app[1]).expect("json");
         let log = format!("starting\n{line}\nnot json\n");
         assert_eq!(results(&log), vec![captured_node().outside_app[1].clone()]);
-    }
-
-    #[test]
-    fn the_table_has_a_line_per_check_and_the_verdict() {
-        let mut report = Report {
-            nodes: vec![("node-a".into(), judge(&captured_node()))],
-        };
-        let text = report.to_string();
-        assert!(text.contains("node-a  sidecar outbound  ok"), "{text}");
-        assert!(
-            text.ends_with("PASSED: 4 ok, 0 failed, 0 not checked"),
-            "{text}"
-        );
-        report.nodes[0].1[0].1 = Outcome::Fail("x".into());
-        assert!(report.failed());
-        assert!(
-            report
-                .to_string()
-                .ends_with("FAILED: 3 ok, 1 failed, 0 not checked")
-        );
     }
 }

@@ -10,7 +10,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::{
+    apps::v1::DaemonSet,
+    core::v1::{Namespace, Node, Pod},
+};
 use kube::{
     Api, Client,
     api::{DeleteParams, ListParams, LogParams, PostParams},
@@ -18,8 +21,10 @@ use kube::{
 use serde_json::Value;
 
 use super::{
+    agent::node_agents,
     plan::{Plan, Role, SERVER_PORT, SIDECAR_PORT, selector},
-    report::{Check, NodeResults, Outcome, Report, judge, results},
+    report::{Check, NodeResults, Outcome, judge, results},
+    table::Report,
 };
 
 /// How often pods are looked at while waiting.
@@ -36,6 +41,8 @@ pub struct Options {
     pub keep: bool,
     /// The whole run's deadline.
     pub timeout: Duration,
+    /// meshcap's DaemonSet: its namespace, its name, and itself when it exists.
+    pub agent: (String, String, Option<DaemonSet>),
 }
 
 /// Errors that end a run (a check failing is not one: it is in the [`Report`]).
@@ -99,32 +106,51 @@ async fn delete(api: &Api<Namespace>, name: &str) -> Result<(), RunError> {
     }
 }
 
-/// The nodes to check: the named ones, or every Linux node of the cluster (a node labelled
-/// `kubernetes.io/os` with another system runs neither meshcap nor its image).
-async fn nodes(client: &Client, named: &[String]) -> Result<Vec<String>, RunError> {
-    if !named.is_empty() {
-        return Ok(named.to_vec());
-    }
+/// The nodes to check, the named ones or every Linux node of the cluster (a node labelled
+/// `kubernetes.io/os` with another system runs neither meshcap nor its image), each with its
+/// kernel as its kubelet reports it.
+async fn nodes(client: &Client, named: &[String]) -> Result<Vec<(String, String)>, RunError> {
     let list = Api::<Node>::all(client.clone())
         .list(&ListParams::default())
         .await
         .map_err(kube_err("listing the nodes"))?;
-    let names: Vec<String> = list
+    let kernel = |node: &Node| {
+        node.status
+            .as_ref()
+            .and_then(|s| s.node_info.as_ref())
+            .map_or_else(|| "unknown".to_owned(), |i| i.kernel_version.clone())
+    };
+    let kernels: BTreeMap<String, String> = list
         .items
-        .into_iter()
+        .iter()
         .filter(|n| {
-            n.metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get("kubernetes.io/os"))
-                .is_none_or(|os| os == "linux")
+            !named.is_empty()
+                || n.metadata
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get("kubernetes.io/os"))
+                    .is_none_or(|os| os == "linux")
         })
-        .filter_map(|n| n.metadata.name)
+        .filter_map(|n| Some((n.metadata.name.clone()?, kernel(n))))
         .collect();
-    if names.is_empty() {
+    let nodes: Vec<(String, String)> = if named.is_empty() {
+        kernels.into_iter().collect()
+    } else {
+        named
+            .iter()
+            .map(|n| {
+                let kernel = kernels.get(n).cloned();
+                (
+                    n.clone(),
+                    kernel.unwrap_or_else(|| "unknown (no such node)".into()),
+                )
+            })
+            .collect()
+    };
+    if nodes.is_empty() {
         return Err(RunError::NoNodes);
     }
-    Ok(names)
+    Ok(nodes)
 }
 
 /// Runs the test in the namespace of `plan`, and deletes it unless `options.keep`.
@@ -144,7 +170,14 @@ pub async fn run(client: &Client, plan: &Plan, options: &Options) -> Result<Repo
 
 async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Report, RunError> {
     let deadline = Instant::now() + options.timeout;
-    let nodes = nodes(client, &options.nodes).await?;
+    let (nodes, kernels): (Vec<String>, Vec<String>) =
+        nodes(client, &options.nodes).await?.into_iter().unzip();
+    let (agent_namespace, daemon_set, found) = &options.agent;
+    let agents = node_agents(client, agent_namespace, daemon_set, found.as_ref(), &nodes)
+        .await
+        .map_err(kube_err(format!(
+            "listing the pods of DaemonSet {agent_namespace}/{daemon_set}"
+        )))?;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     namespaces
         .create(
@@ -177,6 +210,7 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         if let Some(server) = server(i) {
             meshed.push((Role::Sidecar.pod(i), plan.sidecar(i, node, server)));
             meshed.push((Role::Excluded.pod(i), plan.excluded(i, node, server)));
+            meshed.push((Role::Dns.pod(i), plan.dns(i, node, server)));
         }
     }
     let meshed_ips = run.create_and_wait(meshed).await?;
@@ -195,7 +229,21 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
     run.create_and_wait(outside).await?;
 
     let mut report = Report::default();
-    for (i, node) in nodes.iter().enumerate() {
+    for (i, (node, kernel)) in nodes.iter().zip(kernels).enumerate() {
+        let agent = agents.get(node);
+        let backend = agent.map_or_else(
+            || "backend unknown".to_owned(),
+            |a| match &a.backend {
+                Ok(backend) => format!("backend {backend}"),
+                Err(why) => format!("backend unknown ({why})"),
+            },
+        );
+        let pod = agent
+            .and_then(|a| a.pod.as_deref())
+            .map_or_else(String::new, |p| format!("agent pod {p}, "));
+        report
+            .about
+            .push((node.clone(), format!("{pod}{backend}, kernel {kernel}")));
         let mut results = NodeResults {
             server: server(i),
             sidecar: sidecar(i),
@@ -204,8 +252,13 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         results.sidecar_app = run.app_results(&Role::Sidecar.pod(i)).await;
         results.excluded_app = run.app_results(&Role::Excluded.pod(i)).await;
         results.outside_app = run.app_results(&Role::Outside.pod(i)).await;
-        let outcomes = judge(&results)
-            .into_iter()
+        results.dns_app = run.app_results(&Role::Dns.pod(i)).await;
+        let ready = agent.map_or_else(
+            || Outcome::NotChecked("no agent found".into()),
+            |a| a.outcome.clone(),
+        );
+        let outcomes = std::iter::once((Check::AgentReady, ready))
+            .chain(judge(&results))
             .map(|(check, outcome)| {
                 let stuck = roles(check)
                     .iter()
@@ -224,10 +277,12 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
 /// The pods a check needs, in the order they are created.
 fn roles(check: Check) -> &'static [Role] {
     match check {
+        Check::AgentReady => &[],
         Check::Outbound => &[Role::Server, Role::Sidecar],
         Check::Inbound => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Excluded => &[Role::Server, Role::Excluded],
         Check::Untouched => &[Role::Server, Role::Sidecar, Role::Outside],
+        Check::Dns => &[Role::Server, Role::Dns],
     }
 }
 
@@ -356,7 +411,7 @@ fn app_ended(pod: &Pod) -> bool {
 
 /// The pod's state in words: its phase and the reason a container waits, or that it was never
 /// scheduled.
-fn state(pod: &Pod) -> String {
+pub(super) fn state(pod: &Pod) -> String {
     let Some(status) = &pod.status else {
         return "not scheduled (no status)".into();
     };

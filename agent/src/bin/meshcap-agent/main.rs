@@ -125,6 +125,13 @@ fn main() -> ExitCode {
         logging::PLUGIN_TARGET,
         levels.plugin
     );
+    // kube's trace layer logs each 5xx answer as an error; the connectivity test reads agents'
+    // `/readyz`, which answers 503 while not ready, and its table says so.
+    let filter = if matches!(cli.command, Command::ConnectivityTest(_)) {
+        format!("{filter},kube_client::client::builder=off")
+    } else {
+        filter
+    };
     if let Err(err) = logging::init(format, &filter) {
         eprintln!("meshcap-agent: {err:#}");
         return ExitCode::FAILURE;

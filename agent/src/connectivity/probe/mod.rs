@@ -5,28 +5,36 @@
 //!   `getsockopt(SO_ORIGINAL_DST)` says) then closing it. As the stand-in proxy it listens on
 //!   Envoy's 15001 and 15006 with `SO_REUSEPORT`, as Envoy's listeners have it, and runs as
 //!   Envoy's uid 1337 (the pod's manifest says so); as the upstream, on the test's port.
+//!   With `--udp-listen` it also answers each UDP datagram with an [`Answer`] (Istio's DNS
+//!   proxy listens on 15053 for both).
 //! - `dial`: the app, connecting to each target once it can, printing one JSON [`Dialled`]
-//!   line per target: the answer, or why none came.
+//!   line per target: the answer, or why none came. A `--udp` target gets one datagram, and
+//!   its answer is taken only from the target's address, as a resolver takes it: the answer of
+//!   a redirected datagram shows the redirect undone for the app, as a DNS client needs it.
 //!
 //! A connection refused or timed out is dialled again until the deadline (the proxy or the
 //! server of another container or pod may not listen yet); an answer, whoever gave it, is
 //! final: a connection that reached the wrong listener is never retried into a pass.
+mod socket;
+
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream},
-    os::fd::AsRawFd as _,
+    io::Write as _,
+    net::{SocketAddr, TcpListener, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
+use socket::{Type, answer, answer_datagrams, bind, bound, exchange, exchange_datagram};
 
 /// Envoy's outbound listener, where a sidecar pod's outbound connections are redirected.
 pub const OUTBOUND_PORT: u16 = 15001;
 /// Envoy's inbound listener.
 pub const INBOUND_PORT: u16 = 15006;
-/// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST` share the number.
-const SO_ORIGINAL_DST: libc::c_int = 80;
+/// DNS's port, which Istio's DNS capture takes (TCP and UDP).
+pub const DNS_PORT: u16 = 53;
+/// Istio's DNS proxy (in the sidecar's `pilot-agent`), where captured port-53 traffic goes.
+pub const DNS_CAPTURE_PORT: u16 = 15053;
 
 /// What a server says of one connection it accepted.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -88,33 +96,27 @@ pub fn target(text: &str) -> Result<(String, SocketAddr), ProbeError> {
     Ok((name.to_owned(), addr))
 }
 
-/// Listens on every address of `listen` (those of a family the kernel lacks skipped) and
-/// answers each connection with an [`Answer`] of `role`, until killed. Prints `ready` once
-/// every listener is bound.
+/// Listens on every address of `listen` (TCP) and `udp` (those of a family the kernel lacks
+/// skipped) and answers each connection and datagram with an [`Answer`] of `role`, until
+/// killed. Prints `ready` once every listener is bound.
 ///
 /// # Errors
 /// When a listener cannot be bound, or none can.
-pub fn serve(role: &str, listen: &[SocketAddr]) -> Result<(), ProbeError> {
-    let mut listeners = Vec::new();
-    for &addr in listen {
-        match bind(addr) {
-            Ok(listener) => listeners.push(listener),
-            // IPv6 (or IPv4) compiled out or disabled at boot: that family's pods do not exist.
-            Err(e) if e.raw_os_error() == Some(libc::EAFNOSUPPORT) => {
-                eprintln!("not listening on {addr}: {e}");
-            }
-            Err(source) => return Err(ProbeError::Bind { addr, source }),
-        }
-    }
-    if listeners.is_empty() {
+pub fn serve(role: &str, listen: &[SocketAddr], udp: &[SocketAddr]) -> Result<(), ProbeError> {
+    let tcp = bound(listen, |a| bind(a, Type::Stream).map(TcpListener::from))?;
+    let udp = bound(udp, |a| bind(a, Type::Datagram).map(UdpSocket::from))?;
+    if tcp.is_empty() && udp.is_empty() {
         return Err(ProbeError::NoListener);
     }
     let mut out = std::io::stdout();
     writeln!(out, "ready")?;
     out.flush()?;
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .map(|listener| {
+    let udp = udp.into_iter().map(|socket| {
+        let role = role.to_owned();
+        thread::spawn(move || answer_datagrams(&role, &socket))
+    });
+    let handles: Vec<_> = udp
+        .chain(tcp.into_iter().map(|listener| {
             let role = role.to_owned();
             thread::spawn(move || {
                 // The listener's own port: a connection the kernel assigned to it keeps the
@@ -125,7 +127,7 @@ pub fn serve(role: &str, listen: &[SocketAddr]) -> Result<(), ProbeError> {
                     let _ = answer(&role, port, &stream);
                 }
             })
-        })
+        }))
         .collect();
     for handle in handles {
         let _ = handle.join();
@@ -133,69 +135,11 @@ pub fn serve(role: &str, listen: &[SocketAddr]) -> Result<(), ProbeError> {
     Ok(())
 }
 
-/// A TCP listener with `SO_REUSEADDR` and `SO_REUSEPORT` (Envoy's listeners have it, and the
-/// eBPF backend's socket assignment must cope with it); an IPv6 one is v6-only.
-fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    use nix::sys::socket::{
-        AddressFamily, Backlog, SockFlag, SockType, SockaddrStorage, bind, listen, setsockopt,
-        socket, sockopt,
-    };
-    let family = if addr.is_ipv4() {
-        AddressFamily::Inet
-    } else {
-        AddressFamily::Inet6
-    };
-    let fd = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-    setsockopt(&fd, sockopt::ReuseAddr, &true)?;
-    setsockopt(&fd, sockopt::ReusePort, &true)?;
-    if addr.is_ipv6() {
-        setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
-    }
-    bind(fd.as_raw_fd(), &SockaddrStorage::from(addr))?;
-    listen(&fd, Backlog::new(128).map_err(std::io::Error::from)?)?;
-    Ok(TcpListener::from(fd))
-}
-
-fn answer(role: &str, listener: u16, stream: &TcpStream) -> std::io::Result<()> {
-    let local = stream.local_addr()?;
-    let answer = Answer {
-        role: role.to_owned(),
-        listener,
-        local,
-        peer: stream.peer_addr()?,
-        original_dst: original_dst(stream, local.is_ipv6()),
-    };
-    let mut writer = stream;
-    writeln!(writer, "{}", serde_json::to_string(&answer)?)?;
-    writer.flush()
-}
-
-/// `SO_ORIGINAL_DST` (`IP6T_SO_ORIGINAL_DST` on IPv6), when the kernel has one.
-fn original_dst(stream: &TcpStream, v6: bool) -> Option<SocketAddr> {
-    use nix::sys::socket::{SockaddrLike as _, SockaddrStorage};
-    let mut storage = std::mem::MaybeUninit::<libc::sockaddr_storage>::zeroed();
-    let mut len = libc::socklen_t::try_from(size_of::<libc::sockaddr_storage>()).ok()?;
-    let level = if v6 { libc::SOL_IPV6 } else { libc::SOL_IP };
-    // SAFETY: the kernel writes at most `len` bytes into `storage`, our own buffer.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            level,
-            SO_ORIGINAL_DST,
-            storage.as_mut_ptr().cast(),
-            &raw mut len,
-        )
-    };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: the kernel filled `len` bytes of a socket address.
-    let addr = unsafe { SockaddrStorage::from_raw(storage.as_ptr().cast(), Some(len)) }?;
-    if let Some(v4) = addr.as_sockaddr_in() {
-        return Some(SocketAddr::V4((*v4).into()));
-    }
-    addr.as_sockaddr_in6()
-        .map(|v6| SocketAddr::V6((*v6).into()))
+/// How a target is dialled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    Tcp,
+    Udp,
 }
 
 /// Dials each target in turn, again while it is refused or times out, until `deadline` from
@@ -203,11 +147,14 @@ fn original_dst(stream: &TcpStream, v6: bool) -> Option<SocketAddr> {
 ///
 /// # Errors
 /// When the results cannot be written.
-pub fn dial(targets: &[(String, SocketAddr)], deadline: Duration) -> Result<(), ProbeError> {
+pub fn dial(
+    targets: &[(String, SocketAddr, Protocol)],
+    deadline: Duration,
+) -> Result<(), ProbeError> {
     let until = Instant::now() + deadline;
     let mut out = std::io::stdout();
-    for (name, to) in targets {
-        let dialled = dial_one(name, *to, until);
+    for (name, to, protocol) in targets {
+        let dialled = dial_one(name, *to, *protocol, until);
         writeln!(
             out,
             "{}",
@@ -220,9 +167,13 @@ pub fn dial(targets: &[(String, SocketAddr)], deadline: Duration) -> Result<(), 
 
 /// One target's [`Dialled`], tried until `until`.
 #[must_use]
-pub fn dial_one(name: &str, to: SocketAddr, until: Instant) -> Dialled {
+pub fn dial_one(name: &str, to: SocketAddr, protocol: Protocol, until: Instant) -> Dialled {
     loop {
-        let error = match exchange(to) {
+        let exchanged = match protocol {
+            Protocol::Tcp => exchange(to),
+            Protocol::Udp => exchange_datagram(to),
+        };
+        let error = match exchanged {
             Ok(answer) => {
                 return Dialled {
                     name: name.to_owned(),
@@ -245,23 +196,65 @@ pub fn dial_one(name: &str, to: SocketAddr, until: Instant) -> Dialled {
     }
 }
 
-/// One connection to `to` and the answer line read from it.
-fn exchange(to: SocketAddr) -> Result<Answer, String> {
-    let stream = TcpStream::connect_timeout(&to, Duration::from_secs(3))
-        .map_err(|e| format!("connecting to {to}: {e}"))?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream)
-        .read_line(&mut line)
-        .map_err(|e| format!("reading from {to}: {e}"))?;
-    serde_json::from_str(line.trim()).map_err(|e| format!("{to} answered {line:?}: {e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tcp(addr: &str) -> TcpListener {
+        TcpListener::from(bind(addr.parse().expect("addr"), Type::Stream).expect("bind"))
+    }
+
+    #[test]
+    fn a_datagram_is_answered_from_the_address_it_was_sent_to() {
+        let socket = UdpSocket::from(
+            bind("127.0.0.1:0".parse().expect("addr"), Type::Datagram).expect("bind"),
+        );
+        let addr = socket.local_addr().expect("addr");
+        thread::spawn(move || answer_datagrams("proxy", &socket));
+        let dialled = dial_one("dns", addr, Protocol::Udp, Instant::now());
+        let answer = dialled.answer.expect("an answer");
+        assert_eq!(
+            (answer.role.as_str(), answer.listener),
+            ("proxy", addr.port())
+        );
+        assert!(answer.peer.ip().is_loopback(), "{answer:?}");
+    }
+
+    #[test]
+    fn an_answer_from_another_address_is_not_taken() {
+        // Bound to every address: it answers 127.0.0.2's datagram from 127.0.0.1, the source
+        // the kernel picks, as an answer whose redirect was not undone comes.
+        let socket = UdpSocket::from(
+            bind("0.0.0.0:0".parse().expect("addr"), Type::Datagram).expect("bind"),
+        );
+        let port = socket.local_addr().expect("addr").port();
+        thread::spawn(move || answer_datagrams("proxy", &socket));
+        let to = SocketAddr::from(([127, 0, 0, 2], port));
+        let dialled = dial_one("dns", to, Protocol::Udp, Instant::now());
+        assert_eq!(dialled.answer, None);
+        let error = dialled.error.unwrap_or_default();
+        assert!(
+            error.starts_with(&format!("the answer to {to} came from 127.0.0.1:{port}")),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_datagram_nothing_answers_is_an_error_after_the_deadline() {
+        let addr = {
+            let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+            socket.local_addr().expect("addr")
+        };
+        let dialled = dial_one("dns", addr, Protocol::Udp, Instant::now());
+        assert_eq!(dialled.answer, None);
+        assert!(
+            dialled
+                .error
+                .as_deref()
+                .is_some_and(|e| e.contains("no answer from 127.0.0.1")),
+            "{dialled:?}"
+        );
+    }
 
     #[test]
     fn targets_are_name_equals_address() {
@@ -278,13 +271,13 @@ mod tests {
 
     #[test]
     fn a_server_answers_with_what_it_saw() {
-        let listener = bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let listener = tcp("127.0.0.1:0");
         let addr = listener.local_addr().expect("addr");
         let server = thread::spawn(move || {
             let (stream, _) = listener.accept().expect("accept");
             answer("server", addr.port(), &stream).expect("answer");
         });
-        let dialled = dial_one("s", addr, Instant::now());
+        let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
         server.join().expect("server");
         let answer = dialled.answer.expect("an answer");
         assert_eq!(answer.role, "server");
@@ -295,13 +288,13 @@ mod tests {
 
     #[test]
     fn an_ipv6_server_answers_with_what_it_saw() {
-        let listener = bind("[::1]:0".parse().expect("addr")).expect("bind");
+        let listener = tcp("[::1]:0");
         let addr = listener.local_addr().expect("addr");
         let server = thread::spawn(move || {
             let (stream, _) = listener.accept().expect("accept");
             answer("proxy", addr.port(), &stream).expect("answer");
         });
-        let dialled = dial_one("s", addr, Instant::now());
+        let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
         server.join().expect("server");
         let answer = dialled.answer.expect("an answer");
         assert_eq!((answer.role.as_str(), answer.local), ("proxy", addr));
@@ -310,11 +303,8 @@ mod tests {
 
     #[test]
     fn nothing_listening_is_an_error_after_the_deadline() {
-        let addr = {
-            let listener = bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
-            listener.local_addr().expect("addr")
-        };
-        let dialled = dial_one("s", addr, Instant::now());
+        let addr = tcp("127.0.0.1:0").local_addr().expect("addr");
+        let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
         assert_eq!(dialled.answer, None);
         assert!(
             dialled
