@@ -1,4 +1,4 @@
-//! What the connectivity test creates: its namespace and, on each node, four pods pinned by
+//! What the connectivity test creates: its namespace and, on each node, five pods pinned by
 //! `nodeName`, all of meshcap's own image running `meshcap-agent probe-pod`:
 //! - `server-N`: the upstream, outside the mesh, on [`SERVER_PORT`];
 //! - `sidecar-N`: the shape Istio's injector gives a pod (the `sidecar.istio.io/status`
