@@ -773,3 +773,40 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
         "the documented permissions suffice"
     );
 }
+
+#[test]
+fn without_meshcaps_daemon_set_the_agent_check_fails_and_no_image_is_guessed() {
+    let server = ApiServer::start();
+    let dir = ManifestDir::new();
+    let kubeconfig = operator(&server, &dir.0);
+
+    let (code, out) = connectivity_test(&kubeconfig, &["--daemon-set", "nope"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(
+            "DaemonSet meshcap-system/nope is not in the cluster: give --agent-namespace and \
+             --daemon-set, or --image"
+        ),
+        "{out}"
+    );
+    assert!(created(&server).is_empty(), "nothing created: {out}");
+
+    let args = [
+        "--daemon-set",
+        "nope",
+        "--image",
+        "ghcr.io/example/meshcap:0.1.0",
+        "--timeout",
+        "1",
+    ];
+    let (code, out) = connectivity_test(&kubeconfig, &args);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "{NODE}  agent ready       FAIL: meshcap's DaemonSet meshcap-system/nope is not in \
+             the cluster"
+        )),
+        "{out}"
+    );
+    assert_eq!(server.refused(), Vec::new());
+}
