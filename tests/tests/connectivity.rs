@@ -424,7 +424,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 0 ok, 6 failed, 0 not checked"),
+        out.contains("FAILED: 0 ok, 6 failed, 1 not checked"),
         "{out}"
     );
 
@@ -498,7 +498,7 @@ fn every_pod_of_a_node_is_valid_for_kubernetes() {
 /// Plays kubelet for the test's pods until `stop`: each new one gets an address and a status
 /// (its `app` ended), and its app's log the answers a node gives: the capture in place, except
 /// on `uncaptured`'s node, where the sidecar pod's outbound connection reaches the server
-/// itself. Each answer echoes the target the run wrote into the pod's command, so an address
+/// itself and a pod in ambient mode is not annotated as enrolled. Each answer echoes the target the run wrote into the pod's command, so an address
 /// carried wrongly from one round of pods to the next fails a check.
 fn kubelet(server: &ApiServer, uncaptured: &str, stop: &std::sync::atomic::AtomicBool) {
     use std::sync::atomic::Ordering;
@@ -538,6 +538,13 @@ fn kubelet(server: &ApiServer, uncaptured: &str, stop: &std::sync::atomic::Atomi
                 })
                 .collect();
             let log = app_log(&pod, &ip, node == uncaptured);
+            // What the agent does on enrolling a pod in ambient mode (tests/tests/ambient.rs
+            // has a real one do it): not on `uncaptured`'s node.
+            if pod["metadata"]["labels"]["istio.io/dataplane-mode"] == "ambient"
+                && node != uncaptured
+            {
+                pod["metadata"]["annotations"]["ambient.istio.io/redirection"] = json!("enabled");
+            }
             pod["status"] = json!({"phase": "Running", "podIP": ip, "containerStatuses": statuses});
             let namespace = pod["metadata"]["namespace"]
                 .as_str()
@@ -626,13 +633,13 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 9 ok, 3 failed, 0 not checked"),
+        out.contains("FAILED: 9 ok, 3 failed, 2 not checked"),
         "{out}"
     );
     let (code, out) = one;
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("FAILED: 5 ok, 1 failed, 0 not checked"),
+        out.contains("FAILED: 5 ok, 1 failed, 1 not checked"),
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
@@ -755,7 +762,8 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
         "node-3  agent ready       FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
          this node (app.kubernetes.io/name=meshcap-agent)"
             .to_owned(),
-        "FAILED: 16 ok, 2 failed, 0 not checked".to_owned(),
+        "FAILED: 16 ok, 2 failed, 3 not checked".to_owned(),
+        format!("{NODE}  ambient enrolled  not checked: ambient mode is off on this node"),
     ];
     for line in lines {
         assert!(out.contains(&line), "{line:?} in:\n{out}");
@@ -764,7 +772,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let (code, out) = one;
     assert_eq!(code, Some(0), "{out}");
     assert!(
-        out.contains("PASSED: 6 ok, 0 failed, 0 not checked"),
+        out.contains("PASSED: 6 ok, 0 failed, 1 not checked"),
         "{out}"
     );
     assert_eq!(
@@ -808,5 +816,68 @@ fn without_meshcaps_daemon_set_the_agent_check_fails_and_no_image_is_guessed() {
         )),
         "{out}"
     );
+    assert_eq!(server.refused(), Vec::new());
+}
+
+#[test]
+fn on_a_node_in_ambient_mode_a_pod_labelled_for_it_must_be_enrolled() {
+    require_root();
+    let server = ApiServer::start();
+    server
+        .nodes
+        .lock()
+        .expect("nodes")
+        .push(json!({"apiVersion": "v1", "kind": "Node",
+        "spec": {}, "metadata": {"name": "node-2", "uid": "uid-node-2"}}));
+    // A real agent with ambient mode on, behind the agent pods of both nodes.
+    let node = meshcap_tests::world::Node::new().expect("node");
+    let (sockets, manifests) = (ManifestDir::new(), ManifestDir::new());
+    let socket = sockets.0.join("ztunnel.sock");
+    let netns = node.netns.path();
+    let env = [
+        ("MESHCAP_AMBIENT_ENABLED", "true"),
+        ("MESHCAP_AMBIENT_IN_KERNEL", "false"),
+        ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+        ("MESHCAP_NODE_NETNS", netns.to_str().expect("utf-8")),
+    ];
+    let args = [
+        "--pods",
+        "dir",
+        "--pod-dir",
+        manifests.0.to_str().expect("utf-8"),
+    ];
+    let agent = Agent::start_in(Backend::Iptables, &args, &env, Some(node.cgroup.path()))
+        .expect("ambient agent");
+    agent_pod(&server, AGENT_POD, NODE, &agent.http, true);
+    agent_pod(&server, "meshcap-agent-n2", "node-2", &agent.http, true);
+
+    let dir = ManifestDir::new();
+    let kubeconfig = operator(&server, &dir.0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (code, out) = std::thread::scope(|s| {
+        s.spawn(|| kubelet(&server, "node-2", &stop));
+        let run = connectivity_test(&kubeconfig, &["--timeout", "15"]);
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        run
+    });
+    assert_eq!(code, Some(1), "{out}");
+    for line in [
+        format!("{NODE}  ambient enrolled  ok"),
+        "node-2  ambient enrolled  FAIL: pod ambient-1 is not enrolled: it has no \
+         ambient.istio.io/redirection annotation"
+            .to_owned(),
+    ] {
+        assert!(out.contains(&line), "{line:?} in:\n{out}");
+    }
+    let ambient: Vec<Value> = created(&server)
+        .into_iter()
+        .filter(|o| o["metadata"]["labels"]["istio.io/dataplane-mode"] == "ambient")
+        .collect();
+    assert_eq!(
+        ambient.len(),
+        2,
+        "one pod in ambient mode per node: {ambient:#?}"
+    );
+    assert_valid(&ambient);
     assert_eq!(server.refused(), Vec::new());
 }

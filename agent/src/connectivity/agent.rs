@@ -14,7 +14,7 @@ use k8s_openapi::{
 };
 use kube::{Api, Client, api::ListParams};
 
-use super::{report::Outcome, run::state};
+use super::{pod_state::state, report::Outcome};
 
 /// The agent's readiness path (`agent/src/api/http.rs`).
 const READYZ: &str = "/readyz";
@@ -22,6 +22,8 @@ const READYZ: &str = "/readyz";
 const METRICS: &str = "/metrics";
 /// The gauge whose `backend` label is the node's backend (`agent/src/status/metrics.rs`).
 const CAPTURED: &str = "meshcap_pods_captured{backend=\"";
+/// The gauge that says whether the agent runs ambient mode.
+const AMBIENT: &str = "meshcap_ambient_enabled ";
 
 /// What the run found of one node's agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,6 +34,8 @@ pub struct NodeAgent {
     pub pod: Option<String>,
     /// The backend the agent reports, or why it is not known.
     pub backend: Result<String, String>,
+    /// Whether the agent runs ambient mode, when it says.
+    pub ambient: Option<bool>,
 }
 
 /// The port of the agent container's readiness probe, and its port named `metrics`.
@@ -78,6 +82,16 @@ pub fn backend(metrics: &str) -> Option<String> {
         let rest = line.strip_prefix(CAPTURED)?;
         Some(rest.split_once('"')?.0.to_owned())
     })
+}
+
+/// Whether the agent runs ambient mode, from its metrics (an agent older than the gauge: not
+/// known).
+#[must_use]
+pub fn ambient(metrics: &str) -> Option<bool> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(AMBIENT))
+        .map(|value| value.trim() == "1")
 }
 
 /// The check from the pod's readiness and what its `/readyz` answered (the body, or the error
@@ -145,6 +159,7 @@ pub async fn node_agents(
         outcome: Outcome::Fail(why.clone()),
         pod: None,
         backend: Err(why),
+        ambient: None,
     };
     let Some(selector) = daemon_set.and_then(selector) else {
         let why = format!("meshcap's DaemonSet {namespace}/{name} is not in the cluster");
@@ -187,16 +202,18 @@ async fn node_agent(client: &Client, namespace: &str, pod: &Pod) -> NodeAgent {
         Some(port) => proxied(client, namespace, &name, port, READYZ).await,
         None => Err("the pod has no HTTP readiness probe to read".to_owned()),
     };
-    let backend = match metrics {
-        Some(port) => proxied(client, namespace, &name, port, METRICS)
-            .await
-            .and_then(|text| backend(&text).ok_or_else(|| "its metrics name none".to_owned())),
+    let metrics = match metrics {
+        Some(port) => proxied(client, namespace, &name, port, METRICS).await,
         None => Err("the pod declares no port named metrics".to_owned()),
     };
     NodeAgent {
         outcome: judge(pod, &readyz),
         pod: Some(name),
-        backend,
+        backend: metrics
+            .as_deref()
+            .map_err(Clone::clone)
+            .and_then(|text| backend(text).ok_or_else(|| "its metrics name none".to_owned())),
+        ambient: metrics.as_deref().ok().and_then(ambient),
     }
 }
 
@@ -234,6 +251,14 @@ mod tests {
                     meshcap_pods_captured{backend=\"nftables\"} 2\n";
         assert_eq!(backend(text), Some("nftables".to_owned()));
         assert_eq!(backend("istio_cni_install_ready 1\n"), None);
+    }
+
+    #[test]
+    fn ambient_mode_is_the_gauges_value_or_not_known() {
+        let text = "# TYPE meshcap_ambient_enabled gauge\nmeshcap_ambient_enabled 1\n";
+        assert_eq!(ambient(text), Some(true));
+        assert_eq!(ambient("meshcap_ambient_enabled 0\n"), Some(false));
+        assert_eq!(ambient("meshcap_pods_captured{backend=\"ebpf\"} 0\n"), None);
     }
 
     #[test]

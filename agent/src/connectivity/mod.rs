@@ -4,6 +4,8 @@
 //! - [`probe`]: the workload the pods run (`meshcap-agent probe-pod`): the stand-in proxy,
 //!   the server, the app;
 //! - [`agent`]: what each node runs, and whether meshcap's agent there says it is ready;
+//! - [`ambient`]: whether a pod in ambient mode is enrolled, where the agent runs it;
+//! - `pod_state`: what a test pod's status says;
 //! - [`plan`]: the namespace and the pods' manifests;
 //! - [`run`]: one run against the cluster, with the operator's credentials;
 //! - [`report`]: each check's outcome from what the apps printed;
@@ -11,7 +13,9 @@
 //!
 //! This module holds the two subcommands' arguments and entry points.
 pub mod agent;
+pub mod ambient;
 pub mod plan;
+mod pod_state;
 pub mod probe;
 pub mod report;
 pub mod run;

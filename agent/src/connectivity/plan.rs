@@ -12,13 +12,16 @@
 //!   `istio-proxy`'s environment, as the injector renders the `proxy.istio.io/config`
 //!   annotation's `proxyMetadata`), its proxy also on `localhost:15053` (TCP and UDP, as
 //!   `pilot-agent`'s DNS proxy); its `app` sends a DNS-port datagram and connection to the server's address on
-//!   [`probe::DNS_PORT`], where nothing listens.
+//!   [`probe::DNS_PORT`], where nothing listens;
+//! - `ambient-N`, only on a node whose agent runs ambient mode: labelled
+//!   `istio.io/dataplane-mode=ambient`, a server that waits to be enrolled.
 //!
 //! The pods need no privilege: they meet PodSecurity's `restricted` level, which the
 //! namespace enforces. Every object carries [`MANAGED_BY`], by which a later run removes what a
 //! killed one left.
 use std::net::SocketAddr;
 
+use meshcap_policy::ambient::ambient_keys;
 use serde_json::{Value, json};
 
 use super::{
@@ -69,6 +72,7 @@ pub enum Role {
     Excluded,
     Outside,
     Dns,
+    Ambient,
 }
 
 impl Role {
@@ -81,6 +85,7 @@ impl Role {
             Self::Excluded => "excluded",
             Self::Outside => "outside",
             Self::Dns => "dns",
+            Self::Ambient => "ambient",
         };
         format!("{role}-{index}")
     }
@@ -157,6 +162,15 @@ impl Plan {
     ) -> Value {
         let app = self.app(&[(target::SERVER, server), (target::SIDECAR, sidecar)]);
         self.pod(Role::Outside, index, node, &json!({}), vec![app])
+    }
+
+    /// A pod in ambient mode by its label, running a server (ztunnel's to serve).
+    #[must_use]
+    pub fn ambient(&self, index: usize, node: &str) -> Value {
+        let server = self.container("server", APP_UID, &serve("server", &[SERVER_PORT]));
+        let mut pod = self.pod(Role::Ambient, index, node, &json!({}), vec![server]);
+        pod["metadata"]["labels"][ambient_keys::DATAPLANE_MODE] = json!("ambient");
+        pod
     }
 
     /// The sidecar-shaped pod with Istio's DNS capture on, whose app sends to `server`'s
@@ -322,6 +336,17 @@ mod tests {
                 .is_some_and(serde_json::Map::is_empty)
         );
         assert_eq!(pod["spec"]["containers"].as_array().map(Vec::len), Some(1));
+    }
+
+    #[test]
+    fn the_ambient_pod_is_labelled_for_ambient_mode() {
+        let pod = plan().ambient(2, "n");
+        assert_eq!(pod["metadata"]["name"], "ambient-2");
+        assert_eq!(
+            pod["metadata"]["labels"]["istio.io/dataplane-mode"],
+            "ambient"
+        );
+        assert_eq!(pod["metadata"]["labels"][MANAGED_BY.0], MANAGED_BY.1);
     }
 
     #[test]

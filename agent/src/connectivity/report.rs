@@ -25,17 +25,20 @@ pub enum Check {
     /// proxy's 15053 with the dialled address as the original destination, and its datagram
     /// to port 53 is answered by the proxy's 15053 from the address it was sent to.
     Dns,
+    /// On a node in ambient mode, a pod labelled for it is enrolled.
+    Ambient,
 }
 
 impl Check {
     /// Every check, in the table's order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::AgentReady,
         Self::Outbound,
         Self::Inbound,
         Self::Excluded,
         Self::Untouched,
         Self::Dns,
+        Self::Ambient,
     ];
 
     /// The checks the test's pods answer, judged by [`judge`].
@@ -57,6 +60,7 @@ impl Check {
             Self::Excluded => "excluded range",
             Self::Untouched => "outside the mesh",
             Self::Dns => "DNS capture",
+            Self::Ambient => "ambient enrolled",
         }
     }
 }
@@ -211,7 +215,9 @@ pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
         .into_iter()
         .map(|check| {
             let outcome = match (check, results.server, results.sidecar) {
-                (Check::AgentReady, ..) => Outcome::NotChecked("not from the test's pods".into()),
+                (Check::AgentReady | Check::Ambient, ..) => {
+                    Outcome::NotChecked("not from the apps' results".into())
+                }
                 (_, None, _) => missing("server"),
                 (Check::Inbound, _, None) => missing("sidecar"),
                 (Check::Inbound, _, Some(sidecar)) => redirected(

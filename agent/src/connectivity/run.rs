@@ -22,7 +22,9 @@ use serde_json::Value;
 
 use super::{
     agent::node_agents,
+    ambient,
     plan::{Plan, Role, SERVER_PORT, SIDECAR_PORT, selector},
+    pod_state::{address, app_ended, state},
     report::{Check, NodeResults, Outcome, judge, results},
     table::Report,
 };
@@ -194,11 +196,15 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         stuck: BTreeMap::new(),
     };
 
-    let servers = nodes
-        .iter()
-        .enumerate()
-        .map(|(i, n)| (Role::Server.pod(i), plan.server(i, n)));
-    let server_ips = run.create_and_wait(servers.collect()).await?;
+    let ambient_on = |node: &String| agents.get(node).and_then(|a| a.ambient);
+    let mut first = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        first.push((Role::Server.pod(i), plan.server(i, node)));
+        if ambient_on(node) == Some(true) {
+            first.push((Role::Ambient.pod(i), plan.ambient(i, node)));
+        }
+    }
+    let server_ips = run.create_and_wait(first).await?;
     let server = |i: usize| {
         server_ips
             .get(&Role::Server.pod(i))
@@ -257,8 +263,15 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
             || Outcome::NotChecked("no agent found".into()),
             |a| a.outcome.clone(),
         );
+        let name = Role::Ambient.pod(i);
+        let enrolled = match (ambient::not_checked(ambient_on(node)), run.stuck.get(&name)) {
+            (Some(outcome), _) => outcome,
+            (None, Some(why)) => Outcome::Fail(why.clone()),
+            (None, None) => ambient::enrolled(&pods, &name, deadline).await,
+        };
         let outcomes = std::iter::once((Check::AgentReady, ready))
             .chain(judge(&results))
+            .chain([(Check::Ambient, enrolled)])
             .map(|(check, outcome)| {
                 let stuck = roles(check)
                     .iter()
@@ -283,6 +296,7 @@ fn roles(check: Check) -> &'static [Role] {
         Check::Excluded => &[Role::Server, Role::Excluded],
         Check::Untouched => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Dns => &[Role::Server, Role::Dns],
+        Check::Ambient => &[Role::Ambient],
     }
 }
 
@@ -382,56 +396,5 @@ impl Round<'_> {
             }
             tokio::time::sleep(POLL).await;
         }
-    }
-}
-
-/// The pod's address, once its containers have started: a pod gets its address with its
-/// sandbox, before they run.
-fn address(pod: &Pod) -> Option<IpAddr> {
-    let status = pod.status.as_ref()?;
-    let started = matches!(
-        status.phase.as_deref(),
-        Some("Running" | "Succeeded" | "Failed")
-    );
-    if !started {
-        return None;
-    }
-    status.pod_ip.as_deref()?.parse().ok()
-}
-
-/// Whether the `app` container has exited.
-fn app_ended(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.container_statuses.as_ref())
-        .into_iter()
-        .flatten()
-        .any(|c| c.name == "app" && c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
-}
-
-/// The pod's state in words: its phase and the reason a container waits, or that it was never
-/// scheduled.
-pub(super) fn state(pod: &Pod) -> String {
-    let Some(status) = &pod.status else {
-        return "not scheduled (no status)".into();
-    };
-    let phase = status.phase.as_deref().unwrap_or("no phase");
-    let waiting: Vec<String> = status
-        .container_statuses
-        .iter()
-        .flatten()
-        .filter_map(|c| {
-            let waiting = c.state.as_ref()?.waiting.as_ref()?;
-            Some(format!(
-                "{} {}",
-                c.name,
-                waiting.reason.as_deref().unwrap_or("waiting")
-            ))
-        })
-        .collect();
-    if waiting.is_empty() {
-        phase.to_owned()
-    } else {
-        format!("{phase}, {}", waiting.join(", "))
     }
 }

@@ -94,7 +94,7 @@ mod tests {
         assert!(text.contains("node-a  agent ready       ok"), "{text}");
         assert!(text.contains("node-a  sidecar outbound  ok"), "{text}");
         assert!(
-            text.ends_with("PASSED: 6 ok, 0 failed, 0 not checked"),
+            text.ends_with("PASSED: 7 ok, 0 failed, 0 not checked"),
             "{text}"
         );
         report.nodes[0].1[0].1 = Outcome::Fail("x".into());
@@ -102,7 +102,7 @@ mod tests {
         let text = report.to_string();
         assert!(text.contains("node-a  agent ready       FAIL: x"), "{text}");
         assert!(
-            text.ends_with("FAILED: 5 ok, 1 failed, 0 not checked"),
+            text.ends_with("FAILED: 6 ok, 1 failed, 0 not checked"),
             "{text}"
         );
     }

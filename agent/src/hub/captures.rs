@@ -227,6 +227,11 @@ impl Captures {
         warnings
     }
 
+    /// Whether this node runs ambient mode.
+    pub(super) const fn ambient_enabled(&self) -> bool {
+        self.ambient.is_some()
+    }
+
     /// Sets the gauges read at each scrape: the ztunnels connected now (0 without ambient
     /// mode) and the other programs on the node backend's hooks.
     pub(super) async fn scrape(&self, metrics: &Metrics) {

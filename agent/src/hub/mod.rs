@@ -132,6 +132,8 @@ impl Hub {
             left: LeftAlone::default(),
         };
         hub.captures.update_gauge(&hub.metrics);
+        hub.metrics
+            .set_ambient_enabled(hub.captures.ambient_enabled());
         hub
     }
 

@@ -45,6 +45,7 @@ pub struct Metrics {
     enrollment_retries: Family<Labels, Counter>,
     enrollment_pending: Gauge,
     sidecar_adoptions: Family<Labels, Counter>,
+    ambient_enabled: Gauge,
 }
 
 impl Default for Metrics {
@@ -187,8 +188,15 @@ impl Metrics {
              Istio writes for the pod now (result left), or not looked at in full (result failed)",
             sidecar_adoptions.clone(),
         );
+        let ambient_enabled = Gauge::default();
+        meshcap.register(
+            "ambient_enabled",
+            "Whether this node's agent runs ambient mode (1) or not (0): ambient.enabled",
+            ambient_enabled.clone(),
+        );
         Self {
             registry,
+            ambient_enabled,
             sidecar_adoptions,
             enrollment_retries,
             enrollment_pending,
@@ -290,7 +298,12 @@ impl Metrics {
             .inc();
     }
 
-    /// Sets how many ztunnels are connected.
+    /// Records whether this node runs ambient mode.
+    pub fn set_ambient_enabled(&self, enabled: bool) {
+        self.ambient_enabled.set(i64::from(enabled));
+    }
+
+    /// Sets the number of ztunnels connected now.
     pub fn set_ztunnel_connected(&self, connected: usize) {
         self.ztunnel_connected
             .set(i64::try_from(connected).unwrap_or(i64::MAX));
@@ -360,7 +373,9 @@ mod tests {
         m.observe("add", "captured", Duration::from_millis(3));
         m.error("add", "invalid_pod");
         m.set_captured("iptables", 2);
+        m.set_ambient_enabled(true);
         let text = m.render();
+        assert!(text.contains("meshcap_ambient_enabled 1"), "{text}");
         assert!(
             text.contains(r#"meshcap_cni_requests_total{op="add",outcome="captured"} 1"#),
             "{text}"
