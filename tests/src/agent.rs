@@ -5,7 +5,10 @@ use std::{
     net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{Arc, OnceLock},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU32, Ordering},
+    },
     thread,
     time::Duration,
 };
@@ -83,12 +86,34 @@ pub fn ready_within() -> Duration {
     Duration::from_secs(seconds)
 }
 
-/// A free TCP port on 127.0.0.1.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// A TCP port nothing listens on at 127.0.0.1, for an agent's endpoints, from below the
+/// kernel's ephemeral range and above the fixed ports the tests and Istio use (15xxx, 8080,
+/// 9080). A port from the ephemeral range, which binding port 0 picks, can be taken by any
+/// outgoing connection's automatic bind between this choice and the agent's own bind, which
+/// then fails "already in use" (a host run of the ambient tests, dozens of agents at once).
+/// Each test process walks the range from its own point, so that binaries run side by side
+/// (the guests' `--jobs`) do not walk the same ports.
+///
+/// # Panics
+/// When every port of the range is taken.
+#[must_use]
+pub fn free_port() -> u16 {
+    const LOW: u32 = 20_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral.saturating_sub(LOW).max(1_000);
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let step = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = u16::try_from(LOW + (start + step) % span).expect("a port");
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1 from {LOW} to {}", LOW + span)
 }
 
 /// The capture backend an [`Agent`] runs.

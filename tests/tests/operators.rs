@@ -13,7 +13,7 @@ use std::{
 
 use meshcap_tests::{
     Netns, Proc,
-    agent::{Agent, Backend, binaries},
+    agent::{Agent, Backend, binaries, free_port},
     apiserver::ApiServer,
     bin,
     cluster::ClusterNode,
@@ -250,13 +250,6 @@ fn the_agent_serves_istios_metrics_with_istios_names_types_and_labels() {
         .count() as f64;
     let open = value(&text, "process_open_fds", "").expect("open fds");
     assert!((open - fds).abs() <= 5.0, "{open} vs {fds}");
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// `meshcap-agent run` with a directory of pods and `args`, in `dir`; its stderr in
