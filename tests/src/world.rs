@@ -14,6 +14,7 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use anyhow::Context as _;
+use meshcap_agent::pod::PodRef;
 
 use crate::{
     ENVOY_OPTIONS, Netns, PROXY_UID, Placement, Proc, TestCgroup, start_server, start_server_with,
@@ -194,6 +195,18 @@ impl Node {
 }
 
 impl Pod {
+    /// The pod as a backend is asked to capture it: `default/pod-<index>`, container
+    /// `c<index>`, its netns.
+    #[must_use]
+    pub fn pod_ref(&self) -> PodRef {
+        PodRef {
+            namespace: "default".into(),
+            name: format!("pod-{}", self.index),
+            container_id: format!("c{}", self.index),
+            netns: self.netns.path(),
+        }
+    }
+
     /// The pod's `eth0` IPv4 address.
     #[must_use]
     pub fn v4(&self) -> Ipv4Addr {

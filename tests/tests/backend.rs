@@ -23,15 +23,6 @@ use meshcap_tests::{
     world::{APP_UID, Node, PROXY, Pod},
 };
 
-fn pod_ref(pod: &Pod) -> PodRef {
-    PodRef {
-        namespace: "default".into(),
-        name: format!("pod-{}", pod.index),
-        container_id: format!("c{}", pod.index),
-        netns: pod.netns.path(),
-    }
-}
-
 fn captured(node: &Node, pod: &Pod) -> bool {
     let at = pod.at(
         node,
@@ -76,7 +67,7 @@ fn serving_pod() -> (Node, Pod, RedirectPolicy, PodRef) {
     let mut pod = node.add_pod(false).expect("pod");
     pod.start_servers(&node, PROXY, false).expect("servers");
     let policy = default_policy("web", pod.ips(false));
-    let r = pod_ref(&pod);
+    let r = pod.pod_ref();
     (node, pod, policy, r)
 }
 
@@ -444,7 +435,7 @@ fn identical_loopback_tuples_in_two_pods_do_not_cross() {
         backend
             .get()
             .add(
-                &pod_ref(&pod),
+                &pod.pod_ref(),
                 &default_policy("twin", pod.ips(false)).into(),
             )
             .expect("add");
@@ -481,7 +472,7 @@ fn identical_loopback_tuples_in_two_pods_do_not_cross() {
         );
     }
     for pod in &pods {
-        backend.get().remove(&pod_ref(pod)).expect("remove");
+        backend.get().remove(&pod.pod_ref()).expect("remove");
     }
 }
 
@@ -519,7 +510,7 @@ fn closed_captured_connections_leave_no_entries_behind() {
     backend
         .get()
         .add(
-            &pod_ref(&pod),
+            &pod.pod_ref(),
             &default_policy("flows", pod.ips(false)).into(),
         )
         .expect("add");
@@ -565,7 +556,7 @@ fn closed_captured_connections_leave_no_entries_behind() {
         0,
         "MESHCAP_DIALING slots still held after every connection was established"
     );
-    backend.get().remove(&pod_ref(&pod)).expect("remove");
+    backend.get().remove(&pod.pod_ref()).expect("remove");
 }
 
 /// Whether a connection accepted on the proxy's outbound port 15001 in `pod` still has a full
@@ -600,7 +591,7 @@ fn the_app_sees_its_dialled_peer_after_the_proxy_closed() {
     backend
         .get()
         .add(
-            &pod_ref(&pod),
+            &pod.pod_ref(),
             &default_policy("peer", pod.ips(true)).into(),
         )
         .expect("add");
@@ -632,7 +623,7 @@ fn the_app_sees_its_dialled_peer_after_the_proxy_closed() {
             "{report:?}"
         );
     }
-    backend.get().remove(&pod_ref(&pod)).expect("remove");
+    backend.get().remove(&pod.pod_ref()).expect("remove");
 }
 
 /// A connection the policy lets through reaches the app even when an earlier connection with

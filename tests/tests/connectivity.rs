@@ -495,6 +495,23 @@ fn every_pod_of_a_node_is_valid_for_kubernetes() {
     ]);
 }
 
+/// Two runs beside the stand-in [`kubelet`], which answers as if `uncaptured`'s node did not
+/// capture: one over every node, then one with `--node` [`NODE`].
+fn every_node_then_one(
+    server: &ApiServer,
+    uncaptured: &str,
+    kubeconfig: &Path,
+) -> ((Option<i32>, String), (Option<i32>, String)) {
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| kubelet(server, uncaptured, &stop));
+        let every = connectivity_test(kubeconfig, &["--timeout", "60"]);
+        let one = connectivity_test(kubeconfig, &["--timeout", "60", "--node", NODE]);
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        (every, one)
+    })
+}
+
 /// Plays kubelet for the test's pods until `stop`: each new one gets an address and a status
 /// (its `app` ended), and its app's log the answers a node gives: the capture in place, except
 /// on `uncaptured`'s node, where the sidecar pod's outbound connection reaches the server
@@ -605,14 +622,7 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
     drop(nodes);
     let dir = ManifestDir::new();
     let kubeconfig = operator(&server, &dir.0);
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (every, one) = std::thread::scope(|s| {
-        s.spawn(|| kubelet(&server, "node-2", &stop));
-        let every = connectivity_test(&kubeconfig, &["--timeout", "60"]);
-        let one = connectivity_test(&kubeconfig, &["--timeout", "60", "--node", NODE]);
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        (every, one)
-    });
+    let (every, one) = every_node_then_one(&server, "node-2", &kubeconfig);
 
     let (code, out) = every;
     assert_eq!(code, Some(1), "{out}");
@@ -741,14 +751,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
 
     let dir = ManifestDir::new();
     let kubeconfig = operator(&server, &dir.0);
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let (every, one) = std::thread::scope(|s| {
-        s.spawn(|| kubelet(&server, "none", &stop));
-        let every = connectivity_test(&kubeconfig, &["--timeout", "60"]);
-        let one = connectivity_test(&kubeconfig, &["--timeout", "60", "--node", NODE]);
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        (every, one)
-    });
+    let (every, one) = every_node_then_one(&server, "none", &kubeconfig);
 
     let (code, out) = every;
     assert_eq!(code, Some(1), "{out}");

@@ -5,21 +5,11 @@
 //! the connection's reply port, and the SYN would go on to the app's own port: the sidecar
 //! bypassed, silently. Every inbound connection must still reach the proxy, with the
 //! destination the client dialled (docs/ebpf.md, "A nat chain in the pod's netns").
-use meshcap_agent::pod::PodRef;
 use meshcap_tests::{
     dial, require_root, run,
     scenario::{Backend as _, EbpfUnderTest, default_policy},
     world::{Node, PROXY, Pod},
 };
-
-fn pod_ref(pod: &Pod) -> PodRef {
-    PodRef {
-        namespace: "default".into(),
-        name: format!("pod-{}", pod.index),
-        container_id: format!("c{}", pod.index),
-        netns: pod.netns.path(),
-    }
-}
 
 /// Runs `program` with `args` in the pod's netns.
 fn in_pod(pod: &Pod, program: &str, args: &[&str]) {
@@ -68,7 +58,7 @@ fn inbound_stays_captured(make: &[(&str, &[&str])]) {
     let backend = EbpfUnderTest::new(&node.cgroup).expect("eBPF backend");
     let mut pod = node.add_pod(true).expect("pod");
     pod.start_servers(&node, PROXY, false).expect("servers");
-    let r = pod_ref(&pod);
+    let r = pod.pod_ref();
     backend
         .add(&r, &default_policy("natchain", pod.ips(true)))
         .expect("add");

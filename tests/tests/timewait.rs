@@ -14,12 +14,9 @@
 use std::{thread, time::Duration};
 
 use aya::maps::{HashMap, Map, MapData};
-use meshcap_agent::{
-    backend::{
-        CaptureBackend as _, DriftKind, DriftOutcome, Verify,
-        ebpf::{Pins, unpin_link},
-    },
-    pod::PodRef,
+use meshcap_agent::backend::{
+    CaptureBackend as _, DriftKind, DriftOutcome, Verify,
+    ebpf::{Pins, unpin_link},
 };
 use meshcap_common::{PodConfig, flags, maps};
 use meshcap_tests::{
@@ -27,15 +24,6 @@ use meshcap_tests::{
     scenario::{Backend, EbpfUnderTest, IptablesUnderTest, NftablesUnderTest, default_policy},
     world::{Node, PROXY, Pod},
 };
-
-fn pod_ref(pod: &Pod) -> PodRef {
-    PodRef {
-        namespace: "default".into(),
-        name: format!("pod-{}", pod.index),
-        container_id: format!("c{}", pod.index),
-        netns: pod.netns.path(),
-    }
-}
 
 /// Whether `sockets` hold a socket in `TIME_WAIT` on `local_port` to `remote_port`.
 fn time_wait(sockets: &[TcpSocket], local_port: u16, remote_port: u16) -> bool {
@@ -111,7 +99,7 @@ fn dial_twice_from_one_port(node: &Node, pod: &Pod, v6: bool, port: u16) {
 fn the_proxy_keeps_a_reused_client_port(node: &mut Node, backend: &dyn Backend) {
     let mut pod = node.add_pod(true).expect("pod");
     pod.start_servers(node, PROXY, false).expect("servers");
-    let r = pod_ref(&pod);
+    let r = pod.pod_ref();
     backend
         .add(&r, &default_policy("timewait", pod.ips(true)))
         .expect("add");
@@ -167,7 +155,7 @@ fn ebpf_a_pod_captured_without_the_socket_lookup_gets_it_from_the_verifier() {
     let earlier = EbpfUnderTest::at(&node.cgroup, &dir).expect("eBPF backend");
     let mut pod = node.add_pod(false).expect("pod");
     pod.start_servers(&node, PROXY, false).expect("servers");
-    let r = pod_ref(&pod);
+    let r = pod.pod_ref();
     earlier
         .add(&r, &default_policy("timewait", pod.ips(false)))
         .expect("add");
