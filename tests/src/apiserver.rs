@@ -739,6 +739,18 @@ fn on_node(pod: &Value, node: Option<&str>) -> bool {
 }
 
 /// One JSON response, and the connection closed.
+/// A `PodList` of `items` at the server's current resource version.
+fn pod_list(stream: &mut TcpStream, state: &Served, items: Vec<Value>) {
+    let version = state.changes.lock().expect("changes").len().to_string();
+    respond(
+        stream,
+        "200 OK",
+        &json!({
+            "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
+        }),
+    );
+}
+
 fn respond(stream: &mut TcpStream, code: &str, body: &Value) {
     let body = body.to_string();
     let _ = write!(
@@ -1069,14 +1081,7 @@ fn route_request(
                 })
                 .cloned()
                 .collect();
-            let version = state.changes.lock().expect("changes").len().to_string();
-            respond(
-                stream,
-                "200 OK",
-                &json!({
-                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
-                }),
-            );
+            pod_list(stream, state, items);
         }
         [
             "api",
@@ -1158,14 +1163,7 @@ fn route_request(
                 .filter(|p| on_node(p, node.as_deref()))
                 .cloned()
                 .collect();
-            let version = state.changes.lock().expect("changes").len().to_string();
-            respond(
-                stream,
-                "200 OK",
-                &json!({
-                    "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": version}, "items": items
-                }),
-            );
+            pod_list(stream, state, items);
         }
         ["api", "v1", "nodes", name] => {
             let mut nodes = state.nodes.lock().expect("nodes");
