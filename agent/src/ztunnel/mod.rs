@@ -11,6 +11,7 @@
 //! message waits for its ack.
 
 mod conn;
+mod diag;
 mod listener;
 pub mod proto;
 mod server;
@@ -26,6 +27,13 @@ pub enum ZdsError {
     /// No ztunnel is connected.
     #[error("no ztunnel is connected")]
     NotConnected,
+    /// Another agent listens on the ZDS socket's path (istio-cni's, the node being handed back
+    /// to it): ztunnel will be its.
+    #[error(
+        "another agent (istio-cni's) serves ztunnel's socket on this node now: the pod waits \
+         for it"
+    )]
+    Yielded,
     /// ztunnel acked with an error.
     #[error("ztunnel refused: {0}")]
     Refused(String),

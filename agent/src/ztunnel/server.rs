@@ -4,16 +4,19 @@
 //! The socket's path is shared with istio-cni's agent (Istio's `/var/run/ztunnel/ztunnel.sock`),
 //! which, when it stops (`cni/pkg/nodeagent/net_linux.go`, `NetServer.Stop`, closing its
 //! listener in `ztunnelserver.go`), has Go unlink that path, whoever listens there by then. The
-//! acceptor checks the path every [`PATH_CHECK`] and, when it is gone or is another socket,
-//! listens there again, so that ztunnel, which reconnects by path, finds meshcap. Connections
-//! already accepted are not affected.
+//! acceptor checks the path every [`PATH_CHECK`] and, when it is gone or names a socket file
+//! nobody listens on, listens there again, so that ztunnel, which reconnects by path, finds
+//! meshcap. When another process listens there ([`super::diag`]: istio-cni's agent starting on
+//! the node, which removes the path and binds its own, as meshcap's does at its start), the path
+//! is left to it: the handing back of a node to istio-cni. Connections already accepted are not
+//! affected either way.
 
 use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     thread::JoinHandle,
     time::Duration,
@@ -30,6 +33,7 @@ use tracing::{info, warn};
 use super::{
     ZdsError,
     conn::Connection,
+    diag,
     listener::{Listener, SocketId, listen_at, relisten, socket_id},
     proto::{
         AddWorkload, DelWorkload, KeepWorkload, SnapshotSent, WorkloadInfo, WorkloadRequest,
@@ -57,6 +61,8 @@ struct Shared {
     snapshot: Box<Snapshot>,
     /// The ztunnels sent their snapshot so far.
     greeted: AtomicU64,
+    /// Whether the path is left to another agent listening there ([`another_listens`]).
+    yielded: AtomicBool,
 }
 
 /// How often the acceptor checks that the socket's path is still its socket.
@@ -89,6 +95,7 @@ impl ZtunnelServer {
             connections: Mutex::new(Vec::new()),
             snapshot: Box::new(snapshot),
             greeted: AtomicU64::new(0),
+            yielded: AtomicBool::new(false),
         });
         let acceptor = {
             let (shared, path) = (Arc::clone(&shared), path.to_owned());
@@ -109,14 +116,21 @@ impl ZtunnelServer {
     /// Hands a pod to the newest ztunnel and waits for its ack: ztunnel then serves the pod
     /// (its listeners are open in `netns`).
     ///
+    /// Not while another agent listens at the path: a ztunnel still connected here reconnects
+    /// to that agent when this one goes, and is sent only the pods that agent knows.
+    ///
     /// # Errors
-    /// No ztunnel is connected, or it refused or did not answer.
+    /// No ztunnel is connected, or it refused or did not answer; another agent listens at the
+    /// path.
     pub fn add(
         &self,
         uid: &str,
         workload: WorkloadInfo,
         netns: BorrowedFd<'_>,
     ) -> Result<(), ZdsError> {
+        if self.shared.yielded.load(Ordering::Acquire) {
+            return Err(ZdsError::Yielded);
+        }
         let connection = self.newest().ok_or(ZdsError::NotConnected)?;
         let request = WorkloadRequest {
             payload: Some(Payload::Add(AddWorkload {
@@ -229,6 +243,7 @@ fn accept_loop(
     stop: &OwnedFd,
 ) -> Option<SocketId> {
     let mut listener = Some(listener);
+    let mut yielded_to = None;
     let timeout = PollTimeout::try_from(PATH_CHECK).unwrap_or(PollTimeout::MAX);
     loop {
         let (accepting, stopping) = {
@@ -254,8 +269,43 @@ fn accept_loop(
         if accepting && let Some(listener) = &listener {
             accept_one(shared, listener);
         }
-        if listener.as_ref().map(|l| l.id) != socket_id(path) {
-            listener = relisten(path);
+        let found = socket_id(path);
+        // No listener (the path left to another agent, or listening again failed) is checked
+        // again each time, also when the path is gone.
+        if listener.is_none() || listener.as_ref().map(|l| l.id) != found {
+            let yielding = matches!(found, Some(other) if another_listens(other, &mut yielded_to));
+            listener = if yielding {
+                None
+            } else {
+                yielded_to = None;
+                relisten(path)
+            };
+            shared.yielded.store(yielding, Ordering::Release);
+        }
+    }
+}
+
+/// Whether another process listens on the socket file `other` now at the path (istio-cni's
+/// agent starting on the node while meshcap's runs): the path is then left to it, said once per
+/// file in `yielded_to`. A file nobody listens on (left by an agent that is gone), or a table
+/// that cannot be read, is replaced.
+fn another_listens(other: SocketId, yielded_to: &mut Option<SocketId>) -> bool {
+    match diag::listened_on(other) {
+        Ok(true) => {
+            if *yielded_to != Some(other) {
+                warn!(
+                    "another agent listens on the ZDS socket's path (istio-cni's agent starting \
+                     on this node): the path is left to it; the ztunnels connected here stay \
+                     served until they reconnect"
+                );
+                *yielded_to = Some(other);
+            }
+            true
+        }
+        Ok(false) => false,
+        Err(err) => {
+            warn!(%err, "cannot tell whether another agent listens on the ZDS socket's path");
+            false
         }
     }
 }
@@ -346,7 +396,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use nix::sys::socket::{
-        AddressFamily, MsgFlags, SockType, UnixAddr, bind, connect, recv, send, socket,
+        AddressFamily, Backlog, MsgFlags, SockType, UnixAddr, bind, connect, listen, recv, send,
+        socket,
     };
     use prost::Message as _;
 
@@ -425,5 +476,76 @@ mod tests {
 
         drop(server);
         assert!(!path.exists(), "the server's own socket goes with it");
+    }
+    /// A socket that another process (istio-cni's agent, starting on the node) listens on at
+    /// the path after removing meshcap's.
+    fn listening_intruder(path: &Path) -> (OwnedFd, SocketId) {
+        std::fs::remove_file(path).expect("unlink");
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        bind(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("bind");
+        listen(&fd, Backlog::new(1).expect("backlog")).expect("listen");
+        (fd, socket_id(path).expect("bound"))
+    }
+
+    #[test]
+    fn a_path_another_agent_listens_on_is_left_to_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ztunnel.sock");
+        let server = ZtunnelServer::start(&path, Vec::new).expect("server");
+        let _ztunnel = hello_and_snapshot(&path);
+
+        let (istio, id) = listening_intruder(&path);
+        std::thread::sleep(PATH_CHECK * 4);
+        assert_eq!(
+            socket_id(&path),
+            Some(id),
+            "the path is left to the other agent"
+        );
+        let dialer = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        connect(dialer.as_raw_fd(), &UnixAddr::new(&path).expect("address")).expect("connect");
+        accept4(istio.as_raw_fd(), SockFlag::SOCK_CLOEXEC).expect("the other agent is reached");
+        assert_eq!(
+            server.connected(),
+            1,
+            "the ztunnel connected before is still served"
+        );
+        let netns = std::fs::File::open("/proc/self/ns/net").expect("a netns");
+        assert!(
+            matches!(
+                server.add("uid-new", WorkloadInfo::default(), netns.as_fd()),
+                Err(ZdsError::Yielded)
+            ),
+            "a new pod is not handed to a ztunnel that will reconnect to the other agent"
+        );
+
+        // The other agent goes and unlinks the path (Go's listener close): meshcap's is back.
+        std::fs::remove_file(&path).expect("unlink");
+        drop(istio);
+        let back = wait_for_socket(&path, Some(id));
+        let _again = hello_and_snapshot(&path);
+        assert_eq!(server.connected(), 2);
+
+        // Another agent listening there when meshcap's stops keeps its path.
+        let (_istio, id) = listening_intruder(&path);
+        assert_ne!(id, back);
+        std::thread::sleep(PATH_CHECK * 2);
+        drop(server);
+        assert_eq!(
+            socket_id(&path),
+            Some(id),
+            "another agent's path is not unlinked"
+        );
     }
 }
