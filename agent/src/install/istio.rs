@@ -42,6 +42,20 @@ pub fn holds_entry(conf: &Value) -> bool {
     }
 }
 
+/// The first file of the CNI configuration directory `dir` holding istio-cni's entry: its agent
+/// runs on the node, or did and left its entry for its next start.
+///
+/// # Errors
+/// When the directory cannot be read.
+pub fn entry_file(dir: &Path) -> Result<Option<String>, super::InstallError> {
+    Ok(conflist::read_dir(dir)?
+        .into_iter()
+        .find(|(_, bytes)| {
+            serde_json::from_slice::<Value>(bytes).is_ok_and(|conf| holds_entry(&conf))
+        })
+        .map(|(name, _)| name))
+}
+
 fn holds_meshcap(conf: &Value) -> bool {
     conf.get("plugins")
         .and_then(Value::as_array)

@@ -84,12 +84,21 @@ pub fn node(config: Option<&InstallConfig>, bpffs_dir: &Path) -> Result<Removed,
 /// agent does when it stops for good. What is not there is fine. Pods enrolled keep their
 /// in-pod rules, as under Istio: they are restarted off the mesh.
 ///
+/// Not while istio-cni's entry is in the CNI configuration (`conf_dir`): the node is being
+/// handed back to istio-cni, whose agent uses the same rule and sets under the same names for
+/// the same pods (it creates them at its start and keeps no watch on them), so they are left to
+/// it. Returns the file holding istio-cni's entry then.
+///
 /// # Errors
 /// When the rule or a set is there and cannot be removed.
-pub fn probes(netns: Option<&Path>, flavour: FlavourChoice) -> Result<(), UninstallError> {
-    Ok(ambient::remove_from_node(
-        netns,
-        flavour,
-        HostProbeSnat::default(),
-    )?)
+pub fn probes(
+    netns: Option<&Path>,
+    flavour: FlavourChoice,
+    conf_dir: &Path,
+) -> Result<Option<String>, UninstallError> {
+    if let Some(file) = install::istio::entry_file(conf_dir)? {
+        return Ok(Some(file));
+    }
+    ambient::remove_from_node(netns, flavour, HostProbeSnat::default())?;
+    Ok(None)
 }

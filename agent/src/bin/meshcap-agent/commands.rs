@@ -66,13 +66,20 @@ pub fn uninstall(
         )?)
     };
     let lookup = |name: &str| std::env::var(name).ok();
-    if !pins_only && settings::bool_setting(&lookup, settings::AMBIENT_ENABLED)? {
+    if let Some(config) = &config
+        && settings::bool_setting(&lookup, settings::AMBIENT_ENABLED)?
+    {
         let netns = std::env::var_os(settings::NODE_NETNS_ENV).map(PathBuf::from);
-        meshcap_agent::uninstall::probes(
+        match meshcap_agent::uninstall::probes(
             netns.as_deref(),
             meshcap_agent::backend::iptables::FlavourChoice::Auto,
-        )?;
-        println!("removed ambient mode's probe rule and sets from the node");
+            &config.cni_conf_dir,
+        )? {
+            None => println!("removed ambient mode's probe rule and sets from the node"),
+            Some(file) => println!(
+                "left ambient mode's probe rule and sets to istio-cni's agent (its entry is in {file})"
+            ),
+        }
     }
     let removed = meshcap_agent::uninstall::node(config.as_ref(), bpffs_dir)?;
     if let Some((conf_dir, bin_dir)) = &removed.cni {

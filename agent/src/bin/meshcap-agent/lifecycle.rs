@@ -83,8 +83,11 @@ pub async fn uninstall_if_deleted(
     info!(%why, "meshcap is being deleted: uninstalling it from this node");
     let runtime = tokio::runtime::Handle::current();
     let removed = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        if let Some((netns, flavour)) = probes {
-            meshcap_agent::uninstall::probes(netns.as_deref(), flavour)?;
+        if let Some((netns, flavour)) = probes
+            && let Some(file) =
+                meshcap_agent::uninstall::probes(netns.as_deref(), flavour, &config.cni_conf_dir)?
+        {
+            info!(%file, "istio-cni's entry is in the CNI configuration: ambient mode's probe rule and sets are left to its agent");
         }
         // The CNI set-up first: it is what new pods meet, and a hand-back cut short by the
         // grace period must not leave it behind.
