@@ -2348,7 +2348,8 @@ enum IstioRules {
 /// Writes into `pod`'s netns what istio-cni's plugin writes for it: the in-pod rules meshcap's
 /// renderer gives for `manifest` (held to Istio's goldens), applied as Istio applies them
 /// (`iptables-nft-restore --noflush`, or `nft -f`), and the reply route (`ip rule` and `ip
-/// route`, as `cni/pkg/iptables` adds them).
+/// route`, as `cni/pkg/iptables` adds them: a rule already there is fine). Also as its agent
+/// writes them into a running pod at its start (`reconcileExistingPod`).
 fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules) {
     use meshcap_policy::{
         self as policy, Decision, NodeSettings, SelectConfig, ambient::AmbientConfig,
@@ -2388,22 +2389,28 @@ fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules
             meshcap_policy::Family::V4 => "-4",
             meshcap_policy::Family::V6 => "-6",
         };
+        // `AddInpodMarkIPRule` ignores EEXIST; the route is `RouteReplace`d
+        // (`cni/pkg/iptables/iptables_linux.go`).
+        let rule = [
+            family,
+            "rule",
+            "add",
+            "fwmark",
+            "0x111/0xfff",
+            "pref",
+            "32764",
+            "lookup",
+            "100",
+        ];
+        if let Err(err) = pod.netns.ip(&rule) {
+            assert!(
+                err.to_string().contains("File exists"),
+                "Istio's rule: {err:#}"
+            );
+        }
         pod.netns
             .ip(&[
-                family,
-                "rule",
-                "add",
-                "fwmark",
-                "0x111/0xfff",
-                "pref",
-                "32764",
-                "lookup",
-                "100",
-            ])
-            .expect("Istio's rule");
-        pod.netns
-            .ip(&[
-                family, "route", "add", "local", "default", "dev", "lo", "table", "100",
+                family, "route", "replace", "local", "default", "dev", "lo", "table", "100",
             ])
             .expect("Istio's route");
     }
@@ -2575,6 +2582,36 @@ fn an_ambient_pod_captured_in_the_kernel_is_handed_back_to_istios_in_pod_rules()
     if !meshcap_tests::ebpf_runs_here() {
         return;
     }
+    handed_back_from_the_kernel(false);
+}
+
+/// Handing a node back to istio-cni (docs/install.md, "Rolling back"): istio-cni's agent,
+/// starting beside meshcap's, writes its in-pod rules into every ambient pod of the node as it
+/// reconciles them (`ConstructInitialSnapshot`, `reconcileIptablesOnStartup`), also into a pod
+/// the kernel captures. Both captures then run together, as inside one hand-back, and the pod's
+/// traffic still reaches ztunnel once; the hand-back finds Istio's rules already there, writes
+/// nothing more (no rule twice) and releases the kernel capture.
+#[test]
+fn an_ambient_pod_istio_cnis_agent_reconciled_is_handed_back_without_rules_twice() {
+    require_root();
+    if !meshcap_tests::ebpf_runs_here() {
+        return;
+    }
+    handed_back_from_the_kernel(true);
+}
+
+/// Istio's rules and reply route in `pod`'s netns (of what [`leftovers`] lists, not the
+/// kernel capture's own).
+fn istios(pod: &Pod) -> Vec<String> {
+    let mut found = leftovers(&pod.netns).expect("the pod's netns");
+    found.retain(|l| l.contains("ISTIO") || l.contains("lookup 100"));
+    found
+}
+
+/// [`an_ambient_pod_captured_in_the_kernel_is_handed_back_to_istios_in_pod_rules`], with
+/// istio-cni's agent having written its in-pod rules into the pod before the hand-back when
+/// `reconciled`.
+fn handed_back_from_the_kernel(reconciled: bool) {
     let Scene {
         mut node,
         pod,
@@ -2598,6 +2635,16 @@ fn an_ambient_pod_captured_in_the_kernel_is_handed_back_to_istios_in_pod_rules()
     };
     assert!(!has_rules(), "captured in the kernel");
     captured_as_istio_does(&node, &pod, &other);
+    let written = reconciled.then(|| {
+        as_istio_cni_wrote(
+            &pod,
+            &fixtures::ambient_pod("shop", "web"),
+            IpAddr::V4(pod.v4()),
+            IstioRules::Iptables,
+        );
+        captured_as_istio_does(&node, &pod, &other);
+        istios(&pod)
+    });
     let ebpf = agent.ebpf_config().expect("eBPF");
     let state_dir = agent.state_dir();
     agent.kill().expect("the agent gone");
@@ -2623,6 +2670,13 @@ fn an_ambient_pod_captured_in_the_kernel_is_handed_back_to_istios_in_pod_rules()
     assert!(out.status.success(), "{said}");
     assert!(said.contains("handed back shop/web"), "{said}");
     assert!(has_rules(), "Istio's in-pod rules written: {said}");
+    if let Some(written) = written {
+        assert_eq!(
+            istios(&pod),
+            written,
+            "Istio's rules as istio-cni's agent wrote them, none twice: {said}"
+        );
+    }
     assert!(!ebpf.bpffs_dir.exists(), "nothing pinned: {said}");
     captured_as_istio_does(&node, &pod, &other);
 

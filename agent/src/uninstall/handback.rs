@@ -21,7 +21,7 @@ use std::{error::Error, net::IpAddr};
 use meshcap_policy::DataplaneMode;
 
 use crate::{
-    backend::{BackendError, CaptureBackend, PodPolicy, ebpf::EbpfBackend},
+    backend::{Adoption, BackendError, CaptureBackend, PodPolicy, ebpf::EbpfBackend},
     pod::PodRef,
     podnet::{self, PodNetError},
 };
@@ -50,6 +50,11 @@ pub enum HandBackError {
     /// Istio's rules could not be written (nothing of them stays).
     #[error("writing Istio's rules: {0}")]
     Rules(BackendError),
+    /// Its netns already holds Istio's rules in another form than its policy's (written by
+    /// istio-cni's plugin or agent for other annotations or settings): left as they are, with
+    /// the kernel capture.
+    #[error("its network namespace holds Istio's rules in another form: {0}")]
+    OtherRules(String),
     /// Istio's rules are in place, but the kernel capture could not be released: the pod is
     /// captured by both until it goes.
     #[error("Istio's rules are in place, but releasing its kernel capture failed: {0}")]
@@ -134,7 +139,20 @@ fn one(
         .map_err(HandBackError::Rules)?;
     // The connections the kernel carried are not tracked: not taken up mid-stream by the rules.
     let loose_off = podnet::run_in(&pod.netns, |_| podnet::conntrack::no_loose_pickup())??;
-    rules.add(pod, &policy).map_err(HandBackError::Rules)?;
+    // istio-cni's agent, started beside meshcap's as a node is handed back to it, writes its
+    // in-pod rules into every ambient pod (`reconcileExistingPod`), and its plugin writes a
+    // pod's rules when its entry was in the chain with meshcap's: rules found are kept as they
+    // are (or, for ambient pods, reconciled as Istio's agent does), never written twice.
+    match rules
+        .adopt(pod, &policy, mode == DataplaneMode::Ambient)
+        .map_err(HandBackError::Rules)?
+    {
+        Adoption::Nothing => rules.add(pod, &policy).map_err(HandBackError::Rules)?,
+        Adoption::Recognised(how) | Adoption::Reconciled(how) => {
+            tracing::info!(pod = %pod, %how, "Istio's rules were in place already: kept");
+        }
+        Adoption::NotRecognised(how) => return Err(HandBackError::OtherRules(how)),
+    }
     if !loose_off {
         podnet::run_in(&pod.netns, |_| podnet::conntrack::no_loose_pickup())??;
     }

@@ -201,6 +201,11 @@ const EBPF: &[(&str, &str)] = &[
          staying in ztunnel",
     ),
     (
+        "ambient::an_ambient_pod_istio_cnis_agent_reconciled_is_handed_back",
+        "istio-cni's agent writing its in-pod rules on top of this kernel's capture (a node \
+         handed back): both capture the pod, and the hand-back keeps Istio's rules as written",
+    ),
+    (
         "switch::istio_cnis_exit_on_the_node_is_survived",
         "istio-cni's exit clean-up (its host rules and probe sets on this kernel) survived by \
          the node meshcap took over",
