@@ -15,16 +15,23 @@ use std::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     thread::{self, JoinHandle},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
-use meshcap_agent::{ambient::remove_from_node, backend::iptables::FlavourChoice, ipset::IpSets};
+use meshcap_agent::{
+    ambient::{HostProbes, ProbeWay, remove_from_node},
+    backend::iptables::FlavourChoice,
+    ipset::IpSets,
+    uninstall,
+};
 use meshcap_policy::{ambient::HostProbeSnat, hostprobe::PROBE_SET_V4};
 use meshcap_tests::{
     APP_UID, Proc,
     agent::{Agent, Backend},
     apiserver::ApiServer,
-    bin, dial,
+    bin,
+    cluster::ClusterNode,
+    dial,
     fixtures::{ManifestDir, ambient_pod, eventually},
     kubelet::{Sandbox, cni, config},
     require_root, run, unique_name,
@@ -559,4 +566,133 @@ fn istio_cnis_exit_on_the_node_is_survived() {
     let del = cni("DEL", &sandbox, &conf).expect("DEL");
     assert!(del.success, "DEL: {del:?}");
     drop(zt);
+}
+
+/// Handing a node back to istio-cni, as docs/install.md's "Rolling back" does it: istio-cni's
+/// agent starts beside meshcap's (the node labelled `both`) and chains into the file meshcap's
+/// entry is in; meshcap's entry goes in front of it again. The node is then relabelled out of
+/// meshcap's DaemonSet's node affinity and meshcap's agent, stopped, uninstalls from the node:
+/// its entry goes from istio-cni's file first, then its own file, so the runtime goes from
+/// meshcap's chain to istio-cni's in one step; istio-cni's agent never has to write again.
+#[test]
+fn handing_a_node_back_to_istio_cni_leaves_no_window() {
+    require_root();
+    let api = ApiServer::start();
+    let label = |value: &str| {
+        api.nodes.lock().expect("nodes")[0]["metadata"]["labels"]["meshcap.io/cni"] = json!(value);
+    };
+    let mut ds = api.daemon_set();
+    ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "meshcap.io/cni", "operator": "In",
+                                   "values": ["both", "meshcap"]}]}]}}});
+    api.apply_daemon_set(ds);
+    label("meshcap");
+    let node = ClusterNode::new(&api);
+    let mut agent = node.start_agent(Backend::Iptables, &[]);
+    let bridge = |last: &str| strings(&["bridge", last]);
+    assert_eq!(runtime_chain(&node.conf_dir), Some(bridge(MESHCAP)));
+
+    label("both");
+    let started = Instant::now();
+    let istio = IstioCni::start(&node.conf_dir);
+    assert_eq!(
+        istio.file, node.conflist,
+        "istio-cni chose the primary's file"
+    );
+    // Until meshcap's agent answers the change, the runtime's chain holds both plugins.
+    while runtime_chain(&node.conf_dir) != Some(bridge(MESHCAP)) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "meshcap's entry never went in front again: {:?}\n{}",
+            valid_files(&node.conf_dir),
+            agent.log()
+        );
+    }
+    eprintln!(
+        "both plugins in the runtime's chain for at most {:?}",
+        started.elapsed()
+    );
+    let reader = Reader::start(&node.conf_dir);
+
+    label("istio");
+    let status = agent.terminate().expect("SIGTERM");
+    let log = agent.log();
+    assert!(status.success(), "{status}\n{log}");
+    assert!(log.contains("no longer places a pod on this node"), "{log}");
+    assert_eq!(
+        runtime_chain(&node.conf_dir),
+        Some(bridge(ISTIO)),
+        "{:?}\n{log}",
+        valid_files(&node.conf_dir)
+    );
+    assert_eq!(
+        valid_files(&node.conf_dir).len(),
+        1,
+        "meshcap's own file is gone"
+    );
+    thread::sleep(Duration::from_millis(200));
+    let (bad, reads) = reader.finish();
+    assert!(reads > 100, "the reader read the dir {reads} times");
+    assert!(
+        bad.is_empty(),
+        "chains with both plugins or neither: {bad:?}"
+    );
+    assert_eq!(
+        istio.writes(),
+        1,
+        "istio-cni's agent had to put its entry back"
+    );
+}
+
+/// meshcap's uninstall on a node being handed back to istio-cni (its entry in the CNI
+/// configuration) leaves ambient mode's probe rule and sets, which istio-cni's agent uses under
+/// the same names for the same pods and does not put back once it runs; without istio-cni's
+/// entry the uninstall removes them, as Istio's agent does when it leaves for good.
+#[test]
+fn a_hand_back_leaves_the_probe_rule_and_sets_to_istio_cni() {
+    require_root();
+    let world = World::new().expect("node");
+    let probes = HostProbes::open(
+        Some(world.netns.path()),
+        ProbeWay::Ipset,
+        FlavourChoice::Auto,
+        HostProbeSnat::default(),
+        false,
+    )
+    .expect("probe sets");
+    let address = "10.9.8.7";
+    probes
+        .add("uid-web", &[address.parse().expect("address")])
+        .expect("entry");
+    let node = Node::new();
+    insert_istio(&node.primary());
+
+    let left = uninstall::probes(
+        Some(&world.netns.path()),
+        FlavourChoice::Auto,
+        &node.conf_dir(),
+    )
+    .expect("uninstalling the probes");
+    assert_eq!(left.as_deref(), Some("10-calico.conflist"));
+    assert_eq!(probe_addresses(&world), vec![address.to_owned()]);
+    assert_eq!(probe_jumps(&world), 1);
+
+    // istio-cni gone with its clean-up: nothing of the node's probes is anyone's any more.
+    let mut value: Value =
+        serde_json::from_slice(&fs::read(node.primary()).expect("primary")).expect("JSON");
+    value["plugins"]
+        .as_array_mut()
+        .expect("a list")
+        .retain(|p| p["type"] != ISTIO);
+    atomic_write(&node.primary(), &value);
+    let left = uninstall::probes(
+        Some(&world.netns.path()),
+        FlavourChoice::Auto,
+        &node.conf_dir(),
+    )
+    .expect("uninstalling the probes");
+    assert_eq!(left, None);
+    assert!(probe_addresses(&world).is_empty());
+    assert_eq!(probe_jumps(&world), 0);
 }
