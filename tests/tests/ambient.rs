@@ -32,7 +32,7 @@ use meshcap_policy::{
     nftables::hostprobe::NODE_TABLE,
 };
 use meshcap_tests::{
-    APP_UID, Netns, PROXY_UID, Placement, Proc, Report, TcpSocket,
+    APP_UID, Held, Netns, PROXY_UID, Placement, Proc, Report, TcpSocket,
     agent::{Agent, Backend},
     apiserver::{AGENT_ACCOUNT, ApiServer},
     bin, dial, dial_failure, dial_with,
@@ -2600,6 +2600,64 @@ fn an_ambient_pod_istio_cnis_agent_reconciled_is_handed_back_without_rules_twice
     handed_back_from_the_kernel(true);
 }
 
+/// Loads conntrack (a ruleset using it, in `netns`, then removed): its sysctls appear in every
+/// netns, as on a node whose kube-proxy loaded it.
+fn load_conntrack(netns: &Netns) {
+    fixtures::fed_in_netns(
+        netns,
+        "nft",
+        &["-f", "-"],
+        "table inet meshcap-ct-load {\n chain c {\n  type filter hook input priority 0;\n  ct \
+         state established accept\n }\n}\n",
+    );
+    fixtures::fed_in_netns(
+        netns,
+        "nft",
+        &["-f", "-"],
+        "delete table inet meshcap-ct-load\n",
+    );
+}
+
+/// `net.netfilter.nf_conntrack_tcp_loose` in `netns` (empty without conntrack).
+fn loose_pickup(netns: &Netns) -> String {
+    meshcap_tests::run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            netns.name(),
+            "cat",
+            "/proc/sys/net/netfilter/nf_conntrack_tcp_loose",
+        ],
+    )
+    .unwrap_or_default()
+    .trim()
+    .to_owned()
+}
+
+/// A `SOCK_SEQPACKET` socket listening at `path` in place of whatever was there, as istio-cni's
+/// agent's ZDS server does at its start (`newZtunnelServer`: `os.Remove`, then `ListenUnix`).
+fn listening_on(path: &Path) -> std::os::fd::OwnedFd {
+    use nix::sys::socket::{
+        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
+    };
+    let _ = std::fs::remove_file(path);
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .expect("socket");
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &UnixAddr::new(path).expect("address"),
+    )
+    .expect("bind");
+    listen(&fd, Backlog::new(8).expect("backlog")).expect("listen");
+    fd
+}
+
 /// Istio's rules and reply route in `pod`'s netns (of what [`leftovers`] lists, not the
 /// kernel capture's own).
 fn istios(pod: &Pod) -> Vec<String> {
@@ -2636,6 +2694,26 @@ fn handed_back_from_the_kernel(reconciled: bool) {
     assert!(!has_rules(), "captured in the kernel");
     captured_as_istio_does(&node, &pod, &other);
     let written = reconciled.then(|| {
+        // A node where conntrack is loaded (kube-proxy loads it): its sysctls are in every netns.
+        load_conntrack(&other.netns);
+        // A plaintext connection ztunnel took through the kernel capture, held open.
+        let from_other = Placement {
+            netns: &other.netns,
+            cgroup: None,
+            uid: 0,
+            gid: 0,
+        };
+        let mut held = Held::connect(from_other, SocketAddr::new(IpAddr::V4(pod.v4()), 8080))
+            .expect("a plaintext inbound connection");
+        assert_eq!(held.first().server, "ztunnel", "{:?}", held.first());
+        // istio-cni's agent starting: it listens on the ZDS socket's path first
+        // (`newZtunnelServer`), then, its informers synced, writes its in-pod rules into every
+        // ambient pod of the node (`reconcileExistingPod`).
+        let istio = listening_on(&sockets.socket());
+        eventually("conntrack's loose pickup off in the pod", || {
+            loose_pickup(&pod.netns) == "0"
+        })
+        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
         as_istio_cni_wrote(
             &pod,
             &fixtures::ambient_pod("shop", "web"),
@@ -2643,7 +2721,12 @@ fn handed_back_from_the_kernel(reconciled: bool) {
             IstioRules::Iptables,
         );
         captured_as_istio_does(&node, &pod, &other);
-        istios(&pod)
+        let after = held.exchange("after istio-cni's rules");
+        assert!(
+            after.as_ref().is_ok_and(|r| r.server == "ztunnel"),
+            "the connection ztunnel held goes on: {after:?}"
+        );
+        (istios(&pod), istio)
     });
     let ebpf = agent.ebpf_config().expect("eBPF");
     let state_dir = agent.state_dir();
@@ -2670,7 +2753,7 @@ fn handed_back_from_the_kernel(reconciled: bool) {
     assert!(out.status.success(), "{said}");
     assert!(said.contains("handed back shop/web"), "{said}");
     assert!(has_rules(), "Istio's in-pod rules written: {said}");
-    if let Some(written) = written {
+    if let Some((written, _istio)) = written {
         assert_eq!(
             istios(&pod),
             written,

@@ -105,7 +105,7 @@ fn ztunnel_is_sent_the_snapshot_then_each_add_and_delete() {
         netns: None,
     };
     let snapshot = snapshot_of(vec![a.enrolled(), b]);
-    let server = ZtunnelServer::start(&socket, snapshot).expect("server");
+    let server = ZtunnelServer::start(&socket, snapshot, || {}).expect("server");
 
     let no_one = server.add(
         "c",
@@ -167,7 +167,7 @@ fn during_a_ztunnel_rolling_update_adds_go_to_the_newest_and_deletes_to_both() {
     let home = Netns::new("mc-zds-zt").expect("netns");
     let socket = socket_path();
     let snapshot = snapshot_of(vec![a.enrolled()]);
-    let server = ZtunnelServer::start(&socket, snapshot).expect("server");
+    let server = ZtunnelServer::start(&socket, snapshot, || {}).expect("server");
     let mut old = ztunnel(&home, &socket, &[]);
     for expected in [a.add_line(), "snapshot_sent".to_owned()] {
         assert_eq!(old.wait_line().unwrap(), expected);

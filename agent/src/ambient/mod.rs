@@ -32,6 +32,7 @@ mod probes;
 mod records;
 mod start;
 mod verify;
+mod yielding;
 
 use std::{
     fs,
@@ -163,10 +164,16 @@ impl Ambient {
             let records = records.clone();
             move || records.snapshot()
         };
-        let ztunnel = ZtunnelServer::start(socket, snapshot).map_err(|e| AmbientError::State {
-            path: socket.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let on_yield = {
+            let records = records.clone();
+            let in_kernel = backend.name() == "ebpf";
+            move || yielding::before_istio_cni(&records, in_kernel)
+        };
+        let ztunnel =
+            ZtunnelServer::start(socket, snapshot, on_yield).map_err(|e| AmbientError::State {
+                path: socket.to_owned(),
+                reason: e.to_string(),
+            })?;
         Ok(Self {
             config,
             backend,

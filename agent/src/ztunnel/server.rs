@@ -55,6 +55,9 @@ pub struct Enrolled {
 
 type Snapshot = dyn Fn() -> Vec<Enrolled> + Send + Sync;
 
+/// What the agent does when it leaves the path to another agent.
+type OnYield = dyn Fn() + Send + Sync;
+
 struct Shared {
     /// Connected ztunnels, oldest first. Each connection's lock pairs a request with its ack.
     connections: Mutex<Vec<Arc<Mutex<Connection>>>>,
@@ -63,6 +66,8 @@ struct Shared {
     greeted: AtomicU64,
     /// Whether the path is left to another agent listening there ([`another_listens`]).
     yielded: AtomicBool,
+    /// Run (on a thread of its own) each time the path is left to another agent.
+    on_yield: Box<OnYield>,
 }
 
 /// How often the acceptor checks that the socket's path is still its socket.
@@ -81,13 +86,15 @@ pub struct ZtunnelServer {
 impl ZtunnelServer {
     /// Listens at `path` (replacing a stale socket there) and serves every ztunnel that
     /// connects, each first sent what `snapshot` returns; listens there again whenever the
-    /// path is unlinked or replaced.
+    /// path is unlinked or replaced by a file nobody listens on, and runs `on_yield` when
+    /// another agent listens there.
     ///
     /// # Errors
     /// The socket cannot be created.
     pub fn start(
         path: &Path,
         snapshot: impl Fn() -> Vec<Enrolled> + Send + Sync + 'static,
+        on_yield: impl Fn() + Send + Sync + 'static,
     ) -> Result<Self, ZdsError> {
         let listener = listen_at(path)?;
         let (stop_rx, stop) = pipe2(OFlag::O_CLOEXEC).map_err(ZdsError::io)?;
@@ -96,6 +103,7 @@ impl ZtunnelServer {
             snapshot: Box::new(snapshot),
             greeted: AtomicU64::new(0),
             yielded: AtomicBool::new(false),
+            on_yield: Box::new(on_yield),
         });
         let acceptor = {
             let (shared, path) = (Arc::clone(&shared), path.to_owned());
@@ -273,7 +281,17 @@ fn accept_loop(
         // No listener (the path left to another agent, or listening again failed) is checked
         // again each time, also when the path is gone.
         if listener.is_none() || listener.as_ref().map(|l| l.id) != found {
+            let before = yielded_to;
             let yielding = matches!(found, Some(other) if another_listens(other, &mut yielded_to));
+            if yielding && yielded_to != before {
+                let shared = Arc::clone(shared);
+                let spawned = std::thread::Builder::new()
+                    .name("ztunnel-yield".to_owned())
+                    .spawn(move || (shared.on_yield)());
+                if let Err(err) = spawned {
+                    warn!(%err, "cannot run what follows leaving the ZDS socket's path");
+                }
+            }
             listener = if yielding {
                 None
             } else {
@@ -395,6 +413,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use nix::sys::socket::{
         AddressFamily, Backlog, MsgFlags, SockType, UnixAddr, bind, connect, listen, recv, send,
         socket,
@@ -445,7 +465,7 @@ mod tests {
     fn an_unlinked_or_replaced_path_is_listened_on_again() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("ztunnel.sock");
-        let server = ZtunnelServer::start(&path, Vec::new).expect("server");
+        let server = ZtunnelServer::start(&path, Vec::new, || {}).expect("server");
         let _one = hello_and_snapshot(&path);
         let first = socket_id(&path).expect("listening");
 
@@ -497,7 +517,14 @@ mod tests {
     fn a_path_another_agent_listens_on_is_left_to_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("ztunnel.sock");
-        let server = ZtunnelServer::start(&path, Vec::new).expect("server");
+        let yields = Arc::new(AtomicUsize::new(0));
+        let server = {
+            let yields = Arc::clone(&yields);
+            ZtunnelServer::start(&path, Vec::new, move || {
+                yields.fetch_add(1, Ordering::SeqCst);
+            })
+            .expect("server")
+        };
         let _ztunnel = hello_and_snapshot(&path);
 
         let (istio, id) = listening_intruder(&path);
@@ -506,6 +533,11 @@ mod tests {
             socket_id(&path),
             Some(id),
             "the path is left to the other agent"
+        );
+        assert_eq!(
+            yields.load(Ordering::SeqCst),
+            1,
+            "what follows a yield ran once"
         );
         let dialer = socket(
             AddressFamily::Unix,
@@ -547,5 +579,6 @@ mod tests {
             Some(id),
             "another agent's path is not unlinked"
         );
+        assert_eq!(yields.load(Ordering::SeqCst), 2);
     }
 }

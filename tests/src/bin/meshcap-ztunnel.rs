@@ -43,11 +43,11 @@ use prost::Message as _;
 /// ztunnel's in-pod listeners, as it opens them (`src/proxy`, `src/dns`): dual-stack on `[::]`,
 /// so IPv4 connections arrive on IPv6 sockets as IPv4-mapped ones; DNS on localhost, both
 /// families (istio/ztunnel 62d8265 `src/config.rs`: `Address::Localhost` with IPv6 on localhost).
-/// The outbound one holds each connection open (`+hold`), as ztunnel does a proxied one, so
-/// that a test can keep a captured connection across what happens to the pod.
+/// The outbound and plaintext inbound ones hold each connection open (`+hold`), as ztunnel does
+/// a proxied one, so that a test can keep a captured connection across what happens to the pod.
 const LISTENERS: [&str; 7] = [
     "tcp:[::]:15001+hold+dualstack",
-    "tcp:[::]:15006+dualstack",
+    "tcp:[::]:15006+hold+dualstack",
     "tcp:[::]:15008+hbone+dualstack",
     "udp:127.0.0.1:15053",
     "tcp:127.0.0.1:15053",
