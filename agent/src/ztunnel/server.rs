@@ -84,10 +84,11 @@ pub struct ZtunnelServer {
 }
 
 impl ZtunnelServer {
-    /// Listens at `path` (replacing a stale socket there) and serves every ztunnel that
+    /// Listens at `path` (replacing a file nobody listens on) and serves every ztunnel that
     /// connects, each first sent what `snapshot` returns; listens there again whenever the
-    /// path is unlinked or replaced by a file nobody listens on, and runs `on_yield` when
-    /// another agent listens there.
+    /// path is unlinked or replaced by a file nobody listens on. Where another agent listens
+    /// at the path (at the start too: istio-cni's, on a node being handed back to it, when
+    /// meshcap's agent restarts) the path is left to it and `on_yield` runs.
     ///
     /// # Errors
     /// The socket cannot be created.
@@ -96,7 +97,10 @@ impl ZtunnelServer {
         snapshot: impl Fn() -> Vec<Enrolled> + Send + Sync + 'static,
         on_yield: impl Fn() + Send + Sync + 'static,
     ) -> Result<Self, ZdsError> {
-        let listener = listen_at(path)?;
+        let listener = match socket_id(path) {
+            Some(other) if diag::listened_on(other).unwrap_or(false) => None,
+            _ => Some(listen_at(path)?),
+        };
         let (stop_rx, stop) = pipe2(OFlag::O_CLOEXEC).map_err(ZdsError::io)?;
         let shared = Arc::new(Shared {
             connections: Mutex::new(Vec::new()),
@@ -241,16 +245,15 @@ impl Drop for ZtunnelServer {
     }
 }
 
-/// Accepts ztunnels until `stop` is readable, listening at `path` again when the path no
-/// longer names the socket; returns the identity of the last socket listened on (`None` when
-/// none could be bound at the end).
+/// Accepts ztunnels until `stop` is readable (none while `listener` is `None`), listening at
+/// `path` again when the path no longer names the socket; returns the identity of the last
+/// socket listened on (`None` when none could be bound at the end).
 fn accept_loop(
     shared: &Arc<Shared>,
     path: &Path,
-    listener: Listener,
+    mut listener: Option<Listener>,
     stop: &OwnedFd,
 ) -> Option<SocketId> {
-    let mut listener = Some(listener);
     let mut yielded_to = None;
     let timeout = PollTimeout::try_from(PATH_CHECK).unwrap_or(PollTimeout::MAX);
     loop {
@@ -580,5 +583,53 @@ mod tests {
             "another agent's path is not unlinked"
         );
         assert_eq!(yields.load(Ordering::SeqCst), 2);
+    }
+
+    /// An agent started (restarted) while another listens at the path leaves it to it from the
+    /// start, and listens there once the other has gone.
+    #[test]
+    fn an_agent_started_beside_another_listening_leaves_it_the_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ztunnel.sock");
+        std::fs::write(&path, b"").expect("a file to replace");
+        let (istio, id) = listening_intruder(&path);
+        let yields = Arc::new(AtomicUsize::new(0));
+        let server = {
+            let yields = Arc::clone(&yields);
+            ZtunnelServer::start(&path, Vec::new, move || {
+                yields.fetch_add(1, Ordering::SeqCst);
+            })
+            .expect("server")
+        };
+        std::thread::sleep(PATH_CHECK * 3);
+        assert_eq!(
+            socket_id(&path),
+            Some(id),
+            "the other agent's path is left to it"
+        );
+        assert_eq!(yields.load(Ordering::SeqCst), 1);
+
+        std::fs::remove_file(&path).expect("unlink");
+        drop(istio);
+        // Listened on again: the new file may reuse the old one's inode (ext4 does), so the
+        // path is dialled rather than compared.
+        let mut dialled = false;
+        for _ in 0..200 {
+            let probe = socket(
+                AddressFamily::Unix,
+                SockType::SeqPacket,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .expect("socket");
+            if connect(probe.as_raw_fd(), &UnixAddr::new(&path).expect("address")).is_ok() {
+                dialled = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(dialled, "{} was not listened on again", path.display());
+        let _ztunnel = hello_and_snapshot(&path);
+        assert_eq!(server.connected(), 1);
     }
 }
