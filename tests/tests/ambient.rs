@@ -2618,21 +2618,15 @@ fn load_conntrack(netns: &Netns) {
     );
 }
 
-/// `net.netfilter.nf_conntrack_tcp_loose` in `netns` (empty without conntrack).
+/// `net.netfilter.nf_conntrack_tcp_loose` in `netns`, or why it cannot be read (no conntrack).
 fn loose_pickup(netns: &Netns) -> String {
-    meshcap_tests::run(
-        "ip",
-        &[
-            "netns",
-            "exec",
-            netns.name(),
-            "cat",
-            "/proc/sys/net/netfilter/nf_conntrack_tcp_loose",
-        ],
-    )
-    .unwrap_or_default()
-    .trim()
-    .to_owned()
+    netns
+        .run_in(|| {
+            Ok(std::fs::read_to_string(
+                "/proc/sys/net/netfilter/nf_conntrack_tcp_loose",
+            )?)
+        })
+        .map_or_else(|e| format!("{e:#}"), |v| v.trim().to_owned())
 }
 
 /// A `SOCK_SEQPACKET` socket listening at `path` in place of whatever was there, as istio-cni's
@@ -2713,7 +2707,7 @@ fn handed_back_from_the_kernel(reconciled: bool) {
         eventually("conntrack's loose pickup off in the pod", || {
             loose_pickup(&pod.netns) == "0"
         })
-        .unwrap_or_else(|e| panic!("{e}\n{}", agent.log()));
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", loose_pickup(&pod.netns), agent.log()));
         as_istio_cni_wrote(
             &pod,
             &fixtures::ambient_pod("shop", "web"),

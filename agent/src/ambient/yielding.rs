@@ -22,17 +22,19 @@ pub(super) fn before_istio_cni(records: &Records, in_kernel: bool) {
     if !in_kernel {
         return;
     }
-    let mut done = 0usize;
+    let (mut done, mut without) = (0usize, 0usize);
     for (_, workload) in records.all() {
         let pod = workload.pod();
         match podnet::run_in(&pod.netns, |_| podnet::conntrack::no_loose_pickup()) {
-            Ok(Ok(_)) => done += 1,
+            Ok(Ok(true)) => done += 1,
+            Ok(Ok(false)) => without += 1,
             Ok(Err(err)) => warn!(pod = %pod, error = %err, "turning conntrack's loose pickup off"),
             Err(err) => warn!(pod = %pod, error = %err, "entering the pod's network namespace"),
         }
     }
     info!(
         pods = done,
+        without_conntrack = without,
         "istio-cni's agent listens on the ZDS socket: conntrack's loose pickup is off in the pods \
          the kernel captures, before its in-pod rules arrive"
     );

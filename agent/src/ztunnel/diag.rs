@@ -6,7 +6,12 @@
 //! (istio-cni's agent starting on the node removes the path and binds its own) or a file left
 //! by one that is gone. Only the first is to be left alone, and connecting to find out would
 //! look like a ztunnel to that agent. The kernel's table says it without touching the socket.
-use std::io;
+//!
+//! Where the kernel has no `sock_diag` for Unix sockets (`unix_diag`, a module Debian's kernels
+//! do not always load), `/proc/net/unix` is read instead: it names each listening socket's path
+//! as it was bound, not the file, so a socket listening on a file since replaced at the same
+//! path counts too; the caller's own listener is left out by its socket's inode.
+use std::{io, os::unix::ffi::OsStrExt as _, path::Path};
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
@@ -30,13 +35,40 @@ const TCP_LISTEN: u32 = 10;
 /// Bytes read per `recv`.
 const RECV_BUFFER: usize = 64 * 1024;
 
-/// Whether a socket of this network namespace listens on the file `id` names.
+/// Whether a socket of this network namespace listens on the file `id` names at `path`;
+/// `own` is the inode of the caller's own listening socket, if it has one.
 ///
 /// # Errors
-/// When the kernel's table cannot be read.
-pub(super) fn listened_on(id: SocketId) -> io::Result<bool> {
-    let wanted = kernel_file(id);
-    Ok(listening_files()?.contains(&wanted))
+/// When neither table can be read.
+pub(super) fn listened_on(path: &Path, id: SocketId, own: Option<u64>) -> io::Result<bool> {
+    match listening_files() {
+        Ok(files) => Ok(files.contains(&kernel_file(id))),
+        Err(err) if err.raw_os_error() == Some(libc::ENOENT) => {
+            let table = std::fs::read("/proc/net/unix")?;
+            Ok(listening_at(&table, path.as_os_str().as_bytes(), own))
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// Whether `/proc/net/unix` (`table`) lists a listening socket bound at `path` other than
+/// the one whose inode is `own`. Its columns: `Num RefCount Protocol Flags Type St Inode Path`;
+/// `Flags` `00010000` is `__SO_ACCEPTCON`, a listening socket.
+fn listening_at(table: &[u8], path: &[u8], own: Option<u64>) -> bool {
+    table.split(|b| *b == b'\n').skip(1).any(|line| {
+        let fields: Vec<&[u8]> = line
+            .split(|b| *b == b' ')
+            .filter(|f| !f.is_empty())
+            .collect();
+        let inode = fields
+            .get(6)
+            .and_then(|f| std::str::from_utf8(f).ok())
+            .and_then(|f| f.parse::<u64>().ok());
+        fields.get(3) == Some(&&b"00010000"[..])
+            && fields.get(7) == Some(&path)
+            && inode.is_some()
+            && inode != own
+    })
 }
 
 /// A file's identity as `unix_diag_vfs` gives it: the inode, and the device as the kernel
@@ -147,16 +179,30 @@ mod tests {
     }
 
     #[test]
+    fn proc_net_unix_names_the_other_listeners_at_a_path() {
+        let table = b"Num       RefCount Protocol Flags    Type St Inode Path\n\
+ffff0001: 00000002 00000000 00010000 0005 01 100 /var/run/ztunnel/ztunnel.sock\n\
+ffff0002: 00000003 00000000 00000000 0005 03 101 /var/run/ztunnel/ztunnel.sock\n\
+ffff0003: 00000002 00000000 00010000 0001 01 102 /run/other.sock\n";
+        let path = b"/var/run/ztunnel/ztunnel.sock";
+        assert!(listening_at(table, path, None));
+        assert!(listening_at(table, path, Some(7)));
+        assert!(!listening_at(table, path, Some(100)), "the caller's own");
+        assert!(!listening_at(table, b"/var/run/none.sock", None));
+    }
+
+    #[test]
     fn a_listening_socket_is_told_from_a_bound_one_and_a_closed_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("zds.sock");
         let fd = bound(&path);
         let id = socket_id(&path).expect("a socket file");
-        assert!(!listened_on(id).expect("dump"), "bound, not listening");
+        let listened = || listened_on(&path, id, None).expect("a table");
+        assert!(!listened(), "bound, not listening");
         listen(&fd, Backlog::new(1).expect("backlog")).expect("listen");
-        assert!(listened_on(id).expect("dump"), "listening");
+        assert!(listened(), "listening");
         drop(fd);
         assert!(path.exists(), "closing leaves the file");
-        assert!(!listened_on(id).expect("dump"), "closed: nobody listens");
+        assert!(!listened(), "closed: nobody listens");
     }
 }

@@ -26,6 +26,8 @@ pub(super) struct Listener {
     pub fd: OwnedFd,
     /// Its file's identity.
     pub id: SocketId,
+    /// The socket's own inode (sockfs's, as `/proc/net/unix` lists it).
+    pub inode: u64,
 }
 
 /// Listens at `path`, replacing whatever file is there.
@@ -51,7 +53,8 @@ pub(super) fn listen_at(path: &Path) -> Result<Listener, ZdsError> {
             path.display()
         )))
     })?;
-    Ok(Listener { fd, id })
+    let inode = nix::sys::stat::fstat(&fd).map_err(ZdsError::io)?.st_ino;
+    Ok(Listener { fd, id, inode })
 }
 
 /// The identity of the socket file at `path`, if there is one.

@@ -98,7 +98,7 @@ impl ZtunnelServer {
         on_yield: impl Fn() + Send + Sync + 'static,
     ) -> Result<Self, ZdsError> {
         let listener = match socket_id(path) {
-            Some(other) if diag::listened_on(other).unwrap_or(false) => None,
+            Some(other) if diag::listened_on(path, other, None).unwrap_or(false) => None,
             _ => Some(listen_at(path)?),
         };
         let (stop_rx, stop) = pipe2(OFlag::O_CLOEXEC).map_err(ZdsError::io)?;
@@ -285,7 +285,9 @@ fn accept_loop(
         // again each time, also when the path is gone.
         if listener.is_none() || listener.as_ref().map(|l| l.id) != found {
             let before = yielded_to;
-            let yielding = matches!(found, Some(other) if another_listens(other, &mut yielded_to));
+            let own = listener.as_ref().map(|l| l.inode);
+            let yielding =
+                matches!(found, Some(other) if another_listens(path, other, own, &mut yielded_to));
             if yielding && yielded_to != before {
                 let shared = Arc::clone(shared);
                 let spawned = std::thread::Builder::new()
@@ -310,8 +312,13 @@ fn accept_loop(
 /// agent starting on the node while meshcap's runs): the path is then left to it, said once per
 /// file in `yielded_to`. A file nobody listens on (left by an agent that is gone), or a table
 /// that cannot be read, is replaced.
-fn another_listens(other: SocketId, yielded_to: &mut Option<SocketId>) -> bool {
-    match diag::listened_on(other) {
+fn another_listens(
+    path: &Path,
+    other: SocketId,
+    own: Option<u64>,
+    yielded_to: &mut Option<SocketId>,
+) -> bool {
+    match diag::listened_on(path, other, own) {
         Ok(true) => {
             if *yielded_to != Some(other) {
                 warn!(
