@@ -28,9 +28,7 @@ use meshcap_tests::{
     APP_UID, Held, Netns, Placement, Proc, Report,
     agent::{Agent, Backend, binaries},
     bin,
-    fixtures::{
-        ManifestDir, attached_programs, eventually, leftovers, sidecar_pod, write_manifest,
-    },
+    fixtures::{ManifestDir, attached_programs, leftovers, sidecar_pod, write_manifest},
     kubelet::{Sandbox, cni, config},
     require_root, unique_name,
     wired::Wired,
@@ -75,6 +73,9 @@ impl Drop for HandBack {
 
 /// `meshcap-agent uninstall --pins-only --hand-back` for an agent's layout, pods and state,
 /// with `env`, started.
+/// How long the hand-back may take to reach its pause with both captures in place.
+const PAUSE_WITHIN: Duration = Duration::from_secs(60);
+
 fn hand_back(
     config: &EbpfConfig,
     pod_dir: &Path,
@@ -344,20 +345,23 @@ fn handed_back(nftables: bool) {
             ],
         );
         let mut child = child;
-        if let Err(err) = eventually("the hand-back pauses with both captures", || {
-            pause.exists() || child.exited()
-        })
-        .and_then(|()| {
-            anyhow::ensure!(
-                pause.exists(),
-                "it exited without pausing (an agent binary built without the crash-points \
-                 feature? `cargo build -p meshcap-agent -p meshcap-cni -p meshcap-tests --bins` \
-                 builds it with)"
-            );
-            Ok(())
-        }) {
+        // A liveness bound: under TCG (the 6.1 guest) the command takes several seconds to
+        // start and open the layout and the rules backends before it reaches its first pod.
+        let started = std::time::Instant::now();
+        while !(pause.exists() || child.exited()) && started.elapsed() < PAUSE_WITHIN {
+            thread::sleep(Duration::from_millis(50));
+        }
+        if !pause.exists() {
+            let exited = child.exited();
             let (_, out) = child.finish();
-            panic!("{err}: {out}");
+            if exited {
+                panic!(
+                    "it exited without pausing (an agent binary built without the crash-points \
+                     feature? `cargo build -p meshcap-agent -p meshcap-cni -p meshcap-tests \
+                     --bins` builds it with): {out}"
+                );
+            }
+            panic!("the hand-back did not pause with both captures within {PAUSE_WITHIN:?}: {out}");
         }
         let both = (
             istio_only(leftovers(&wired.pod).expect("netns state")),

@@ -507,6 +507,17 @@ mod tests {
         drop(server);
         assert!(!path.exists(), "the server's own socket goes with it");
     }
+    /// Waits (bounded: a liveness check) until the server has yielded `n` times.
+    fn wait_for_yields(yields: &AtomicUsize, n: usize) {
+        for _ in 0..200 {
+            if yields.load(Ordering::SeqCst) >= n {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("yielded {} times, not {n}", yields.load(Ordering::SeqCst));
+    }
+
     /// A socket that another process (istio-cni's agent, starting on the node) listens on at
     /// the path after removing meshcap's.
     fn listening_intruder(path: &Path) -> (OwnedFd, SocketId) {
@@ -538,7 +549,8 @@ mod tests {
         let _ztunnel = hello_and_snapshot(&path);
 
         let (istio, id) = listening_intruder(&path);
-        std::thread::sleep(PATH_CHECK * 4);
+        wait_for_yields(&yields, 1);
+        std::thread::sleep(PATH_CHECK * 3);
         assert_eq!(
             socket_id(&path),
             Some(id),
@@ -582,14 +594,13 @@ mod tests {
         // Another agent listening there when meshcap's stops keeps its path.
         let (_istio, id) = listening_intruder(&path);
         assert_ne!(id, back);
-        std::thread::sleep(PATH_CHECK * 2);
+        wait_for_yields(&yields, 2);
         drop(server);
         assert_eq!(
             socket_id(&path),
             Some(id),
             "another agent's path is not unlinked"
         );
-        assert_eq!(yields.load(Ordering::SeqCst), 2);
     }
 
     /// An agent started (restarted) while another listens at the path leaves it to it from the
@@ -608,6 +619,7 @@ mod tests {
             })
             .expect("server")
         };
+        wait_for_yields(&yields, 1);
         std::thread::sleep(PATH_CHECK * 3);
         assert_eq!(
             socket_id(&path),

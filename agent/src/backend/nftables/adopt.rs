@@ -28,14 +28,23 @@ impl NftablesBackend {
         reconcile: bool,
     ) -> Result<Adoption, BackendError> {
         let (rules, mode, ambient) = Self::rules(policy);
-        let expected = scratch_listing(&rules)?;
-        self.in_netns(pod, |nft, visit| {
+        let present = |nft: &Nft| -> Result<Vec<&str>, BackendError> {
             let mut present = Vec::new();
             for table in rules.tables() {
                 if nft.list(table)?.is_some() {
                     present.push(table);
                 }
             }
+            Ok(present)
+        };
+        // The scratch netns's listing only where there is something to compare it with: a
+        // hand-back asks of every pod it hands back, nearly all of which hold nothing.
+        if self.in_netns(pod, |nft, _| present(nft))?.is_empty() {
+            return Ok(Adoption::Nothing);
+        }
+        let expected = scratch_listing(&rules)?;
+        self.in_netns(pod, |nft, visit| {
+            let present = present(nft)?;
             if present.is_empty() {
                 return Ok(Adoption::Nothing);
             }
