@@ -40,6 +40,8 @@ use crate::rbac::{self, Attributes, Grant, param};
 /// The namespace `deploy/` installs meshcap into (another when the objects served say so:
 /// [`ApiServer::namespace`]).
 pub const SYSTEM_NAMESPACE: &str = "meshcap-system";
+/// The node label docs/install.md's switch between istio-cni and meshcap moves nodes with.
+pub const SWITCH_LABEL: &str = "meshcap.io/cni";
 /// The agent's ServiceAccount.
 pub const AGENT_ACCOUNT: &str = "meshcap-agent";
 /// The plugin's ServiceAccount (its decisions while no agent runs).
@@ -361,6 +363,28 @@ impl ApiServer {
     /// When a lock is poisoned.
     pub fn apply_namespace(&self, namespace: Value) {
         record(&self.namespaces, &self.namespace_changes, namespace);
+    }
+
+    /// Gives meshcap's DaemonSet the required node affinity docs/install.md's switch gives it
+    /// (`meshcap.io/cni In [both, meshcap]`).
+    ///
+    /// # Panics
+    /// When the DaemonSet is not there.
+    pub fn apply_switch_affinity(&self) {
+        let mut ds = self.daemon_set();
+        ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": SWITCH_LABEL, "operator": "In",
+                                       "values": ["both", "meshcap"]}]}]}}});
+        self.apply_daemon_set(ds);
+    }
+
+    /// Labels the node `meshcap.io/cni=value`, as an operator moves it in the switch.
+    ///
+    /// # Panics
+    /// When a lock is poisoned.
+    pub fn label_for_switch(&self, value: &str) {
+        self.nodes.lock().expect("nodes")[0]["metadata"]["labels"][SWITCH_LABEL] = json!(value);
     }
 
     /// Adds `daemon_set`, or replaces its namesake, as a change DaemonSet watches see.

@@ -153,14 +153,8 @@ fn restarts_updates_evictions_and_drains_keep_meshcap() {
 fn a_node_the_daemon_sets_affinity_no_longer_takes_is_left() {
     require_root();
     let affinity = |api: &ApiServer, node_label: &str| {
-        let mut ds = api.daemon_set();
-        ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                {"matchExpressions": [{"key": "meshcap.io/cni", "operator": "In",
-                                       "values": ["both", "meshcap"]}]}]}}});
-        api.apply_daemon_set(ds);
-        api.nodes.lock().expect("nodes")[0]["metadata"]["labels"]["meshcap.io/cni"] =
-            json!(node_label);
+        api.apply_switch_affinity();
+        api.label_for_switch(node_label);
     };
     let (_, _, log) = row(
         "the DaemonSet's node affinity takes this node",

@@ -578,15 +578,8 @@ fn istio_cnis_exit_on_the_node_is_survived() {
 fn handing_a_node_back_to_istio_cni_leaves_no_window() {
     require_root();
     let api = ApiServer::start();
-    let label = |value: &str| {
-        api.nodes.lock().expect("nodes")[0]["metadata"]["labels"]["meshcap.io/cni"] = json!(value);
-    };
-    let mut ds = api.daemon_set();
-    ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "meshcap.io/cni", "operator": "In",
-                                   "values": ["both", "meshcap"]}]}]}}});
-    api.apply_daemon_set(ds);
+    let label = |value: &str| api.label_for_switch(value);
+    api.apply_switch_affinity();
     label("meshcap");
     let node = ClusterNode::new(&api);
     let mut agent = node.start_agent(Backend::Iptables, &[]);

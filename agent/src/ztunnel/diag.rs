@@ -157,26 +157,10 @@ const fn align(len: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::AsRawFd as _;
-
-    use nix::sys::socket::{
-        AddressFamily, Backlog, SockFlag, SockType, UnixAddr, bind, listen, socket,
-    };
+    use nix::sys::socket::{Backlog, listen};
 
     use super::*;
-    use crate::ztunnel::listener::socket_id;
-
-    fn bound(path: &std::path::Path) -> std::os::fd::OwnedFd {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        bind(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("bind");
-        fd
-    }
+    use crate::ztunnel::listener::{socket_id, testing::bound_at};
 
     #[test]
     fn proc_net_unix_names_the_other_listeners_at_a_path() {
@@ -195,7 +179,7 @@ ffff0003: 00000002 00000000 00010000 0001 01 102 /run/other.sock\n";
     fn a_listening_socket_is_told_from_a_bound_one_and_a_closed_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("zds.sock");
-        let fd = bound(&path);
+        let fd = bound_at(&path);
         let id = socket_id(&path).expect("a socket file");
         let listened = || listened_on(&path, id, None).expect("a table");
         assert!(!listened(), "bound, not listening");

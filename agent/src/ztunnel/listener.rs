@@ -84,3 +84,39 @@ pub(super) fn relisten(path: &Path) -> Option<Listener> {
         }
     }
 }
+
+/// The sockets the tests open: ztunnel's, and another agent's at the path.
+#[cfg(test)]
+pub(super) mod testing {
+    use std::{
+        os::fd::{AsRawFd, OwnedFd},
+        path::Path,
+    };
+
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, bind, connect, socket};
+
+    /// A `SOCK_SEQPACKET` Unix socket, as ztunnel and the agents open.
+    pub fn seqpacket() -> OwnedFd {
+        socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket")
+    }
+
+    /// A socket bound at `path`.
+    pub fn bound_at(path: &Path) -> OwnedFd {
+        let fd = seqpacket();
+        bind(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("bind");
+        fd
+    }
+
+    /// A socket connected to `path`, when something listens there.
+    pub fn dialled(path: &Path) -> nix::Result<OwnedFd> {
+        let fd = seqpacket();
+        connect(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+        Ok(fd)
+    }
+}

@@ -425,26 +425,19 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
-    use nix::sys::socket::{
-        AddressFamily, Backlog, MsgFlags, SockType, UnixAddr, bind, connect, listen, recv, send,
-        socket,
-    };
+    use nix::sys::socket::{Backlog, MsgFlags, listen, recv, send};
     use prost::Message as _;
 
     use super::*;
-    use crate::ztunnel::proto::{Ack, Version, WorkloadResponse, ZdsHello, workload_response};
+    use crate::ztunnel::{
+        listener::testing::{bound_at, dialled},
+        proto::{Ack, Version, WorkloadResponse, ZdsHello, workload_response},
+    };
 
     /// Connects to `path` as ztunnel does, says hello and acks the (empty) snapshot: the
     /// server serves whoever connects at `path`.
     fn hello_and_snapshot(path: &Path) -> OwnedFd {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        connect(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("connect");
+        let fd = dialled(path).expect("connect");
         let hello = ZdsHello {
             version: Version::V1.into(),
         };
@@ -486,14 +479,7 @@ mod tests {
 
         // Another socket bound at the path (an agent starting there removes what it finds).
         std::fs::remove_file(&path).expect("unlink");
-        let other = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        bind(other.as_raw_fd(), &UnixAddr::new(&path).expect("address")).expect("bind");
+        let _other = bound_at(&path);
         let intruder = socket_id(&path).expect("bound");
         assert_ne!(intruder, second);
         wait_for_socket(&path, Some(intruder));
@@ -522,14 +508,7 @@ mod tests {
     /// the path after removing meshcap's.
     fn listening_intruder(path: &Path) -> (OwnedFd, SocketId) {
         std::fs::remove_file(path).expect("unlink");
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        bind(fd.as_raw_fd(), &UnixAddr::new(path).expect("address")).expect("bind");
+        let fd = bound_at(path);
         listen(&fd, Backlog::new(1).expect("backlog")).expect("listen");
         (fd, socket_id(path).expect("bound"))
     }
@@ -561,14 +540,7 @@ mod tests {
             1,
             "what follows a yield ran once"
         );
-        let dialer = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        connect(dialer.as_raw_fd(), &UnixAddr::new(&path).expect("address")).expect("connect");
+        let _dialer = dialled(&path).expect("connect");
         accept4(istio.as_raw_fd(), SockFlag::SOCK_CLOEXEC).expect("the other agent is reached");
         assert_eq!(
             server.connected(),
@@ -632,22 +604,15 @@ mod tests {
         drop(istio);
         // Listened on again: the new file may reuse the old one's inode (ext4 does), so the
         // path is dialled rather than compared.
-        let mut dialled = false;
+        let mut reached = false;
         for _ in 0..200 {
-            let probe = socket(
-                AddressFamily::Unix,
-                SockType::SeqPacket,
-                SockFlag::SOCK_CLOEXEC,
-                None,
-            )
-            .expect("socket");
-            if connect(probe.as_raw_fd(), &UnixAddr::new(&path).expect("address")).is_ok() {
-                dialled = true;
+            if dialled(&path).is_ok() {
+                reached = true;
                 break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        assert!(dialled, "{} was not listened on again", path.display());
+        assert!(reached, "{} was not listened on again", path.display());
         let _ztunnel = hello_and_snapshot(&path);
         assert_eq!(server.connected(), 1);
     }
