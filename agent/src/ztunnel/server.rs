@@ -493,6 +493,17 @@ mod tests {
         drop(server);
         assert!(!path.exists(), "the server's own socket goes with it");
     }
+    /// A server at `path` with no pods, and how many times it has yielded the path.
+    fn counting_yields(path: &Path) -> (ZtunnelServer, Arc<AtomicUsize>) {
+        let yields = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&yields);
+        let server = ZtunnelServer::start(path, Vec::new, move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        })
+        .expect("server");
+        (server, yields)
+    }
+
     /// Waits (bounded: a liveness check) until the server has yielded `n` times.
     fn wait_for_yields(yields: &AtomicUsize, n: usize) {
         for _ in 0..200 {
@@ -517,14 +528,7 @@ mod tests {
     fn a_path_another_agent_listens_on_is_left_to_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("ztunnel.sock");
-        let yields = Arc::new(AtomicUsize::new(0));
-        let server = {
-            let yields = Arc::clone(&yields);
-            ZtunnelServer::start(&path, Vec::new, move || {
-                yields.fetch_add(1, Ordering::SeqCst);
-            })
-            .expect("server")
-        };
+        let (server, yields) = counting_yields(&path);
         let _ztunnel = hello_and_snapshot(&path);
 
         let (istio, id) = listening_intruder(&path);
@@ -583,14 +587,7 @@ mod tests {
         let path = dir.path().join("ztunnel.sock");
         std::fs::write(&path, b"").expect("a file to replace");
         let (istio, id) = listening_intruder(&path);
-        let yields = Arc::new(AtomicUsize::new(0));
-        let server = {
-            let yields = Arc::clone(&yields);
-            ZtunnelServer::start(&path, Vec::new, move || {
-                yields.fetch_add(1, Ordering::SeqCst);
-            })
-            .expect("server")
-        };
+        let (server, yields) = counting_yields(&path);
         wait_for_yields(&yields, 1);
         std::thread::sleep(PATH_CHECK * 3);
         assert_eq!(
