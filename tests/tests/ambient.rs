@@ -2181,23 +2181,7 @@ fn retried_and_found_left(backend: Backend, in_kernel: bool) {
         .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
         .expect("the pod's address");
     let found_rule = "fwmark 0x111/0xfff lookup 100";
-    pod.netns
-        .ip(&[
-            "rule",
-            "add",
-            "fwmark",
-            "0x111/0xfff",
-            "pref",
-            "32764",
-            "lookup",
-            "100",
-        ])
-        .expect("Istio's rule");
-    pod.netns
-        .ip(&[
-            "route", "add", "local", "default", "dev", "lo", "table", "100",
-        ])
-        .expect("Istio's route");
+    istio_reply_route(&pod.netns, "-4");
     let found = || {
         let rules = pod.netns.ip(&["rule", "show"]).expect("ip rule");
         let routes = pod
@@ -2389,31 +2373,36 @@ fn as_istio_cni_wrote(pod: &Pod, manifest: &Value, ip: IpAddr, rules: IstioRules
             meshcap_policy::Family::V4 => "-4",
             meshcap_policy::Family::V6 => "-6",
         };
-        // `AddInpodMarkIPRule` ignores EEXIST; the route is `RouteReplace`d
-        // (`cni/pkg/iptables/iptables_linux.go`).
-        let rule = [
-            family,
-            "rule",
-            "add",
-            "fwmark",
-            "0x111/0xfff",
-            "pref",
-            "32764",
-            "lookup",
-            "100",
-        ];
-        if let Err(err) = pod.netns.ip(&rule) {
-            assert!(
-                err.to_string().contains("File exists"),
-                "Istio's rule: {err:#}"
-            );
-        }
-        pod.netns
-            .ip(&[
-                family, "route", "replace", "local", "default", "dev", "lo", "table", "100",
-            ])
-            .expect("Istio's route");
+        istio_reply_route(&pod.netns, family);
     }
+}
+
+/// Istio's reply route for `family` (`-4`, `-6`) in `netns`, as its agent adds it
+/// (`cni/pkg/iptables/iptables_linux.go`): `AddInpodMarkIPRule` ignores EEXIST, the route is
+/// `RouteReplace`d.
+fn istio_reply_route(netns: &Netns, family: &str) {
+    let rule = [
+        family,
+        "rule",
+        "add",
+        "fwmark",
+        "0x111/0xfff",
+        "pref",
+        "32764",
+        "lookup",
+        "100",
+    ];
+    if let Err(err) = netns.ip(&rule) {
+        assert!(
+            err.to_string().contains("File exists"),
+            "Istio's rule: {err:#}"
+        );
+    }
+    netns
+        .ip(&[
+            family, "route", "replace", "local", "default", "dev", "lo", "table", "100",
+        ])
+        .expect("Istio's route");
 }
 
 /// A node istio-cni left: pod `shop/web` enrolled by Istio's agent (annotated
