@@ -20,6 +20,7 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 
+pub mod rtnl;
 pub mod scenario;
 pub mod wire;
 pub mod world;
@@ -94,12 +95,35 @@ pub fn ebpf_runs_here() -> bool {
     static ANSWER: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
     require_root();
     let answer = ANSWER.get_or_init(|| {
+        // One boot of a kernel gives one answer. Where the runner names a file for it (the VMs,
+        // which start a process per test, and whose emulated CPUs take seconds per probe), the
+        // first test's answer is kept there for the others.
+        let kept = std::env::var_os("MESHCAP_PROBE_ANSWER").map(PathBuf::from);
+        if let Some(answer) = kept.as_deref().and_then(|p| fs::read_to_string(p).ok()) {
+            return match answer.split_once('\n') {
+                Some(("supported", "")) => Ok(()),
+                Some(("unsupported", why)) => Err(why.to_owned()),
+                _ => panic!("not a probe's answer: {answer:?}"),
+            };
+        }
         let report = probe::run();
-        if report.ok() {
+        let answer = if report.ok() {
             Ok(())
         } else {
             Err(report.failures())
+        };
+        if let Some(path) = kept {
+            let text = match &answer {
+                Ok(()) => "supported\n".to_owned(),
+                Err(why) => format!("unsupported\n{why}"),
+            };
+            // Written whole, then renamed: a test starting meanwhile probes for itself.
+            let partial = path.with_extension("partial");
+            if let Err(err) = fs::write(&partial, text).and_then(|()| fs::rename(&partial, &path)) {
+                eprintln!("keeping the probe's answer in {}: {err}", path.display());
+            }
         }
+        answer
     });
     let expected = std::env::var("MESHCAP_EBPF").as_deref() != Ok("unsupported");
     match (answer, expected) {
@@ -163,16 +187,17 @@ impl Netns {
     /// most pods, so the stand-ins can run as their real uids).
     ///
     /// # Errors
-    /// When `ip` fails.
+    /// When the kernel refuses.
     pub fn new(prefix: &str) -> anyhow::Result<Self> {
         let name = unique_name(prefix);
-        run("ip", &["netns", "add", &name])?;
+        let path = Path::new(rtnl::NETNS_RUN_DIR).join(&name);
+        rtnl::add_netns(&path)?;
         let ns = Self {
-            path: Path::new("/run/netns").join(&name),
+            path,
             name,
             owned: true,
         };
-        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.set_up("lo")?;
         ns.run_in(|| {
             fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
                 .context("unprivileged ports sysctl")
@@ -234,7 +259,7 @@ impl Netns {
             name,
             owned: true,
         };
-        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.set_up("lo")?;
         ns.run_in(|| {
             fs::write("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0")
                 .context("unprivileged ports sysctl")
@@ -277,6 +302,51 @@ impl Netns {
         let mut all = vec!["-n", self.name.as_str()];
         all.extend_from_slice(args);
         run("ip", &all)
+    }
+
+    /// `ip -n <ns> link add NAME type veth peer name PEER netns <peer_ns>`.
+    ///
+    /// # Errors
+    /// When the kernel refuses.
+    pub fn add_veth(&self, name: &str, peer_ns: &Self, peer: &str) -> anyhow::Result<()> {
+        self.run_in(|| rtnl::add_veth(name, peer, &peer_ns.path))
+    }
+
+    /// `ip -n <ns> link set DEV up`.
+    ///
+    /// # Errors
+    /// When there is no such device or the kernel refuses.
+    pub fn set_up(&self, dev: &str) -> anyhow::Result<()> {
+        self.run_in(|| rtnl::set_up(dev))
+    }
+
+    /// `ip -n <ns> addr add PREFIX dev DEV` (`10.0.0.2/24`; an IPv6 one `nodad`).
+    ///
+    /// # Errors
+    /// When `prefix` is not one, or the kernel refuses.
+    pub fn add_address(&self, dev: &str, prefix: &str) -> anyhow::Result<()> {
+        let (addr, len) = rtnl::parse_prefix(prefix)?;
+        self.run_in(|| rtnl::add_address(dev, addr, len))
+    }
+
+    /// `ip -n <ns> addr del PREFIX dev DEV`.
+    ///
+    /// # Errors
+    /// When `prefix` is not one, or the device does not have it.
+    pub fn del_address(&self, dev: &str, prefix: &str) -> anyhow::Result<()> {
+        let (addr, len) = rtnl::parse_prefix(prefix)?;
+        self.run_in(|| rtnl::del_address(dev, addr, len))
+    }
+
+    /// `ip -n <ns> route add default via GATEWAY` (either family).
+    ///
+    /// # Errors
+    /// When `gateway` is not an address, or the kernel refuses.
+    pub fn add_default_route(&self, gateway: &str) -> anyhow::Result<()> {
+        let gateway = gateway
+            .parse()
+            .with_context(|| format!("gateway {gateway:?}"))?;
+        self.run_in(|| rtnl::add_default_route(gateway))
     }
 
     /// Runs `f` with the calling thread inside this namespace, and brings it back (setns only
@@ -353,7 +423,7 @@ impl TcpSocket {
 impl Drop for Netns {
     fn drop(&mut self) {
         if self.owned
-            && let Err(err) = run("ip", &["netns", "del", &self.name])
+            && let Err(err) = rtnl::del_netns(&self.path)
         {
             eprintln!("cleanup: {err:#}");
         }

@@ -53,23 +53,10 @@ impl Wired {
 
     fn around(pod: Netns, cgroup: Option<Arc<TestCgroup>>, ids_base: u32) -> Self {
         let upstream = Netns::new("mc-e2e-up").expect("upstream netns");
-        pod.ip(&[
-            "link",
-            "add",
-            "eth0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            upstream.name(),
-        ])
-        .expect("veth pair");
+        pod.add_veth("eth0", &upstream, "eth0").expect("veth pair");
         for (ns, addr) in [(&pod, "10.0.0.2/24"), (&upstream, "10.0.0.1/24")] {
-            ns.ip(&["addr", "add", addr, "dev", "eth0"])
-                .expect("address");
-            ns.ip(&["link", "set", "eth0", "up"]).expect("link up");
+            ns.add_address("eth0", addr).expect("address");
+            ns.set_up("eth0").expect("link up");
         }
         Self {
             pod,

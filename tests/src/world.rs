@@ -51,11 +51,11 @@ impl Node {
     /// 5555, 15020; UDP 53) and a cgroup for pods.
     ///
     /// # Errors
-    /// When `ip` or the cgroup fail.
+    /// When the kernel refuses the namespace, its addresses or the cgroup.
     pub fn new() -> anyhow::Result<Self> {
         let netns = Netns::new("mc-node")?;
-        netns.ip(&["addr", "add", "10.96.0.10/32", "dev", "lo"])?;
-        netns.ip(&["addr", "add", "fd96::10/128", "dev", "lo", "nodad"])?;
+        netns.add_address("lo", "10.96.0.10/32")?;
+        netns.add_address("lo", "fd96::10/128")?;
         let cgroup = TestCgroup::new("mc-pods")?;
         let mut listen = Vec::new();
         for port in [80, 53, 3306, 5555, 15020] {
@@ -87,7 +87,7 @@ impl Node {
     /// `eth0` when `ipv6`.
     ///
     /// # Errors
-    /// When `ip` fails.
+    /// When the kernel refuses a link, address or route.
     pub fn add_pod(&mut self, ipv6: bool) -> anyhow::Result<Pod> {
         let i = self.next;
         self.next += 1;
@@ -96,51 +96,20 @@ impl Node {
             .iter()
             .enumerate()
         {
-            self.netns.ip(&[
-                "link",
-                "add",
-                host,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                dev,
-                "netns",
-                netns.name(),
-            ])?;
+            self.netns.add_veth(host, &netns, dev)?;
             let net = 77 + n;
             self.netns
-                .ip(&["addr", "add", &format!("10.{net}.{i}.1/24"), "dev", host])?;
-            self.netns.ip(&["link", "set", host, "up"])?;
-            netns.ip(&["addr", "add", &format!("10.{net}.{i}.2/24"), "dev", dev])?;
-            netns.ip(&["link", "set", dev, "up"])?;
+                .add_address(host, &format!("10.{net}.{i}.1/24"))?;
+            self.netns.set_up(host)?;
+            netns.add_address(dev, &format!("10.{net}.{i}.2/24"))?;
+            netns.set_up(dev)?;
         }
-        netns.ip(&["route", "add", "default", "via", &format!("10.77.{i}.1")])?;
+        netns.add_default_route(&format!("10.77.{i}.1"))?;
         if ipv6 {
-            self.netns.ip(&[
-                "addr",
-                "add",
-                &format!("fd77:{i}::1/64"),
-                "dev",
-                &format!("p{i}a"),
-                "nodad",
-            ])?;
-            netns.ip(&[
-                "addr",
-                "add",
-                &format!("fd77:{i}::2/64"),
-                "dev",
-                "eth0",
-                "nodad",
-            ])?;
-            netns.ip(&[
-                "-6",
-                "route",
-                "add",
-                "default",
-                "via",
-                &format!("fd77:{i}::1"),
-            ])?;
+            self.netns
+                .add_address(&format!("p{i}a"), &format!("fd77:{i}::1/64"))?;
+            netns.add_address("eth0", &format!("fd77:{i}::2/64"))?;
+            netns.add_default_route(&format!("fd77:{i}::1"))?;
         }
         Ok(Pod {
             netns,

@@ -1048,7 +1048,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     // The agent finds a running pod's netns by its address: one no other netns holds.
     let ip = unique_ip();
     pod.netns
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the pod's address");
     let sockets = SocketDir::new();
     let api = ApiServer::with_configuration("ambient");
@@ -1135,7 +1135,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     })
     .expect("held");
     pod.netns
-        .ip(&["addr", "del", &format!("{ip}/32"), "dev", "eth0"])
+        .del_address("eth0", &format!("{ip}/32"))
         .expect("the IP leaves");
     api.hold_namespace_gets.store(false, Ordering::SeqCst);
     eventually("the in-place enrollment is refused, naming the pod", || {
@@ -1149,7 +1149,7 @@ fn join_and_leave(backend: Backend, in_kernel: bool) {
     assert!(annotation().is_null(), "not annotated");
     // The IP back, the pod's next change enrolls it.
     pod.netns
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the IP back");
     relabel(json!({}));
     assert_eq!(zt.wait_line().expect("ztunnel"), added, "{}", agent.log());
@@ -2178,7 +2178,7 @@ fn retried_and_found_left(backend: Backend, in_kernel: bool) {
     let pod = node.add_pod(false).expect("pod");
     let ip = unique_ip();
     pod.netns
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the pod's address");
     let found_rule = "fwmark 0x111/0xfff lookup 100";
     istio_reply_route(&pod.netns, "-4");
@@ -2422,7 +2422,7 @@ fn adopted_from_istio_cni(backend: Backend, in_kernel: bool, rules: IstioRules) 
     let _app = start_server(app(&node, &pod), "app", &["tcp:0.0.0.0:8080"]).expect("app");
     let ip = unique_ip();
     pod.netns
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the pod's address");
     let mut manifest = ambient_pod("web");
     manifest["metadata"]["annotations"] = json!({"ambient.istio.io/redirection": "enabled"});

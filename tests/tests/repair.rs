@@ -62,7 +62,7 @@ fn a_pod_that_started_uncaptured_is_captured_in_place(backend: Backend) {
     let ip = unique_ip();
     wired
         .pod
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the pod's address");
     let (_envoy, _upstream) = wired.servers();
     assert_eq!(

@@ -58,7 +58,7 @@ impl Drop for Scratch {
 fn unique_address(pod: &Pod) -> String {
     let ip = unique_ip();
     pod.netns
-        .ip(&["addr", "add", &format!("{ip}/32"), "dev", "eth0"])
+        .add_address("eth0", &format!("{ip}/32"))
         .expect("the pod's address");
     ip
 }

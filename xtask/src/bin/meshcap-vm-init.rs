@@ -343,6 +343,9 @@ fn run_one(binary: &str, test: Option<&str>) -> Result<(), String> {
         // agent timeout (the host suite runs 100), and an agent's start gets three times the
         // host's 20 s (an arm64 guest's needs more than 20 s on a busy machine).
         .env("MESHCAP_PARALLEL_PODS", "20")
+        // The kernel probe's answer, found by the boot's first test and read by the others
+        // (`meshcap_tests::ebpf_runs_here`): seconds per test on emulated CPUs.
+        .env("MESHCAP_PROBE_ANSWER", "/run/meshcap-probe-answer")
         .env("MESHCAP_AGENT_READY_SECS", "60")
         .current_dir("/tmp")
         .stdin(Stdio::null())
