@@ -380,7 +380,7 @@ fn assert_valid(objects: &[Value]) {
 /// runs it), no readiness probe.
 fn not_ready_agent() -> String {
     format!(
-        "{NODE}  agent ready       FAIL: agent pod {AGENT_POD} is not ready (not scheduled (no \
+        "{NODE}  agent ready         FAIL: agent pod {AGENT_POD} is not ready (not scheduled (no \
          status)); /readyz: the pod has no HTTP readiness probe to read"
     )
 }
@@ -410,7 +410,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
     );
     for check in Check::PODS {
         let line = format!(
-            "{NODE}  {:16}  FAIL: pod server-0 is not running: not scheduled (no status)",
+            "{NODE}  {:18}  FAIL: pod server-0 is not running: not scheduled (no status)",
             check.title()
         );
         assert!(out.contains(&line), "{line:?} in:\n{out}");
@@ -424,7 +424,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 0 ok, 6 failed, 1 not checked"),
+        out.contains("FAILED: 0 ok, 6 failed, 2 not checked"),
         "{out}"
     );
 
@@ -627,29 +627,29 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
     let (code, out) = every;
     assert_eq!(code, Some(1), "{out}");
     for check in Check::PODS {
-        let line = format!("{NODE}  {:16}  ok", check.title());
+        let line = format!("{NODE}  {:18}  ok", check.title());
         assert!(out.contains(&line), "{line:?} in:\n{out}");
     }
     assert!(
-        out.contains("node-2  sidecar outbound  FAIL: not captured: the server answered on port 8080 (original destination none)"),
+        out.contains("node-2  sidecar outbound    FAIL: not captured: the server answered on port 8080 (original destination none)"),
         "{out}"
     );
     assert!(out.contains(&not_ready_agent()), "{out}");
     assert!(
         out.contains(
-            "node-2  agent ready       FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
+            "node-2  agent ready         FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
              this node (app.kubernetes.io/name=meshcap-agent)"
         ),
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 9 ok, 3 failed, 2 not checked"),
+        out.contains("FAILED: 9 ok, 3 failed, 4 not checked"),
         "{out}"
     );
     let (code, out) = one;
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("FAILED: 5 ok, 1 failed, 1 not checked"),
+        out.contains("FAILED: 5 ok, 1 failed, 2 not checked"),
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
@@ -709,7 +709,28 @@ fn agent_pod(server: &ApiServer, name: &str, node: &str, http: &str, ready: bool
                      "labels": template["metadata"]["labels"]},
         "spec": {"nodeName": node, "hostNetwork": true, "containers": [container]},
         "status": {"phase": "Running", "podIP": ip,
-                   "conditions": [{"type": "Ready", "status": ready}]},
+                   "conditions": [{"type": "Ready", "status": ready}],
+                   "containerStatuses": [{"name": container["name"], "ready": ready == "True",
+                       "restartCount": 0, "image": container["image"], "imageID": "",
+                       "state": {"running": {}}}]},
+    }));
+}
+
+/// An agent pod of the DaemonSet on `node` whose container the runtime refused to create, with
+/// the status kubelet gives it: the container waits in `CreateContainerError` with `message`.
+fn refused_agent_pod(server: &ApiServer, name: &str, node: &str, message: &str) {
+    let template = server.daemon_set()["spec"]["template"].clone();
+    let container = &template["spec"]["containers"][0];
+    server.apply_pod(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": server.namespace, "uid": format!("uid-{name}"),
+                     "labels": template["metadata"]["labels"]},
+        "spec": {"nodeName": node, "hostNetwork": true, "containers": [container]},
+        "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}],
+                   "containerStatuses": [{"name": container["name"], "ready": false,
+                       "restartCount": 0, "image": container["image"], "imageID": "",
+                       "state": {"waiting": {"reason": "CreateContainerError",
+                                             "message": message}}}]},
     }));
 }
 
@@ -720,7 +741,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     {
         let mut nodes = server.nodes.lock().expect("nodes");
         nodes[0]["status"] = json!({"nodeInfo": {"kernelVersion": "6.1.0-test"}});
-        for name in ["node-2", "node-3"] {
+        for name in ["node-2", "node-3", "node-4"] {
             nodes.push(json!({"apiVersion": "v1", "kind": "Node", "spec": {},
                               "metadata": {"name": name, "uid": format!("uid-{name}")}}));
         }
@@ -728,7 +749,8 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let manifests = ManifestDir::new();
     let pod_dir = manifests.0.to_str().expect("utf-8");
     // node-1: an agent that captures; node-2: one whose plugin is not chained yet (no primary
-    // CNI configuration), which kubelet's probe reports not ready; node-3: none.
+    // CNI configuration), which kubelet's probe reports not ready; node-3: none; node-4: one
+    // whose container the runtime refuses, its bpffs not a shared mount (containerd's words).
     let ready = Agent::start(
         Backend::Iptables,
         &["--pods", "dir", "--pod-dir", pod_dir],
@@ -748,6 +770,9 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     .expect("agent");
     agent_pod(&server, AGENT_POD, NODE, &ready.http, true);
     agent_pod(&server, "meshcap-agent-n2", "node-2", &unready.http, false);
+    let refusal = "failed to generate container spec: path \"/sys/fs/bpf\" is mounted on \
+                   \"/sys/fs/bpf\" but it is not a shared or slave mount";
+    refused_agent_pod(&server, "meshcap-agent-n4", "node-4", refusal);
 
     let dir = ManifestDir::new();
     let kubeconfig = operator(&server, &dir.0);
@@ -758,15 +783,27 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let lines = [
         format!("{NODE}: agent pod {AGENT_POD}, backend iptables, kernel 6.1.0-test"),
         "node-2: agent pod meshcap-agent-n2, backend nftables, kernel unknown".to_owned(),
-        format!("{NODE}  agent ready       ok"),
-        "node-2  agent ready       FAIL: agent pod meshcap-agent-n2 is not ready (Running); \
+        format!("{NODE}  agent ready         ok"),
+        "node-2  agent ready         FAIL: agent pod meshcap-agent-n2 is not ready (Running); \
          /readyz: answered 503: not ready: "
             .to_owned(),
-        "node-3  agent ready       FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
+        "node-3  agent ready         FAIL: no pod of DaemonSet meshcap-system/meshcap-agent on \
          this node (app.kubernetes.io/name=meshcap-agent)"
             .to_owned(),
-        "FAILED: 16 ok, 2 failed, 3 not checked".to_owned(),
-        format!("{NODE}  ambient enrolled  not checked: ambient mode is off on this node"),
+        format!("{NODE}  host prerequisites  ok"),
+        "node-2  host prerequisites  ok".to_owned(),
+        "node-3  host prerequisites  not checked: no agent pod on the node".to_owned(),
+        "node-4  agent ready         FAIL: agent pod meshcap-agent-n4 is not ready (Pending, \
+         agent CreateContainerError)"
+            .to_owned(),
+        format!(
+            "node-4  host prerequisites  FAIL: a host path the DaemonSet mounts with \
+             HostToContainer propagation is not on a shared or slave mount (`mount \
+             --make-rshared /` at boot, before the runtime): CreateContainerError: {refusal} \
+             (docs/install.md, Host prerequisites)"
+        ),
+        "FAILED: 23 ok, 4 failed, 5 not checked".to_owned(),
+        format!("{NODE}  ambient enrolled    not checked: ambient mode is off on this node"),
     ];
     for line in lines {
         assert!(out.contains(&line), "{line:?} in:\n{out}");
@@ -775,7 +812,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let (code, out) = one;
     assert_eq!(code, Some(0), "{out}");
     assert!(
-        out.contains("PASSED: 6 ok, 0 failed, 1 not checked"),
+        out.contains("PASSED: 7 ok, 0 failed, 1 not checked"),
         "{out}"
     );
     assert_eq!(
@@ -814,7 +851,7 @@ fn without_meshcaps_daemon_set_the_agent_check_fails_and_no_image_is_guessed() {
     assert_eq!(code, Some(1), "{out}");
     assert!(
         out.contains(&format!(
-            "{NODE}  agent ready       FAIL: meshcap's DaemonSet meshcap-system/nope is not in \
+            "{NODE}  agent ready         FAIL: meshcap's DaemonSet meshcap-system/nope is not in \
              the cluster"
         )),
         "{out}"
@@ -865,8 +902,8 @@ fn on_a_node_in_ambient_mode_a_pod_labelled_for_it_must_be_enrolled() {
     });
     assert_eq!(code, Some(1), "{out}");
     for line in [
-        format!("{NODE}  ambient enrolled  ok"),
-        "node-2  ambient enrolled  FAIL: pod ambient-1 is not enrolled: it has no \
+        format!("{NODE}  ambient enrolled    ok"),
+        "node-2  ambient enrolled    FAIL: pod ambient-1 is not enrolled: it has no \
          ambient.istio.io/redirection annotation"
             .to_owned(),
     ] {

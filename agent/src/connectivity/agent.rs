@@ -14,7 +14,7 @@ use k8s_openapi::{
 };
 use kube::{Api, Client, api::ListParams};
 
-use super::{pod_state::state, report::Outcome};
+use super::{host, pod_state::state, report::Outcome};
 
 /// The agent's readiness path (`agent/src/api/http.rs`).
 const READYZ: &str = "/readyz";
@@ -30,6 +30,8 @@ const AMBIENT: &str = "meshcap_ambient_enabled ";
 pub struct NodeAgent {
     /// The check "agent ready".
     pub outcome: Outcome,
+    /// The check "host prerequisites".
+    pub host: Outcome,
     /// The agent's pod, when there is one.
     pub pod: Option<String>,
     /// The backend the agent reports, or why it is not known.
@@ -157,6 +159,7 @@ pub async fn node_agents(
 ) -> Result<BTreeMap<String, NodeAgent>, kube::Error> {
     let missing = |why: String| NodeAgent {
         outcome: Outcome::Fail(why.clone()),
+        host: host::judge(None, &Err(why.clone())),
         pod: None,
         backend: Err(why),
         ambient: None,
@@ -208,6 +211,7 @@ async fn node_agent(client: &Client, namespace: &str, pod: &Pod) -> NodeAgent {
     };
     NodeAgent {
         outcome: judge(pod, &readyz),
+        host: host::judge(Some(pod), &readyz),
         pod: Some(name),
         backend: metrics
             .as_deref()

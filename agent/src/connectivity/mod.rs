@@ -4,6 +4,7 @@
 //! - [`probe`]: the workload the pods run (`meshcap-agent probe-pod`): the stand-in proxy,
 //!   the server, the app;
 //! - [`agent`]: what each node runs, and whether meshcap's agent there says it is ready;
+//! - [`host`]: the node's host prerequisites, from the agent's pod and its `/readyz`;
 //! - [`ambient`]: whether a pod in ambient mode is enrolled, where the agent runs it;
 //! - `pod_state`: what a test pod's status says;
 //! - [`plan`]: the namespace and the pods' manifests;
@@ -14,6 +15,7 @@
 //! This module holds the two subcommands' arguments and entry points.
 pub mod agent;
 pub mod ambient;
+pub mod host;
 pub mod plan;
 mod pod_state;
 pub mod probe;

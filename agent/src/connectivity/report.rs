@@ -10,6 +10,9 @@ use super::probe::{Answer, DNS_CAPTURE_PORT, DNS_PORT, Dialled, INBOUND_PORT, OU
 pub enum Check {
     /// meshcap's agent runs on the node and its pod and its `/readyz` say it is ready.
     AgentReady,
+    /// The runtime created the agent's container with its mounts and capabilities, and the
+    /// agent lacks none (docs/install.md, "Host prerequisites").
+    Host,
     /// A sidecar pod's app connects to the server: redirected to its proxy's 15001, with the
     /// server's address as the original destination.
     Outbound,
@@ -31,8 +34,9 @@ pub enum Check {
 
 impl Check {
     /// Every check, in the table's order.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::AgentReady,
+        Self::Host,
         Self::Outbound,
         Self::Inbound,
         Self::Excluded,
@@ -55,6 +59,7 @@ impl Check {
     pub fn title(self) -> &'static str {
         match self {
             Self::AgentReady => "agent ready",
+            Self::Host => "host prerequisites",
             Self::Outbound => "sidecar outbound",
             Self::Inbound => "sidecar inbound",
             Self::Excluded => "excluded range",
@@ -215,7 +220,7 @@ pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
         .into_iter()
         .map(|check| {
             let outcome = match (check, results.server, results.sidecar) {
-                (Check::AgentReady | Check::Ambient, ..) => {
+                (Check::AgentReady | Check::Host | Check::Ambient, ..) => {
                     Outcome::NotChecked("not from the apps' results".into())
                 }
                 (_, None, _) => missing("server"),

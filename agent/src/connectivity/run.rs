@@ -259,9 +259,12 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         results.excluded_app = run.app_results(&Role::Excluded.pod(i)).await;
         results.outside_app = run.app_results(&Role::Outside.pod(i)).await;
         results.dns_app = run.app_results(&Role::Dns.pod(i)).await;
-        let ready = agent.map_or_else(
-            || Outcome::NotChecked("no agent found".into()),
-            |a| a.outcome.clone(),
+        let (ready, host) = agent.map_or_else(
+            || {
+                let none = Outcome::NotChecked("no agent found".into());
+                (none.clone(), none)
+            },
+            |a| (a.outcome.clone(), a.host.clone()),
         );
         let name = Role::Ambient.pod(i);
         let enrolled = match (ambient::not_checked(ambient_on(node)), run.stuck.get(&name)) {
@@ -269,7 +272,8 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
             (None, Some(why)) => Outcome::Fail(why.clone()),
             (None, None) => ambient::enrolled(&pods, &name, deadline).await,
         };
-        let outcomes = std::iter::once((Check::AgentReady, ready))
+        let outcomes = [(Check::AgentReady, ready), (Check::Host, host)]
+            .into_iter()
             .chain(judge(&results))
             .chain([(Check::Ambient, enrolled)])
             .map(|(check, outcome)| {
@@ -290,7 +294,7 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
 /// The pods a check needs, in the order they are created.
 fn roles(check: Check) -> &'static [Role] {
     match check {
-        Check::AgentReady => &[],
+        Check::AgentReady | Check::Host => &[],
         Check::Outbound => &[Role::Server, Role::Sidecar],
         Check::Inbound => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Excluded => &[Role::Server, Role::Excluded],

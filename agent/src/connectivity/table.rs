@@ -91,18 +91,21 @@ mod tests {
             text.starts_with("node-a: backend iptables\nNODE "),
             "{text}"
         );
-        assert!(text.contains("node-a  agent ready       ok"), "{text}");
-        assert!(text.contains("node-a  sidecar outbound  ok"), "{text}");
+        assert!(text.contains("node-a  agent ready         ok"), "{text}");
+        assert!(text.contains("node-a  sidecar outbound    ok"), "{text}");
         assert!(
-            text.ends_with("PASSED: 7 ok, 0 failed, 0 not checked"),
+            text.ends_with("PASSED: 8 ok, 0 failed, 0 not checked"),
             "{text}"
         );
         report.nodes[0].1[0].1 = Outcome::Fail("x".into());
         assert!(report.failed());
         let text = report.to_string();
-        assert!(text.contains("node-a  agent ready       FAIL: x"), "{text}");
         assert!(
-            text.ends_with("FAILED: 6 ok, 1 failed, 0 not checked"),
+            text.contains("node-a  agent ready         FAIL: x"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("FAILED: 7 ok, 1 failed, 0 not checked"),
             "{text}"
         );
     }
