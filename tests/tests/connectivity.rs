@@ -2,9 +2,10 @@
 //! orchestration against the test API server.
 //!
 //! The workload: `meshcap-agent probe-pod` processes (stand-in proxy as uid 1337, server, app)
-//! in pods that a real agent captured, on every backend that runs here, judged by the same
-//! code that judges a cluster's pod logs: every check ok where the capture is in place, and
-//! the sidecar checks FAIL, naming why, for a pod of Istio's shape that was never captured.
+//! in dual-stack pods that a real agent captured, on every backend that runs here, judged by
+//! the same code that judges a cluster's pod logs: every check ok where the capture is in
+//! place, and the sidecar checks FAIL, naming why, for a pod of Istio's shape that was never
+//! captured.
 //!
 //! The orchestration: the test API server stores what the command creates and runs nothing,
 //! so every pod stays unscheduled: the run must end at its deadline with each check FAILed as
@@ -22,7 +23,7 @@ use std::{
 use meshcap_agent::connectivity::{
     plan::{self, MANAGED_BY, SERVER_PORT, SIDECAR_PORT},
     probe::Dialled,
-    report::{self, Check, NodeResults, Outcome, judge},
+    report::{self, Addresses, Check, NodeResults, Outcome, judge},
 };
 use meshcap_tests::{
     APP_UID, PROXY_UID, Placement, Proc,
@@ -30,7 +31,7 @@ use meshcap_tests::{
     apiserver::{AGENT_POD, ApiServer, NODE},
     ebpf_runs_here,
     fixtures::{ManifestDir, plain_pod, sidecar_pod, write_manifest},
-    kubelet::{Sandbox, cni, config},
+    kubelet::{Sandbox, cni, config_ips},
     require_root,
     wired::Wired,
 };
@@ -40,6 +41,10 @@ use serde_json::{Value, json};
 const SERVER: &str = "10.0.0.1";
 /// The pod's address in every [`Wired`] pair.
 const POD: &str = "10.0.0.2";
+/// The server's address of the second family: the pairs are dual-stack.
+const SERVER6: &str = "fd00::1";
+/// The pod's address of the second family.
+const POD6: &str = "fd00::2";
 /// How long an app keeps dialling what does not answer (a bound, not an assertion).
 const DIAL_SECONDS: &str = "3";
 
@@ -47,12 +52,22 @@ fn agent_binary() -> PathBuf {
     binaries().join("meshcap-agent")
 }
 
-fn server_addr() -> SocketAddr {
-    format!("{SERVER}:{SERVER_PORT}").parse().expect("address")
+fn server_addrs() -> Addresses {
+    Addresses {
+        first: format!("{SERVER}:{SERVER_PORT}").parse().expect("address"),
+        second: Some(
+            format!("[{SERVER6}]:{SERVER_PORT}")
+                .parse()
+                .expect("address"),
+        ),
+    }
 }
 
-fn sidecar_addr() -> SocketAddr {
-    format!("{POD}:{SIDECAR_PORT}").parse().expect("address")
+fn sidecar_addrs() -> Addresses {
+    Addresses {
+        first: format!("{POD}:{SIDECAR_PORT}").parse().expect("address"),
+        second: Some(format!("[{POD6}]:{SIDECAR_PORT}").parse().expect("address")),
+    }
 }
 
 /// `probe-pod serve` at `at`, ready.
@@ -103,9 +118,18 @@ struct TestPod {
 impl TestPod {
     fn new(agent: &Agent, name: &str, captured: bool) -> Self {
         let wired = Wired::new(agent);
+        wired
+            .pod
+            .add_address("eth0", &format!("{POD6}/64"))
+            .expect("the pod's IPv6 address");
+        wired
+            .upstream
+            .add_address("eth0", &format!("{SERVER6}/64"))
+            .expect("the upstream's IPv6 address");
         let captured = captured.then(|| {
             let sandbox = Sandbox::new("conn", name, &wired.pod);
-            let conf = config("1.0.0", &agent.socket, POD);
+            let ips = [POD, POD6].map(|ip| ip.parse().expect("address"));
+            let conf = config_ips("1.0.0", &agent.socket, &ips);
             let add = cni("ADD", &sandbox, &conf).expect("ADD");
             assert!(add.success, "ADD {name}: {add:?}");
             (sandbox, conf)
@@ -116,7 +140,9 @@ impl TestPod {
             uid: 0,
             gid: 0,
         };
-        let server = serve(upstream, "server", &[server_addr().to_string()]);
+        let server = server_addrs();
+        let listen = [server.first, server.second.expect("dual-stack")].map(|a| a.to_string());
+        let server = serve(upstream, "server", &listen);
         Self {
             captured,
             _server: server,
@@ -178,20 +204,33 @@ impl Drop for TestPod {
 /// from its own pod and the sidecar pod from the sidecar's upstream (no pod here reaches
 /// another's address; both are outside the mesh).
 fn node_results(agent: &Agent, captured: bool) -> NodeResults {
-    let (server, sidecar_addr) = (server_addr(), sidecar_addr());
+    let (server, sidecar_addrs) = (server_addrs(), sidecar_addrs());
+    let (server6, sidecar6) = (
+        server.second.expect("dual-stack"),
+        sidecar_addrs.second.expect("dual-stack"),
+    );
     let sidecar = TestPod::new(agent, "sidecar", captured);
     let excluded = TestPod::new(agent, "excluded", true);
     let outside = TestPod::new(agent, "outside", true);
     let dns = TestPod::new(agent, if captured { "dns" } else { "dns-off" }, true);
     let _proxies = (sidecar.proxy(), excluded.proxy(), dns.dns_proxy());
-    let mut outside_app = dial(outside.wired.in_pod(APP_UID), &[("server", server)]);
-    outside_app.extend(dial(sidecar.upstream(), &[("sidecar", sidecar_addr)]));
-    let dns_to = SocketAddr::new(server.ip(), 53);
+    let mut outside_app = dial(outside.wired.in_pod(APP_UID), &[("server", server.first)]);
+    outside_app.extend(dial(
+        sidecar.upstream(),
+        &[
+            ("sidecar", sidecar_addrs.first),
+            ("sidecar-family-2", sidecar6),
+        ],
+    ));
+    let dns_to = SocketAddr::new(server.first.ip(), 53);
     NodeResults {
         server: Some(server),
-        sidecar: Some(sidecar_addr),
-        sidecar_app: dial(sidecar.wired.in_pod(APP_UID), &[("server", server)]),
-        excluded_app: dial(excluded.wired.in_pod(APP_UID), &[("server", server)]),
+        sidecar: Some(sidecar_addrs),
+        sidecar_app: dial(
+            sidecar.wired.in_pod(APP_UID),
+            &[("server", server.first), ("server-family-2", server6)],
+        ),
+        excluded_app: dial(excluded.wired.in_pod(APP_UID), &[("server", server.first)]),
         outside_app,
         dns_app: dial_both(
             dns.wired.in_pod(APP_UID),
@@ -212,7 +251,10 @@ fn backends() -> Vec<Backend> {
 /// The agent's manifests: `sidecar` and `excluded` of Istio's injected shape, `outside` not.
 fn manifests() -> ManifestDir {
     let dir = ManifestDir::new();
-    write_manifest(&dir.0, &sidecar_pod("conn", "sidecar", &[]));
+    let mut sidecar = sidecar_pod("conn", "sidecar", &[]);
+    sidecar["spec"]["containers"][1]["env"] =
+        json!([{"name": "ISTIO_DUAL_STACK", "value": "true"}]);
+    write_manifest(&dir.0, &sidecar);
     let range = format!("{SERVER}/32");
     let excluded = [(
         "traffic.sidecar.istio.io/excludeOutboundIPRanges",
@@ -263,6 +305,15 @@ fn the_workload_passes_where_meshcap_captures_and_fails_where_it_does_not() {
         );
         assert!(
             fail(Check::Inbound).starts_with("nothing answered 10.0.0.2:9080"),
+            "{backend:?}: {outcomes:#?}"
+        );
+        assert!(
+            fail(Check::OutboundSecond)
+                .starts_with("not captured: the server answered on port 8080"),
+            "{backend:?}: {outcomes:#?}"
+        );
+        assert!(
+            fail(Check::InboundSecond).starts_with("nothing answered [fd00::2]:9080"),
             "{backend:?}: {outcomes:#?}"
         );
         assert_eq!(outcome(Check::Excluded), Some(Outcome::Ok), "{backend:?}");
@@ -424,7 +475,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 0 ok, 6 failed, 2 not checked"),
+        out.contains("FAILED: 0 ok, 8 failed, 2 not checked"),
         "{out}"
     );
 
@@ -484,14 +535,14 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
 #[test]
 fn every_pod_of_a_node_is_valid_for_kubernetes() {
     let plan = plan::Plan::new(0x1234_abcd, "ghcr.io/example/meshcap:0.1.0", 60);
-    let (server, sidecar) = (server_addr(), sidecar_addr());
+    let (server, sidecar) = (server_addrs(), sidecar_addrs());
     assert_valid(&[
         plan.namespace(),
         plan.server(0, NODE),
         plan.sidecar(0, NODE, server),
-        plan.excluded(0, NODE, server),
+        plan.excluded(0, NODE, server.first),
         plan.outside(0, NODE, server, sidecar),
-        plan.dns(0, NODE, server),
+        plan.dns(0, NODE, server.first),
     ]);
 }
 
@@ -512,8 +563,8 @@ fn every_node_then_one(
     })
 }
 
-/// Plays kubelet for the test's pods until `stop`: each new one gets an address and a status
-/// (its `app` ended), and its app's log the answers a node gives: the capture in place, except
+/// Plays kubelet for the test's pods until `stop`: each new one gets an address of each family
+/// (a dual-stack cluster's) and a status (its `app` ended), and its app's log the answers a node gives: the capture in place, except
 /// on `uncaptured`'s node, where the sidecar pod's outbound connection reaches the server
 /// itself and a pod in ambient mode is not annotated as enrolled. Each answer echoes the target the run wrote into the pod's command, so an address
 /// carried wrongly from one round of pods to the next fails a check.
@@ -531,6 +582,8 @@ fn kubelet(server: &ApiServer, uncaptured: &str, stop: &std::sync::atomic::Atomi
             .collect();
         for mut pod in new {
             let ip = format!("10.9.0.{next}");
+            // A dual-stack cluster's: the second family's address in `podIPs`.
+            let ip6 = format!("fd09::{next}");
             next += 1;
             let name = pod["metadata"]["name"]
                 .as_str()
@@ -562,7 +615,9 @@ fn kubelet(server: &ApiServer, uncaptured: &str, stop: &std::sync::atomic::Atomi
             {
                 pod["metadata"]["annotations"]["ambient.istio.io/redirection"] = json!("enabled");
             }
-            pod["status"] = json!({"phase": "Running", "podIP": ip, "containerStatuses": statuses});
+            pod["status"] = json!({"phase": "Running", "podIP": ip,
+                                   "podIPs": [{"ip": ip}, {"ip": ip6}],
+                                   "containerStatuses": statuses});
             let namespace = pod["metadata"]["namespace"]
                 .as_str()
                 .unwrap_or_default()
@@ -598,7 +653,7 @@ fn app_log(pod: &Value, ip: &str, uncaptured: bool) -> String {
             (Some("sidecar"), _) if !uncaptured => ("proxy", 15001, Some(to)),
             // The kernel keeps no original destination of a datagram.
             (Some("dns"), target) => ("proxy", 15053, (target == "dns-tcp").then_some(to)),
-            (Some("outside"), "sidecar") => ("proxy", 15006, Some(to)),
+            (Some("outside"), "sidecar" | "sidecar-family-2") => ("proxy", 15006, Some(to)),
             _ => ("server", to.port(), None),
         };
         let answer = json!({"role": role, "listener": listener, "local": to,
@@ -634,6 +689,10 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         out.contains("node-2  sidecar outbound    FAIL: not captured: the server answered on port 8080 (original destination none)"),
         "{out}"
     );
+    assert!(
+        out.contains("node-2  outbound, family 2  FAIL: not captured: the server answered on port 8080 (original destination none)"),
+        "{out}"
+    );
     assert!(out.contains(&not_ready_agent()), "{out}");
     assert!(
         out.contains(
@@ -643,13 +702,13 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 9 ok, 3 failed, 4 not checked"),
+        out.contains("FAILED: 12 ok, 4 failed, 4 not checked"),
         "{out}"
     );
     let (code, out) = one;
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("FAILED: 5 ok, 1 failed, 2 not checked"),
+        out.contains("FAILED: 7 ok, 1 failed, 2 not checked"),
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
@@ -802,7 +861,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
              --make-rshared /` at boot, before the runtime): CreateContainerError: {refusal} \
              (docs/install.md, Host prerequisites)"
         ),
-        "FAILED: 23 ok, 4 failed, 5 not checked".to_owned(),
+        "FAILED: 31 ok, 4 failed, 5 not checked".to_owned(),
         format!("{NODE}  ambient enrolled    not checked: ambient mode is off on this node"),
     ];
     for line in lines {
@@ -812,7 +871,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let (code, out) = one;
     assert_eq!(code, Some(0), "{out}");
     assert!(
-        out.contains("PASSED: 7 ok, 0 failed, 1 not checked"),
+        out.contains("PASSED: 9 ok, 0 failed, 1 not checked"),
         "{out}"
     );
     assert_eq!(

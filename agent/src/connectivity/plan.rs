@@ -3,11 +3,12 @@
 //! - `server-N`: the upstream, outside the mesh, on [`SERVER_PORT`];
 //! - `sidecar-N`: the shape Istio's injector gives a pod (the `sidecar.istio.io/status`
 //!   annotation, an `istio-proxy` container running as uid 1337 and listening on 15001 and
-//!   15006), whose `app` dials the server;
+//!   15006, with `ISTIO_DUAL_STACK`), whose `app` dials the server (at each of its addresses
+//!   in a dual-stack cluster);
 //! - `excluded-N`: the same with `traffic.sidecar.istio.io/excludeOutboundIPRanges` covering the
 //!   server's address;
 //! - `outside-N`: no sidecar's shape; its `app` dials the server and the sidecar pod's
-//!   [`SIDECAR_PORT`];
+//!   [`SIDECAR_PORT`] (at each of its addresses);
 //! - `dns-N`: the sidecar's shape with Istio's DNS capture on (`ISTIO_META_DNS_CAPTURE` in
 //!   `istio-proxy`'s environment, as the injector renders the `proxy.istio.io/config`
 //!   annotation's `proxyMetadata`), its proxy also on `localhost:15053` (TCP and UDP, as
@@ -26,7 +27,7 @@ use serde_json::{Value, json};
 
 use super::{
     probe::{self, INBOUND_PORT, OUTBOUND_PORT},
-    report::target,
+    report::{Addresses, target},
 };
 
 /// The label every object of the test carries (key, value).
@@ -134,10 +135,19 @@ impl Plan {
         self.pod(Role::Server, index, node, &json!({}), vec![server])
     }
 
-    /// The sidecar-shaped pod of node `node`, dialling `server`.
+    /// The sidecar-shaped pod of node `node`, dialling `server` (both families' addresses in
+    /// a dual-stack cluster). Its `istio-proxy` has `ISTIO_DUAL_STACK` on, as a dual-stack
+    /// mesh's `proxyMetadata` renders it: without it Istio's rules capture one family only
+    /// (`tools/common/config/config.go`, `getLocalIP`), with it both; in a single-stack
+    /// cluster it changes nothing.
     #[must_use]
-    pub fn sidecar(&self, index: usize, node: &str, server: SocketAddr) -> Value {
-        self.meshed(Role::Sidecar, index, node, server, &json!({}))
+    pub fn sidecar(&self, index: usize, node: &str, server: Addresses) -> Value {
+        let mut targets = vec![(target::SERVER, server.first)];
+        targets.extend(server.second.map(|to| (target::SERVER_SECOND, to)));
+        let mut pod = self.meshed(Role::Sidecar, index, node, &targets, &json!({}));
+        pod["spec"]["containers"][1]["env"] =
+            json!([{"name": "ISTIO_DUAL_STACK", "value": "true"}]);
+        pod
     }
 
     /// The sidecar-shaped pod excluding `server`'s address from its capture.
@@ -148,19 +158,31 @@ impl Plan {
             SocketAddr::V6(v6) => format!("{}/128", v6.ip()),
         };
         let annotations = json!({"traffic.sidecar.istio.io/excludeOutboundIPRanges": range});
-        self.meshed(Role::Excluded, index, node, server, &annotations)
+        self.meshed(
+            Role::Excluded,
+            index,
+            node,
+            &[(target::SERVER, server)],
+            &annotations,
+        )
     }
 
-    /// The pod outside the mesh, dialling `server` and then `sidecar`.
+    /// The pod outside the mesh, dialling `server` and then `sidecar` (its address of the
+    /// second family too, in a dual-stack cluster).
     #[must_use]
     pub fn outside(
         &self,
         index: usize,
         node: &str,
-        server: SocketAddr,
-        sidecar: SocketAddr,
+        server: Addresses,
+        sidecar: Addresses,
     ) -> Value {
-        let app = self.app(&[(target::SERVER, server), (target::SIDECAR, sidecar)]);
+        let mut targets = vec![
+            (target::SERVER, server.first),
+            (target::SIDECAR, sidecar.first),
+        ];
+        targets.extend(sidecar.second.map(|to| (target::SIDECAR_SECOND, to)));
+        let app = self.app(&targets);
         self.pod(Role::Outside, index, node, &json!({}), vec![app])
     }
 
@@ -208,7 +230,7 @@ impl Plan {
         role: Role,
         index: usize,
         node: &str,
-        server: SocketAddr,
+        targets: &[(&str, SocketAddr)],
         extra: &Value,
     ) -> Value {
         let mut annotations = json!({"sidecar.istio.io/status": SIDECAR_STATUS});
@@ -220,7 +242,7 @@ impl Plan {
             PROXY_UID,
             &serve("proxy", &[OUTBOUND_PORT, INBOUND_PORT]),
         );
-        let app = self.app(&[(target::SERVER, server)]);
+        let app = self.app(targets);
         self.pod(role, index, node, &annotations, vec![app, proxy])
     }
 
@@ -297,7 +319,10 @@ mod tests {
 
     #[test]
     fn the_sidecar_pod_has_istios_injected_shape() {
-        let server: SocketAddr = "10.1.0.1:8080".parse().expect("addr");
+        let server = Addresses {
+            first: "10.1.0.1:8080".parse().expect("addr"),
+            second: Some("[fd00::1]:8080".parse().expect("addr")),
+        };
         let pod = plan().sidecar(3, "node-b", server);
         assert_eq!(pod["metadata"]["name"], "sidecar-3");
         assert_eq!(pod["spec"]["nodeName"], "node-b");
@@ -305,6 +330,10 @@ mod tests {
         let proxy = &pod["spec"]["containers"][1];
         assert_eq!(proxy["name"], "istio-proxy");
         assert_eq!(proxy["securityContext"]["runAsUser"], 1337);
+        assert_eq!(
+            proxy["env"],
+            json!([{"name": "ISTIO_DUAL_STACK", "value": "true"}])
+        );
         let command = proxy["command"].to_string();
         assert!(
             ["0.0.0.0:15001", "[::]:15001", "0.0.0.0:15006", "[::]:15006"]
@@ -314,10 +343,10 @@ mod tests {
         );
         let app = &pod["spec"]["containers"][0];
         assert_eq!(app["securityContext"]["runAsUser"], 1000);
+        let command = app["command"].to_string();
         assert!(
-            app["command"]
-                .to_string()
-                .contains("\"server=10.1.0.1:8080\"")
+            command.contains("\"server=10.1.0.1:8080\",\"server-family-2=[fd00::1]:8080\""),
+            "{command}"
         );
     }
 
@@ -329,7 +358,11 @@ mod tests {
             pod["metadata"]["annotations"]["traffic.sidecar.istio.io/excludeOutboundIPRanges"],
             "10.1.0.1/32"
         );
-        let pod = plan().outside(0, "n", server, "10.1.0.2:9080".parse().expect("addr"));
+        let one = |addr: &str| Addresses {
+            first: addr.parse().expect("addr"),
+            second: None,
+        };
+        let pod = plan().outside(0, "n", one("10.1.0.1:8080"), one("10.1.0.2:9080"));
         assert!(
             pod["metadata"]["annotations"]
                 .as_object()

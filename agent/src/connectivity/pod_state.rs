@@ -18,6 +18,19 @@ pub(super) fn address(pod: &Pod) -> Option<IpAddr> {
     status.pod_ip.as_deref()?.parse().ok()
 }
 
+/// The pod's address of the other family than [`address`]'s, in a dual-stack cluster (its
+/// `status.podIPs`).
+pub(super) fn second_address(pod: &Pod) -> Option<IpAddr> {
+    let first = address(pod)?;
+    pod.status
+        .as_ref()?
+        .pod_ips
+        .iter()
+        .flatten()
+        .filter_map(|ip| ip.ip.parse::<IpAddr>().ok())
+        .find(|ip| ip.is_ipv4() != first.is_ipv4())
+}
+
 /// Whether the `app` container has exited.
 pub(super) fn app_ended(pod: &Pod) -> bool {
     pod.status

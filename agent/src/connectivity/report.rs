@@ -19,6 +19,11 @@ pub enum Check {
     /// A pod outside the mesh connects to the sidecar pod: redirected to its proxy's 15006,
     /// with the dialled address as the original destination.
     Inbound,
+    /// [`Self::Outbound`] to the server's address of the pods' second family, in a
+    /// dual-stack cluster.
+    OutboundSecond,
+    /// [`Self::Inbound`] to the sidecar pod's address of the second family.
+    InboundSecond,
     /// A sidecar pod with `traffic.sidecar.istio.io/excludeOutboundIPRanges` covering the
     /// server reaches it directly.
     Excluded,
@@ -34,11 +39,13 @@ pub enum Check {
 
 impl Check {
     /// Every check, in the table's order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 10] = [
         Self::AgentReady,
         Self::Host,
         Self::Outbound,
         Self::Inbound,
+        Self::OutboundSecond,
+        Self::InboundSecond,
         Self::Excluded,
         Self::Untouched,
         Self::Dns,
@@ -46,9 +53,11 @@ impl Check {
     ];
 
     /// The checks the test's pods answer, judged by [`judge`].
-    pub const PODS: [Self; 5] = [
+    pub const PODS: [Self; 7] = [
         Self::Outbound,
         Self::Inbound,
+        Self::OutboundSecond,
+        Self::InboundSecond,
         Self::Excluded,
         Self::Untouched,
         Self::Dns,
@@ -62,6 +71,8 @@ impl Check {
             Self::Host => "host prerequisites",
             Self::Outbound => "sidecar outbound",
             Self::Inbound => "sidecar inbound",
+            Self::OutboundSecond => "outbound, family 2",
+            Self::InboundSecond => "inbound, family 2",
             Self::Excluded => "excluded range",
             Self::Untouched => "outside the mesh",
             Self::Dns => "DNS capture",
@@ -183,13 +194,23 @@ fn direct(dialled: Option<&Dialled>, to: SocketAddr) -> Outcome {
     Outcome::Ok
 }
 
+/// A pod's address and the port dialled on it, and the same of its second family in a
+/// dual-stack cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Addresses {
+    /// Of the pod's first address (`status.podIP`).
+    pub first: SocketAddr,
+    /// Of its address of the other family, when it has one (`status.podIPs`).
+    pub second: Option<SocketAddr>,
+}
+
 /// What one node's apps printed, and the addresses they dialled.
 #[derive(Clone, Debug, Default)]
 pub struct NodeResults {
-    /// The server's address.
-    pub server: Option<SocketAddr>,
-    /// The sidecar pod's address and the port dialled on it.
-    pub sidecar: Option<SocketAddr>,
+    /// The server's addresses.
+    pub server: Option<Addresses>,
+    /// The sidecar pod's addresses and the port dialled on it.
+    pub sidecar: Option<Addresses>,
     /// The sidecar pod's app.
     pub sidecar_app: Vec<Dialled>,
     /// The excluded pod's app.
@@ -206,10 +227,19 @@ pub mod target {
     pub const SERVER: &str = "server";
     /// The sidecar pod.
     pub const SIDECAR: &str = "sidecar";
+    /// The server's address of the second family.
+    pub const SERVER_SECOND: &str = "server-family-2";
+    /// The sidecar pod's address of the second family.
+    pub const SIDECAR_SECOND: &str = "sidecar-family-2";
     /// The DNS port of the server's address, over TCP.
     pub const DNS_TCP: &str = "dns-tcp";
     /// The same, over UDP.
     pub const DNS_UDP: &str = "dns-udp";
+}
+
+/// A second-family check where the pods have one address: the cluster is not dual-stack.
+fn one_family() -> Outcome {
+    Outcome::NotChecked("the pods have addresses of one family (not a dual-stack cluster)".into())
 }
 
 /// Each of [`Check::PODS`]' outcome from `results`.
@@ -224,26 +254,45 @@ pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
                     Outcome::NotChecked("not from the apps' results".into())
                 }
                 (_, None, _) => missing("server"),
-                (Check::Inbound, _, None) => missing("sidecar"),
+                (Check::Inbound | Check::InboundSecond, _, None) => missing("sidecar"),
                 (Check::Inbound, _, Some(sidecar)) => redirected(
                     find(&results.outside_app, target::SIDECAR),
                     INBOUND_PORT,
-                    sidecar,
+                    sidecar.first,
                 ),
+                (Check::InboundSecond, _, Some(sidecar)) => {
+                    sidecar.second.map_or_else(one_family, |to| {
+                        redirected(
+                            find(&results.outside_app, target::SIDECAR_SECOND),
+                            INBOUND_PORT,
+                            to,
+                        )
+                    })
+                }
                 (Check::Outbound, Some(server), _) => redirected(
                     find(&results.sidecar_app, target::SERVER),
                     OUTBOUND_PORT,
-                    server,
+                    server.first,
                 ),
+                (Check::OutboundSecond, Some(server), _) => {
+                    server.second.map_or_else(one_family, |to| {
+                        redirected(
+                            find(&results.sidecar_app, target::SERVER_SECOND),
+                            OUTBOUND_PORT,
+                            to,
+                        )
+                    })
+                }
                 (Check::Excluded, Some(server), _) => {
-                    direct(find(&results.excluded_app, target::SERVER), server)
+                    direct(find(&results.excluded_app, target::SERVER), server.first)
                 }
                 (Check::Untouched, Some(server), _) => {
-                    direct(find(&results.outside_app, target::SERVER), server)
+                    direct(find(&results.outside_app, target::SERVER), server.first)
                 }
-                (Check::Dns, Some(server), _) => {
-                    dns(&results.dns_app, SocketAddr::new(server.ip(), DNS_PORT))
-                }
+                (Check::Dns, Some(server), _) => dns(
+                    &results.dns_app,
+                    SocketAddr::new(server.first.ip(), DNS_PORT),
+                ),
             };
             (check, outcome)
         })
@@ -275,14 +324,25 @@ mod tests {
 
     fn captured_node() -> NodeResults {
         let (server, sidecar) = ("10.1.0.1:8080", "10.1.0.2:9080");
+        let (server6, sidecar6) = ("[fd00::1]:8080", "[fd00::2]:9080");
         NodeResults {
-            server: Some(addr(server)),
-            sidecar: Some(addr(sidecar)),
-            sidecar_app: vec![answered_by("server", server, "proxy", 15001, Some(server))],
+            server: Some(Addresses {
+                first: addr(server),
+                second: Some(addr(server6)),
+            }),
+            sidecar: Some(Addresses {
+                first: addr(sidecar),
+                second: Some(addr(sidecar6)),
+            }),
+            sidecar_app: vec![
+                answered_by("server", server, "proxy", 15001, Some(server)),
+                answered_by("server-family-2", server6, "proxy", 15001, Some(server6)),
+            ],
             excluded_app: vec![answered_by("server", server, "server", 8080, None)],
             outside_app: vec![
                 answered_by("server", server, "server", 8080, None),
                 answered_by("sidecar", sidecar, "proxy", 15006, Some(sidecar)),
+                answered_by("sidecar-family-2", sidecar6, "proxy", 15006, Some(sidecar6)),
             ],
             dns_app: vec![
                 answered_by(
@@ -309,7 +369,7 @@ mod tests {
     #[test]
     fn each_wrong_answer_fails_its_check_naming_why() {
         let mut node = captured_node();
-        node.sidecar_app = vec![answered_by("server", "10.1.0.1:8080", "server", 8080, None)];
+        node.sidecar_app[0] = answered_by("server", "10.1.0.1:8080", "server", 8080, None);
         node.excluded_app = vec![answered_by(
             "server",
             "10.1.0.1:8080",
@@ -327,19 +387,36 @@ mod tests {
         assert!(why(Check::Outbound).starts_with("not captured: the server answered"));
         assert!(why(Check::Excluded).starts_with("captured: the proxy answered on port 15001"));
         assert!(why(Check::Inbound).starts_with("wrong original destination"));
-        assert_eq!(outcomes[3], (Check::Untouched, Outcome::Ok));
+        let found = |outcomes: &[(Check, Outcome)], check| {
+            outcomes
+                .iter()
+                .find(|(c, _)| *c == check)
+                .map(|(_, o)| o.clone())
+        };
+        assert_eq!(found(&outcomes, Check::Untouched), Some(Outcome::Ok));
+        assert_eq!(found(&outcomes, Check::OutboundSecond), Some(Outcome::Ok));
         assert!(why(Check::Dns).starts_with("UDP: not captured: the proxy answered on port 15001"));
         node.dns_app[0] = answered_by("dns-tcp", "10.1.0.1:53", "proxy", 15053, None);
+        node.sidecar_app[1] =
+            answered_by("server-family-2", "[fd00::1]:8080", "server", 8080, None);
+        let outcomes = judge(&node);
         assert_eq!(
-            judge(&node)[4],
-            (
-                Check::Dns,
-                Outcome::Fail(
-                    "TCP: wrong original destination, 10.1.0.1:53 was dialled: the proxy \
-                     answered on port 15053 (original destination none)"
-                        .into()
-                )
-            )
+            found(&outcomes, Check::Dns),
+            Some(Outcome::Fail(
+                "TCP: wrong original destination, 10.1.0.1:53 was dialled: the proxy answered on \
+                 port 15053 (original destination none)"
+                    .into()
+            ))
+        );
+        assert_eq!(
+            found(&outcomes, Check::OutboundSecond),
+            Some(Outcome::Fail(
+                "not captured: the server answered on port 8080 (original destination none)".into()
+            ))
+        );
+        assert_eq!(
+            found(&outcomes, Check::Outbound),
+            Some(Outcome::Fail(why(Check::Outbound)))
         );
     }
 
@@ -354,6 +431,10 @@ mod tests {
         }];
         node.outside_app.clear();
         node.sidecar = None;
+        node.server = node.server.map(|server| Addresses {
+            second: None,
+            ..server
+        });
         let outcomes = judge(&node);
         assert_eq!(
             outcomes,
@@ -364,6 +445,11 @@ mod tests {
                 ),
                 (
                     Check::Inbound,
+                    Outcome::NotChecked("the sidecar pod has no address".into())
+                ),
+                (Check::OutboundSecond, one_family()),
+                (
+                    Check::InboundSecond,
                     Outcome::NotChecked("the sidecar pod has no address".into())
                 ),
                 (Check::Excluded, Outcome::Ok),

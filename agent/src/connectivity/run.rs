@@ -24,8 +24,8 @@ use super::{
     agent::node_agents,
     ambient,
     plan::{Plan, Role, SERVER_PORT, SIDECAR_PORT, selector},
-    pod_state::{address, app_ended, state},
-    report::{Check, NodeResults, Outcome, judge, results},
+    pod_state::{address, app_ended, second_address, state},
+    report::{Addresses, Check, NodeResults, Outcome, judge, results},
     table::Report,
 };
 
@@ -205,26 +205,24 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         }
     }
     let server_ips = run.create_and_wait(first).await?;
-    let server = |i: usize| {
-        server_ips
-            .get(&Role::Server.pod(i))
-            .map(|ip| SocketAddr::new(*ip, SERVER_PORT))
+    let at = |ips: &BTreeMap<String, (IpAddr, Option<IpAddr>)>, pod: String, port: u16| {
+        ips.get(&pod).map(|(ip, second)| Addresses {
+            first: SocketAddr::new(*ip, port),
+            second: second.map(|ip| SocketAddr::new(ip, port)),
+        })
     };
+    let server = |i: usize| at(&server_ips, Role::Server.pod(i), SERVER_PORT);
 
     let mut meshed = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
         if let Some(server) = server(i) {
             meshed.push((Role::Sidecar.pod(i), plan.sidecar(i, node, server)));
-            meshed.push((Role::Excluded.pod(i), plan.excluded(i, node, server)));
-            meshed.push((Role::Dns.pod(i), plan.dns(i, node, server)));
+            meshed.push((Role::Excluded.pod(i), plan.excluded(i, node, server.first)));
+            meshed.push((Role::Dns.pod(i), plan.dns(i, node, server.first)));
         }
     }
     let meshed_ips = run.create_and_wait(meshed).await?;
-    let sidecar = |i: usize| {
-        meshed_ips
-            .get(&Role::Sidecar.pod(i))
-            .map(|ip| SocketAddr::new(*ip, SIDECAR_PORT))
-    };
+    let sidecar = |i: usize| at(&meshed_ips, Role::Sidecar.pod(i), SIDECAR_PORT);
 
     let mut outside = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
@@ -295,8 +293,8 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
 fn roles(check: Check) -> &'static [Role] {
     match check {
         Check::AgentReady | Check::Host => &[],
-        Check::Outbound => &[Role::Server, Role::Sidecar],
-        Check::Inbound => &[Role::Server, Role::Sidecar, Role::Outside],
+        Check::Outbound | Check::OutboundSecond => &[Role::Server, Role::Sidecar],
+        Check::Inbound | Check::InboundSecond => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Excluded => &[Role::Server, Role::Excluded],
         Check::Untouched => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Dns => &[Role::Server, Role::Dns],
@@ -323,11 +321,11 @@ struct Round<'a> {
 
 impl Round<'_> {
     /// Creates `pods` and waits until each has an address (or the deadline); returns the
-    /// addresses.
+    /// addresses, each with the pod's address of the other family in a dual-stack cluster.
     async fn create_and_wait(
         &mut self,
         pods: Vec<(String, Value)>,
-    ) -> Result<BTreeMap<String, IpAddr>, RunError> {
+    ) -> Result<BTreeMap<String, (IpAddr, Option<IpAddr>)>, RunError> {
         for (name, manifest) in &pods {
             let pod: Pod = from_value(name, manifest.clone())?;
             self.pods
@@ -348,7 +346,7 @@ impl Round<'_> {
                     .map_err(kube_err(format!("reading pod {name}")))?;
                 match address(&pod) {
                     Some(ip) => {
-                        ips.insert(name, ip);
+                        ips.insert(name, (ip, second_address(&pod)));
                     }
                     None if Instant::now() >= self.deadline => {
                         self.stuck.insert(
