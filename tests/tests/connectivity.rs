@@ -475,7 +475,7 @@ fn a_run_where_no_pod_runs_fails_every_check_as_not_scheduled_and_cleans_up() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 0 ok, 8 failed, 2 not checked"),
+        out.contains("FAILED: 0 ok, 8 failed, 3 not checked"),
         "{out}"
     );
 
@@ -541,7 +541,7 @@ fn every_pod_of_a_node_is_valid_for_kubernetes() {
         plan.server(0, NODE),
         plan.sidecar(0, NODE, server),
         plan.excluded(0, NODE, server.first),
-        plan.outside(0, NODE, server, sidecar),
+        plan.outside(0, NODE, server, sidecar, None),
         plan.dns(0, NODE, server.first),
     ]);
 }
@@ -653,7 +653,9 @@ fn app_log(pod: &Value, ip: &str, uncaptured: bool) -> String {
             (Some("sidecar"), _) if !uncaptured => ("proxy", 15001, Some(to)),
             // The kernel keeps no original destination of a datagram.
             (Some("dns"), target) => ("proxy", 15053, (target == "dns-tcp").then_some(to)),
-            (Some("outside"), "sidecar" | "sidecar-family-2") => ("proxy", 15006, Some(to)),
+            (Some("outside"), "sidecar" | "sidecar-family-2" | "sidecar-other-node") => {
+                ("proxy", 15006, Some(to))
+            }
             _ => ("server", to.port(), None),
         };
         let answer = json!({"role": role, "listener": listener, "local": to,
@@ -702,13 +704,25 @@ fn a_run_where_pods_run_reads_their_logs_and_judges_each_node() {
         "{out}"
     );
     assert!(
-        out.contains("FAILED: 12 ok, 4 failed, 4 not checked"),
+        out.contains("FAILED: 14 ok, 4 failed, 4 not checked"),
         "{out}"
     );
+    // node-2's pod outside the mesh dials node-1's sidecar pod, and the reverse.
+    for node in [NODE, "node-2"] {
+        let line = format!("{node}  cross-node inbound  ok");
+        assert!(out.contains(&line), "{line:?} in:\n{out}");
+    }
     let (code, out) = one;
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("FAILED: 7 ok, 1 failed, 2 not checked"),
+        out.contains("FAILED: 7 ok, 1 failed, 3 not checked"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "{NODE}  cross-node inbound  not checked: one node: no pod of another node to dial \
+             from"
+        )),
         "{out}"
     );
     assert!(!out.contains("node-2"), "{out}");
@@ -861,7 +875,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
              --make-rshared /` at boot, before the runtime): CreateContainerError: {refusal} \
              (docs/install.md, Host prerequisites)"
         ),
-        "FAILED: 31 ok, 4 failed, 5 not checked".to_owned(),
+        "FAILED: 35 ok, 4 failed, 5 not checked".to_owned(),
         format!("{NODE}  ambient enrolled    not checked: ambient mode is off on this node"),
     ];
     for line in lines {
@@ -871,7 +885,7 @@ fn the_agent_check_reads_each_nodes_agent_through_the_api_server() {
     let (code, out) = one;
     assert_eq!(code, Some(0), "{out}");
     assert!(
-        out.contains("PASSED: 9 ok, 0 failed, 1 not checked"),
+        out.contains("PASSED: 9 ok, 0 failed, 2 not checked"),
         "{out}"
     );
     assert_eq!(

@@ -8,7 +8,7 @@
 //! - `excluded-N`: the same with `traffic.sidecar.istio.io/excludeOutboundIPRanges` covering the
 //!   server's address;
 //! - `outside-N`: no sidecar's shape; its `app` dials the server and the sidecar pod's
-//!   [`SIDECAR_PORT`] (at each of its addresses);
+//!   [`SIDECAR_PORT`] (at each of its addresses), then the next node's sidecar pod;
 //! - `dns-N`: the sidecar's shape with Istio's DNS capture on (`ISTIO_META_DNS_CAPTURE` in
 //!   `istio-proxy`'s environment, as the injector renders the `proxy.istio.io/config`
 //!   annotation's `proxyMetadata`), its proxy also on `localhost:15053` (TCP and UDP, as
@@ -168,7 +168,8 @@ impl Plan {
     }
 
     /// The pod outside the mesh, dialling `server` and then `sidecar` (its address of the
-    /// second family too, in a dual-stack cluster).
+    /// second family too, in a dual-stack cluster), then the sidecar pod of another node,
+    /// `other_node`, when there is one.
     #[must_use]
     pub fn outside(
         &self,
@@ -176,12 +177,14 @@ impl Plan {
         node: &str,
         server: Addresses,
         sidecar: Addresses,
+        other_node: Option<SocketAddr>,
     ) -> Value {
         let mut targets = vec![
             (target::SERVER, server.first),
             (target::SIDECAR, sidecar.first),
         ];
         targets.extend(sidecar.second.map(|to| (target::SIDECAR_SECOND, to)));
+        targets.extend(other_node.map(|to| (target::SIDECAR_OTHER_NODE, to)));
         let app = self.app(&targets);
         self.pod(Role::Outside, index, node, &json!({}), vec![app])
     }
@@ -362,7 +365,18 @@ mod tests {
             first: addr.parse().expect("addr"),
             second: None,
         };
-        let pod = plan().outside(0, "n", one("10.1.0.1:8080"), one("10.1.0.2:9080"));
+        let pod = plan().outside(
+            0,
+            "n",
+            one("10.1.0.1:8080"),
+            one("10.1.0.2:9080"),
+            Some("10.2.0.2:9080".parse().expect("addr")),
+        );
+        assert!(
+            pod["spec"]["containers"][0]["command"]
+                .to_string()
+                .contains("\"sidecar-other-node=10.2.0.2:9080\"")
+        );
         assert!(
             pod["metadata"]["annotations"]
                 .as_object()

@@ -33,13 +33,16 @@ pub enum Check {
     /// proxy's 15053 with the dialled address as the original destination, and its datagram
     /// to port 53 is answered by the proxy's 15053 from the address it was sent to.
     Dns,
+    /// A pod outside the mesh on another node connects to the sidecar pod: redirected to its
+    /// proxy's 15006 as [`Self::Inbound`], across the primary CNI's node-to-node path.
+    CrossNode,
     /// On a node in ambient mode, a pod labelled for it is enrolled.
     Ambient,
 }
 
 impl Check {
     /// Every check, in the table's order.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::AgentReady,
         Self::Host,
         Self::Outbound,
@@ -49,6 +52,7 @@ impl Check {
         Self::Excluded,
         Self::Untouched,
         Self::Dns,
+        Self::CrossNode,
         Self::Ambient,
     ];
 
@@ -76,6 +80,7 @@ impl Check {
             Self::Excluded => "excluded range",
             Self::Untouched => "outside the mesh",
             Self::Dns => "DNS capture",
+            Self::CrossNode => "cross-node inbound",
             Self::Ambient => "ambient enrolled",
         }
     }
@@ -231,10 +236,23 @@ pub mod target {
     pub const SERVER_SECOND: &str = "server-family-2";
     /// The sidecar pod's address of the second family.
     pub const SIDECAR_SECOND: &str = "sidecar-family-2";
+    /// The sidecar pod of the next node, dialled by the pod outside the mesh.
+    pub const SIDECAR_OTHER_NODE: &str = "sidecar-other-node";
     /// The DNS port of the server's address, over TCP.
     pub const DNS_TCP: &str = "dns-tcp";
     /// The same, over UDP.
     pub const DNS_UDP: &str = "dns-udp";
+}
+
+/// [`Check::CrossNode`] for the sidecar pod at `sidecar`, from what the app of the pod outside
+/// the mesh on another node printed.
+#[must_use]
+pub fn cross_node(other_outside_app: &[Dialled], sidecar: SocketAddr) -> Outcome {
+    redirected(
+        find(other_outside_app, target::SIDECAR_OTHER_NODE),
+        INBOUND_PORT,
+        sidecar,
+    )
 }
 
 /// A second-family check where the pods have one address: the cluster is not dual-stack.
@@ -250,7 +268,7 @@ pub fn judge(results: &NodeResults) -> Vec<(Check, Outcome)> {
         .into_iter()
         .map(|check| {
             let outcome = match (check, results.server, results.sidecar) {
-                (Check::AgentReady | Check::Host | Check::Ambient, ..) => {
+                (Check::AgentReady | Check::Host | Check::CrossNode | Check::Ambient, ..) => {
                     Outcome::NotChecked("not from the apps' results".into())
                 }
                 (_, None, _) => missing("server"),
@@ -417,6 +435,33 @@ mod tests {
         assert_eq!(
             found(&outcomes, Check::Outbound),
             Some(Outcome::Fail(why(Check::Outbound)))
+        );
+    }
+
+    #[test]
+    fn cross_node_inbound_is_the_other_nodes_outside_app_reaching_15006() {
+        let sidecar = "10.2.0.2:9080";
+        let app = vec![answered_by(
+            "sidecar-other-node",
+            sidecar,
+            "proxy",
+            15006,
+            Some(sidecar),
+        )];
+        assert_eq!(cross_node(&app, addr(sidecar)), Outcome::Ok);
+        let app = vec![Dialled {
+            name: "sidecar-other-node".into(),
+            to: addr(sidecar),
+            answer: None,
+            error: Some("connection refused".into()),
+        }];
+        assert_eq!(
+            cross_node(&app, addr(sidecar)),
+            Outcome::Fail("nothing answered 10.2.0.2:9080: connection refused".into())
+        );
+        assert_eq!(
+            cross_node(&[], addr(sidecar)),
+            Outcome::Fail("the app printed no result".into())
         );
     }
 

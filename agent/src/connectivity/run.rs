@@ -25,7 +25,7 @@ use super::{
     ambient,
     plan::{Plan, Role, SERVER_PORT, SIDECAR_PORT, selector},
     pod_state::{address, app_ended, second_address, state},
-    report::{Addresses, Check, NodeResults, Outcome, judge, results},
+    report::{self, Addresses, Check, NodeResults, Outcome, judge, results},
     table::Report,
 };
 
@@ -224,13 +224,24 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
     let meshed_ips = run.create_and_wait(meshed).await?;
     let sidecar = |i: usize| at(&meshed_ips, Role::Sidecar.pod(i), SIDECAR_PORT);
 
+    // Each node's pod outside the mesh also dials the next node's sidecar pod.
+    let next = |i: usize| (nodes.len() > 1).then(|| (i + 1) % nodes.len());
+    let previous = |i: usize| (nodes.len() > 1).then(|| (i + nodes.len() - 1) % nodes.len());
     let mut outside = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
+        let other = next(i).and_then(sidecar).map(|s| s.first);
         if let (Some(server), Some(sidecar)) = (server(i), sidecar(i)) {
-            outside.push((Role::Outside.pod(i), plan.outside(i, node, server, sidecar)));
+            outside.push((
+                Role::Outside.pod(i),
+                plan.outside(i, node, server, sidecar, other),
+            ));
         }
     }
     run.create_and_wait(outside).await?;
+    let mut outside_apps = Vec::new();
+    for i in 0..nodes.len() {
+        outside_apps.push(run.app_results(&Role::Outside.pod(i)).await);
+    }
 
     let mut report = Report::default();
     for (i, (node, kernel)) in nodes.iter().zip(kernels).enumerate() {
@@ -255,7 +266,7 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         };
         results.sidecar_app = run.app_results(&Role::Sidecar.pod(i)).await;
         results.excluded_app = run.app_results(&Role::Excluded.pod(i)).await;
-        results.outside_app = run.app_results(&Role::Outside.pod(i)).await;
+        results.outside_app = outside_apps[i].clone();
         results.dns_app = run.app_results(&Role::Dns.pod(i)).await;
         let (ready, host) = agent.map_or_else(
             || {
@@ -270,10 +281,25 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
             (None, Some(why)) => Outcome::Fail(why.clone()),
             (None, None) => ambient::enrolled(&pods, &name, deadline).await,
         };
+        // The pods of two nodes: this one's server and sidecar, the one before's outside.
+        let stuck = [Role::Server.pod(i), Role::Sidecar.pod(i)]
+            .into_iter()
+            .chain(previous(i).map(|from| Role::Outside.pod(from)))
+            .find_map(|pod| run.stuck.get(&pod));
+        let cross = match (previous(i), stuck, sidecar(i)) {
+            (None, ..) => {
+                Outcome::NotChecked("one node: no pod of another node to dial from".into())
+            }
+            (Some(_), Some(why), _) => Outcome::Fail(why.clone()),
+            (Some(_), None, None) => Outcome::NotChecked("the sidecar pod has no address".into()),
+            (Some(from), None, Some(sidecar)) => {
+                report::cross_node(&outside_apps[from], sidecar.first)
+            }
+        };
         let outcomes = [(Check::AgentReady, ready), (Check::Host, host)]
             .into_iter()
             .chain(judge(&results))
-            .chain([(Check::Ambient, enrolled)])
+            .chain([(Check::CrossNode, cross), (Check::Ambient, enrolled)])
             .map(|(check, outcome)| {
                 let stuck = roles(check)
                     .iter()
@@ -298,6 +324,8 @@ fn roles(check: Check) -> &'static [Role] {
         Check::Excluded => &[Role::Server, Role::Excluded],
         Check::Untouched => &[Role::Server, Role::Sidecar, Role::Outside],
         Check::Dns => &[Role::Server, Role::Dns],
+        // The pods of two nodes: judged where the outcome is made.
+        Check::CrossNode => &[],
         Check::Ambient => &[Role::Ambient],
     }
 }

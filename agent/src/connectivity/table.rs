@@ -94,7 +94,7 @@ mod tests {
         assert!(text.contains("node-a  agent ready         ok"), "{text}");
         assert!(text.contains("node-a  sidecar outbound    ok"), "{text}");
         assert!(
-            text.ends_with("PASSED: 10 ok, 0 failed, 0 not checked"),
+            text.ends_with("PASSED: 11 ok, 0 failed, 0 not checked"),
             "{text}"
         );
         report.nodes[0].1[0].1 = Outcome::Fail("x".into());
@@ -105,7 +105,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.ends_with("FAILED: 9 ok, 1 failed, 0 not checked"),
+            text.ends_with("FAILED: 10 ok, 1 failed, 0 not checked"),
             "{text}"
         );
     }
