@@ -976,8 +976,10 @@ fn on_a_node_in_ambient_mode_a_pod_labelled_for_it_must_be_enrolled() {
     assert_eq!(code, Some(1), "{out}");
     for line in [
         format!("{NODE}  ambient enrolled    ok"),
+        // The agent serves no ztunnel here: its metric says so, and the failure names it.
         "node-2  ambient enrolled    FAIL: pod ambient-1 is not enrolled: it has no \
-         ambient.istio.io/redirection annotation"
+         ambient.istio.io/redirection annotation; no ztunnel is connected to the node's agent \
+         (its ztunnel_connected is 0): is ztunnel running on the node?"
             .to_owned(),
     ] {
         assert!(out.contains(&line), "{line:?} in:\n{out}");

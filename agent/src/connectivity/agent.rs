@@ -24,6 +24,8 @@ const METRICS: &str = "/metrics";
 const CAPTURED: &str = "meshcap_pods_captured{backend=\"";
 /// The gauge that says whether the agent runs ambient mode.
 const AMBIENT: &str = "meshcap_ambient_enabled ";
+/// The gauge of ztunnels connected to the agent (Istio's name).
+const ZTUNNELS: &str = "ztunnel_connected ";
 
 /// What the run found of one node's agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,6 +40,8 @@ pub struct NodeAgent {
     pub backend: Result<String, String>,
     /// Whether the agent runs ambient mode, when it says.
     pub ambient: Option<bool>,
+    /// How many ztunnels are connected to it, when it says.
+    pub ztunnels: Option<u64>,
 }
 
 /// The port of the agent container's readiness probe, and its port named `metrics`.
@@ -94,6 +98,15 @@ pub fn ambient(metrics: &str) -> Option<bool> {
         .lines()
         .find_map(|line| line.strip_prefix(AMBIENT))
         .map(|value| value.trim() == "1")
+}
+
+/// The ztunnels connected to the agent, from its metrics.
+#[must_use]
+pub fn ztunnels(metrics: &str) -> Option<u64> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(ZTUNNELS))
+        .and_then(|value| value.trim().parse().ok())
 }
 
 /// The check from the pod's readiness and what its `/readyz` answered (the body, or the error
@@ -163,6 +176,7 @@ pub async fn node_agents(
         pod: None,
         backend: Err(why),
         ambient: None,
+        ztunnels: None,
     };
     let Some(selector) = daemon_set.and_then(selector) else {
         let why = format!("meshcap's DaemonSet {namespace}/{name} is not in the cluster");
@@ -218,6 +232,7 @@ async fn node_agent(client: &Client, namespace: &str, pod: &Pod) -> NodeAgent {
             .map_err(Clone::clone)
             .and_then(|text| backend(text).ok_or_else(|| "its metrics name none".to_owned())),
         ambient: metrics.as_deref().ok().and_then(ambient),
+        ztunnels: metrics.as_deref().ok().and_then(ztunnels),
     }
 }
 
@@ -263,6 +278,15 @@ mod tests {
         assert_eq!(ambient(text), Some(true));
         assert_eq!(ambient("meshcap_ambient_enabled 0\n"), Some(false));
         assert_eq!(ambient("meshcap_pods_captured{backend=\"ebpf\"} 0\n"), None);
+    }
+
+    #[test]
+    fn the_ztunnels_are_istios_gauge() {
+        let text = "# HELP ztunnel_connected number of connections to ztunnel\n\
+                    ztunnel_connected 0\n";
+        assert_eq!(ztunnels(text), Some(0));
+        assert_eq!(ztunnels("ztunnel_connected 2\n"), Some(2));
+        assert_eq!(ztunnels("meshcap_ambient_enabled 1\n"), None);
     }
 
     #[test]

@@ -49,6 +49,19 @@ pub fn judge(pod: &Pod) -> Outcome {
     }
 }
 
+/// A failed enrollment with what the node's agent said of its ztunnels: none connected is the
+/// likely cause (ztunnel not running on the node, or not reaching the agent's socket).
+#[must_use]
+pub fn with_ztunnels(outcome: Outcome, ztunnels: Option<u64>) -> Outcome {
+    match (outcome, ztunnels) {
+        (Outcome::Fail(why), Some(0)) => Outcome::Fail(format!(
+            "{why}; no ztunnel is connected to the node's agent (its ztunnel_connected is 0): \
+             is ztunnel running on the node?"
+        )),
+        (outcome, _) => outcome,
+    }
+}
+
 /// Waits until the pod `name` is enrolled, or `deadline`; the outcome.
 pub async fn enrolled(pods: &Api<Pod>, name: &str, deadline: Instant) -> Outcome {
     loop {
@@ -94,6 +107,18 @@ mod tests {
                     .into()
             )
         );
+    }
+
+    #[test]
+    fn a_failure_with_no_ztunnel_connected_says_so() {
+        let fail = Outcome::Fail("pod ambient-0 is not enrolled: x".into());
+        let Outcome::Fail(why) = with_ztunnels(fail.clone(), Some(0)) else {
+            panic!("a failure")
+        };
+        assert!(why.ends_with("is ztunnel running on the node?"), "{why}");
+        assert_eq!(with_ztunnels(fail.clone(), Some(1)), fail);
+        assert_eq!(with_ztunnels(fail.clone(), None), fail);
+        assert_eq!(with_ztunnels(Outcome::Ok, Some(0)), Outcome::Ok);
     }
 
     #[test]

@@ -279,7 +279,10 @@ async fn checks(client: &Client, plan: &Plan, options: &Options) -> Result<Repor
         let enrolled = match (ambient::not_checked(ambient_on(node)), run.stuck.get(&name)) {
             (Some(outcome), _) => outcome,
             (None, Some(why)) => Outcome::Fail(why.clone()),
-            (None, None) => ambient::enrolled(&pods, &name, deadline).await,
+            (None, None) => ambient::with_ztunnels(
+                ambient::enrolled(&pods, &name, deadline).await,
+                agent.and_then(|a| a.ztunnels),
+            ),
         };
         // The pods of two nodes: this one's server and sidecar, the one before's outside.
         let stuck = [Role::Server.pod(i), Role::Sidecar.pod(i)]
