@@ -78,8 +78,21 @@ struct Auth {
     tokens: Vec<Token>,
     /// Each allowed request's user and grant.
     used: Vec<(String, Grant)>,
+    /// Each allowed request, in order.
+    requests: Vec<Request>,
     /// Each refused request: user (empty: unauthenticated), attributes, code.
     refused: Vec<(String, Attributes, u16)>,
+}
+
+/// An allowed request: who asked what, with its query (a list's or watch's selectors).
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The user.
+    pub user: String,
+    /// What it asked, as RBAC reads it (`watch` for a list with `watch=true`).
+    pub attrs: Attributes,
+    /// The query string.
+    pub query: String,
 }
 
 /// The server; stops when dropped.
@@ -589,6 +602,12 @@ impl ApiServer {
         assert!(refused.is_empty(), "refused: {refused:?}");
     }
 
+    /// The requests allowed so far, in order.
+    #[must_use]
+    pub fn requests(&self) -> Vec<Request> {
+        self.auth.lock().expect("auth").requests.clone()
+    }
+
     /// The requests refused so far: the user (empty when no valid token was presented), what
     /// was asked, 401 or 403.
     ///
@@ -977,7 +996,14 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
     {
         let mut auth = state.auth.lock().expect("auth");
         match rbac::authorize(&auth.objects, &user, &attrs) {
-            Some(grant) => auth.used.push((user.clone(), grant)),
+            Some(grant) => {
+                auth.used.push((user.clone(), grant));
+                auth.requests.push(Request {
+                    user: user.clone(),
+                    attrs: attrs.clone(),
+                    query: query.to_owned(),
+                });
+            }
             None => {
                 auth.refused.push((user.clone(), attrs.clone(), 403));
                 drop(auth);

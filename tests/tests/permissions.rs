@@ -7,7 +7,7 @@ use meshcap_tests::{
     agent::Backend,
     apiserver::{AGENT_ACCOUNT, AGENT_POD, ApiServer, CNI_ACCOUNT, NODE},
     cluster::ClusterNode,
-    fixtures::{eventually, plain_pod, sidecar_pod},
+    fixtures::{ManifestDir, eventually, plain_pod, sidecar_pod},
     require_root,
 };
 use serde_json::{Value, json};
@@ -146,4 +146,121 @@ fn a_plugin_that_may_not_read_pods_is_named_at_start() {
     })
     .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", agent.http_get("/readyz"), agent.log()));
     assert!(api.refused().is_empty(), "{:?}", api.refused());
+}
+
+/// What one node's agent asks of the API server (issue #47, item 3), with a cluster of many
+/// other nodes' pods and namespaces: from its start to Ready, then while it runs steadily, as
+/// `(verb, resource, scope)` with its count. Everything about pods is narrowed to the agent's
+/// node (`fieldSelector=spec.nodeName`), so its bill grows with its node, not with the
+/// cluster; what it asks cluster-wide is named in docs/install.md ("The API server's bill").
+fn bill(api: &ApiServer, since: usize) -> Vec<(String, usize)> {
+    let mut counted: Vec<(String, usize)> = Vec::new();
+    for request in api.requests().into_iter().skip(since) {
+        if request.user != meshcap_tests::rbac::service_account_user(&api.namespace, AGENT_ACCOUNT)
+        {
+            continue;
+        }
+        let a = &request.attrs;
+        let scope = if request.query.contains("spec.nodeName") {
+            "the node's".to_owned()
+        } else if !a.name.is_empty() {
+            "one object".to_owned()
+        } else if a.namespace.is_empty() {
+            "the cluster's".to_owned()
+        } else {
+            format!("namespace {}", a.namespace)
+        };
+        let sub = if a.subresource.is_empty() {
+            String::new()
+        } else {
+            format!("/{}", a.subresource)
+        };
+        let key = format!("{} {}{sub} ({scope})", a.verb, a.resource);
+        match counted.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, n)) => *n += 1,
+            None => counted.push((key, 1)),
+        }
+    }
+    counted.sort();
+    counted
+}
+
+#[test]
+fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
+    require_root();
+    for ambient in [false, true] {
+        // The chart rendered with ambient mode on grants what it reads.
+        let api = if ambient {
+            ApiServer::with_configuration("ambient")
+        } else {
+            ApiServer::start()
+        };
+        {
+            // 200 pods on 20 other nodes, in 20 namespaces, beside 4 on the agent's.
+            let mut pods = api.pods.lock().expect("pods");
+            for i in 0..200 {
+                let mut pod = sidecar_pod(&format!("team-{}", i % 20), &format!("p{i}"), &[]);
+                pod["spec"]["nodeName"] = json!(format!("node-{}", i % 20 + 2));
+                pods.push(pod);
+            }
+            for i in 0..4 {
+                pods.push(sidecar_pod("shop", &format!("web-{i}"), &[]));
+            }
+        }
+        let node = ClusterNode::new(&api);
+        // Ambient mode writes its probe rule in a throwaway node netns, and serves ztunnel on
+        // a socket of the test's.
+        let world = meshcap_tests::world::Node::new().expect("node netns");
+        let sockets = ManifestDir::new();
+        let (netns, socket) = (world.netns.path(), sockets.0.join("ztunnel.sock"));
+        let env: Vec<(&str, &str)> = if ambient {
+            vec![
+                ("MESHCAP_AMBIENT_ENABLED", "true"),
+                ("MESHCAP_AMBIENT_IN_KERNEL", "false"),
+                ("MESHCAP_NODE_NETNS", netns.to_str().expect("utf-8")),
+                ("MESHCAP_ZTUNNEL_SOCKET", socket.to_str().expect("utf-8")),
+            ]
+        } else {
+            Vec::new()
+        };
+        let agent = node.start_agent(Backend::Iptables, &env);
+        let at_start = bill(&api, 0);
+        let ready = api.requests().len();
+        std::thread::sleep(std::time::Duration::from_secs(3));
+        let steady = bill(&api, ready);
+        eprintln!("ambient {ambient}: to Ready: {at_start:#?}\nthen for 3 s: {steady:#?}");
+        let cluster_wide: Vec<&String> = at_start
+            .iter()
+            .chain(&steady)
+            .map(|(k, _)| k)
+            .filter(|k| {
+                (k.starts_with("list ") || k.starts_with("watch ")) && k.contains("(the cluster's)")
+            })
+            .collect();
+        // Namespaces are cluster-scoped objects: ambient mode reads their labels, as Istio's
+        // node agent does (its namespace informer, cni/pkg/nodeagent/informers.go).
+        let expected: Vec<String> = if ambient {
+            vec![
+                "list namespaces (the cluster's)".into(),
+                "watch namespaces (the cluster's)".into(),
+            ]
+        } else {
+            Vec::new()
+        };
+        assert_eq!(
+            cluster_wide.into_iter().cloned().collect::<Vec<_>>(),
+            expected,
+            "ambient {ambient}: {at_start:?} {steady:?}\n{}",
+            agent.log()
+        );
+        assert!(
+            at_start.iter().any(|(k, _)| k == "list pods (the node's)")
+                && at_start.iter().any(|(k, _)| k == "watch pods (the node's)"),
+            "{at_start:?}"
+        );
+        assert!(
+            steady.iter().all(|(k, _)| k.starts_with("watch ")),
+            "steady: only watches, renewed: {steady:?}"
+        );
+    }
 }
