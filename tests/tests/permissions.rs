@@ -2,7 +2,8 @@
 //! and the test API server, which enforces the chart's RBAC as Kubernetes does: with the
 //! default settings (`deploy/`) every rule granted is used and no request is refused; a
 //! permission a setting needs and the RBAC lacks is named at start (readiness held, a Warning
-//! Event on the agent's pod).
+//! Event on the agent's pod); and what one node's agent asks grows with its node's pods, not
+//! with the cluster's (issue #47's API server bill).
 use meshcap_tests::{
     agent::Backend,
     apiserver::{AGENT_ACCOUNT, AGENT_POD, ApiServer, CNI_ACCOUNT, NODE},
