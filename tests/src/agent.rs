@@ -328,19 +328,7 @@ impl Agent {
                             .contains("(flag --http-listen) is already in use") =>
                 {
                     self.http = format!("127.0.0.1:{}", free_port());
-                    let env: Vec<(&str, &str)> = self
-                        .env
-                        .iter()
-                        .map(|(k, v)| (k.as_str(), v.as_str()))
-                        .collect();
-                    self.child = spawn(
-                        &self.exe,
-                        &self.dir,
-                        &self.args,
-                        &self.socket,
-                        &self.http,
-                        &env,
-                    )?;
+                    self.spawn_again()?;
                 }
                 other => return other.map(|()| self),
             }
@@ -516,6 +504,13 @@ impl Agent {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
             _ => {}
         }
+        self.spawn_again()?;
+        self.wait_ready()
+    }
+
+    /// Starts the agent's process again with its executable, arguments, environment, socket
+    /// and health address (not waiting for it to serve).
+    fn spawn_again(&mut self) -> anyhow::Result<()> {
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
@@ -529,7 +524,7 @@ impl Agent {
             &self.http,
             &env,
         )?;
-        self.wait_ready()
+        Ok(())
     }
 
     /// Makes the next [`Self::restart`] start `exe` instead (another build of the agent, as an
