@@ -250,6 +250,23 @@ impl Agent {
     ) -> anyhow::Result<Self> {
         let dir = std::env::temp_dir().join(unique_name("meshcap-agent"));
         std::fs::create_dir_all(&dir)?;
+        let started = Self::start_in_dir(dir.clone(), bin_dir, backend, source, env, cgroup_root);
+        // An agent that started owns the directory (its drop removes it); one that did not
+        // leaves nothing behind.
+        if started.is_err() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        started
+    }
+
+    fn start_in_dir(
+        dir: PathBuf,
+        bin_dir: &Path,
+        backend: Backend,
+        source: &[&str],
+        env: &[(&str, &str)],
+        cgroup_root: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let socket = dir.join("agent.sock");
         let http = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
