@@ -15,8 +15,8 @@ use super::records::Records;
 use crate::podnet;
 
 /// Turns loose pickup off in the netns of every pod `records` holds, when the kernel captures
-/// ambient pods on this node (`in_kernel`); a pod whose netns is gone or has no conntrack yet
-/// is skipped. Pods adopted from istio-cni there hold Istio's rules, whose conntrack has
+/// ambient pods on this node (`in_kernel`); a pod whose netns is gone or whose kernel has no
+/// conntrack to load is skipped. Pods adopted from istio-cni there hold Istio's rules, whose conntrack has
 /// tracked each of their connections from its first packet: nothing changes for them.
 pub(super) fn before_istio_cni(records: &Records, in_kernel: bool) {
     if !in_kernel {

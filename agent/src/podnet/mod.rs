@@ -15,6 +15,7 @@
 pub mod clsact;
 pub mod conntrack;
 pub mod find;
+mod nfnl;
 pub mod nftgen;
 pub mod route;
 pub mod userns;

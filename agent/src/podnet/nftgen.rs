@@ -6,16 +6,14 @@ use std::io;
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
+use super::nfnl::{NFGENMSG, NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HEADER};
+
 /// `NFNL_SUBSYS_NFTABLES`, `NFT_MSG_GETGEN`, `NFT_MSG_NEWGEN`.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_GETGEN: u16 = 16;
 const NFT_MSG_NEWGEN: u16 = 15;
 /// `NFTA_GEN_ID`.
 const NFTA_GEN_ID: u16 = 1;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_HEADER: usize = 16;
-const NFGENMSG: usize = 4;
 const NLA_HEADER: usize = 4;
 
 /// The visited namespace's nf_tables generation.
@@ -32,18 +30,9 @@ pub fn generation() -> io::Result<u32> {
     parse(&buffer)
 }
 
-/// `NFT_MSG_GETGEN` for every family: a netlink header, then `struct nfgenmsg` (family
-/// `AF_UNSPEC`, version 0, resource id 0).
+/// `NFT_MSG_GETGEN` for every family.
 fn request() -> Vec<u8> {
-    let len = u32::try_from(NLMSG_HEADER + NFGENMSG).unwrap_or(u32::MAX);
-    let mut out = Vec::with_capacity(NLMSG_HEADER + NFGENMSG);
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN).to_ne_bytes());
-    out.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-    out.extend_from_slice(&1u32.to_ne_bytes());
-    out.extend_from_slice(&0u32.to_ne_bytes());
-    out.extend_from_slice(&[0, 0, 0, 0]);
-    out
+    super::nfnl::request(NFNL_SUBSYS_NFTABLES, NFT_MSG_GETGEN, NLM_F_REQUEST)
 }
 
 /// The generation in the kernel's answer: a `NFT_MSG_NEWGEN` whose `NFTA_GEN_ID` attribute is
