@@ -2,13 +2,9 @@
 //! the binaries the end-to-end tests run.
 use std::{
     io::Write as _,
-    net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{
-        Arc, OnceLock,
-        atomic::{AtomicU32, Ordering},
-    },
+    sync::{Arc, OnceLock},
     thread,
     time::Duration,
 };
@@ -84,36 +80,6 @@ pub fn ready_within() -> Duration {
         .and_then(|s| s.parse().ok())
         .unwrap_or(20);
     Duration::from_secs(seconds)
-}
-
-/// A TCP port nothing listens on at 127.0.0.1, for an agent's endpoints, from below the
-/// kernel's ephemeral range and above the fixed ports the tests and Istio use (15xxx, 8080,
-/// 9080). A port from the ephemeral range, which binding port 0 picks, can be taken by any
-/// outgoing connection's automatic bind between this choice and the agent's own bind, which
-/// then fails "already in use" (a host run of the ambient tests, dozens of agents at once).
-/// Each test process walks the range from its own point, so that binaries run side by side
-/// (the guests' `--jobs`) do not walk the same ports.
-///
-/// # Panics
-/// When every port of the range is taken.
-#[must_use]
-pub fn free_port() -> u16 {
-    const LOW: u32 = 20_000;
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
-        .unwrap_or(32_768);
-    let span = ephemeral.saturating_sub(LOW).max(1_000);
-    let start = std::process::id().wrapping_mul(7_919) % span;
-    for _ in 0..span {
-        let step = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = u16::try_from(LOW + (start + step) % span).expect("a port");
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port on 127.0.0.1 from {LOW} to {}", LOW + span)
 }
 
 /// The capture backend an [`Agent`] runs.
@@ -207,7 +173,8 @@ pub struct Agent {
     kubelet: Option<Arc<KubeletProcess>>,
     /// The plugin socket.
     pub socket: PathBuf,
-    /// The health/metrics endpoint.
+    /// The health/metrics endpoint: the agent binds port 0 and [`Self::wait_ready`] reads
+    /// the port the kernel gave it off the process's listening socket. Empty until then.
     pub http: String,
 }
 
@@ -268,7 +235,6 @@ impl Agent {
         cgroup_root: Option<&Path>,
     ) -> anyhow::Result<Self> {
         let socket = dir.join("agent.sock");
-        let http = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> = source.iter().map(|s| (*s).to_owned()).collect();
         args.extend(["--backend".into(), backend.name().into()]);
         // Istio's nftables everywhere the rules path is used: ambient pods' in-pod rules too.
@@ -310,8 +276,8 @@ impl Agent {
             Backend::Iptables | Backend::Nftables => (None, None, None),
         };
         let exe = bin_dir.join("meshcap-agent");
-        let child = spawn(&exe, &dir, &args, &socket, &http, env)?;
-        let agent = Self {
+        let child = spawn(&exe, &dir, &args, &socket, env)?;
+        let mut agent = Self {
             child,
             exe,
             dir,
@@ -326,31 +292,10 @@ impl Agent {
             bpffs_dir,
             kubelet,
             socket,
-            http,
+            http: String::new(),
         };
-        agent.ready_on_a_free_port()
-    }
-
-    /// Waits until the agent serves. [`free_port`] checks a port and the agent binds it later:
-    /// any process of the host may bind it in between (seen once in a whole host run, CI's
-    /// stop 55 check: "port 23777 … is already in use"), which no test is about. Only that
-    /// refusal of the health endpoint's port is met with another port, twice at most; any other
-    /// failure to start is the test's.
-    fn ready_on_a_free_port(mut self) -> anyhow::Result<Self> {
-        for _ in 0..2 {
-            match self.wait_ready() {
-                Err(err)
-                    if self.child.try_wait()?.is_some()
-                        && format!("{err:#}")
-                            .contains("(flag --http-listen) is already in use") =>
-                {
-                    self.http = format!("127.0.0.1:{}", free_port());
-                    self.spawn_again()?;
-                }
-                other => return other.map(|()| self),
-            }
-        }
-        self.wait_ready().map(|()| self)
+        agent.wait_ready()?;
+        Ok(agent)
     }
 
     /// Starts another agent with this one's arguments and state directory (its own socket
@@ -361,14 +306,13 @@ impl Agent {
     /// When it cannot be spawned.
     pub fn spawn_beside(&self) -> anyhow::Result<Self> {
         let socket = self.dir.join("beside.sock");
-        let http = format!("127.0.0.1:{}", free_port());
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         Ok(Self {
-            child: spawn(&self.exe, &self.dir, &self.args, &socket, &http, &env)?,
+            child: spawn(&self.exe, &self.dir, &self.args, &socket, &env)?,
             exe: self.exe.clone(),
             dir: self.dir.clone(),
             backend: self.backend,
@@ -379,7 +323,7 @@ impl Agent {
             bpffs_dir: self.bpffs_dir.clone(),
             kubelet: self.kubelet.clone(),
             socket,
-            http,
+            http: String::new(),
         })
     }
 
@@ -396,7 +340,13 @@ impl Agent {
                     self.log()
                 );
             }
+            if self.http.is_empty()
+                && let Some(port) = listening_port(self.child.id())
+            {
+                self.http = format!("127.0.0.1:{port}");
+            }
             if listening(&self.socket)
+                && !self.http.is_empty()
                 && self.http_get("/healthz").is_ok_and(|(code, _)| code == 200)
             {
                 return Ok(());
@@ -525,22 +475,16 @@ impl Agent {
         self.wait_ready()
     }
 
-    /// Starts the agent's process again with its executable, arguments, environment, socket
-    /// and health address (not waiting for it to serve).
+    /// Starts the agent's process again with its executable, arguments, environment and
+    /// socket (not waiting for it to serve; its health port is another).
     fn spawn_again(&mut self) -> anyhow::Result<()> {
         let env: Vec<(&str, &str)> = self
             .env
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        self.child = spawn(
-            &self.exe,
-            &self.dir,
-            &self.args,
-            &self.socket,
-            &self.http,
-            &env,
-        )?;
+        self.child = spawn(&self.exe, &self.dir, &self.args, &self.socket, &env)?;
+        self.http.clear();
         Ok(())
     }
 
@@ -680,6 +624,34 @@ fn listening(path: &Path) -> bool {
     })
 }
 
+/// The port process `pid` listens on at 127.0.0.1 over TCP: its socket descriptors
+/// (`/proc/<pid>/fd`) matched by inode against the kernel's TCP table of the host's network
+/// (`/proc/net/tcp`, state `0A`: listening). The agent's one TCP listener is its endpoint.
+fn listening_port(pid: u32) -> Option<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .filter_map(|fd| {
+            let target = std::fs::read_link(fd.ok()?.path()).ok()?;
+            let target = target.to_str()?;
+            Some(
+                target
+                    .strip_prefix("socket:[")?
+                    .strip_suffix(']')?
+                    .to_owned(),
+            )
+        })
+        .collect();
+    let table = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    table.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+        let (address, port) = local.split_once(':')?;
+        (*state == "0A" && address == "0100007F" && inodes.iter().any(|i| i == inode))
+            .then(|| u16::from_str_radix(port, 16).ok())
+            .flatten()
+    })
+}
+
 fn signal(child: &Child, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
     let pid = i32::try_from(child.id())?;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal)?;
@@ -691,7 +663,6 @@ fn spawn(
     dir: &Path,
     args: &[String],
     socket: &Path,
-    http: &str,
     env: &[(&str, &str)],
 ) -> anyhow::Result<Child> {
     let set = |key: &str| {
@@ -721,7 +692,9 @@ fn spawn(
         .arg(socket)
         .arg("--state-dir")
         .arg(dir.join("state"))
-        .args(["--http-listen", http])
+        // Port 0: the kernel picks a port nothing holds, at the bind itself (a port chosen
+        // beforehand can be taken by any process of the host before the agent binds it).
+        .args(["--http-listen", "127.0.0.1:0"])
         .env("RUST_LOG", "warn,meshcap_agent=info,meshcap_cni=info")
         .envs(env.iter().copied())
         .stdin(Stdio::null())

@@ -13,7 +13,7 @@ use std::{
 
 use meshcap_tests::{
     Netns, Proc,
-    agent::{Agent, Backend, binaries, free_port},
+    agent::{Agent, Backend, binaries},
     apiserver::ApiServer,
     bin,
     cluster::ClusterNode,
@@ -275,6 +275,16 @@ fn spawn_agent(dir: &Scratch, args: &[String]) -> std::process::Child {
         .expect("starting meshcap-agent")
 }
 
+/// The address the agent's log says the endpoint serving `serves` (`Health`, `Metrics`)
+/// listens on: "health and metrics endpoint listening addr=… serves=…".
+fn listening_on(log: &str, serves: &str) -> Option<SocketAddr> {
+    log.lines()
+        .filter(|line| line.contains("endpoint listening"))
+        .find(|line| line.contains(&format!("serves={serves}")))?
+        .split_whitespace()
+        .find_map(|field| field.strip_prefix("addr=")?.parse().ok())
+}
+
 /// The agent process, stopped by its pid on drop.
 struct Running(std::process::Child);
 
@@ -303,24 +313,31 @@ fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 
 /// Health and readiness on one port, metrics on another, as Istio's node agent serves them
 /// (8000 and 15014 by default: `agent/tests/deploy.rs` and the unit tests of `paths` and
-/// `api::http` hold the defaults; here, free ports of this machine): each path where it
-/// belongs and nowhere else.
+/// `api::http` hold the defaults; here, port 0 for each, and the ports the agent's log names):
+/// each path where it belongs and nowhere else.
 #[test]
 fn health_and_metrics_are_served_on_their_own_ports() {
     require_root();
     let dir = Scratch::new("meshcap-ports");
-    let health: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-    let metrics: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
     let _agent = Running(spawn_agent(
         &dir,
         &[
             "--health-listen".to_owned(),
-            health.to_string(),
+            "127.0.0.1:0".to_owned(),
             "--metrics-listen".to_owned(),
-            metrics.to_string(),
+            "127.0.0.1:0".to_owned(),
         ],
     ));
     let log = || std::fs::read_to_string(dir.0.join("agent.log")).unwrap_or_default();
+    let (mut health, mut metrics) = (None, None);
+    eventually("the agent names both ports", || {
+        health = listening_on(&log(), "Health");
+        metrics = listening_on(&log(), "Metrics");
+        health.is_some() && metrics.is_some()
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", log()));
+    let (health, metrics) = (health.expect("health"), metrics.expect("metrics"));
+    assert_ne!(health, metrics);
     eventually("the agent is ready", || {
         get(health, "/readyz").is_some_and(|(code, _)| code == 200)
     })
@@ -366,7 +383,7 @@ fn a_taken_port_stops_the_agent_naming_the_port_and_its_use() {
                 flag.to_owned(),
                 format!("127.0.0.1:{port}"),
                 other.to_owned(),
-                format!("127.0.0.1:{}", free_port()),
+                "127.0.0.1:0".to_owned(),
             ],
         );
         let deadline = Instant::now() + Duration::from_secs(60);
