@@ -297,8 +297,8 @@ fn drift_of_a_sidecar_capture_is_put_back(backend: Backend) {
 
 /// A restarted agent's first pass (issue 47): what the verifier last found whole outlives the
 /// agent (`<state dir>/iptables-baselines`), so an untouched pod is not read again rule by rule
-/// — with nft iptables its netns's nf_tables generation is compared, with legacy iptables one
-/// `iptables-save` — while a rule deleted while no agent ran is still found and put back.
+/// — with nft iptables its netns's nf_tables generation is compared, with legacy iptables the
+/// kernel's tables read in process — while a rule deleted while no agent ran is still found and put back.
 fn a_restarted_agent_reads_only_what_changed(
     backend: Backend,
     flavour: &[&str],

@@ -22,6 +22,7 @@
 mod adopt;
 mod flavour;
 mod inpod;
+mod legacy_tables;
 pub mod node;
 mod records;
 mod restore;

@@ -5,7 +5,8 @@
 //! so it runs only when the pod's tables changed since the rules were last found whole: with
 //! nft iptables, while the namespace's nf_tables generation ([`crate::podnet::nftgen`]) is the
 //! same, nothing is read at all; otherwise one `iptables-save` per family, compared with what it
-//! said then (counters left out). That view outlives the agent ([`crate::backend::baseline`]): a
+//! said then (counters left out); with legacy iptables the kernel's tables read in process
+//! ([`super::legacy_tables`]), no fork. That view outlives the agent ([`crate::backend::baseline`]): a
 //! restarted agent's first pass reads no more than a steady one. Rules found missing are put back in one
 //! `iptables-restore --noflush` transaction per table: the chains the rules create are declared
 //! (which creates them, or empties them inside the transaction) and filled again, and only the
@@ -13,14 +14,14 @@
 //! capture than before the repair. A missing policy route is added.
 use meshcap_policy::IptablesRules;
 
-use super::{Flavour, IptablesBackend, inpod::Ctx, records::Applied, restore};
+use super::{Flavour, IptablesBackend, inpod::Ctx, legacy_tables, records::Applied, restore};
 use crate::{
     backend::{
         BackendError, DriftKind, PodCheck, Verify, baseline::Baseline, records::Record as _,
         rules_backend::route_drift,
     },
     pod::PodRef,
-    podnet::nftgen,
+    podnet::{PodNetError, nftgen},
 };
 
 /// One recorded rule not in place: its family, its table and its line.
@@ -151,13 +152,30 @@ impl Ctx<'_> {
         Ok((check, Some(Baseline::new(rules, generation, &saved))))
     }
 
-    /// What `iptables-save` says of the tables `rules` use, per family, without counters.
-    fn saved(&self, flavour: Flavour, rules: &IptablesRules) -> Result<Vec<String>, BackendError> {
+    /// The tables `rules` use as they are, per family, without counters: with legacy iptables
+    /// the kernel's entries read in process ([`legacy_tables`]), otherwise what `iptables-save`
+    /// says.
+    fn saved(&self, flavour: Flavour, rules: &IptablesRules) -> Result<Vec<Vec<u8>>, BackendError> {
         let mut out = Vec::new();
         for (ipv6, text) in families(rules) {
             let names: Vec<String> = restore::tables(text).into_iter().map(|t| t.name).collect();
+            if flavour == Flavour::Legacy {
+                let tables =
+                    legacy_tables::read(ipv6, &names).map_err(|source| BackendError::PodNet {
+                        pod: self.xt.who.clone(),
+                        source: PodNetError::Io {
+                            what: "reading the legacy iptables tables".to_owned(),
+                            source,
+                        },
+                    })?;
+                for (name, entries) in tables {
+                    out.push(name.into_bytes());
+                    out.push(entries.unwrap_or_default());
+                }
+                continue;
+            }
             let save = self.xt.run(&flavour.binary(ipv6, "-save"), &[])?;
-            out.push(relevant(&save, &names));
+            out.push(relevant(&save, &names).into_bytes());
         }
         Ok(out)
     }
