@@ -2,15 +2,15 @@
 //! backends, kept in memory and in `<state dir>/<backend>-baselines/<record id>.json`, so that a
 //! restarted agent's first pass costs what a steady one does: one netlink request per pod while
 //! its nf_tables generation is unchanged (nft iptables, native nftables); with legacy iptables
-//! its tables read from the kernel in process, per family — instead of CHECK's whole comparison for every pod (a `-C`
-//! fork per iptables rule, an `nft list` per table).
+//! its tables read from the kernel in process, per family — instead of CHECK's whole
+//! comparison for every pod (a `-C` fork per iptables rule, an `nft list` per table).
 //!
 //! What a baseline proves: the tables held the rules recorded then (hashed with it), and they
 //! are unchanged since: the namespace's nf_tables generation is the same (the kernel counts
 //! every committed change), or the tables say what they said then (`iptables-save`, or the
-//! legacy tables' entries). A baseline lost, unread
-//! or of another build (the hash is the standard library's, not promised stable across Rust
-//! releases) only costs one full comparison.
+//! legacy tables' entries). A baseline lost, unread or of another build (the hash is the
+//! standard library's, not promised stable across Rust releases) only costs one full
+//! comparison.
 use std::{
     collections::HashMap,
     fs,
