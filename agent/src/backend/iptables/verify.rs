@@ -5,13 +5,14 @@
 //! so it runs only when the pod's tables changed since the rules were last found whole: with
 //! nft iptables, while the namespace's nf_tables generation ([`crate::podnet::nftgen`]) is the
 //! same, nothing is read at all; otherwise one `iptables-save` per family, compared with what it
-//! said then (counters left out); with legacy iptables the kernel's tables read in process
-//! ([`super::legacy_tables`]), no fork. That view outlives the agent ([`crate::backend::baseline`]): a
-//! restarted agent's first pass reads no more than a steady one. Rules found missing are put back in one
-//! `iptables-restore --noflush` transaction per table: the chains the rules create are declared
-//! (which creates them, or empties them inside the transaction) and filled again, and only the
-//! missing rules of the kernel's own chains are added, so that no instant sees less of the
-//! capture than before the repair. A missing policy route is added.
+//! said then (counters left out); with legacy iptables the kernel's tables, read in process
+//! ([`super::legacy_tables`]), no fork. That view outlives the agent
+//! ([`crate::backend::baseline`]): a restarted agent's first pass reads no more than a steady
+//! one. Rules found missing are put back in one `iptables-restore --noflush` transaction per
+//! table: the chains the rules create are declared (which creates them, or empties them inside
+//! the transaction) and filled again, and only the missing rules of the kernel's own chains are
+//! added, so that no instant sees less of the capture than before the repair. A missing policy
+//! route is added.
 use meshcap_policy::IptablesRules;
 
 use super::{Flavour, IptablesBackend, inpod::Ctx, legacy_tables, records::Applied, restore};
