@@ -49,8 +49,9 @@ pub enum UninstallError {
 }
 
 /// Removes meshcap from this node: the CNI set-up (`config`, unless `None`: a private agent
-/// installed none), then every eBPF layout version beside `bpffs_dir` none of whose pods lives.
-/// A layout with live pods stays, so those pods keep their capture until they restart.
+/// installed none), then every eBPF layout version beside `bpffs_dir` none of whose pods lives,
+/// and the directory that held them once empty. A layout with live pods stays, so those pods
+/// keep their capture until they restart.
 ///
 /// # Errors
 /// When a file or pin cannot be removed.
@@ -75,6 +76,9 @@ pub fn node(config: Option<&InstallConfig>, bpffs_dir: &Path) -> Result<Removed,
                 .collect();
             removed.kept.push((dir, pods));
         }
+    }
+    if removed.kept.is_empty() {
+        layout::remove_versions_parent(bpffs_dir);
     }
     Ok(removed)
 }
