@@ -28,8 +28,8 @@ use super::{
     nfnl::{NLM_F_ACK, NLM_F_REQUEST, NLMSG_ERROR, NLMSG_HEADER},
 };
 
-/// The sysctl in the calling thread's netns (`/proc/sys/net` is the opening thread's).
-const TCP_LOOSE: &str = "/proc/sys/net/netfilter/nf_conntrack_tcp_loose";
+/// The sysctl, of the calling thread's netns ([`super::sysctl`]).
+const TCP_LOOSE: &str = "net/netfilter/nf_conntrack_tcp_loose";
 
 /// `NFNL_SUBSYS_CTNETLINK`, `IPCTNL_MSG_CT_GET_STATS`.
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
@@ -53,7 +53,7 @@ pub fn no_loose_pickup() -> Result<bool, PodNetError> {
 }
 
 fn write_off() -> Result<bool, PodNetError> {
-    match std::fs::write(TCP_LOOSE, "0") {
+    match super::sysctl::write(TCP_LOOSE, "0") {
         Ok(()) => Ok(true),
         Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(source) => Err(PodNetError::Io {

@@ -18,6 +18,7 @@ pub mod find;
 mod nfnl;
 pub mod nftgen;
 pub mod route;
+pub mod sysctl;
 pub mod userns;
 mod visit;
 

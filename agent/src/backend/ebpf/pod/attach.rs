@@ -7,7 +7,7 @@ use crate::{
     backend::ebpf::{EbpfError, encode::Plan, pins::PodPins, stub, sys},
     crashpoint,
     pod::PodRef,
-    podnet::{self, Visit},
+    podnet::{self, Visit, sysctl},
 };
 
 impl Pods {
@@ -112,8 +112,8 @@ impl Pods {
     }
 }
 
-/// The sysctl `tcp_fwmark_accept` of the calling thread's netns.
-pub(super) const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
+/// The sysctl `tcp_fwmark_accept` of the calling thread's netns ([`crate::podnet::sysctl`]).
+pub(super) const FWMARK_ACCEPT: &str = "net/ipv4/tcp_fwmark_accept";
 
 /// Sets the visited netns' `net.ipv4.tcp_fwmark_accept` to 1 when `on`, first recording the
 /// pod's own value in its pins; otherwise puts a recorded value back (an update that needs it
@@ -128,7 +128,7 @@ fn set_fwmark_accept(pins: &PodPins, on: bool) -> Result<(), EbpfError> {
         return Ok(());
     }
     if before.is_none() {
-        let current = std::fs::read_to_string(FWMARK_ACCEPT)
+        let current = sysctl::read(FWMARK_ACCEPT)
             .map_err(|e| EbpfError::io("reading net.ipv4.tcp_fwmark_accept", e))?;
         let value = current.trim().parse().map_err(|_| {
             EbpfError::io(
@@ -139,13 +139,13 @@ fn set_fwmark_accept(pins: &PodPins, on: bool) -> Result<(), EbpfError> {
         pins.record_fwmark_accept(value)
             .map_err(|e| EbpfError::io(&format!("creating {}", pins.dir().display()), e))?;
     }
-    std::fs::write(FWMARK_ACCEPT, "1").map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
+    sysctl::write(FWMARK_ACCEPT, "1").map_err(|e| EbpfError::io("net.ipv4.tcp_fwmark_accept", e))
 }
 
 /// Puts the pod's own `tcp_fwmark_accept` back (in the visited netns). A failure leaves 1,
 /// which nothing in a released pod relies on: logged, never fatal.
 pub(super) fn restore_fwmark_accept(value: u8) {
-    if let Err(err) = std::fs::write(FWMARK_ACCEPT, value.to_string()) {
+    if let Err(err) = sysctl::write(FWMARK_ACCEPT, &value.to_string()) {
         tracing::warn!(error = %err, value, "restoring net.ipv4.tcp_fwmark_accept");
     }
 }

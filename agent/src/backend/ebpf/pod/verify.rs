@@ -168,7 +168,7 @@ impl Pods {
             }
         }
         if encode::fwmark_accept(&config) {
-            let value = std::fs::read_to_string(FWMARK_ACCEPT).unwrap_or_default();
+            let value = crate::podnet::sysctl::read(FWMARK_ACCEPT).unwrap_or_default();
             if value.trim() == "1" {
                 check
                     .installed
@@ -177,7 +177,7 @@ impl Pods {
                 check.drift.push(verify.handle(
                     DriftKind::Sysctl,
                     format!("net.ipv4.tcp_fwmark_accept is {:?}, not 1", value.trim()),
-                    || std::fs::write(FWMARK_ACCEPT, "1"),
+                    || crate::podnet::sysctl::write(FWMARK_ACCEPT, "1"),
                 ));
             }
         }
