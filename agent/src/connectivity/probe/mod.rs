@@ -47,8 +47,7 @@ pub struct Answer {
     pub local: SocketAddr,
     /// The client's address as the server sees it.
     pub peer: SocketAddr,
-    /// `getsockopt(SO_ORIGINAL_DST)` on the accepted socket, when it answered with another
-    /// address than `local`: the connection was redirected.
+    /// `getsockopt(SO_ORIGINAL_DST)` on the accepted socket, when it answered.
     pub original_dst: Option<SocketAddr>,
 }
 
@@ -285,45 +284,6 @@ mod tests {
         assert_eq!(answer.listener, addr.port());
         assert_eq!(answer.local, addr);
         assert_eq!(answer.original_dst, None, "nothing redirected it");
-    }
-
-    /// In a netns where conntrack tracks every connection (a throwaway one of a thread's own),
-    /// `SO_ORIGINAL_DST` answers for a connection nothing redirected: with the address it
-    /// reached, which is no original destination.
-    #[test]
-    fn a_connection_conntrack_tracked_but_nothing_redirected_has_no_original_destination() {
-        thread::spawn(|| {
-            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (root)");
-            let up = std::process::Command::new("ip")
-                .args(["link", "set", "lo", "up"])
-                .status();
-            assert!(up.expect("ip").success());
-            // A rule that asks conntrack (as kubelet's `ct status dnat` on a node's own
-            // netns does): from then on conntrack tracks every connection of the netns.
-            let rules = "add table ip t; add chain ip t out { type filter hook output priority 0; }; \
-                         add rule ip t out ct state new counter";
-            let status = std::process::Command::new("nft").arg(rules).status();
-            assert!(status.expect("nft").success());
-            let listener = tcp("127.0.0.1:0");
-            let addr = listener.local_addr().expect("addr");
-            let server = thread::spawn(move || {
-                let (stream, _) = listener.accept().expect("accept");
-                let tracked = socket::original_dst(&stream, false);
-                answer("server", addr.port(), &stream).expect("answer");
-                tracked
-            });
-            let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
-            let tracked = server.join().expect("server");
-            assert_eq!(
-                tracked,
-                Some(addr),
-                "conntrack answers for the tracked connection"
-            );
-            let answer = dialled.answer.expect("an answer");
-            assert_eq!(answer.original_dst, None, "nothing redirected it");
-        })
-        .join()
-        .expect("the thread");
     }
 
     #[test]

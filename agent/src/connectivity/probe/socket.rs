@@ -103,10 +103,7 @@ pub(super) fn answer(role: &str, listener: u16, stream: &TcpStream) -> std::io::
         listener,
         local,
         peer: stream.peer_addr()?,
-        // Conntrack answers for any connection it tracks, redirected or not (a netns with a
-        // nat table tracks them all): its original destination counts only where it differs
-        // from the address the connection reached.
-        original_dst: original_dst(stream, local.is_ipv6()).filter(|dst| *dst != local),
+        original_dst: original_dst(stream, local.is_ipv6()),
     };
     let mut writer = stream;
     writeln!(writer, "{}", serde_json::to_string(&answer)?)?;
@@ -114,7 +111,7 @@ pub(super) fn answer(role: &str, listener: u16, stream: &TcpStream) -> std::io::
 }
 
 /// `SO_ORIGINAL_DST` (`IP6T_SO_ORIGINAL_DST` on IPv6), when the kernel has one.
-pub(super) fn original_dst(stream: &TcpStream, v6: bool) -> Option<SocketAddr> {
+fn original_dst(stream: &TcpStream, v6: bool) -> Option<SocketAddr> {
     use nix::sys::socket::{SockaddrLike as _, SockaddrStorage};
     let mut storage = std::mem::MaybeUninit::<libc::sockaddr_storage>::zeroed();
     let mut len = libc::socklen_t::try_from(size_of::<libc::sockaddr_storage>()).ok()?;
