@@ -204,6 +204,20 @@ mod tests {
         TcpListener::from(bind(addr.parse().expect("addr"), Type::Stream).expect("bind"))
     }
 
+    /// A server of `role` on `listen` answers one dialled connection: its address, and what it
+    /// saw.
+    fn answered_once(listen: &str, role: &'static str) -> (SocketAddr, Answer) {
+        let listener = tcp(listen);
+        let addr = listener.local_addr().expect("addr");
+        let server = thread::spawn(move || {
+            let (stream, _) = listener.accept().expect("accept");
+            answer(role, addr.port(), &stream).expect("answer");
+        });
+        let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
+        server.join().expect("server");
+        (addr, dialled.answer.expect("an answer"))
+    }
+
     #[test]
     fn a_datagram_is_answered_from_the_address_it_was_sent_to() {
         let socket = UdpSocket::from(
@@ -280,15 +294,7 @@ mod tests {
                 .args(["link", "set", "lo", "up"])
                 .status();
             assert!(up.expect("ip").success());
-            let listener = tcp("127.0.0.1:0");
-            let addr = listener.local_addr().expect("addr");
-            let server = thread::spawn(move || {
-                let (stream, _) = listener.accept().expect("accept");
-                answer("server", addr.port(), &stream).expect("answer");
-            });
-            let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
-            server.join().expect("server");
-            let answer = dialled.answer.expect("an answer");
+            let (addr, answer) = answered_once("127.0.0.1:0", "server");
             assert_eq!(answer.role, "server");
             assert_eq!(answer.listener, addr.port());
             assert_eq!(answer.local, addr);
@@ -300,15 +306,7 @@ mod tests {
 
     #[test]
     fn an_ipv6_server_answers_with_what_it_saw() {
-        let listener = tcp("[::1]:0");
-        let addr = listener.local_addr().expect("addr");
-        let server = thread::spawn(move || {
-            let (stream, _) = listener.accept().expect("accept");
-            answer("proxy", addr.port(), &stream).expect("answer");
-        });
-        let dialled = dial_one("s", addr, Protocol::Tcp, Instant::now());
-        server.join().expect("server");
-        let answer = dialled.answer.expect("an answer");
+        let (addr, answer) = answered_once("[::1]:0", "proxy");
         assert_eq!((answer.role.as_str(), answer.local), ("proxy", addr));
         assert!(answer.peer.is_ipv6(), "{answer:?}");
     }
