@@ -652,6 +652,27 @@ fn ambient(backend: Backend, in_kernel: bool) {
             "rules",
             Box::new(move || in_netns(&netns, flush)),
         ));
+        // No table changes with it: the pass after the one that found the tables unchanged
+        // must still look.
+        let netns = pod.netns.name().to_owned();
+        tampers.push((
+            "the reply route's rule deleted, the tables untouched",
+            "route",
+            Box::new(move || {
+                in_netns(
+                    &netns,
+                    &[
+                        "ip",
+                        "rule",
+                        "del",
+                        "fwmark",
+                        "0x111/0xfff",
+                        "lookup",
+                        "100",
+                    ],
+                );
+            }),
+        ));
     }
     tampers.push((
         "the node's probe set emptied",

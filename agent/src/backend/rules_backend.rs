@@ -90,10 +90,15 @@ impl<R: Record> Records<R> {
         Ok(())
     }
 
-    /// The record of `pod` when it says that `rules` were applied whole (what is in the netns
-    /// is for the caller to compare); else [`BackendError::NotCaptured`] saying why not.
-    pub(super) fn applied_whole(&self, pod: &PodRef, rules: &R::Rules) -> Result<R, BackendError> {
-        let Some((_, record)) = self.recorded(pod) else {
+    /// The record of `pod`, and the id it is under, when it says that `rules` were applied
+    /// whole (what is in the netns is for the caller to compare); else
+    /// [`BackendError::NotCaptured`] saying why not.
+    pub(super) fn applied_whole(
+        &self,
+        pod: &PodRef,
+        rules: &R::Rules,
+    ) -> Result<(String, R), BackendError> {
+        let Some((id, record)) = self.recorded(pod) else {
             return Err(not_captured(
                 pod,
                 "meshcap never applied rules to this container".into(),
@@ -111,7 +116,7 @@ impl<R: Record> Records<R> {
                 "the applied rules are not the ones the pod's current policy renders (ADD again to update)".into(),
             ));
         }
-        Ok(record)
+        Ok((id, record))
     }
 
     /// The verifier's look at `pod`'s record: what is installed, in `describe`'s words, with

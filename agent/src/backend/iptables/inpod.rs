@@ -138,7 +138,8 @@ impl Ctx<'_> {
             .map_err(|source| BackendError::PodNet { pod, source })
     }
 
-    /// The first rule of `rules` that is not in place, if any.
+    /// The first rule of `rules` that is not in place (asked for with `-C`, a fork each), then
+    /// its policy route, if any.
     pub(super) fn first_missing(
         &mut self,
         flavour: Flavour,
@@ -161,6 +162,14 @@ impl Ctx<'_> {
                 }
             }
         }
+        self.missing_route(rules)
+    }
+
+    /// `rules`' policy route, when it is not in place.
+    pub(super) fn missing_route(
+        &mut self,
+        rules: &IptablesRules,
+    ) -> Result<Option<String>, BackendError> {
         if rules.routes.mark_route.is_none() {
             return Ok(None);
         }

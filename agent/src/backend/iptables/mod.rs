@@ -226,10 +226,22 @@ impl IptablesBackend {
         Ok(())
     }
 
-    /// Whether the pod's netns holds `rules` as recorded.
+    /// Whether the pod's netns holds `rules` as recorded: its tables unchanged since the
+    /// verifier last found them whole ([`crate::backend::baseline`]: one netlink request, or
+    /// the legacy tables read in process), else every rule asked for; and its policy route.
+    /// (An ADD of a pod already captured so, and a start reconciling every ambient pod, pay
+    /// no fork per rule.)
     fn verify(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
-        let record = self.records.applied_whole(pod, rules)?;
-        match self.in_netns(pod, |ctx| ctx.first_missing(record.flavour, rules))? {
+        let (id, record) = self.records.applied_whole(pod, rules)?;
+        let baseline = self.baselines.get(&id);
+        let missing = self.in_netns(pod, |ctx| {
+            if ctx.unchanged(record.flavour, rules, baseline.as_ref())? {
+                ctx.missing_route(rules)
+            } else {
+                ctx.first_missing(record.flavour, rules)
+            }
+        })?;
+        match missing {
             None => Ok(()),
             Some(missing) => Err(not_captured(pod, missing)),
         }

@@ -18,7 +18,7 @@ use meshcap_policy::IptablesRules;
 use super::{Flavour, IptablesBackend, inpod::Ctx, legacy_tables, records::Applied, restore};
 use crate::{
     backend::{
-        BackendError, DriftKind, PodCheck, Verify, baseline::Baseline, records::Record as _,
+        BackendError, Drift, DriftKind, PodCheck, Verify, baseline::Baseline, records::Record as _,
         rules_backend::route_drift,
     },
     pod::PodRef,
@@ -97,10 +97,12 @@ impl Ctx<'_> {
         } else {
             None
         };
+        // The policy route is no table's: it is looked at on every pass (one netlink dump).
         if baseline.is_some_and(|then| then.same_generation(rules, generation)) {
             check.installed.push(
                 "every rule in place (nf_tables unchanged since last found whole)".to_owned(),
             );
+            check.drift.extend(self.route_drift(rules, verify)?);
             return Ok((check, None));
         }
         let saved = self.saved(flavour, rules)?;
@@ -108,6 +110,7 @@ impl Ctx<'_> {
             check
                 .installed
                 .push("every rule in place (tables unchanged since last found whole)".to_owned());
+            check.drift.extend(self.route_drift(rules, verify)?);
             return Ok((check, Some(Baseline::new(rules, generation, &saved))));
         }
         let missing = self.missing(flavour, rules)?;
@@ -126,12 +129,7 @@ impl Ctx<'_> {
                 self.put_back(flavour, rules, &missing)
             }));
         }
-        check.drift.extend(route_drift(
-            self.visit,
-            &self.xt.who,
-            &rules.routes,
-            verify,
-        )?);
+        check.drift.extend(self.route_drift(rules, verify)?);
         if check.drift.is_empty() {
             return Ok((check, Some(Baseline::new(rules, generation, &saved))));
         }
@@ -151,6 +149,32 @@ impl Ctx<'_> {
         };
         let saved = self.saved(flavour, rules)?;
         Ok((check, Some(Baseline::new(rules, generation, &saved))))
+    }
+
+    /// The policy route `rules` need, compared (and with [`Verify::Repair`] put back).
+    fn route_drift(
+        &mut self,
+        rules: &IptablesRules,
+        verify: Verify,
+    ) -> Result<Option<Drift>, BackendError> {
+        route_drift(self.visit, &self.xt.who, &rules.routes, verify)
+    }
+
+    /// Whether the visited netns's tables are as they were when `rules` were last found whole
+    /// there (`baseline`): its nf_tables generation the same, else the tables read the same.
+    pub(super) fn unchanged(
+        &self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+        baseline: Option<&Baseline>,
+    ) -> Result<bool, BackendError> {
+        let Some(then) = baseline else {
+            return Ok(false);
+        };
+        if flavour == Flavour::Nft && then.same_generation(rules, nftgen::generation().ok()) {
+            return Ok(true);
+        }
+        Ok(then.same_tables(rules, &self.saved(flavour, rules)?))
     }
 
     /// The tables `rules` use as they are, per family, without counters: with legacy iptables

@@ -44,7 +44,7 @@ use super::{
 use crate::{
     crashpoint,
     pod::PodRef,
-    podnet::{self, Visit},
+    podnet::{self, Visit, nftgen},
 };
 
 /// Backend configuration.
@@ -243,11 +243,18 @@ impl NftablesBackend {
         Ok(())
     }
 
-    /// Whether the pod's netns holds `rules` as recorded.
+    /// Whether the pod's netns holds `rules` as recorded: its nf_tables generation unchanged
+    /// since the verifier last found its tables so ([`crate::backend::baseline`]: one netlink
+    /// request), else the tables listed and compared; and its policy route.
     fn check_recorded(&self, pod: &PodRef, rules: &NftablesRules) -> Result<(), BackendError> {
-        let record = self.records.applied_whole(pod, rules)?;
+        let (id, record) = self.records.applied_whole(pod, rules)?;
+        let baseline = self.baselines.get(&id);
         let missing = self.in_netns(&record.pod, |nft, visit| {
-            if let Some(difference) = difference(&record.listing, &listing(nft, rules)?) {
+            let unchanged =
+                baseline.is_some_and(|then| then.same_generation(rules, nftgen::generation().ok()));
+            if !unchanged
+                && let Some(difference) = difference(&record.listing, &listing(nft, rules)?)
+            {
                 return Ok(Some(difference));
             }
             missing_route(visit, &rules.routes).map_err(|source| BackendError::PodNet {

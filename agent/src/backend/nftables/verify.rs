@@ -44,10 +44,17 @@ impl NftablesBackend {
             let mut found = PodCheck::default();
             // Read before the tables are: a change made while they are compared shows next time.
             let generation = nftgen::generation().ok();
+            // The policy route is no table's: it is looked at on every pass (one netlink dump).
             if baseline.is_some_and(|then| then.same_generation(rules, generation)) {
                 found.installed.push(
                     "every table as applied (nf_tables unchanged since last found so)".to_owned(),
                 );
+                found.drift.extend(route_drift(
+                    visit,
+                    &record.pod.to_string(),
+                    &rules.routes,
+                    verify,
+                )?);
                 return Ok(found);
             }
             match difference(&record.listing, &listing(nft, rules)?) {
