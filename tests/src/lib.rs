@@ -652,6 +652,14 @@ impl Proc {
         }
     }
 
+    /// How the process exited, if it has.
+    ///
+    /// # Errors
+    /// When its status cannot be read.
+    pub fn exited(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait()
+    }
+
     /// Waits for the process to exit and returns its whole stdout.
     ///
     /// # Errors

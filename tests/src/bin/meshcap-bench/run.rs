@@ -36,8 +36,8 @@ pub(crate) struct Plan {
     pub(crate) setup_pods: usize,
     /// Broken pods repaired in place per backend.
     pub(crate) repair_pods: usize,
-    /// Captured pods a verification pass goes over, per backend.
-    pub(crate) verify_pods: usize,
+    /// The node sizes (captured pods) a verification pass goes over, per backend.
+    pub(crate) verify_pods: &'static [usize],
     /// Kubelet's parallelism: pods on the node, new pods per batch, rounds per concurrency.
     pub(crate) churn: (usize, usize, usize),
 }
@@ -80,7 +80,7 @@ impl Plan {
                 plugin_runs: 20,
                 setup_pods: 100,
                 repair_pods: 20,
-                verify_pods: 100,
+                verify_pods: &[100],
                 churn: (20, 16, 1),
             }
         } else {
@@ -119,7 +119,7 @@ impl Plan {
                 plugin_runs: 200,
                 setup_pods: 1_000,
                 repair_pods: 100,
-                verify_pods: 1_000,
+                verify_pods: &[250, 1_000],
                 churn: (250, 64, 2),
             }
         }
@@ -244,7 +244,7 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
     }
     if opts.wants(Section::Verify) {
         eprintln!(
-            "meshcap-bench: verification pass, {} pods per backend",
+            "meshcap-bench: verification pass, {:?} pods per backend",
             plan.verify_pods
         );
         report.push_str(&crate::verify::section(plan.verify_pods)?);

@@ -9,8 +9,10 @@
 //! backend asks CHECK's `-C` of every rule, the nftables backend lists every table, as every
 //! first pass did before issue 47); then as an agent restarts, the baselines kept: a pod whose
 //! tables did not change is not read again. Both restarts walk the node's namespaces for the
-//! pods' netns (eBPF). Legacy iptables is measured too: there nothing but
-//! `iptables-legacy-save` says the tables did not change.
+//! pods' netns (eBPF). Legacy iptables is measured too, and ambient mode both ways (Istio's
+//! in-pod rules, and the kernel), its pods enrolled with a stand-in ztunnel that acks them and
+//! reconnects to the restarted agent, as ztunnel does. Every backend runs at each node size
+//! asked for (250 pods, a busy node, and 1,000).
 use std::{
     fmt::Write as _,
     fs, thread,
@@ -19,11 +21,13 @@ use std::{
 
 use anyhow::{Context as _, bail, ensure};
 use meshcap_tests::{
-    Netns, TestCgroup,
+    Netns, Placement, Proc, TestCgroup,
     agent::{Agent, Backend},
-    fixtures::{ManifestDir, sidecar_pod},
+    bin,
+    fixtures::{ManifestDir, ambient_pod, sidecar_pod},
     kubelet::{self, Sandbox, config},
 };
+use serde_json::Value;
 
 use crate::{setup, stats::Samples};
 
@@ -55,7 +59,6 @@ struct Restart {
 
 /// What one agent's run measured.
 struct Measured {
-    label: &'static str,
     /// A restarted agent's first pass, and what its start cost.
     first: Pass,
     restart: Restart,
@@ -64,81 +67,127 @@ struct Measured {
     steady: Vec<Pass>,
 }
 
-/// Runs the section over `pods` pods and returns its Markdown.
-pub(crate) fn section(pods: usize) -> anyhow::Result<String> {
-    let mut sandboxes = setup::sandboxes(pods + 1)?;
-    let extra = sandboxes.pop().context("the pod ADDed at a restart")?;
-    let mut out = format!(
-        "\n## Verification pass\n\nEvery capture compared with its record, once per \
-         `meshcap.verifyIntervalSeconds` (30 s by default): the cost of one pass over {pods} \
-         captured sidecar pods, as the agent measures it (wall time; CPU of the agent and of the \
-         commands it runs, user and system). The steady state is the median of {PASSES} passes \
-         after the pods' ADDs; the first pass is a restarted agent's, which keeps what the \
-         verifier last found whole in its state directory but not the pods' netns paths \
-         (goal: at most 3 s of CPU for 1,000 pods); \"nothing kept\" is the same with those \
-         baselines removed, as every first pass was before. The share of one core is the \
-         steady pass scaled to a {NODE_PODS:.0}-pod node at the default interval (goal: under 1 \
-         %).\n\n| backend | first pass after a restart: wall / CPU | first pass, nothing kept: \
-         wall / CPU | steady pass: wall / CPU | per pod CPU | one core, {NODE_PODS:.0} pods \
-         every {DEFAULT_INTERVAL:.0} s |\n|---|---|---|---|---|---|\n"
-    );
-    let runs: [(&'static str, Backend, &[&str]); 4] = [
-        ("eBPF", Backend::Ebpf, &[]),
-        (
+/// An agent the section measures: its label, backend and flags, and in ambient mode whether
+/// its pods are in the kernel (`ambient.inKernel`).
+struct Run {
+    label: &'static str,
+    backend: Backend,
+    args: &'static [&'static str],
+    ambient: Option<bool>,
+}
+
+impl Run {
+    const ALL: [Self; 6] = [
+        Self::sidecar("eBPF", Backend::Ebpf, &[]),
+        Self::sidecar(
             "iptables (nft)",
             Backend::Iptables,
             &["--iptables-flavour", "nft"],
         ),
-        (
+        Self::sidecar(
             "iptables (legacy)",
             Backend::Iptables,
             &["--iptables-flavour", "legacy"],
         ),
-        ("nftables (native)", Backend::Nftables, &[]),
+        Self::sidecar("nftables (native)", Backend::Nftables, &[]),
+        Self {
+            label: "ambient, Istio's in-pod rules",
+            backend: Backend::Iptables,
+            args: &[],
+            ambient: Some(false),
+        },
+        Self {
+            label: "ambient, in the kernel",
+            backend: Backend::Ebpf,
+            args: &[],
+            ambient: Some(true),
+        },
     ];
-    let mut restarts = format!(
-        "\nThe same restarts with the baselines kept, {pods} pods: from the restart until \
-         `/readyz` answers 200, the agent's CPU until then (user and system), its peak resident \
-         memory (`VmHWM`) once the first pass ran, and the plugin's wall time for a pod ADDed \
-         as soon as the agent is ready (the first pass may run meanwhile).\n\n| backend | to \
-         Ready | CPU to Ready | peak memory | ADD after Ready | first pass: wall / CPU \
-         |\n|---|---|---|---|---|---|\n"
+
+    const fn sidecar(label: &'static str, backend: Backend, args: &'static [&'static str]) -> Self {
+        Self {
+            label,
+            backend,
+            args,
+            ambient: None,
+        }
+    }
+
+    /// The manifest of pod `name`.
+    fn manifest(&self, name: &str) -> Value {
+        if self.ambient.is_some() {
+            ambient_pod("bench", name)
+        } else {
+            sidecar_pod("bench", name, &[])
+        }
+    }
+}
+
+/// Runs the section at each node size of `sizes` and returns its Markdown.
+pub(crate) fn section(sizes: &[usize]) -> anyhow::Result<String> {
+    let most = sizes.iter().copied().max().context("no node size")?;
+    let mut sandboxes = setup::sandboxes(most + 1)?;
+    let extra = sandboxes.pop().context("the pod ADDed at a restart")?;
+    let mut out = format!(
+        "\n## Verification pass\n\nEvery capture compared with its record, once per \
+         `meshcap.verifyIntervalSeconds` (30 s by default): the cost of one pass over a node's \
+         captured pods (sidecar pods; in ambient mode enrolled pods, a stand-in ztunnel acking \
+         them), as the agent measures it (wall time; CPU of the agent and of the commands it \
+         runs, user and system). The steady state is the median of {PASSES} passes after the \
+         pods' ADDs; the first pass is a restarted agent's, which keeps what the verifier last \
+         found whole in its state directory but not the pods' netns paths (goal: at most 3 s \
+         of CPU for 1,000 pods); \"nothing kept\" is the same with those baselines removed, as \
+         every first pass was before. The share of one core is the steady pass scaled to a \
+         {NODE_PODS:.0}-pod node at the default interval (goal: under 1 %).\n\n| backend | \
+         pods | first pass after a restart: wall / CPU | first pass, nothing kept: wall / CPU \
+         | steady pass: wall / CPU | per pod CPU | one core, {NODE_PODS:.0} pods every \
+         {DEFAULT_INTERVAL:.0} s |\n|---|---|---|---|---|---|---|\n"
     );
-    for (label, backend, args) in runs {
-        eprintln!("  {label}");
-        match measure(label, backend, args, &sandboxes, &extra) {
-            Ok(m) => {
-                let wall = Samples(m.steady.iter().map(|p| p.wall).collect()).median();
-                let cpu = Samples(m.steady.iter().map(|p| p.cpu).collect()).median();
-                let per_pod = cpu / sandboxes.len() as f64;
-                let share = per_pod * NODE_PODS / DEFAULT_INTERVAL * 100.0;
-                let _ = writeln!(
-                    out,
-                    "| {} | {} / {} | {} / {} | {} / {} | {:.0} µs | {share:.3} % |",
-                    m.label,
-                    ms(m.first.wall),
-                    ms(m.first.cpu),
-                    ms(m.cold.wall),
-                    ms(m.cold.cpu),
-                    ms(wall),
-                    ms(cpu),
-                    per_pod * 1e6,
-                );
-                let r = m.restart;
-                let _ = writeln!(
-                    restarts,
-                    "| {} | {} | {} | {:.0} MiB | {} | {} / {} |",
-                    m.label,
-                    ms(r.ready),
-                    ms(r.ready_cpu),
-                    r.peak_mib,
-                    ms(r.add),
-                    ms(m.first.wall),
-                    ms(m.first.cpu),
-                );
-            }
-            Err(err) => {
-                let _ = writeln!(out, "| {label} | n/a: {err:#} | | | | |");
+    let mut restarts = String::from(
+        "\nThe same restarts with the baselines kept: from the restart until `/readyz` answers \
+         200, the agent's CPU until then (user and system), its peak resident memory (`VmHWM`) \
+         once the first pass ran, and the plugin's wall time for a pod ADDed as soon as the \
+         agent is ready (in ambient mode, and its ztunnel connected again), the first pass \
+         running meanwhile.\n\n| backend | pods | to Ready | CPU to Ready | peak memory | ADD \
+         after Ready | first pass: wall / CPU |\n|---|---|---|---|---|---|---|\n",
+    );
+    for &size in sizes {
+        for run in &Run::ALL {
+            eprintln!("  {}, {size} pods", run.label);
+            let label = run.label;
+            match measure(run, &sandboxes[..size], &extra) {
+                Ok(m) => {
+                    let wall = Samples(m.steady.iter().map(|p| p.wall).collect()).median();
+                    let cpu = Samples(m.steady.iter().map(|p| p.cpu).collect()).median();
+                    let per_pod = cpu / size as f64;
+                    let share = per_pod * NODE_PODS / DEFAULT_INTERVAL * 100.0;
+                    let _ = writeln!(
+                        out,
+                        "| {label} | {size} | {} / {} | {} / {} | {} / {} | {:.0} µs | \
+                         {share:.3} % |",
+                        ms(m.first.wall),
+                        ms(m.first.cpu),
+                        ms(m.cold.wall),
+                        ms(m.cold.cpu),
+                        ms(wall),
+                        ms(cpu),
+                        per_pod * 1e6,
+                    );
+                    let r = m.restart;
+                    let _ = writeln!(
+                        restarts,
+                        "| {label} | {size} | {} | {} | {:.0} MiB | {} | {} / {} |",
+                        ms(r.ready),
+                        ms(r.ready_cpu),
+                        r.peak_mib,
+                        ms(r.add),
+                        ms(m.first.wall),
+                        ms(m.first.cpu),
+                    );
+                }
+                Err(err) => {
+                    let _ = writeln!(out, "| {label} | {size} | n/a: {err:#} | | | | |");
+                }
             }
         }
     }
@@ -150,13 +199,41 @@ fn ms(seconds: f64) -> String {
     format!("{:.0} ms", seconds * 1e3)
 }
 
-fn measure(
-    label: &'static str,
-    backend: Backend,
-    more: &[&str],
-    sandboxes: &[Netns],
-    extra: &Netns,
-) -> anyhow::Result<Measured> {
+/// The stand-in ztunnel of an ambient run, on the agent's ZDS socket, its lines in a log (a
+/// pipe nobody reads would fill up and stop it).
+struct Ztunnel {
+    proc: Proc,
+    log: std::path::PathBuf,
+    _node: Netns,
+}
+
+impl Ztunnel {
+    /// How many snapshots it has been sent: one per connection to an agent.
+    fn snapshots(&self) -> usize {
+        fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| *l == "snapshot_sent")
+            .count()
+    }
+
+    /// Waits until it has been sent `n` snapshots, a minute at most.
+    fn wait_snapshots(&mut self, n: usize) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.snapshots() < n {
+            ensure!(self.proc.exited()?.is_none(), "the stand-in ztunnel exited");
+            ensure!(
+                Instant::now() < deadline,
+                "the stand-in ztunnel was sent no snapshot within a minute"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+}
+
+fn measure(run: &Run, sandboxes: &[Netns], extra: &Netns) -> anyhow::Result<Measured> {
+    let label = run.label;
     let cgroup = TestCgroup::new("mcb-verify")?;
     let pods = ManifestDir::new();
     let mut args = vec![
@@ -165,21 +242,56 @@ fn measure(
         "--pod-dir",
         pods.0.to_str().context("utf-8")?,
     ];
-    args.extend_from_slice(more);
+    args.extend_from_slice(run.args);
     let every = EVERY.to_string();
-    let mut agent = Agent::start_in(
-        backend,
-        &args,
-        &[
-            ("RUST_LOG", "warn"),
-            ("MESHCAP_VERIFY_INTERVAL_SECONDS", every.as_str()),
-        ],
-        Some(cgroup.path()),
-    )?;
+    let socket = pods.0.join("ztunnel.sock");
+    let socket = socket.to_str().context("utf-8")?;
+    let node = Netns::new("mcb-vnode")?;
+    let node_path = node.path();
+    let mut env = vec![
+        ("RUST_LOG", "warn"),
+        ("MESHCAP_VERIFY_INTERVAL_SECONDS", every.as_str()),
+    ];
+    if let Some(in_kernel) = run.ambient {
+        env.extend([
+            ("MESHCAP_AMBIENT_ENABLED", "true"),
+            (
+                "MESHCAP_AMBIENT_IN_KERNEL",
+                if in_kernel { "true" } else { "false" },
+            ),
+            ("MESHCAP_ZTUNNEL_SOCKET", socket),
+            ("MESHCAP_NODE_NETNS", node_path.to_str().context("utf-8")?),
+        ]);
+    }
+    let mut agent = Agent::start_in(run.backend, &args, &env, Some(cgroup.path()))?;
+    let mut ztunnel = match run.ambient {
+        Some(_) => {
+            let log = pods.0.join("ztunnel.log");
+            let proc = Proc::spawn_logged(
+                Placement {
+                    netns: &node,
+                    cgroup: None,
+                    uid: 0,
+                    gid: 0,
+                },
+                &bin::ztunnel(),
+                &["--socket", socket, "--acks-only"],
+                &log,
+            )?;
+            let mut ztunnel = Ztunnel {
+                proc,
+                log,
+                _node: node,
+            };
+            ztunnel.wait_snapshots(1)?;
+            Some(ztunnel)
+        }
+        None => None,
+    };
     for (i, netns) in sandboxes.iter().enumerate() {
         let name = format!("pod-{i}");
         let manifest = pods.0.join(format!("{name}.json"));
-        fs::write(&manifest, sidecar_pod("bench", &name, &[]).to_string())?;
+        fs::write(&manifest, run.manifest(&name).to_string())?;
         let sandbox = Sandbox {
             container_id: format!("sandbox-{name}"),
             ..Sandbox::new("bench", &name, netns)
@@ -200,12 +312,13 @@ fn measure(
     agent.kill()?;
     let baselines = agent
         .state_dir()
-        .join(format!("{}-baselines", backend.name()));
+        .join(format!("{}-baselines", run.backend.name()));
     if baselines.exists() {
         fs::remove_dir_all(&baselines)?;
     }
     let cold = first_pass(label, &mut agent)?;
     agent.kill()?;
+    let snapshots = ztunnel.as_ref().map_or(0, Ztunnel::snapshots);
     let restart = Instant::now();
     agent.restart()?;
     while !agent.http_get("/readyz").is_ok_and(|(code, _)| code == 200) {
@@ -217,12 +330,15 @@ fn measure(
     }
     let ready = restart.elapsed().as_secs_f64();
     let ready_cpu = cpu_seconds(agent.pid())?;
+    if let Some(ztunnel) = &mut ztunnel {
+        ztunnel.wait_snapshots(snapshots + 1)?;
+    }
     let extra_pod = Sandbox {
         container_id: "sandbox-extra".to_owned(),
         ..Sandbox::new("bench", "extra", extra)
     };
     let manifest = pods.0.join("extra.json");
-    fs::write(&manifest, sidecar_pod("bench", "extra", &[]).to_string())?;
+    fs::write(&manifest, run.manifest("extra").to_string())?;
     let conf = config("1.1.0", &agent.socket, "10.0.0.2");
     let sent = Instant::now();
     let add = kubelet::cni("ADD", &extra_pod, &conf)?;
@@ -249,7 +365,6 @@ fn measure(
         ensure!(del.success, "DEL of bench/{name}: {}", del.msg());
     }
     Ok(Measured {
-        label,
         first,
         restart,
         cold,
