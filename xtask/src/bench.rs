@@ -1,4 +1,5 @@
-//! `cargo xtask bench [--quick] [--only SECTION] [--short-only N] [--baseline REV|DIR]`: builds meshcap in release and runs the benchmark runner
+//! `cargo xtask bench [--quick] [--only SECTION] [--short-only N] [--baseline REV|DIR]
+//! [--ztunnel PATH]`: builds meshcap in release and runs the benchmark runner
 //! (tests/src/bin/meshcap-bench), which prints the tables of BENCHMARKS.md and writes them to
 //! `target/bench/results.md`. Needs root: it builds throwaway pods (netns, cgroups, BPF).
 //!
@@ -23,7 +24,7 @@ pub struct Args {
     #[arg(long)]
     pub quick: bool,
     /// Only this section (repeatable): data-path, mesh-hop, ambient, inbound, policy-scale,
-    /// footprint, pod-setup, repair, verify.
+    /// footprint, pod-setup, repair, verify, churn, ztunnel (with `--ztunnel`).
     #[arg(long)]
     pub only: Vec<String>,
     /// The data path's short connections only, this many per round and mode (no ping-pong,
@@ -35,6 +36,11 @@ pub struct Args {
     /// per-connection cost and rates to this build's.
     #[arg(long, value_name = "REV|DIR")]
     pub baseline: Option<String>,
+    /// Ambient mode through this ztunnel binary (istio/ztunnel built with its `testing`
+    /// feature, by you: the bench never fetches or builds it): HBONE with mTLS on one node and
+    /// between two simulated nodes, the `ztunnel` section.
+    #[arg(long, value_name = "PATH")]
+    pub ztunnel: Option<PathBuf>,
 }
 
 pub fn run(args: &Args) -> anyhow::Result<()> {
@@ -62,6 +68,12 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     if let Some(short) = args.short_only {
         bench.arg("--short-only").arg(short.to_string());
+    }
+    if let Some(ztunnel) = &args.ztunnel {
+        let ztunnel = ztunnel
+            .canonicalize()
+            .with_context(|| format!("--ztunnel {}", ztunnel.display()))?;
+        bench.arg("--ztunnel").arg(ztunnel);
     }
     if let Some((dir, label)) = &baseline {
         bench

@@ -7,7 +7,6 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     fs,
-    path::Path,
     sync::atomic::{AtomicBool, Ordering},
     thread,
     time::Duration,
@@ -22,9 +21,8 @@ use aya::{
 use meshcap_common::{FlowKey, OrigDst, maps};
 
 use crate::{
-    pods::Pod,
     stats::{Samples, human},
-    workload::Load,
+    workload::{Load, Measured},
 };
 
 /// Run count and run time (ns) per program name.
@@ -41,20 +39,19 @@ pub struct Costs {
 }
 
 impl Costs {
-    /// Runs `load` in `pod` with statistics on and adds what the programs of the agent with
-    /// pid `agent` ran, per connection.
+    /// Runs `measure` (a pass of `load`) with statistics on and adds what the programs of the
+    /// agents with pids `agents` ran, per connection (all of them together: with two nodes, a
+    /// connection runs the client's node's programs and the server's).
     ///
     /// # Errors
     /// When statistics cannot be switched on or the client fails.
     pub fn pass(
         &mut self,
-        pod: &Pod,
-        agent: u32,
-        exe: &Path,
-        cpu: usize,
+        agents: &[u32],
         load: Load,
+        measure: impl FnOnce() -> anyhow::Result<Measured>,
     ) -> anyhow::Result<()> {
-        let programs = agent_programs(agent);
+        let programs: Vec<ProgramInfo> = agents.iter().flat_map(|&a| agent_programs(a)).collect();
         let flows = flows_map(&programs);
         let stats = enable_stats(Stats::RunTime).context("BPF_ENABLE_STATS")?;
         let before = snapshot(&programs);
@@ -70,7 +67,7 @@ impl Costs {
                 }
                 peak
             });
-            let measured = pod.measure(exe, cpu, load);
+            let measured = measure();
             done.store(true, Ordering::Relaxed);
             (measured, sampler.join().unwrap_or(0))
         });
@@ -91,6 +88,11 @@ impl Costs {
         }
         self.rounds.push(round);
         Ok(())
+    }
+
+    /// Every program's ns per connection together, the median of the rounds.
+    pub fn total_ns(&self) -> f64 {
+        self.of(None).1.median()
     }
 
     /// Program names that ran in any pass.

@@ -1,7 +1,8 @@
 //! meshcap's benchmark: the workloads and the runner behind `cargo xtask bench`.
 //!
-//! - `meshcap-bench run [--quick] [--out FILE]`: builds throwaway pods, one per capture mode,
-//!   runs interleaved rounds in them and prints Markdown tables (medians, ratios of medians);
+//! - `meshcap-bench run [--quick] [--out FILE] [--ztunnel PATH]`: builds throwaway pods, one
+//!   per capture mode, runs interleaved rounds in them and prints Markdown tables (medians,
+//!   ratios of medians);
 //! - `meshcap-bench proxy --listen ADDR [--cpu N] [--upstream ADDR]`: the stand-in proxy,
 //!   forwarding to an upstream when given one (see [`workload`]);
 //! - `meshcap-bench client --target ADDR [--cpu N] ...`: the app; prints one JSON line;
@@ -23,6 +24,7 @@ mod setup;
 mod stats;
 mod verify;
 mod workload;
+mod ztunnel;
 
 #[derive(Parser)]
 #[command(name = "meshcap-bench", about = "meshcap's benchmark (root)")]
@@ -58,6 +60,10 @@ enum Command {
         /// What the report calls the baseline.
         #[arg(long, requires = "baseline_bin")]
         baseline_label: Option<String>,
+        /// A ztunnel binary (istio/ztunnel built with its `testing` feature): ambient mode
+        /// through it, HBONE on one node and between two (the `ztunnel` section).
+        #[arg(long)]
+        ztunnel: Option<PathBuf>,
     },
     /// The stand-in proxy: accepts, recovers the original destination, echoes.
     Proxy {
@@ -109,6 +115,7 @@ fn main() -> anyhow::Result<()> {
             short_only,
             baseline_bin,
             baseline_label,
+            ztunnel,
         } => run::run(
             &run::Options {
                 quick,
@@ -119,6 +126,7 @@ fn main() -> anyhow::Result<()> {
                     label: baseline_label.unwrap_or_else(|| bin.display().to_string()),
                     bin,
                 }),
+                ztunnel,
             },
             out.as_deref(),
         ),

@@ -46,7 +46,7 @@ pub(crate) fn interleave(
             for k in 0..pods.len() {
                 let i = (round + k) % pods.len();
                 if let Some(agent) = node.ebpf_agent(pods[i].mode) {
-                    costs[i].pass(&pods[i], agent.pid(), exe, cpu, *cost)?;
+                    costs[i].pass(&[agent.pid()], *cost, || pods[i].measure(exe, cpu, *cost))?;
                 }
             }
         }
@@ -89,6 +89,17 @@ fn data_table_with(
     results: &[Vec<Measured>],
     ratios: Vec<(usize, usize)>,
 ) -> Table {
+    let columns = modes.iter().map(|m| m.label().to_owned()).collect();
+    metrics_table(columns, results, ratios)
+}
+
+/// The data path's metrics (short connections, round trips, bulk) of `results`, a column each,
+/// with the `ratios` (column, against column) of their medians.
+pub(crate) fn metrics_table(
+    columns: Vec<String>,
+    results: &[Vec<Measured>],
+    ratios: Vec<(usize, usize)>,
+) -> Table {
     type Metric = fn(&Measured) -> f64;
     let metrics: [(&str, Metric); 6] = [
         ("short conn/s", |m| m.short_per_s),
@@ -99,7 +110,7 @@ fn data_table_with(
         ("bulk Gbit/s", |m| m.bulk_gbit_s),
     ];
     Table {
-        columns: modes.iter().map(|m| m.label().to_owned()).collect(),
+        columns,
         ratios,
         rows: metrics
             .iter()

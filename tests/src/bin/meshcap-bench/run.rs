@@ -5,9 +5,15 @@
 //! ports in any mode), a stand-in proxy on 0.0.0.0:15001 running as uid 1337, and the app
 //! running as uid 1000. The app dials 10.96.0.10:80 (a "service"), except in the no-capture
 //! mode, where it dials the proxy port directly: the floor.
-use std::{fmt::Write as _, fs, path::Path, process::Command, time::Instant};
+use std::{
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
 
-use anyhow::Context as _;
+use anyhow::{Context as _, ensure};
 use meshcap_tests::require_root;
 
 use crate::{
@@ -40,6 +46,11 @@ pub(crate) struct Plan {
     pub(crate) verify_pods: &'static [usize],
     /// Kubelet's parallelism: pods on the node, new pods per batch, rounds per concurrency.
     pub(crate) churn: (usize, usize, usize),
+    /// Through the real ztunnel: alternated rounds, the load per round, way and layout, and
+    /// the kernel-time pass after each round.
+    pub(crate) ztunnel_rounds: usize,
+    pub(crate) ztunnel: Load,
+    pub(crate) cost_ztunnel: Load,
 }
 
 impl Plan {
@@ -82,6 +93,21 @@ impl Plan {
                 repair_pods: 20,
                 verify_pods: &[100],
                 churn: (20, 16, 1),
+                ztunnel_rounds: 2,
+                ztunnel: Load {
+                    short: 300,
+                    warmup: 30,
+                    pingpong: 1_000,
+                    bulk: 64 << 20,
+                    size: MSG,
+                },
+                cost_ztunnel: Load {
+                    short: 300,
+                    warmup: 0,
+                    pingpong: 0,
+                    bulk: 0,
+                    size: MSG,
+                },
             }
         } else {
             Self {
@@ -121,6 +147,21 @@ impl Plan {
                 repair_pods: 100,
                 verify_pods: &[250, 1_000],
                 churn: (250, 64, 2),
+                ztunnel_rounds: 5,
+                ztunnel: Load {
+                    short: 3_000,
+                    warmup: 200,
+                    pingpong: 10_000,
+                    bulk: 512 << 20,
+                    size: MSG,
+                },
+                cost_ztunnel: Load {
+                    short: 2_000,
+                    warmup: 0,
+                    pingpong: 0,
+                    bulk: 0,
+                    size: MSG,
+                },
             }
         }
     }
@@ -150,6 +191,8 @@ pub enum Section {
     Verify,
     /// New pods ADDed and DELeted 8 at a time and one at a time beside a node's pods.
     Churn,
+    /// Ambient mode through the real ztunnel (`--ztunnel`): HBONE on one node and between two.
+    Ztunnel,
 }
 
 /// What `meshcap-bench run` was asked for.
@@ -162,6 +205,8 @@ pub struct Options {
     pub short_only: Option<usize>,
     /// A/B: another build run beside this one.
     pub baseline: Option<Baseline>,
+    /// A ztunnel binary, for [`Section::Ztunnel`].
+    pub ztunnel: Option<PathBuf>,
 }
 
 impl Options {
@@ -184,6 +229,11 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
             size: MSG,
         };
     }
+    ensure!(
+        opts.ztunnel.is_some() || !opts.only.contains(&Section::Ztunnel),
+        "--only ztunnel needs --ztunnel PATH: a ztunnel binary, which the bench never fetches \
+         or builds"
+    );
     let cpu = opts.cpu;
     let exe = std::env::current_exe().context("locating meshcap-bench")?;
     let mut report = machine(opts, cpu);
@@ -254,6 +304,22 @@ pub fn run(opts: &Options, out: Option<&Path>) -> anyhow::Result<()> {
         eprintln!("meshcap-bench: kubelet's parallelism, {node} pods on the node, {churn} new");
         report.push_str(&crate::churn::section(node, churn, rounds)?);
     }
+    if let Some(ztunnel) = opts
+        .ztunnel
+        .as_deref()
+        .filter(|_| opts.wants(Section::Ztunnel))
+    {
+        eprintln!(
+            "meshcap-bench: through the real ztunnel, {} rounds",
+            plan.ztunnel_rounds
+        );
+        report.push_str(&crate::ztunnel::section(&plan, &exe, ztunnel)?);
+    } else if opts.only.is_empty() {
+        report.push_str(
+            "\n## Ambient through the real ztunnel\n\nNot run: no `--ztunnel PATH` (a ztunnel \
+             binary, which the bench never fetches or builds).\n",
+        );
+    }
     let _ = writeln!(
         report,
         "\nThis run took {:.0} s.",
@@ -303,6 +369,9 @@ pub(crate) fn machine(opts: &Options, cpu: usize) -> String {
     }
     if let Some(baseline) = &opts.baseline {
         let _ = write!(command, " --baseline {}", baseline.label);
+    }
+    if let Some(ztunnel) = &opts.ztunnel {
+        let _ = write!(command, " --ztunnel {}", ztunnel.display());
     }
     format!(
         "## Machine\n\n- {cpus} × {model}, {:.1} GiB RAM, kernel {}, {iptables}\n- Command: \

@@ -20,6 +20,12 @@ use meshcap_tests::{
 
 use crate::stats::Samples;
 
+/// The address every benchmark pod has unless it says otherwise (`eth0`, as [`pod_netns`]
+/// makes it).
+///
+/// [`pod_netns`]: crate::pods::pod_netns
+const POD_IP: &str = "10.0.0.2";
+
 /// What one backend's run measured.
 pub struct SetupResult {
     /// The backend measured.
@@ -207,7 +213,7 @@ impl Agent {
             &manifest,
             sidecar_pod("bench", name, annotations).to_string(),
         )?;
-        let took = self.cni("ADD", netns, name);
+        let took = self.cni("ADD", netns, name, POD_IP);
         fs::remove_file(&manifest)?;
         took
     }
@@ -218,9 +224,17 @@ impl Agent {
     /// # Errors
     /// When the ADD fails.
     pub fn add_ambient(&self, netns: &Netns, name: &str) -> anyhow::Result<f64> {
+        self.add_ambient_at(netns, name, POD_IP)
+    }
+
+    /// [`Self::add_ambient`] for a pod whose address (the primary plugin's result) is `ip`.
+    ///
+    /// # Errors
+    /// When the ADD fails.
+    pub fn add_ambient_at(&self, netns: &Netns, name: &str, ip: &str) -> anyhow::Result<f64> {
         let manifest = self.pods.0.join(format!("{name}.json"));
         fs::write(&manifest, ambient_pod("bench", name).to_string())?;
-        let took = self.cni("ADD", netns, name);
+        let took = self.cni("ADD", netns, name, ip);
         fs::remove_file(&manifest)?;
         took
     }
@@ -230,12 +244,13 @@ impl Agent {
     /// # Errors
     /// When the DEL fails.
     pub fn del(&self, netns: &Netns, name: &str) -> anyhow::Result<f64> {
-        self.cni("DEL", netns, name)
+        self.cni("DEL", netns, name, POD_IP)
     }
 
-    /// Runs `meshcap-cni` as kubelet does and returns its wall time (spawn to exit), ms.
-    fn cni(&self, command: &str, netns: &Netns, name: &str) -> anyhow::Result<f64> {
-        let conf = config("1.1.0", &self.agent.socket, "10.0.0.2");
+    /// Runs `meshcap-cni` as kubelet does, the primary plugin having given the pod `ip`, and
+    /// returns its wall time (spawn to exit), ms.
+    fn cni(&self, command: &str, netns: &Netns, name: &str, ip: &str) -> anyhow::Result<f64> {
+        let conf = config("1.1.0", &self.agent.socket, ip);
         // One container id per pod, as kubelet passes the same CNI_CONTAINERID to a
         // sandbox's ADD and DEL.
         let sandbox = Sandbox {
