@@ -3,7 +3,8 @@
 //! (`cni/pkg/nodeagent/informers.go`, `reconcilePod` and the namespace handler that requeues
 //! every pod of a namespace whose labels changed).
 //!
-//! It watches this node's pods (field selector `spec.nodeName`, as Istio's informer) and every
+//! It follows this node's pods (the node's one pod watch, shared with the pod source and the
+//! repair controller as Istio's share its informer: [`crate::pods::feed`]), watches every
 //! namespace (RBAC: `namespaces` `list` and `watch`), and decides each running pod with
 //! [`policy::decide`], the same decision as a CNI ADD:
 //!
@@ -48,12 +49,12 @@ use crate::{
     pending,
     pod::{InPlace, PodRef, Sandbox},
     podnet::{self, find::FindError},
+    pods::feed::PodEvents,
 };
 
 /// The controller.
 pub struct LiveEnrollment {
     client: kube::Client,
-    node: String,
     hub: Arc<Hub>,
     ambient: Arc<Ambient>,
     /// The node's settings, ambient mode's among them.
@@ -90,18 +91,17 @@ enum LiveError {
 
 /// One change from either watch (boxed: a pod's is kilobytes).
 enum Change {
-    Pods(Box<Result<watcher::Event<Pod>, watcher::Error>>),
+    Pods(Box<watcher::Event<Pod>>),
     Namespaces(Box<Result<watcher::Event<Namespace>, watcher::Error>>),
     /// Time to look for pending enrollments that are due.
     Retry,
 }
 
 impl LiveEnrollment {
-    /// A controller for `node`'s pods, deciding with the node's `settings`.
+    /// A controller for the node's pods, deciding with the node's `settings`.
     #[must_use]
     pub fn new(
         client: kube::Client,
-        node: String,
         hub: Arc<Hub>,
         ambient: Arc<Ambient>,
         settings: NodeSettings,
@@ -109,7 +109,6 @@ impl LiveEnrollment {
     ) -> Self {
         Self {
             client,
-            node,
             hub,
             ambient,
             settings,
@@ -119,16 +118,14 @@ impl LiveEnrollment {
         }
     }
 
-    /// Watches until the watches end (never, in practice: they retry with backoff), reporting
-    /// refusals to `health`.
-    pub async fn run(mut self, health: crate::access::WatchHealth) {
-        info!("ambient mode: watching this node's pods and every namespace for enrollment changes");
-        let pods = watcher(
-            Api::<Pod>::all(self.client.clone()),
-            watcher::Config::default().fields(&format!("spec.nodeName={}", self.node)),
-        )
-        .default_backoff()
-        .map(|change| Change::Pods(Box::new(change)));
+    /// Follows this node's pods (the node's one pod watch, [`PodEvents`]) and watches every
+    /// namespace, until the watches end (never, in practice: they retry with backoff),
+    /// reporting the namespace watch's refusals to `health`.
+    pub async fn run(mut self, pods: PodEvents, health: crate::access::WatchHealth) {
+        info!(
+            "ambient mode: following this node's pods and watching every namespace for enrollment changes"
+        );
+        let pods = pods.map(|change| Change::Pods(Box::new(change)));
         let namespaces = watcher(
             Api::<Namespace>::all(self.client.clone()),
             watcher::Config::default(),
@@ -141,10 +138,7 @@ impl LiveEnrollment {
         let mut listing = HashMap::new();
         while let Some(change) = changes.next().await {
             match change {
-                Change::Pods(event) => {
-                    health.observe("ambient mode's pod", event.as_ref());
-                    self.on_pod(*event).await;
-                }
+                Change::Pods(event) => self.on_pod(*event).await,
                 Change::Namespaces(event) => {
                     health.observe("namespace", event.as_ref());
                     self.on_namespace(*event, &mut listing).await;
@@ -154,23 +148,22 @@ impl LiveEnrollment {
         }
     }
 
-    async fn on_pod(&mut self, event: Result<watcher::Event<Pod>, watcher::Error>) {
+    async fn on_pod(&mut self, event: watcher::Event<Pod>) {
         match event {
-            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
                 let known = self.pods.insert(PodName::of(&pod), pod.clone()).is_some();
                 self.count(if known { "update" } else { "add" });
                 self.reconcile(&pod).await;
             }
             // The runtime's DEL removes the pod's enrollment.
-            Ok(watcher::Event::Delete(pod)) => {
+            watcher::Event::Delete(pod) => {
                 self.count("delete");
                 self.pods.remove(&PodName::of(&pod));
                 if let Some(uid) = &pod.metadata.uid {
                     self.hub.pending().done(uid);
                 }
             }
-            Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
-            Err(err) => warn!(error = %err, "ambient mode's pod watch"),
+            watcher::Event::Init | watcher::Event::InitDone => {}
         }
     }
 

@@ -1,5 +1,7 @@
 //! Pods from the Kubernetes API: a watch (kube-rs reflector) of the pods scheduled to this
-//! node, and a GET when the store has not seen a pod yet (the watch can lag the CNI ADD).
+//! node, and a GET when the store has not seen a pod yet (the watch can lag the CNI ADD). The
+//! node's one pod watch: the controllers that follow the node's pods are fed from it
+//! ([`PodFeed`]).
 use std::{
     collections::BTreeMap,
     sync::{
@@ -17,7 +19,7 @@ use kube::{
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use super::{Lookup, NamespaceError};
+use super::{Lookup, NamespaceError, feed::PodFeed};
 use crate::access::WatchHealth;
 
 /// The Kubernetes source.
@@ -25,6 +27,7 @@ pub struct KubePods {
     client: Client,
     node: String,
     store: reflector::Store<Pod>,
+    feed: PodFeed,
     ready: Arc<AtomicBool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -36,15 +39,17 @@ impl KubePods {
     pub fn start(client: Client, node: String, health: WatchHealth) -> Self {
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = reflector(writer, watcher(Api::<Pod>::all(client.clone()), config))
-            .default_backoff()
-            .applied_objects();
+        let stream =
+            reflector(writer, watcher(Api::<Pod>::all(client.clone()), config)).default_backoff();
+        let feed = PodFeed::default();
+        let fed = feed.clone();
         let watch = tokio::spawn(async move {
             futures::pin_mut!(stream);
             while let Some(event) = stream.next().await {
                 health.observe("pod", &event);
-                if let Err(err) = event {
-                    warn!(error = %err, "watching this node's pods; retrying");
+                match event {
+                    Ok(event) => fed.send(&event),
+                    Err(err) => warn!(error = %err, "watching this node's pods; retrying"),
                 }
             }
         });
@@ -62,9 +67,16 @@ impl KubePods {
             client,
             node,
             store,
+            feed,
             ready,
             tasks: vec![watch, synced],
         }
+    }
+
+    /// The node's pod watch, for the controllers that follow its pods.
+    #[must_use]
+    pub fn feed(&self) -> &PodFeed {
+        &self.feed
     }
 
     /// A source that only asks the API server (a GET per lookup) and watches nothing: for a
@@ -76,6 +88,7 @@ impl KubePods {
             client,
             node,
             store,
+            feed: PodFeed::default(),
             ready: Arc::new(AtomicBool::new(true)),
             tasks: Vec::new(),
         }

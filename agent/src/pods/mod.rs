@@ -1,7 +1,7 @@
 //! Where the agent learns pods: the Kubernetes API ([`kube`]: a watch of this node's pods, and
-//! a GET when the watch has not seen a pod yet) or a directory of pod manifests ([`dir`],
-//! standalone). Either way a lookup retries a bounded number of times: at CNI ADD the pod
-//! may be seconds old.
+//! a GET when the watch has not seen a pod yet; the same watch feeds the controllers, [`feed`])
+//! or a directory of pod manifests ([`dir`], standalone). Either way a lookup retries a
+//! bounded number of times: at CNI ADD the pod may be seconds old.
 use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -9,6 +9,7 @@ use meshcap_policy::{NodeSettings, PodName, reads_namespace_labels};
 use tracing::debug;
 
 pub mod dir;
+pub mod feed;
 pub mod kube;
 
 /// Errors finding a pod.
@@ -97,6 +98,16 @@ impl PodSource {
         match self {
             Self::Kube(k) => k.describe(),
             Self::Dir(d) => d.describe(),
+        }
+    }
+
+    /// The node's pod watch, for the controllers that follow its pods (the Kubernetes API
+    /// only).
+    #[must_use]
+    pub fn feed(&self) -> Option<&feed::PodFeed> {
+        match self {
+            Self::Kube(k) => Some(k.feed()),
+            Self::Dir(_) => None,
         }
     }
 

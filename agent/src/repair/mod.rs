@@ -4,9 +4,10 @@
 //! it for ever. Pods scheduled before meshcap's first install on a node (no startup taint, or
 //! pods that tolerate every taint) or started while the CNI entry was missing end up there.
 //!
-//! It watches this node's pods (a watch of its own, field selector `spec.nodeName`, as Istio's
-//! informer), picks the broken ones exactly as Istio does ([`detect`]) and acts in one of
-//! Istio's three modes, first set wins in Istio's order:
+//! It follows this node's pods (the node's one pod watch, field selector `spec.nodeName`, shared
+//! with the pod source as Istio's controllers share its informer: [`crate::pods::feed`]), picks
+//! the broken ones exactly as Istio does ([`detect`]) and acts in one of Istio's three modes,
+//! first set wins in Istio's order:
 //!
 //! - `repairPods` (default): captures the running pod in place, through the same path as a CNI
 //!   ADD (same decision, same backend, same records, so a later CHECK and DEL work); the pod's
@@ -30,7 +31,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::{
     Api,
     api::{DeleteParams, Patch, PatchParams, Preconditions},
-    runtime::{WatchStreamExt as _, watcher},
+    runtime::watcher,
 };
 use meshcap_policy::PodName;
 use tracing::{info, warn};
@@ -40,6 +41,7 @@ use crate::{
     hub::{CaptureError, Done, Hub},
     pod::{InPlace, Sandbox},
     podnet::{self, find::FindError},
+    pods::feed::PodEvents,
     settings::{self, SettingsError},
 };
 
@@ -156,7 +158,6 @@ enum RepairError {
 /// The running controller's state.
 pub struct Repairer {
     client: kube::Client,
-    node: String,
     config: RepairConfig,
     mode: Mode,
     hub: Arc<Hub>,
@@ -167,11 +168,10 @@ pub struct Repairer {
 }
 
 impl Repairer {
-    /// A controller for `node`'s pods; `None` when `config` sets no mode.
+    /// A controller for the node's pods; `None` when `config` sets no mode.
     #[must_use]
     pub fn new(
         client: kube::Client,
-        node: String,
         config: RepairConfig,
         hub: Arc<Hub>,
         events: EventSink,
@@ -180,7 +180,6 @@ impl Repairer {
         Some(Self {
             mode: config.mode?,
             client,
-            node,
             config,
             hub,
             events,
@@ -189,28 +188,22 @@ impl Repairer {
         })
     }
 
-    /// Watches this node's pods until the watch ends (never, in practice: it retries with
-    /// backoff), reporting refusals to `health`.
-    pub async fn run(mut self, health: crate::access::WatchHealth) {
+    /// Follows this node's pods (the node's one pod watch, [`PodEvents`]) until the watch
+    /// ends (never, in practice: it retries with backoff).
+    pub async fn run(mut self, mut pods: PodEvents) {
         info!(
             mode = self.mode.label(),
-            "repair controller watching this node's pods"
+            "repair controller following this node's pods"
         );
-        let config = watcher::Config::default().fields(&format!("spec.nodeName={}", self.node));
-        let mut events = watcher(Api::<Pod>::all(self.client.clone()), config)
-            .default_backoff()
-            .boxed();
-        while let Some(event) = events.next().await {
-            health.observe("repair controller's pod", &event);
+        while let Some(event) = pods.next().await {
             match event {
-                Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => {
+                watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
                     self.reconcile(&pod).await;
                 }
-                Ok(watcher::Event::Delete(pod)) => {
+                watcher::Event::Delete(pod) => {
                     self.repaired.remove(&PodName::of(&pod));
                 }
-                Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
-                Err(err) => warn!(error = %err, "repair controller's pod watch"),
+                watcher::Event::Init | watcher::Event::InitDone => {}
             }
         }
     }

@@ -16,7 +16,7 @@ use meshcap_agent::{
     events::EventSink,
     hub::{Hub, Parts, Settings},
     install::watch::InstallStatus,
-    pods::{PodSource, dir::DirPods, kube::KubePods},
+    pods::{PodSource, dir::DirPods, feed::PodFeed, kube::KubePods},
     privilege,
     probe::ProbeReport,
     repair::{RepairConfig, Repairer},
@@ -69,6 +69,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .as_ref()
         .map(|(client, node)| EventSink::new(client.clone(), node));
     let source = Arc::new(source);
+    // The node's one pod watch, which the controllers below follow too.
+    let pod_feed = source.feed().cloned();
     let hub = Arc::new(Hub::new(
         Parts {
             source: source.clone(),
@@ -144,7 +146,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             repair,
             health,
         };
-        start_controllers(client, node_name, &hub, in_place);
+        if let Some(pods) = &pod_feed {
+            start_controllers(client, pods, &hub, in_place);
+        }
     }
     if let Some((client, node)) = kube_node.clone()
         && !args.startup_taint.is_empty()
@@ -410,30 +414,28 @@ struct Controllers {
     health: WatchHealth,
 }
 
-/// The controllers that watch this node's pods: the repair controller, and, with ambient mode
-/// on, live enrollment.
-fn start_controllers(client: &kube::Client, node: &str, hub: &Arc<Hub>, with: Controllers) {
+/// The controllers that follow this node's pods, fed from its one pod watch (`pods`): the
+/// repair controller, and, with ambient mode on, live enrollment.
+fn start_controllers(client: &kube::Client, pods: &PodFeed, hub: &Arc<Hub>, with: Controllers) {
     if let Some(repairer) = Repairer::new(
         client.clone(),
-        node.to_owned(),
         with.repair,
         hub.clone(),
         with.events,
         with.netns_dir.clone(),
     ) {
-        tokio::spawn(repairer.run(with.health.clone()));
+        tokio::spawn(repairer.run(pods.subscribe()));
     } else {
         info!("repair controller off (repair.enabled, or no repair mode set)");
     }
     if let Some(ambient) = with.ambient {
         let live = LiveEnrollment::new(
             client.clone(),
-            node.to_owned(),
             hub.clone(),
             ambient,
             with.settings,
             with.netns_dir,
         );
-        tokio::spawn(live.run(with.health));
+        tokio::spawn(live.run(pods.subscribe(), with.health));
     }
 }
