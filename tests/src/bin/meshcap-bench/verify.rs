@@ -310,11 +310,17 @@ fn measure(run: &Run, sandboxes: &[Netns], extra: &Netns) -> anyhow::Result<Meas
         steady.push(wait_for_pass(&agent, after_adds + 2 + n as u64)?);
     }
     agent.kill()?;
-    let baselines = agent
-        .state_dir()
-        .join(format!("{}-baselines", run.backend.name()));
-    if baselines.exists() {
-        fs::remove_dir_all(&baselines)?;
+    // The backend's baselines, and in ambient mode those of its in-pod rules, which that
+    // backend keeps in a state directory of its own (`<state>/ambient`).
+    let baselines = format!("{}-baselines", run.backend.name());
+    let state = agent.state_dir();
+    for dir in [
+        state.join(&baselines),
+        state.join("ambient").join(&baselines),
+    ] {
+        if dir.exists() {
+            fs::remove_dir_all(&dir)?;
+        }
     }
     let cold = first_pass(label, &mut agent)?;
     agent.kill()?;
