@@ -576,23 +576,8 @@ impl Pod {
     }
 
     pub(crate) fn measure(&self, exe: &Path, cpu: usize, load: Load) -> anyhow::Result<Measured> {
-        let args = [
-            "client".to_owned(),
-            "--target".to_owned(),
-            self.target.to_string(),
-            "--cpu".to_owned(),
-            cpu.to_string(),
-            "--short".to_owned(),
-            load.short.to_string(),
-            "--warmup".to_owned(),
-            load.warmup.to_string(),
-            "--pingpong".to_owned(),
-            load.pingpong.to_string(),
-            "--bulk".to_owned(),
-            load.bulk.to_string(),
-            "--size".to_owned(),
-            load.size.to_string(),
-        ];
+        let mut args = load.client_args(&self.target.to_string());
+        args.extend(["--cpu".to_owned(), cpu.to_string()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let (cgroup, netns) = self
             .client

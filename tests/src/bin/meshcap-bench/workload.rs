@@ -222,6 +222,27 @@ pub struct Load {
     pub size: usize,
 }
 
+impl Load {
+    /// `meshcap-bench client`'s arguments for this load against `target`.
+    pub fn client_args(self, target: &str) -> Vec<String> {
+        let mut args = vec![
+            "client".to_owned(),
+            "--target".to_owned(),
+            target.to_owned(),
+        ];
+        for (flag, value) in [
+            ("--short", self.short as u64),
+            ("--warmup", self.warmup as u64),
+            ("--pingpong", self.pingpong as u64),
+            ("--bulk", self.bulk),
+            ("--size", self.size as u64),
+        ] {
+            args.extend([flag.to_owned(), value.to_string()]);
+        }
+        args
+    }
+}
+
 /// What one client run measured.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Measured {

@@ -471,21 +471,7 @@ impl Mesh {
     /// The client's run against the server of `layout`.
     fn measure(&self, exe: &Path, layout: Layout, load: Load) -> anyhow::Result<Measured> {
         let server = &self.servers[layout.server()];
-        let args = [
-            "client".to_owned(),
-            "--target".to_owned(),
-            format!("{}:{SERVER_PORT}", server.ip),
-            "--short".to_owned(),
-            load.short.to_string(),
-            "--warmup".to_owned(),
-            load.warmup.to_string(),
-            "--pingpong".to_owned(),
-            load.pingpong.to_string(),
-            "--bulk".to_owned(),
-            load.bulk.to_string(),
-            "--size".to_owned(),
-            load.size.to_string(),
-        ];
+        let args = load.client_args(&format!("{}:{SERVER_PORT}", server.ip));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = Proc::spawn(
             Placement {
