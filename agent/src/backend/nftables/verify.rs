@@ -44,38 +44,32 @@ impl NftablesBackend {
             let mut found = PodCheck::default();
             // Read before the tables are: a change made while they are compared shows next time.
             let generation = nftgen::generation().ok();
-            // The policy route is no table's: it is looked at on every pass (one netlink dump).
             if baseline.is_some_and(|then| then.same_generation(rules, generation)) {
                 found.installed.push(
                     "every table as applied (nf_tables unchanged since last found so)".to_owned(),
                 );
-                found.drift.extend(route_drift(
-                    visit,
-                    &record.pod.to_string(),
-                    &rules.routes,
-                    verify,
-                )?);
-                return Ok(found);
-            }
-            match difference(&record.listing, &listing(nft, rules)?) {
-                None => {
-                    found
-                        .installed
-                        .push("every table as applied (nft lists them unchanged)".to_owned());
-                    whole = Some(Baseline::new(rules, generation, &()));
-                }
-                Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
-                    // The tables replaced in one transaction: nothing less at any instant.
-                    nft.apply(&(deletion(rules.tables()) + &rules.transaction))?;
-                    let now = listing(nft, rules)?;
-                    difference(&record.listing, &now).map_or(Ok(()), |missing| {
-                        Err(BackendError::NotCaptured {
-                            pod: record.pod.to_string(),
-                            missing,
+            } else {
+                match difference(&record.listing, &listing(nft, rules)?) {
+                    None => {
+                        found
+                            .installed
+                            .push("every table as applied (nft lists them unchanged)".to_owned());
+                        whole = Some(Baseline::new(rules, generation, &()));
+                    }
+                    Some(what) => found.drift.push(verify.handle(DriftKind::Rules, what, || {
+                        // The tables replaced in one transaction: nothing less at any instant.
+                        nft.apply(&(deletion(rules.tables()) + &rules.transaction))?;
+                        let now = listing(nft, rules)?;
+                        difference(&record.listing, &now).map_or(Ok(()), |missing| {
+                            Err(BackendError::NotCaptured {
+                                pod: record.pod.to_string(),
+                                missing,
+                            })
                         })
-                    })
-                })),
+                    })),
+                }
             }
+            // The policy route is no table's: it is looked at on every pass (one netlink dump).
             found.drift.extend(route_drift(
                 visit,
                 &record.pod.to_string(),
