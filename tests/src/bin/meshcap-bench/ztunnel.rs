@@ -286,18 +286,7 @@ fn ztunnel_version(ztunnel: &Path) -> anyhow::Result<String> {
 fn make_pod(fabric: &Netns, k: usize, name: &str, parent: &TestCgroup) -> anyhow::Result<Pod> {
     let netns = Netns::new("mcb-zt-pod")?;
     let peer = format!("p{k}");
-    netns.ip(&[
-        "link",
-        "add",
-        "eth0",
-        "type",
-        "veth",
-        "peer",
-        "name",
-        &peer,
-        "netns",
-        fabric.name(),
-    ])?;
+    netns.add_veth("eth0", fabric, &peer)?;
     let ip = format!("10.98.{k}.2");
     netns.add_address("eth0", &format!("{ip}/24"))?;
     netns.set_up("eth0")?;
