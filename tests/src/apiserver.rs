@@ -22,12 +22,12 @@
 //! the port named, as the API server proxies it), with real JSON on the real paths; kube-rs is
 //! the client.
 use std::{
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{self, BufRead as _, BufReader, Read as _, Write},
     net::{TcpListener, TcpStream},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     thread,
     time::Duration,
@@ -93,6 +93,51 @@ pub struct Request {
     pub attrs: Attributes,
     /// The query string.
     pub query: String,
+    /// The bytes its connection carried.
+    pub traffic: Arc<Traffic>,
+}
+
+/// The bytes one request moved over its connection, as HTTP/1.1 carries them (this server
+/// speaks no TLS): the request line, headers and body it received, and everything it answered;
+/// a watch's answer grows as it streams.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    received: AtomicU64,
+    sent: AtomicU64,
+}
+
+impl Traffic {
+    /// The bytes the client sent.
+    #[must_use]
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::Relaxed)
+    }
+
+    /// The bytes the server answered with so far.
+    #[must_use]
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+}
+
+/// A connection whose answer is counted in its request's [`Traffic`].
+struct Conn {
+    stream: TcpStream,
+    traffic: Arc<Traffic>,
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let written = self.stream.write(buf)?;
+        self.traffic
+            .sent
+            .fetch_add(written as u64, Ordering::Relaxed);
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
 }
 
 /// The server; stops when dropped.
@@ -728,7 +773,7 @@ fn record(objects: &Mutex<Vec<Value>>, changes: &Mutex<Vec<(String, Value)>>, mu
 /// `keep` accepts, for a minute or until [`ApiServer::close_watches`] (kube-rs then watches
 /// again from the last it saw).
 fn watch(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     changes: &Mutex<Vec<(String, Value)>>,
     query: &str,
     state: &Served,
@@ -783,7 +828,7 @@ fn on_node(pod: &Value, node: Option<&str>) -> bool {
 
 /// One JSON response, and the connection closed.
 /// A `PodList` of `items` at the server's current resource version.
-fn pod_list(stream: &mut TcpStream, state: &Served, items: Vec<Value>) {
+fn pod_list(stream: &mut Conn, state: &Served, items: Vec<Value>) {
     let version = state.changes.lock().expect("changes").len().to_string();
     respond(
         stream,
@@ -794,7 +839,7 @@ fn pod_list(stream: &mut TcpStream, state: &Served, items: Vec<Value>) {
     );
 }
 
-fn respond(stream: &mut TcpStream, code: &str, body: &Value) {
+fn respond(stream: &mut Conn, code: &str, body: &Value) {
     let body = body.to_string();
     let _ = write!(
         stream,
@@ -804,7 +849,7 @@ fn respond(stream: &mut TcpStream, code: &str, body: &Value) {
 }
 
 /// A `Status` failure as the API server words it.
-fn status(stream: &mut TcpStream, code: u16, reason: &str, message: &str, details: &Value) {
+fn status(stream: &mut Conn, code: u16, reason: &str, message: &str, details: &Value) {
     let line = match code {
         401 => "401 Unauthorized",
         403 => "403 Forbidden",
@@ -823,7 +868,7 @@ fn status(stream: &mut TcpStream, code: u16, reason: &str, message: &str, detail
 }
 
 /// The API server's answer for an object it does not have.
-fn not_found(stream: &mut TcpStream, resource: &str, name: &str) {
+fn not_found(stream: &mut Conn, resource: &str, name: &str) {
     status(
         stream,
         404,
@@ -834,7 +879,7 @@ fn not_found(stream: &mut TcpStream, resource: &str, name: &str) {
 }
 
 /// The API server's 403, as `k8s.io/apiserver`'s `forbiddenMessage` words it.
-fn forbidden(stream: &mut TcpStream, user: &str, attrs: &Attributes) {
+fn forbidden(stream: &mut Conn, user: &str, attrs: &Attributes) {
     let resource = attrs.combined_resource();
     let subject = if attrs.name.is_empty() {
         resource.clone()
@@ -940,17 +985,25 @@ fn json_patch(mut target: Value, ops: &Value) -> Option<Value> {
     Some(target)
 }
 
-fn serve_api(mut stream: TcpStream, state: &Served) {
+fn serve_api(stream: TcpStream, state: &Served) {
     let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+    let traffic = Arc::new(Traffic::default());
+    let mut stream = Conn {
+        stream,
+        traffic: traffic.clone(),
+    };
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
         return;
     }
+    let mut received = request_line.len();
     let mut length = 0;
     let mut bearer = None;
     loop {
         let mut header = String::new();
-        if reader.read_line(&mut header).is_err() || header.trim().is_empty() {
+        let read = reader.read_line(&mut header);
+        received += header.len();
+        if read.is_err() || header.trim().is_empty() {
             break;
         }
         if let Some((name, value)) = header.split_once(':') {
@@ -965,6 +1018,9 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
     if reader.read_exact(&mut body).is_err() {
         return;
     }
+    traffic
+        .received
+        .store((received + length) as u64, Ordering::Relaxed);
     let method = request_line
         .split_whitespace()
         .next()
@@ -1002,6 +1058,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
                     user: user.clone(),
                     attrs: attrs.clone(),
                     query: query.to_owned(),
+                    traffic,
                 });
             }
             None => {
@@ -1018,7 +1075,7 @@ fn serve_api(mut stream: TcpStream, state: &Served) {
 }
 
 fn route_request(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     state: &Served,
     method: &str,
     route: &str,
@@ -1347,7 +1404,7 @@ fn route_request(
 
 /// `GET …/pods/NAME:PORT/proxy/PATH`, as the API server proxies it: `GET /PATH` on the pod's
 /// address (`status.podIP`) and port, its answer relayed; 503 when nothing answers there.
-fn proxy(stream: &mut TcpStream, state: &Served, ns: &str, target: &str, path: &str) {
+fn proxy(stream: &mut Conn, state: &Served, ns: &str, target: &str, path: &str) {
     let (name, port) = target.split_once(':').unwrap_or((target, "80"));
     let ip = state
         .pods
@@ -1406,7 +1463,7 @@ fn labels_selected(query: &str) -> Vec<(String, String)> {
 /// A POST creating `object` among the `resource` that `store` picks: 409 when its namesake
 /// exists, else stored with a uid (and logged in [`ApiServer::writes`]).
 fn create(
-    stream: &mut TcpStream,
+    stream: &mut Conn,
     state: &Served,
     route: &str,
     resource: &str,
@@ -1442,7 +1499,7 @@ fn create(
 }
 
 /// A namespace deleted, with its pods, at once (no finalizers here).
-fn delete_namespace(stream: &mut TcpStream, state: &Served, route: &str, name: &str) {
+fn delete_namespace(stream: &mut Conn, state: &Served, route: &str, name: &str) {
     let mut namespaces = state.namespaces.lock().expect("namespaces");
     let Some(index) = namespaces
         .iter()

@@ -149,13 +149,25 @@ fn a_plugin_that_may_not_read_pods_is_named_at_start() {
     assert!(api.refused().is_empty(), "{:?}", api.refused());
 }
 
+/// One row of a node's bill: what its agent asked, how often, and the bytes it moved.
+#[derive(Debug, Default)]
+struct Row {
+    /// `verb resource (scope)`.
+    what: String,
+    requests: usize,
+    /// The bytes the agent sent (request lines, headers, bodies).
+    received: u64,
+    /// The bytes the API server answered with (a watch's so far).
+    sent: u64,
+}
+
 /// What one node's agent asks of the API server (issue #47, item 3), with a cluster of many
-/// other nodes' pods and namespaces: from its start to Ready, then while it runs steadily, as
-/// `(verb, resource, scope)` with its count. Everything about pods is narrowed to the agent's
+/// other nodes' pods and namespaces: from its start to Ready, then while it runs steadily,
+/// one row per `(verb, resource, scope)`. Everything about pods is narrowed to the agent's
 /// node (`fieldSelector=spec.nodeName`), so its bill grows with its node, not with the
 /// cluster; what it asks cluster-wide is named in docs/install.md ("The API server's bill").
-fn bill(api: &ApiServer, since: usize) -> Vec<(String, usize)> {
-    let mut counted: Vec<(String, usize)> = Vec::new();
+fn bill(api: &ApiServer, since: usize) -> Vec<Row> {
+    let mut rows: Vec<Row> = Vec::new();
     for request in api.requests().into_iter().skip(since) {
         if request.user != meshcap_tests::rbac::service_account_user(&api.namespace, AGENT_ACCOUNT)
         {
@@ -176,14 +188,50 @@ fn bill(api: &ApiServer, since: usize) -> Vec<(String, usize)> {
         } else {
             format!("/{}", a.subresource)
         };
-        let key = format!("{} {}{sub} ({scope})", a.verb, a.resource);
-        match counted.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, n)) => *n += 1,
-            None => counted.push((key, 1)),
-        }
+        let what = format!("{} {}{sub} ({scope})", a.verb, a.resource);
+        let at = match rows.iter().position(|r| r.what == what) {
+            Some(at) => at,
+            None => {
+                rows.push(Row {
+                    what,
+                    ..Row::default()
+                });
+                rows.len() - 1
+            }
+        };
+        let row = &mut rows[at];
+        row.requests += 1;
+        row.received += request.traffic.received();
+        row.sent += request.traffic.sent();
     }
-    counted.sort();
-    counted
+    rows.sort_by(|a, b| a.what.cmp(&b.what));
+    rows
+}
+
+/// The bytes the API server has answered the node's pod watch with so far.
+fn pod_watch_bytes(api: &ApiServer) -> u64 {
+    bill(api, 0)
+        .iter()
+        .filter(|r| r.what == "watch pods (the node's)")
+        .map(|r| r.sent)
+        .sum()
+}
+
+/// The rows as docs/install.md tabulates them, with their totals.
+fn print_bill(title: &str, rows: &[Row]) {
+    eprintln!("{title}:\n| request | count | bytes sent | bytes answered |\n|---|---|---|---|");
+    for r in rows {
+        eprintln!(
+            "| {} | {} | {} | {} |",
+            r.what, r.requests, r.received, r.sent
+        );
+    }
+    eprintln!(
+        "| **all** | {} | {} | {} |",
+        rows.iter().map(|r| r.requests).sum::<usize>(),
+        rows.iter().map(|r| r.received).sum::<u64>(),
+        rows.iter().map(|r| r.sent).sum::<u64>()
+    );
 }
 
 #[test]
@@ -208,6 +256,12 @@ fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
                 pods.push(sidecar_pod("shop", &format!("web-{i}"), &[]));
             }
         }
+        for i in 0..20 {
+            api.apply_namespace(json!({
+                "apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": format!("team-{i}"), "uid": format!("ns-team-{i}")}
+            }));
+        }
         let node = ClusterNode::new(&api);
         // Ambient mode writes its probe rule in a throwaway node netns, and serves ztunnel on
         // a socket of the test's.
@@ -229,11 +283,40 @@ fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
         let ready = api.requests().len();
         std::thread::sleep(std::time::Duration::from_secs(3));
         let steady = bill(&api, ready);
-        eprintln!("ambient {ambient}: to Ready: {at_start:#?}\nthen for 3 s: {steady:#?}");
+        print_bill(&format!("ambient {ambient}: to Ready"), &at_start);
+        print_bill(&format!("ambient {ambient}: then for 3 s"), &steady);
+        // A change to another node's pod costs this node nothing; one to its own pod, that pod
+        // once on the one watch.
+        let before = pod_watch_bytes(&api);
+        let mut elsewhere = sidecar_pod("team-0", "p0", &[("changed", "yes")]);
+        elsewhere["spec"]["nodeName"] = json!("node-2");
+        api.apply_pod(elsewhere);
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert_eq!(
+            pod_watch_bytes(&api),
+            before,
+            "another node's pod reached this node's watch"
+        );
+        let here = sidecar_pod("shop", "web-0", &[("changed", "yes")]);
+        let size = here.to_string().len() as u64;
+        api.apply_pod(here);
+        eventually("the node's pod change is streamed", || {
+            pod_watch_bytes(&api) > before + size
+        })
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}: {} bytes, {size} for the pod",
+                pod_watch_bytes(&api) - before
+            )
+        });
+        eprintln!(
+            "ambient {ambient}: a change to one of the node's pods ({size} bytes of JSON): {} bytes on its watch",
+            pod_watch_bytes(&api) - before
+        );
         let cluster_wide: Vec<&String> = at_start
             .iter()
             .chain(&steady)
-            .map(|(k, _)| k)
+            .map(|r| &r.what)
             .filter(|k| {
                 (k.starts_with("list ") || k.starts_with("watch ")) && k.contains("(the cluster's)")
             })
@@ -255,7 +338,7 @@ fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
             agent.log()
         );
         assert!(
-            at_start.iter().any(|(k, _)| k == "list pods (the node's)"),
+            at_start.iter().any(|r| r.what == "list pods (the node's)"),
             "{at_start:?}"
         );
         // One pod watch, however many follow the node's pods (the pod source, the repair
@@ -263,11 +346,11 @@ fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
         assert!(
             at_start
                 .iter()
-                .any(|(k, n)| k == "watch pods (the node's)" && *n == 1),
+                .any(|r| r.what == "watch pods (the node's)" && r.requests == 1),
             "one watch of the node's pods: {at_start:?}"
         );
         assert!(
-            steady.iter().all(|(k, _)| k.starts_with("watch ")),
+            steady.iter().all(|r| r.what.starts_with("watch ")),
             "steady: only watches, renewed: {steady:?}"
         );
     }
