@@ -13,8 +13,9 @@
 //! is put in front of them for the adopted pods (the binary's `choice.rs`), never both on one
 //! pod.
 //!
-//! [`found_on_node`] is the one listing of this node's pods both adoptions read (ambient mode's
-//! adopts the pods istio-cni enrolled).
+//! [`found_on_node`] reads this node's pods for both adoptions (ambient mode's adopts the pods
+//! istio-cni enrolled) from the node's one pod watch, once its first list is complete: no
+//! adoption lists the node's pods again.
 use std::{
     collections::{BTreeMap, HashMap},
     path::Path,
@@ -23,7 +24,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::{Api, api::ListParams};
+use kube::Api;
 use meshcap_policy as policy;
 use meshcap_policy::{Decision, NodeSettings, PodName, RedirectPolicy, keys};
 use tracing::{info, warn};
@@ -32,28 +33,29 @@ use crate::{
     backend::{Adoption, BackendError, CaptureBackend, CapturedPod, PodPolicy, found},
     pod::{InPlace, PodRef},
     podnet,
+    pods::feed::PodFeed,
 };
 
-/// How long the listing at start may take before the agent goes on without it.
+/// How long the watch's first list may take at start before the agent goes on without it.
 const LISTING: Duration = Duration::from_secs(10);
 
 /// A namespace's labels.
 pub type Labels = BTreeMap<String, String>;
 
-/// The pods of `node` that `wanted` picks, each with its namespace's labels where the decision
-/// under `settings` reads them ([`policy::reads_namespace_labels`]: one read per namespace; a
-/// pod whose namespace cannot be read is left out, logged), else none.
+/// The node's pods (its pod watch's, once listed) that `wanted` picks, each with its
+/// namespace's labels where the decision under `settings` reads them
+/// ([`policy::reads_namespace_labels`]: one read per namespace; a pod whose namespace cannot be
+/// read is left out, logged), else none.
 ///
 /// # Errors
-/// When the node's pods cannot be listed.
+/// Why the watch failed before its first list was complete.
 async fn node_pods(
     client: &kube::Client,
-    node: &str,
+    pods: &PodFeed,
     settings: &NodeSettings,
     wanted: impl Fn(&Pod) -> bool,
-) -> Result<Vec<(Pod, Labels)>, kube::Error> {
-    let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
-    let pods = Api::<Pod>::all(client.clone()).list(&params).await?.items;
+) -> Result<Vec<(Pod, Labels)>, String> {
+    let pods = pods.listed().await?;
     let namespaces = Api::<Namespace>::all(client.clone());
     let mut labels: HashMap<String, Labels> = HashMap::new();
     let mut found = Vec::new();
@@ -82,21 +84,21 @@ async fn node_pods(
     Ok(found)
 }
 
-/// What `of` finds among the pods of `node` that `wanted` picks (one list; their namespaces'
-/// labels where the decision reads them), each looked at off the runtime (`of` enters netns),
-/// with the node's `settings` and its `netns_dir`.
+/// What `of` finds among the node's pods that `wanted` picks (from its pod watch; their
+/// namespaces' labels where the decision reads them), each looked at off the runtime (`of`
+/// enters netns), with the node's `settings` and its `netns_dir`.
 ///
 /// # Errors
-/// When the node's pods cannot be listed.
+/// Why the watch failed before its first list was complete.
 pub async fn found_on_node<T: Send + 'static>(
     client: &kube::Client,
-    node: &str,
+    pods: &PodFeed,
     settings: &NodeSettings,
     netns_dir: &Path,
     wanted: impl Fn(&Pod) -> bool,
     of: fn(&Pod, &Labels, &NodeSettings, &Path) -> Option<T>,
-) -> Result<Vec<T>, kube::Error> {
-    let pods = node_pods(client, node, settings, wanted).await?;
+) -> Result<Vec<T>, String> {
+    let pods = node_pods(client, pods, settings, wanted).await?;
     let (settings, dir) = (settings.clone(), netns_dir.to_owned());
     Ok(tokio::task::spawn_blocking(move || {
         pods.iter()
@@ -160,17 +162,17 @@ impl IstioCaptured {
         })
     }
 
-    /// The running pods of `node` istio-cni captured for their sidecars, from the API server
-    /// (one list of the node's pods), within ten seconds; none when it cannot be asked (logged:
-    /// they keep Istio's rules, unlisted until they restart).
+    /// The running pods of the node istio-cni captured for their sidecars, from its pod watch
+    /// (`pods`) within ten seconds; none when the watch cannot list them (logged: they keep
+    /// Istio's rules, unlisted until they restart).
     pub async fn on_node(
         client: &kube::Client,
-        node: &str,
+        pods: &PodFeed,
         settings: &NodeSettings,
         netns_dir: &Path,
     ) -> Vec<Self> {
         let listed = async {
-            found_on_node(client, node, settings, netns_dir, injected, Self::of)
+            found_on_node(client, pods, settings, netns_dir, injected, Self::of)
                 .await
                 .unwrap_or_else(|err| {
                     warn!(error = %err, "listing this node's pods to adopt istio-cni's sidecar pods");

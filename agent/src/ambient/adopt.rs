@@ -19,7 +19,9 @@ use super::{Ambient, AmbientError, records::Workload};
 use crate::{
     backend::{Adoption, AmbientCapture, CaptureBackend, PodPolicy},
     pod::{InPlace, PodRef},
-    podnet, takeover,
+    podnet,
+    pods::feed::PodFeed,
+    takeover,
 };
 
 /// A running pod Istio's agent enrolled: annotated, and decided into ambient mode now.
@@ -78,13 +80,13 @@ impl IstioEnrolled {
         })
     }
 
-    /// The running pods of `node` Istio's agent enrolled and this agent (its state directory
-    /// `state_dir`) has no record of, from the API server (one list of the node's pods, and the
-    /// labels of their namespaces), within ten seconds; none when it cannot be asked (logged:
-    /// live enrollment adopts them as it sees them).
+    /// The running pods of the node Istio's agent enrolled and this agent (its state directory
+    /// `state_dir`) has no record of, from its pod watch (`pods`, and the labels of their
+    /// namespaces from the API server), within ten seconds; none when the watch cannot list
+    /// them (logged: live enrollment adopts them as it sees them).
     pub async fn on_node(
         client: &kube::Client,
-        node: &str,
+        pods: &PodFeed,
         settings: &NodeSettings,
         netns_dir: &Path,
         state_dir: &Path,
@@ -97,7 +99,7 @@ impl IstioEnrolled {
                     return Vec::new();
                 }
             };
-        let listed = Self::listed(client, node, settings, netns_dir, &known);
+        let listed = Self::listed(client, pods, settings, netns_dir, &known);
         tokio::time::timeout(std::time::Duration::from_secs(10), listed)
             .await
             .unwrap_or_else(|_| {
@@ -108,7 +110,7 @@ impl IstioEnrolled {
 
     async fn listed(
         client: &kube::Client,
-        node: &str,
+        pods: &PodFeed,
         settings: &NodeSettings,
         netns_dir: &Path,
         known: &[String],
@@ -120,7 +122,7 @@ impl IstioEnrolled {
                 .is_some_and(|a| a.contains_key(ambient_keys::REDIRECTION))
                 && !pod.metadata.uid.as_ref().is_some_and(|u| known.contains(u))
         };
-        takeover::found_on_node(client, node, settings, netns_dir, wanted, Self::of)
+        takeover::found_on_node(client, pods, settings, netns_dir, wanted, Self::of)
             .await
             .unwrap_or_else(|err| {
                 warn!(error = %err, "listing this node's pods to adopt istio-cni's ambient pods");

@@ -7,6 +7,9 @@
 //! every change the watch delivers, in order, on a channel of its own: a slow controller holds
 //! up nobody, and loses nothing. A change may reach a subscriber twice (in the replay and
 //! live), never not at all; every controller's handling is idempotent.
+//!
+//! The adoptions at start read the node's pods from the same watch's first list
+//! ([`PodFeed::listed`]) rather than listing them again: a node's start lists its pods once.
 use std::{
     collections::{BTreeMap, BTreeSet},
     pin::Pin,
@@ -17,7 +20,7 @@ use std::{
 use futures::Stream;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::Event;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// A pod's namespace and name.
 type Key = (String, String);
@@ -30,9 +33,28 @@ fn key(pod: &Pod) -> Key {
 }
 
 /// The fan-out: what the watch holds, and the subscribers.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PodFeed {
     inner: Arc<Mutex<Inner>>,
+    first: Arc<watch::Sender<FirstList>>,
+}
+
+/// Where the watch's first list is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum FirstList {
+    Pending,
+    Complete,
+    /// The watch failed before it: why, last.
+    Failed(String),
+}
+
+impl Default for PodFeed {
+    fn default() -> Self {
+        Self {
+            inner: Arc::default(),
+            first: Arc::new(watch::Sender::new(FirstList::Pending)),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +84,7 @@ impl PodFeed {
                 if let Some(listed) = inner.listing.take() {
                     inner.known.retain(|key, _| listed.contains(key));
                 }
+                self.first.send_replace(FirstList::Complete);
             }
             Event::Apply(pod) => {
                 inner.known.insert(key(pod), pod.clone());
@@ -86,6 +109,43 @@ impl PodFeed {
         }
         inner.subscribers.push(tx);
         PodEvents(rx)
+    }
+
+    /// Records that the watch failed (it retries on its own); only an answer to
+    /// [`Self::listed`] while its first list is not complete.
+    pub(super) fn failed(&self, error: &str) {
+        self.first.send_if_modified(|first| {
+            if *first == FirstList::Complete {
+                return false;
+            }
+            *first = FirstList::Failed(error.to_owned());
+            true
+        });
+    }
+
+    /// Every pod the watch holds, once its first list is complete (at once after that).
+    ///
+    /// # Errors
+    /// Why the watch failed, when it failed before its first list was complete.
+    pub async fn listed(&self) -> Result<Vec<Pod>, String> {
+        let first = match self
+            .first
+            .subscribe()
+            .wait_for(|first| *first != FirstList::Pending)
+            .await
+        {
+            Ok(first) => first.clone(),
+            // The sender lives as long as `self`.
+            Err(_) => FirstList::Pending,
+        };
+        match first {
+            FirstList::Complete => {
+                let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(inner.known.values().cloned().collect())
+            }
+            FirstList::Failed(error) => Err(error),
+            FirstList::Pending => Err("the pod watch ended".to_owned()),
+        }
     }
 }
 
@@ -184,6 +244,44 @@ mod tests {
             drain(&mut late),
             vec![("init", "a".to_owned(), "3".to_owned())]
         );
+    }
+
+    #[tokio::test]
+    async fn the_pods_listed_are_given_once_the_first_list_is_complete() {
+        let feed = PodFeed::default();
+        let waiting = tokio::spawn({
+            let feed = feed.clone();
+            async move { feed.listed().await }
+        });
+        feed.send(&Event::Init);
+        feed.send(&Event::InitApply(pod("a", "1")));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "given before the list was complete");
+        feed.send(&Event::InitApply(pod("b", "1")));
+        feed.send(&Event::InitDone);
+        let names = |pods: Vec<Pod>| -> Vec<String> {
+            pods.into_iter()
+                .map(|p| p.metadata.name.unwrap_or_default())
+                .collect()
+        };
+        assert_eq!(
+            names(waiting.await.expect("joined").expect("listed")),
+            ["a", "b"]
+        );
+        feed.send(&Event::Delete(pod("a", "1")));
+        feed.failed("a later error is the watch's to retry");
+        assert_eq!(names(feed.listed().await.expect("listed")), ["b"]);
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_fails_before_its_first_list_is_an_error() {
+        let feed = PodFeed::default();
+        feed.failed("pods is forbidden");
+        assert_eq!(feed.listed().await, Err("pods is forbidden".to_owned()));
+        feed.send(&Event::Init);
+        feed.send(&Event::InitApply(pod("a", "1")));
+        feed.send(&Event::InitDone);
+        assert_eq!(feed.listed().await.expect("listed").len(), 1);
     }
 
     #[test]

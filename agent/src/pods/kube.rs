@@ -49,7 +49,10 @@ impl KubePods {
                 health.observe("pod", &event);
                 match event {
                     Ok(event) => fed.send(&event),
-                    Err(err) => warn!(error = %err, "watching this node's pods; retrying"),
+                    Err(err) => {
+                        warn!(error = %err, "watching this node's pods; retrying");
+                        fed.failed(&err.to_string());
+                    }
                 }
             }
         });

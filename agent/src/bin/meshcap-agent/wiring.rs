@@ -60,7 +60,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let endpoints = bind_endpoints(&paths).await?;
-    let node = open_node(&args, &paths, kube_node.as_ref()).await?;
+    // The node's one pod watch: the adoptions below read its first list, and the controllers
+    // further on follow it.
+    let pod_feed = source.feed().cloned();
+    let kube = kube_node
+        .as_ref()
+        .zip(pod_feed.as_ref())
+        .map(|((client, _), pods)| (client, pods));
+    let node = open_node(&args, &paths, kube).await?;
     // Readiness waits for the plugin to be chained from the first answer on: the endpoint and
     // the socket come up before the first install ends (copying the binaries can take seconds),
     // and a ready agent whose plugin is not in the chain would let pods start uncaptured.
@@ -69,8 +76,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         .as_ref()
         .map(|(client, node)| EventSink::new(client.clone(), node));
     let source = Arc::new(source);
-    // The node's one pod watch, which the controllers below follow too.
-    let pod_feed = source.feed().cloned();
     let hub = Arc::new(Hub::new(
         Parts {
             source: source.clone(),
@@ -262,7 +267,7 @@ struct Node {
 async fn open_node(
     args: &RunArgs,
     paths: &Paths,
-    kube_node: Option<&KubeNode>,
+    kube: Option<(&kube::Client, &PodFeed)>,
 ) -> anyhow::Result<Node> {
     let rules = RulesPath {
         state_dir: paths.state_dir.clone(),
@@ -273,10 +278,10 @@ async fn open_node(
     let ambient_config = ambient_config()?;
     // Before anything is served: the sidecar pods istio-cni captured are adopted before the
     // first request about one of them.
-    let istio_sidecars = match kube_node {
-        Some((client, node)) => {
+    let istio_sidecars = match kube {
+        Some((client, pods)) => {
             let settings = args.node_settings(ambient_config.clone());
-            IstioCaptured::on_node(client, node, &settings, &netns_dir()).await
+            IstioCaptured::on_node(client, pods, &settings, &netns_dir()).await
         }
         None => Vec::new(),
     };
@@ -312,15 +317,15 @@ async fn open_node(
             } else {
                 ProbeWay::Ipset
             };
-            let api = kube_node.map(|(client, _)| client.clone());
+            let api = kube.map(|(client, _)| client.clone());
             let in_kernel = in_kernel_ambient(ebpf.is_some(), &reason)?;
             // Before ztunnel's socket is served: the pods istio-cni enrolled are in its first
             // snapshot.
-            let istio_enrolled = match kube_node {
-                Some((client, node)) => {
+            let istio_enrolled = match kube {
+                Some((client, pods)) => {
                     let settings = args.node_settings(Some(config.clone()));
                     let state = &paths.state_dir;
-                    IstioEnrolled::on_node(client, node, &settings, &netns_dir(), state).await
+                    IstioEnrolled::on_node(client, pods, &settings, &netns_dir(), state).await
                 }
                 None => Vec::new(),
             };
