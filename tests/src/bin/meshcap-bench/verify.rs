@@ -125,9 +125,6 @@ impl Run {
 
 /// Runs the section at each node size of `sizes` and returns its Markdown.
 pub(crate) fn section(sizes: &[usize]) -> anyhow::Result<String> {
-    let most = sizes.iter().copied().max().context("no node size")?;
-    let mut sandboxes = setup::sandboxes(most + 1)?;
-    let extra = sandboxes.pop().context("the pod ADDed at a restart")?;
     let mut out = format!(
         "\n## Verification pass\n\nEvery capture compared with its record, once per \
          `meshcap.verifyIntervalSeconds` (30 s by default): the cost of one pass over a node's \
@@ -155,7 +152,10 @@ pub(crate) fn section(sizes: &[usize]) -> anyhow::Result<String> {
         for run in &Run::ALL {
             eprintln!("  {}, {size} pods", run.label);
             let label = run.label;
-            match measure(run, &sandboxes[..size], &extra) {
+            // Sandboxes of its own: whatever a failed row leaves in them goes with them.
+            let mut sandboxes = setup::sandboxes(size + 1)?;
+            let extra = sandboxes.pop().context("the pod ADDed at a restart")?;
+            match measure(run, &sandboxes, &extra) {
                 Ok(m) => {
                     let wall = Samples(m.steady.iter().map(|p| p.wall).collect()).median();
                     let cpu = Samples(m.steady.iter().map(|p| p.cpu).collect()).median();
