@@ -52,7 +52,8 @@
 //! - [`status`]: the status report and metrics (Istio's node agent's, `process_*`, meshcap's);
 //! - [`taint`]: the startup taint, removed from this node once the agent is ready;
 //! - [`takeover`]: istio-cni's sidecar captures on this node made the agent's at start, and
-//!   the one listing of the node's pods both that and ambient mode's adoption read;
+//!   reading the node's pods for both that and ambient mode's adoption from the pod watch's
+//!   first list;
 //! - [`uninstall`]: a real uninstall, by hand or when meshcap is deleted from the cluster, and
 //!   how the agent tells that apart from a restart ([`uninstall::verdict`]);
 //! - [`verify`]: what the verifier (the hub's passes: every capture compared with its record

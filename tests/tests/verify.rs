@@ -397,6 +397,66 @@ fn a_restarted_agent_reads_only_what_changed_with_native_nftables() {
     );
 }
 
+/// A pod with no baseline of its own (none kept, or adopted) whose tables read as another
+/// pod's did when the same rules were found whole there is whole too: one `iptables-save` per
+/// family, not a `-C` per rule. A pod with the same rules whose tables differ is still compared
+/// rule by rule, and its drift found. No pass runs (verification off), so what each look
+/// compares with is known: `explain` compares the pod at once.
+#[test]
+fn a_pod_like_one_found_whole_is_not_compared_rule_by_rule() {
+    require_root();
+    let dir = ManifestDir::new();
+    for name in ["web", "api", "db"] {
+        write_manifest(&dir.0, &sidecar_pod("shop", name, &[]));
+    }
+    let agent = Agent::start(
+        Backend::Iptables,
+        &[
+            "--pods",
+            "dir",
+            "--pod-dir",
+            dir.0.to_str().expect("utf-8"),
+            "--iptables-flavour",
+            "nft",
+        ],
+        &[("MESHCAP_VERIFY_INTERVAL_SECONDS", "0")],
+    )
+    .expect("agent");
+    let conf = config("1.0.0", &agent.socket, "10.0.0.2");
+    let pods: Vec<(Wired, Sandbox)> = ["web", "api", "db"]
+        .into_iter()
+        .map(|name| {
+            let wired = Wired::new(&agent);
+            let sandbox = Sandbox::new("shop", name, &wired.pod);
+            let add = cni("ADD", &sandbox, &conf).expect("ADD");
+            assert!(add.success, "ADD of {name}: {add:?}");
+            (wired, sandbox)
+        })
+        .collect();
+    let (what, _, tamper) = sidecar_tampers(Backend::Iptables)[1];
+    tamper(&agent, &pods[2].0);
+    for (pod, expected) in [
+        ("shop/web", "every rule in place (as CHECK compares them)"),
+        (
+            "shop/api",
+            "every rule in place (tables as another pod's were when the same rules were found whole there)",
+        ),
+        ("shop/db", "DIFFERS"),
+    ] {
+        let explained = agent.explain(pod);
+        assert!(
+            explained.contains(expected),
+            "{pod}: {expected:?} in\n{explained}"
+        );
+    }
+    let check = cni("CHECK", &pods[2].1, &conf).expect("CHECK");
+    assert_eq!(check.stdout["code"], 106, "{what}: {check:?}");
+    for (_, sandbox) in &pods {
+        let del = cni("DEL", sandbox, &conf).expect("DEL");
+        assert!(del.success, "DEL: {del:?}");
+    }
+}
+
 /// With `meshcap.verifyIntervalSeconds: 0` no pass runs: drift stays until CHECK finds it (and
 /// an ADD puts it back), as before the verifier.
 fn with_verification_off_nothing_is_touched(backend: Backend) {

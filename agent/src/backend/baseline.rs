@@ -11,6 +11,12 @@
 //! legacy tables' entries). A baseline lost, unread or of another build (the hash is the
 //! standard library's, not promised stable across Rust releases) only costs one full
 //! comparison.
+//!
+//! Every baseline proves the same of any pod: tables that say exactly what one pod's said when
+//! the same rules were found whole there hold those rules too ([`Baselines::whole_elsewhere`]).
+//! Pods captured alike have alike tables, so a pod with no baseline of its own (a start with
+//! none kept, an adoption) is compared in full only when no pod like it was: one full
+//! comparison per kind of pod, not one per pod.
 use std::{
     collections::HashMap,
     fs,
@@ -125,6 +131,15 @@ impl Baselines {
         }
     }
 
+    /// Whether the tables `saved` lists are what some pod's said when the same `rules` were
+    /// found whole there, so that they hold those rules too.
+    pub(super) fn whole_elsewhere(&self, rules: &impl Serialize, saved: &impl Hash) -> bool {
+        let probe = Baseline::new(rules, None, saved);
+        self.lock()
+            .values()
+            .any(|b| b.rules == probe.rules && b.saved == probe.saved)
+    }
+
     /// How many it keeps.
     pub(super) fn count(&self) -> usize {
         self.lock().len()
@@ -171,6 +186,28 @@ mod tests {
             "other tables"
         );
         assert!(!baseline.same_tables(&b, &saved), "other rules");
+    }
+
+    #[test]
+    fn tables_like_a_whole_pods_with_the_same_rules_are_whole() {
+        let dir = std::env::temp_dir().join(format!("meshcap-elsewhere-{}", std::process::id()));
+        let (a, b) = (rules("*nat\n-A OUTPUT -j ISTIO_OUTPUT\n"), rules("*nat\n"));
+        let whole = vec!["*nat\n:ISTIO_OUTPUT -\n-A OUTPUT -j ISTIO_OUTPUT\n".to_owned()];
+        let baselines = Baselines::open(&dir, "iptables");
+        assert!(
+            !baselines.whole_elsewhere(&a, &whole),
+            "no pod found whole yet"
+        );
+        baselines.set("pod-1", Baseline::new(&a, Some(4), &whole));
+        assert!(baselines.whole_elsewhere(&a, &whole));
+        assert!(
+            !baselines.whole_elsewhere(&a, &vec!["*nat\n:ISTIO_OUTPUT -\n".to_owned()]),
+            "other tables"
+        );
+        assert!(!baselines.whole_elsewhere(&b, &whole), "other rules");
+        baselines.retain(|_| false);
+        assert!(!baselines.whole_elsewhere(&a, &whole), "that pod is gone");
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

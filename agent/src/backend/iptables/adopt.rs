@@ -10,9 +10,15 @@
 use meshcap_policy::{IptablesRules, PolicyRoutes};
 use tracing::info;
 
-use super::{IptablesBackend, PodPolicy, inpod::Ctx, records::Applied, restore};
+use super::{
+    IptablesBackend, PodPolicy,
+    inpod::Ctx,
+    records::Applied,
+    restore,
+    verify::{Then, Whole},
+};
 use crate::{
-    backend::{Adoption, BackendError},
+    backend::{Adoption, BackendError, baseline::Baseline},
     pod::PodRef,
 };
 
@@ -43,12 +49,20 @@ impl IptablesBackend {
                 found_routes: Vec::new(),
                 adopted: true,
             };
-            let Some(differs) = difference(ctx, flavour, &rules, &found)? else {
-                self.records.save(&record)?;
-                info!(flavour = via, "adopted istio-cni's rules as they are");
-                return Ok(Adoption::Recognised(format!(
-                    "{via}: the rules Istio writes for it now"
-                )));
+            let then = Then {
+                baseline: None,
+                elsewhere: &self.baselines,
+            };
+            let differs = match difference(ctx, flavour, &rules, &found, then)? {
+                Err(differs) => differs,
+                Ok(whole) => {
+                    self.records.save(&record)?;
+                    self.baselines.set(&pod.container_id, whole);
+                    info!(flavour = via, "adopted istio-cni's rules as they are");
+                    return Ok(Adoption::Recognised(format!(
+                        "{via}: the rules Istio writes for it now"
+                    )));
+                }
             };
             if !reconcile {
                 return Ok(Adoption::NotRecognised(format!("{via}: {differs}")));
@@ -86,13 +100,15 @@ fn found_rules(
     })
 }
 
-/// How what was found differs from `rules` (`None`: it does not).
+/// How what was found differs from `rules`, or, when it does not, the tables as found whole
+/// ([`Ctx::whole`]: compared in full only when no pod with the same rules had such tables).
 fn difference(
     ctx: &mut Ctx<'_>,
     flavour: super::Flavour,
     rules: &IptablesRules,
     found: &IptablesRules,
-) -> Result<Option<String>, BackendError> {
+    then: Then<'_>,
+) -> Result<Result<Baseline, String>, BackendError> {
     for (family, rendered, was) in [
         ("IPv4", Some(rules.v4.as_str()), Some(found.v4.as_str())),
         ("IPv6", rules.v6.as_deref(), found.v6.as_deref()),
@@ -102,13 +118,17 @@ fn difference(
             was.map_or(0, restore::istio_rule_count),
         );
         if rendered != was {
-            return Ok(Some(format!(
+            return Ok(Err(format!(
                 "{was} {family} rules of Istio's where it writes {rendered} for the pod now"
             )));
         }
     }
-    if let Some(missing) = ctx.first_missing(flavour, rules)? {
-        return Ok(Some(format!("{missing} is not there")));
+    let whole = match ctx.whole(flavour, rules, then)? {
+        Whole::Found(whole) => whole,
+        Whole::Missing(missing) => return Ok(Err(format!("{missing} is not there"))),
+    };
+    if let Some(missing) = ctx.missing_route(rules)? {
+        return Ok(Err(format!("{missing} is not there")));
     }
-    Ok(None)
+    Ok(Ok(whole))
 }

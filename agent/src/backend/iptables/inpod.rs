@@ -138,10 +138,10 @@ impl Ctx<'_> {
             .map_err(|source| BackendError::PodNet { pod, source })
     }
 
-    /// The first rule of `rules` that is not in place (asked for with `-C`, a fork each), then
-    /// its policy route, if any.
-    pub(super) fn first_missing(
-        &mut self,
+    /// The first rule of `rules` that is not in place (asked for with `-C`, a fork each); not
+    /// its policy route ([`Self::missing_route`]).
+    pub(super) fn first_missing_rule(
+        &self,
         flavour: Flavour,
         rules: &IptablesRules,
     ) -> Result<Option<String>, BackendError> {
@@ -162,7 +162,7 @@ impl Ctx<'_> {
                 }
             }
         }
-        self.missing_route(rules)
+        Ok(None)
     }
 
     /// `rules`' policy route, when it is not in place.

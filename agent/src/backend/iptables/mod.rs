@@ -40,6 +40,7 @@ use inpod::Ctx;
 use meshcap_policy::{DataplaneMode, InterceptionMode, IptablesRules, PolicyRoutes};
 use records::Applied;
 use tracing::{debug, info, warn};
+use verify::{Then, Whole};
 use xtables::Xtables;
 
 use super::{
@@ -228,21 +229,30 @@ impl IptablesBackend {
 
     /// Whether the pod's netns holds `rules` as recorded: its tables unchanged since the
     /// verifier last found them whole ([`crate::backend::baseline`]: one netlink request, or
-    /// the legacy tables read in process), else every rule asked for; and its policy route.
-    /// (An ADD of a pod already captured so, and a start reconciling every ambient pod, pay
-    /// no fork per rule.)
+    /// the legacy tables read in process), or as another pod's with the same rules were, else
+    /// every rule asked for; and its policy route. (An ADD of a pod already captured so, and a
+    /// start reconciling every ambient pod, pay no fork per rule but for the first pod of each
+    /// kind when no baseline was kept.)
     fn verify(&self, pod: &PodRef, rules: &IptablesRules) -> Result<(), BackendError> {
         let (id, record) = self.records.applied_whole(pod, rules)?;
         let baseline = self.baselines.get(&id);
-        let missing = self.in_netns(pod, |ctx| {
-            if ctx.unchanged(record.flavour, rules, baseline.as_ref())? {
-                ctx.missing_route(rules)
-            } else {
-                ctx.first_missing(record.flavour, rules)
-            }
+        let then = Then {
+            baseline: baseline.as_ref(),
+            elsewhere: &self.baselines,
+        };
+        let (missing, found) = self.in_netns(pod, |ctx| {
+            Ok(match ctx.whole(record.flavour, rules, then)? {
+                Whole::Found(now) => (ctx.missing_route(rules)?, Some(now)),
+                Whole::Missing(rule) => (Some(rule), None),
+            })
         })?;
         match missing {
-            None => Ok(()),
+            None => {
+                if let Some(now) = found {
+                    self.baselines.set(&id, now);
+                }
+                Ok(())
+            }
             Some(missing) => Err(not_captured(pod, missing)),
         }
     }

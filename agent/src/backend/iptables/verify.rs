@@ -8,7 +8,8 @@
 //! said then (counters left out); with legacy iptables the kernel's tables, read in process
 //! ([`super::legacy_tables`]), no fork. That view outlives the agent
 //! ([`crate::backend::baseline`]): a restarted agent's first pass reads no more than a steady
-//! one. Rules found missing are put back in one `iptables-restore --noflush` transaction per
+//! one, and a pod without a baseline whose tables read as another pod's did when the same rules
+//! were found whole there is whole too (`iptables-save` per family, no `-C`). Rules found missing are put back in one `iptables-restore --noflush` transaction per
 //! table: the chains the rules create are declared (which creates them, or empties them inside
 //! the transaction) and filled again, and only the missing rules of the kernel's own chains are
 //! added, so that no instant sees less of the capture than before the repair. A missing policy
@@ -18,7 +19,9 @@ use meshcap_policy::IptablesRules;
 use super::{Flavour, IptablesBackend, inpod::Ctx, legacy_tables, records::Applied, restore};
 use crate::{
     backend::{
-        BackendError, Drift, DriftKind, PodCheck, Verify, baseline::Baseline, records::Record as _,
+        BackendError, Drift, DriftKind, PodCheck, Verify,
+        baseline::{Baseline, Baselines},
+        records::Record as _,
         rules_backend::route_drift,
     },
     pod::PodRef,
@@ -47,7 +50,11 @@ impl IptablesBackend {
         };
         let baseline = self.baselines.get(&id);
         let (found, now) = self.in_netns(&record.pod, |ctx| {
-            ctx.compare(record.flavour, &record.rules, baseline.as_ref(), verify)
+            let then = Then {
+                baseline: baseline.as_ref(),
+                elsewhere: &self.baselines,
+            };
+            ctx.compare(record.flavour, &record.rules, then, verify)
         })?;
         check.extend(found);
         if let Some(now) = now {
@@ -80,16 +87,33 @@ fn describe(record: &Applied) -> String {
     )
 }
 
+/// Whether a pod's tables hold its rules ([`Ctx::whole`]).
+pub(super) enum Whole {
+    /// Found whole: the tables as they are now, to keep.
+    Found(Baseline),
+    /// This rule is not in place (in words).
+    Missing(String),
+}
+
+/// What the verifier found before: the pod's tables when they were last whole, and every
+/// pod's ([`Baselines::whole_elsewhere`]).
+#[derive(Clone, Copy)]
+pub(super) struct Then<'a> {
+    pub(super) baseline: Option<&'a Baseline>,
+    pub(super) elsewhere: &'a Baselines,
+}
+
 impl Ctx<'_> {
-    /// `rules` compared with the visited netns, `baseline` saying how its tables looked when
-    /// they were last whole; the new baseline when there is one to keep.
+    /// `rules` compared with the visited netns, `then` saying how tables holding them looked;
+    /// the new baseline when there is one to keep.
     fn compare(
         &mut self,
         flavour: Flavour,
         rules: &IptablesRules,
-        baseline: Option<&Baseline>,
+        then: Then<'_>,
         verify: Verify,
     ) -> Result<(PodCheck, Option<Baseline>), BackendError> {
+        let baseline = then.baseline;
         let mut check = PodCheck::default();
         // Read before the tables are: a change made while they are compared shows next time.
         let generation = if flavour == Flavour::Nft {
@@ -110,6 +134,14 @@ impl Ctx<'_> {
             check
                 .installed
                 .push("every rule in place (tables unchanged since last found whole)".to_owned());
+            check.drift.extend(self.route_drift(rules, verify)?);
+            return Ok((check, Some(Baseline::new(rules, generation, &saved))));
+        }
+        if then.elsewhere.whole_elsewhere(rules, &saved) {
+            check.installed.push(
+                "every rule in place (tables as another pod's were when the same rules were found whole there)"
+                    .to_owned(),
+            );
             check.drift.extend(self.route_drift(rules, verify)?);
             return Ok((check, Some(Baseline::new(rules, generation, &saved))));
         }
@@ -160,21 +192,40 @@ impl Ctx<'_> {
         route_drift(self.visit, &self.xt.who, &rules.routes, verify)
     }
 
-    /// Whether the visited netns's tables are as they were when `rules` were last found whole
-    /// there (`baseline`): its nf_tables generation the same, else the tables read the same.
-    pub(super) fn unchanged(
-        &self,
+    /// Whether the visited netns's tables hold `rules` as `then` knew them whole: its
+    /// nf_tables generation the same as when last found whole there, else its tables read the
+    /// same as then or as another pod's with the same rules; otherwise every rule is asked for
+    /// (`-C`, a fork each). Not its policy route ([`Ctx::missing_route`]).
+    ///
+    /// # Errors
+    /// When the tables cannot be read.
+    pub(super) fn whole(
+        &mut self,
         flavour: Flavour,
         rules: &IptablesRules,
-        baseline: Option<&Baseline>,
-    ) -> Result<bool, BackendError> {
-        let Some(then) = baseline else {
-            return Ok(false);
+        then: Then<'_>,
+    ) -> Result<Whole, BackendError> {
+        let generation = if flavour == Flavour::Nft {
+            nftgen::generation().ok()
+        } else {
+            None
         };
-        if flavour == Flavour::Nft && then.same_generation(rules, nftgen::generation().ok()) {
-            return Ok(true);
+        if let Some(then) = then
+            .baseline
+            .filter(|b| b.same_generation(rules, generation))
+        {
+            return Ok(Whole::Found(*then));
         }
-        Ok(then.same_tables(rules, &self.saved(flavour, rules)?))
+        let saved = self.saved(flavour, rules)?;
+        if then.baseline.is_some_and(|b| b.same_tables(rules, &saved))
+            || then.elsewhere.whole_elsewhere(rules, &saved)
+        {
+            return Ok(Whole::Found(Baseline::new(rules, generation, &saved)));
+        }
+        Ok(match self.first_missing_rule(flavour, rules)? {
+            Some(missing) => Whole::Missing(missing),
+            None => Whole::Found(Baseline::new(rules, generation, &saved)),
+        })
     }
 
     /// The tables `rules` use as they are, per family, without counters: with legacy iptables
