@@ -19,8 +19,9 @@
 //! `events.k8s.io/v1` Events, creation of Namespaces and pods, deletion of a Namespace with its
 //! pods, lists of Nodes and of Namespaces by label, of a namespace's pods by label, a pod's log
 //! ([`ApiServer::pod_logs`]), and `pods/proxy` (a GET relayed to the pod's `status.podIP` and
-//! the port named, as the API server proxies it), with real JSON on the real paths; kube-rs is
-//! the client.
+//! the port named, as the API server proxies it), with real JSON on the real paths (metadata
+//! only, `PartialObjectMetadata`, when the client's `Accept` asks for it); kube-rs is the
+//! client.
 use std::{
     io::{self, BufRead as _, BufReader, Read as _, Write},
     net::{TcpListener, TcpStream},
@@ -93,6 +94,8 @@ pub struct Request {
     pub attrs: Attributes,
     /// The query string.
     pub query: String,
+    /// Whether it asked for metadata only (`PartialObjectMetadata`).
+    pub metadata_only: bool,
     /// The bytes its connection carried.
     pub traffic: Arc<Traffic>,
 }
@@ -124,6 +127,26 @@ impl Traffic {
 struct Conn {
     stream: TcpStream,
     traffic: Arc<Traffic>,
+    /// The client asked for metadata only (`Accept: …;as=PartialObjectMetadata…`).
+    metadata_only: bool,
+}
+
+impl Conn {
+    /// `object` (or each item of a list) as the client asked for it: with metadata only, as
+    /// the API server answers such a request (`PartialObjectMetadata`, `…List`).
+    fn as_asked(&self, object: &Value) -> Value {
+        if !self.metadata_only || object["kind"] == "Status" {
+            return object.clone();
+        }
+        let partial = |o: &Value| json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": o["metadata"]});
+        match object["items"].as_array() {
+            Some(items) => json!({
+                "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                "metadata": object["metadata"], "items": items.iter().map(partial).collect::<Vec<_>>()
+            }),
+            None => partial(object),
+        }
+    }
 }
 
 impl Write for Conn {
@@ -800,6 +823,7 @@ fn watch(
         };
         for (kind, object) in pending {
             if keep(&object) {
+                let object = stream.as_asked(&object);
                 let line = format!("{}\n", json!({"type": kind, "object": object}));
                 if write!(stream, "{:x}\r\n{line}\r\n", line.len()).is_err() {
                     return;
@@ -840,7 +864,7 @@ fn pod_list(stream: &mut Conn, state: &Served, items: Vec<Value>) {
 }
 
 fn respond(stream: &mut Conn, code: &str, body: &Value) {
-    let body = body.to_string();
+    let body = stream.as_asked(body).to_string();
     let _ = write!(
         stream,
         "HTTP/1.1 {code}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -991,6 +1015,7 @@ fn serve_api(stream: TcpStream, state: &Served) {
     let mut stream = Conn {
         stream,
         traffic: traffic.clone(),
+        metadata_only: false,
     };
     let mut request_line = String::new();
     if reader.read_line(&mut request_line).is_err() {
@@ -1011,6 +1036,8 @@ fn serve_api(stream: TcpStream, state: &Served) {
                 length = value.trim().parse().unwrap_or(0);
             } else if name.trim().eq_ignore_ascii_case("authorization") {
                 bearer = value.trim().strip_prefix("Bearer ").map(str::to_owned);
+            } else if name.trim().eq_ignore_ascii_case("accept") {
+                stream.metadata_only = value.contains("as=PartialObjectMetadata");
             }
         }
     }
@@ -1058,6 +1085,7 @@ fn serve_api(stream: TcpStream, state: &Served) {
                     user: user.clone(),
                     attrs: attrs.clone(),
                     query: query.to_owned(),
+                    metadata_only: stream.metadata_only,
                     traffic,
                 });
             }

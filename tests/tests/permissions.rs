@@ -353,6 +353,23 @@ fn the_agents_requests_grow_with_its_node_not_with_the_cluster() {
                 .any(|r| r.what == "watch pods (the node's)" && r.requests == 1),
             "one watch of the node's pods: {at_start:?}"
         );
+        // Its DaemonSet changes with every pod of it on any node (its status): the agent asks
+        // for its metadata only, all it reads.
+        let agent_user = meshcap_tests::rbac::service_account_user(&api.namespace, AGENT_ACCOUNT);
+        let daemon_set_reads: Vec<bool> = api
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.user == agent_user
+                    && r.attrs.resource == "daemonsets"
+                    && (r.attrs.verb == "list" || r.attrs.verb == "watch")
+            })
+            .map(|r| r.metadata_only)
+            .collect();
+        assert!(
+            !daemon_set_reads.is_empty() && daemon_set_reads.iter().all(|m| *m),
+            "the DaemonSet's list and watch ask for metadata only: {daemon_set_reads:?}"
+        );
         assert!(
             steady.iter().all(|r| r.what.starts_with("watch ")),
             "steady: only watches, renewed: {steady:?}"

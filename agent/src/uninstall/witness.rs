@@ -1,16 +1,25 @@
 //! What the agent learns of its DaemonSet, for [`super::verdict`]: the owner of its pod (read at
-//! start, while its credential surely works), a watch of that one DaemonSet for as long as the
-//! agent runs, and at SIGTERM a fresh read and, when that is refused, what meshcap's two
-//! identities may still do.
+//! start, while its credential surely works), a watch of that one DaemonSet's metadata for as
+//! long as the agent runs, and at SIGTERM a fresh read and, when that is refused, what meshcap's
+//! two identities may still do.
+//!
+//! The watch asks for metadata only (`PartialObjectMetadata`): its uid and deletion are all it
+//! reads, and the DaemonSet changes with every status update the controller makes as pods come
+//! and go on any node, each streamed to every node's agent. Metadata is a fraction of the
+//! object (its pod template, its status).
 use std::{path::Path, time::Duration};
 
 use futures::StreamExt as _;
-use k8s_openapi::api::{
-    apps::v1::DaemonSet,
-    core::v1::{Node, Pod},
+use k8s_openapi::{
+    api::{
+        apps::v1::DaemonSet,
+        core::v1::{Node, Pod},
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
     Api,
+    core::PartialObjectMeta,
     runtime::{
         WatchStreamExt as _,
         watcher::{self, Event},
@@ -78,10 +87,10 @@ impl Drop for Witness {
 }
 
 /// The DaemonSet as a watch streaming still delivers it.
-fn state(ds: &DaemonSet) -> Witnessed {
+fn state(ds: &ObjectMeta) -> Witnessed {
     Witnessed::Present {
-        uid: ds.metadata.uid.clone().unwrap_or_default(),
-        deleting: ds.metadata.deletion_timestamp.is_some(),
+        uid: ds.uid.clone().unwrap_or_default(),
+        deleting: ds.deletion_timestamp.is_some(),
         streaming: true,
     }
 }
@@ -94,12 +103,12 @@ fn stopped(seen: &mut Witnessed) {
 }
 
 impl Witness {
-    /// Watches `owner`'s DaemonSet (one name, by field selector, which RBAC's resourceNames
-    /// authorizes), reporting refusals to `health`.
+    /// Watches `owner`'s DaemonSet's metadata (one name, by field selector, which RBAC's
+    /// resourceNames authorizes), reporting refusals to `health`.
     #[must_use]
     pub fn start(client: kube::Client, owner: &Owner, health: WatchHealth) -> Self {
         let (tx, seen) = watch::channel(Witnessed::Nothing);
-        let api = Api::<DaemonSet>::namespaced(client, &owner.namespace);
+        let api = Api::<PartialObjectMeta<DaemonSet>>::namespaced(client, &owner.namespace);
         let config = watcher::Config::default().fields(&format!("metadata.name={}", owner.name));
         let task = tokio::spawn(async move {
             // Backing off between failures, as every watch of the agent does: a refused or
@@ -114,14 +123,14 @@ impl Witness {
                         if ds.metadata.deletion_timestamp.is_some() {
                             tracing::info!("the DaemonSet's watch saw it being deleted");
                         }
-                        tx.send_replace(state(&ds));
+                        tx.send_replace(state(&ds.metadata));
                     }
                     Ok(Event::Delete(_)) => {
                         tracing::info!("the DaemonSet's watch saw it deleted");
                         tx.send_replace(Witnessed::Gone);
                     }
                     Ok(Event::Init) => listed = Some(Witnessed::Gone),
-                    Ok(Event::InitApply(ds)) => listed = Some(state(&ds)),
+                    Ok(Event::InitApply(ds)) => listed = Some(state(&ds.metadata)),
                     Ok(Event::InitDone) => {
                         if let Some(found) = listed.take() {
                             tx.send_replace(found);
