@@ -9,11 +9,11 @@
 //! ([`super::legacy_tables`]), no fork. That view outlives the agent
 //! ([`crate::backend::baseline`]): a restarted agent's first pass reads no more than a steady
 //! one, and a pod without a baseline whose tables read as another pod's did when the same rules
-//! were found whole there is whole too (`iptables-save` per family, no `-C`). Rules found missing are put back in one `iptables-restore --noflush` transaction per
-//! table: the chains the rules create are declared (which creates them, or empties them inside
-//! the transaction) and filled again, and only the missing rules of the kernel's own chains are
-//! added, so that no instant sees less of the capture than before the repair. A missing policy
-//! route is added.
+//! were found whole there is whole too (`iptables-save` per family, no `-C`). Rules found
+//! missing are put back in one `iptables-restore --noflush` transaction per table: the chains
+//! the rules create are declared (which creates them, or empties them inside the transaction)
+//! and filled again, and only the missing rules of the kernel's own chains are added, so that no
+//! instant sees less of the capture than before the repair. A missing policy route is added.
 use meshcap_policy::IptablesRules;
 
 use super::{Flavour, IptablesBackend, inpod::Ctx, legacy_tables, records::Applied, restore};
@@ -200,7 +200,7 @@ impl Ctx<'_> {
     /// # Errors
     /// When the tables cannot be read.
     pub(super) fn whole(
-        &mut self,
+        &self,
         flavour: Flavour,
         rules: &IptablesRules,
         then: Then<'_>,
