@@ -87,6 +87,15 @@ fn describe(record: &Applied) -> String {
     )
 }
 
+/// The visited netns's nf_tables generation, with nft iptables (legacy tables have none).
+fn generation_of(flavour: Flavour) -> Option<u32> {
+    if flavour == Flavour::Nft {
+        nftgen::generation().ok()
+    } else {
+        None
+    }
+}
+
 /// Whether a pod's tables hold its rules ([`Ctx::whole`]).
 pub(super) enum Whole {
     /// Found whole: the tables as they are now, to keep.
@@ -103,6 +112,18 @@ pub(super) struct Then<'a> {
     pub(super) elsewhere: &'a Baselines,
 }
 
+/// What is known of a pod's tables without asking for its rules one by one ([`Ctx::known`]).
+enum Known {
+    /// They hold its rules: why, in words, and the tables as they are, to keep.
+    Whole { why: &'static str, now: Baseline },
+    /// Nothing: every rule is to be asked for. The nf_tables generation and the tables as read,
+    /// the baseline to keep if they turn out whole.
+    Unknown {
+        generation: Option<u32>,
+        saved: Vec<Vec<u8>>,
+    },
+}
+
 impl Ctx<'_> {
     /// `rules` compared with the visited netns, `then` saying how tables holding them looked;
     /// the new baseline when there is one to keep.
@@ -113,38 +134,16 @@ impl Ctx<'_> {
         then: Then<'_>,
         verify: Verify,
     ) -> Result<(PodCheck, Option<Baseline>), BackendError> {
-        let baseline = then.baseline;
         let mut check = PodCheck::default();
-        // Read before the tables are: a change made while they are compared shows next time.
-        let generation = if flavour == Flavour::Nft {
-            nftgen::generation().ok()
-        } else {
-            None
-        };
         // The policy route is no table's: it is looked at on every pass (one netlink dump).
-        if baseline.is_some_and(|then| then.same_generation(rules, generation)) {
-            check.installed.push(
-                "every rule in place (nf_tables unchanged since last found whole)".to_owned(),
-            );
-            check.drift.extend(self.route_drift(rules, verify)?);
-            return Ok((check, None));
-        }
-        let saved = self.saved(flavour, rules)?;
-        if baseline.is_some_and(|then| then.same_tables(rules, &saved)) {
-            check
-                .installed
-                .push("every rule in place (tables unchanged since last found whole)".to_owned());
-            check.drift.extend(self.route_drift(rules, verify)?);
-            return Ok((check, Some(Baseline::new(rules, generation, &saved))));
-        }
-        if then.elsewhere.whole_elsewhere(rules, &saved) {
-            check.installed.push(
-                "every rule in place (tables as another pod's were when the same rules were found whole there)"
-                    .to_owned(),
-            );
-            check.drift.extend(self.route_drift(rules, verify)?);
-            return Ok((check, Some(Baseline::new(rules, generation, &saved))));
-        }
+        let (generation, saved) = match self.known(flavour, rules, then)? {
+            Known::Whole { why, now } => {
+                check.installed.push(format!("every rule in place ({why})"));
+                check.drift.extend(self.route_drift(rules, verify)?);
+                return Ok((check, Some(now)));
+            }
+            Known::Unknown { generation, saved } => (generation, saved),
+        };
         let missing = self.missing(flavour, rules)?;
         if missing.is_empty() {
             check
@@ -174,11 +173,7 @@ impl Ctx<'_> {
             return Ok((check, None));
         }
         // Put back: the tables as the repair left them.
-        let generation = if flavour == Flavour::Nft {
-            nftgen::generation().ok()
-        } else {
-            None
-        };
+        let generation = generation_of(flavour);
         let saved = self.saved(flavour, rules)?;
         Ok((check, Some(Baseline::new(rules, generation, &saved))))
     }
@@ -192,10 +187,42 @@ impl Ctx<'_> {
         route_drift(self.visit, &self.xt.who, &rules.routes, verify)
     }
 
-    /// Whether the visited netns's tables hold `rules` as `then` knew them whole: its
-    /// nf_tables generation the same as when last found whole there, else its tables read the
-    /// same as then or as another pod's with the same rules; otherwise every rule is asked for
-    /// (`-C`, a fork each). Not its policy route ([`Ctx::missing_route`]).
+    /// What `then` tells of the visited netns's tables: they hold `rules` when its nf_tables
+    /// generation is the same as when they were last found whole there, or its tables read the
+    /// same as then or as another pod's with the same rules.
+    fn known(
+        &self,
+        flavour: Flavour,
+        rules: &IptablesRules,
+        then: Then<'_>,
+    ) -> Result<Known, BackendError> {
+        // Read before the tables are: a change made while they are compared shows next time.
+        let generation = generation_of(flavour);
+        if let Some(now) = then
+            .baseline
+            .filter(|b| b.same_generation(rules, generation))
+        {
+            return Ok(Known::Whole {
+                why: "nf_tables unchanged since last found whole",
+                now: *now,
+            });
+        }
+        let saved = self.saved(flavour, rules)?;
+        let why = if then.baseline.is_some_and(|b| b.same_tables(rules, &saved)) {
+            "tables unchanged since last found whole"
+        } else if then.elsewhere.whole_elsewhere(rules, &saved) {
+            "tables as another pod's were when the same rules were found whole there"
+        } else {
+            return Ok(Known::Unknown { generation, saved });
+        };
+        Ok(Known::Whole {
+            why,
+            now: Baseline::new(rules, generation, &saved),
+        })
+    }
+
+    /// Whether the visited netns's tables hold `rules`: as [`Self::known`] tells, else every
+    /// rule asked for (`-C`, a fork each). Not its policy route ([`Ctx::missing_route`]).
     ///
     /// # Errors
     /// When the tables cannot be read.
@@ -205,26 +232,14 @@ impl Ctx<'_> {
         rules: &IptablesRules,
         then: Then<'_>,
     ) -> Result<Whole, BackendError> {
-        let generation = if flavour == Flavour::Nft {
-            nftgen::generation().ok()
-        } else {
-            None
-        };
-        if let Some(then) = then
-            .baseline
-            .filter(|b| b.same_generation(rules, generation))
-        {
-            return Ok(Whole::Found(*then));
-        }
-        let saved = self.saved(flavour, rules)?;
-        if then.baseline.is_some_and(|b| b.same_tables(rules, &saved))
-            || then.elsewhere.whole_elsewhere(rules, &saved)
-        {
-            return Ok(Whole::Found(Baseline::new(rules, generation, &saved)));
-        }
-        Ok(match self.first_missing_rule(flavour, rules)? {
-            Some(missing) => Whole::Missing(missing),
-            None => Whole::Found(Baseline::new(rules, generation, &saved)),
+        Ok(match self.known(flavour, rules, then)? {
+            Known::Whole { now, .. } => Whole::Found(now),
+            Known::Unknown { generation, saved } => {
+                match self.first_missing_rule(flavour, rules)? {
+                    Some(missing) => Whole::Missing(missing),
+                    None => Whole::Found(Baseline::new(rules, generation, &saved)),
+                }
+            }
         })
     }
 
